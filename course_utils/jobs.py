@@ -1,0 +1,344 @@
+"""A set of torchrun ranks connected back to this notebook, and how one task runs on them.
+
+``RankJob`` starts ``torchrun ... -m workers.pool`` (one agent per simulated node), accepts one
+results-protocol connection per rank, and routes every frame into a single queue. ``run_task`` sends a
+task to all ranks and turns the frames that come back into a ``RunResult``, or into an exception that
+names the failing rank (with its traceback), the dead rank (with its exit output), or, on a timeout,
+where each rank was stuck.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from course_utils import reaper
+from course_utils.results import JobCancelled, JobTimeout, RunResult, WorkerFailed, merge_result
+from workers import protocol
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ERROR_GRACE_S = 0.5  # after the first failure, how long other ranks may still report theirs
+_job_counter = itertools.count(1)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def describe_stack(stack: list[list]) -> str:
+    """Name the collective (or line) a rank is blocked in, from its main thread's stack."""
+    if not stack:
+        return "no Python stack (the rank is inside native code or already gone)"
+    in_dist = [i for i, f in enumerate(stack) if f"{os.sep}torch{os.sep}distributed{os.sep}" in f[0]]
+    user = [f for f in stack if f"{os.sep}torch{os.sep}" not in f[0] and not f[0].endswith("pool.py")]
+    where = f"{Path(user[-1][0]).name}:{user[-1][1]} ({user[-1][3].strip()})" if user else "?"
+    if in_dist:
+        # The outermost torch.distributed frame is the public call the worker made (all_reduce, barrier...).
+        op = stack[in_dist[0]][2]
+        if op in ("wrapper",) and len(in_dist) > 1:
+            op = stack[in_dist[1]][2]
+        return f"waiting in {op} called at {where}"
+    return f"running {where}"
+
+
+class RankJob:
+    """Ranks started by torchrun that run tasks sent from this notebook until ``close()``."""
+
+    def __init__(self, world_size: int, *, nnodes: int = 1, env: dict | None = None,
+                 collective_timeout_s: float = 60.0, startup_timeout_s: float = 120.0, label: str = ""):
+        if world_size % nnodes:
+            raise ValueError("world_size must be a multiple of nnodes")
+        self.world_size, self.nnodes = world_size, nnodes
+        self.nproc_per_node = world_size // nnodes
+        self.label = label
+        self.id = f"{os.getpid()}-{next(_job_counter)}-{uuid.uuid4().hex[:6]}"
+        self.collective_timeout_s = collective_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.frames: queue.Queue = queue.Queue()
+        self.conns: dict[int, socket.socket] = {}
+        self.hello: dict[int, dict] = {}
+        self.ready: dict[int, dict] = {}
+        self.output: collections.deque[str] = collections.deque(maxlen=4000)
+        self.agents: list[subprocess.Popen] = []
+        self.closed = False
+        self.busy = threading.Lock()
+        self.tasks_run = 0
+        self.started_at = time.time()
+        self.startup_seconds = 0.0
+        self._send_lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self._env = env or {}
+        self._spawn()
+
+    # -- starting ---------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        reaper.reap_stale()
+        host, port = self._listener.getsockname()
+        env = dict(os.environ)
+        env.update({
+            "COURSE_RESULTS_ADDR": f"{host}:{port}",
+            "COURSE_COLLECTIVE_TIMEOUT": str(self.collective_timeout_s),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        })
+        env.update({k: str(v) for k, v in self._env.items()})
+        common = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc_per_node}",
+                  "--max-restarts=0", "--monitor-interval=0.1", "--tee=3"]
+        if self.nnodes == 1:
+            commands = [common + ["--standalone", "-m", "workers.pool"]]
+        else:
+            # Several agents on this one machine, as on a cluster: a static rendezvous at a free port.
+            master_port = free_port()
+            commands = [common + [f"--nnodes={self.nnodes}", f"--node-rank={node}", "--rdzv-backend=static",
+                                  "--master-addr=127.0.0.1", f"--master-port={master_port}", "-m", "workers.pool"]
+                        for node in range(self.nnodes)]
+        self.commands = commands
+        self._t0 = time.perf_counter()
+        for node, cmd in enumerate(commands):
+            agent = subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     preexec_fn=reaper.die_with_parent)
+            self.agents.append(agent)
+            threading.Thread(target=self._read_agent, args=(node, agent), daemon=True).start()
+        reaper.register(self.id, [a.pid for a in self.agents])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _read_agent(self, node: int, agent: subprocess.Popen) -> None:
+        for line in agent.stdout:
+            line = line.rstrip("\n")
+            if line.startswith("[default") and "]:" in line:
+                local, _, text = line[len("[default"):].partition("]:")
+                rank = node * self.nproc_per_node + int(local) if local.isdigit() else local
+                line = f"[rank {rank}] {text}"
+            elif line.strip():
+                line = f"[torchrun] {line}"
+            self.output.append(line)
+        code = agent.wait()
+        self.frames.put(("agent_exit", node, code))
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self._listener.accept()
+            except (socket.timeout, TimeoutError):
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._read_rank, args=(conn,), daemon=True).start()
+
+    def _read_rank(self, conn: socket.socket) -> None:
+        rank = None
+        try:
+            while True:
+                frame = protocol.recv_frame(conn)
+                rank = frame["rank"]
+                if frame["kind"] == "hello":
+                    self.conns[rank] = conn
+                    self.hello[rank] = frame["data"]
+                    reaper.register(self.id, [a.pid for a in self.agents] + [h["pid"] for h in self.hello.values()])
+                self.frames.put(("frame", rank, frame))
+        except (protocol.ConnectionClosed, OSError):
+            self.frames.put(("eof", rank, None))
+        except Exception as exc:  # a frame we cannot read: report it as that rank's failure
+            self.frames.put(("frame", rank, {"kind": "error", "task": None, "data": {
+                "type": type(exc).__name__, "message": f"unreadable results frame: {exc}", "traceback": ""}}))
+
+    def wait_ready(self, cancelled: Callable[[], bool] = lambda: False) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        errors: dict[int, dict] = {}
+        while len(self.ready) < self.world_size:
+            if cancelled():
+                self.close()
+                raise JobCancelled("cancelled while the ranks were starting")
+            try:
+                event = self.frames.get(timeout=min(0.1, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(self.ready))
+                    self._fail_startup(f"ranks {missing} did not start within {self.startup_timeout_s:.0f} s", errors)
+                continue
+            kind, rank, payload = event
+            if kind == "frame" and payload["kind"] == "ready":
+                self.ready[rank] = payload["data"]
+            elif kind == "frame" and payload["kind"] == "error":
+                errors[rank] = payload["data"]
+                self._fail_startup(f"rank {rank} failed while starting", errors)
+            elif kind == "agent_exit":
+                self._fail_startup(f"torchrun (node {rank}) exited with code {payload} while starting", errors)
+        self.startup_seconds = time.perf_counter() - self._t0
+
+    def _fail_startup(self, summary: str, errors: dict) -> None:
+        time.sleep(0.2)
+        self.close()
+        first = min(errors) if errors else None
+        tb = errors[first]["traceback"] if errors else ""
+        raise WorkerFailed(summary + (f": {errors[first]['message']}" if errors else "") + self._output_tail(),
+                           rank=first, rank_traceback=tb, errors=errors, logs=list(self.output))
+
+    # -- running ---------------------------------------------------------------------------------
+    def send_all(self, kind: str, data: dict, task: int | None = None) -> None:
+        frame = protocol.encode(kind, data, task=task)
+        with self._send_lock:
+            for conn in self.conns.values():
+                try:
+                    conn.sendall(frame)
+                except OSError:
+                    pass
+
+    def run_task(self, worker: str, params: dict, *, seed: int = 0, timeout_s: float = 60.0,
+                 on_event: Callable[[str, int, dict], None] | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> RunResult:
+        """Run one task on every rank; raise WorkerFailed / JobTimeout / JobCancelled (the job is then closed)."""
+        # Drop events left from an earlier task (late logs, stack replies).
+        while True:
+            try:
+                self.frames.get_nowait()
+            except queue.Empty:
+                break
+        task_id = self.tasks_run = self.tasks_run + 1
+        n = self.world_size
+        ranks = [dict() for _ in range(n)]
+        metrics: list[list[dict]] = [[] for _ in range(n)]
+        logs: list[str] = []
+        done: dict[int, float] = {}
+        errors: dict[int, dict] = {}
+        died: dict[int, str] = {}
+        fail_at = None
+        start = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        self.send_all("task", {"id": task_id, "worker": worker, "params": params, "seed": seed}, task=task_id)
+        while len(done) < n:
+            now = time.monotonic()
+            if cancelled():
+                self.close()
+                raise JobCancelled(f"{worker} cancelled after {time.perf_counter() - start:.1f} s; its ranks were stopped")
+            if fail_at is not None and now >= fail_at:
+                self._raise_failure(worker, errors, died)
+            if now >= deadline:
+                self._raise_timeout(worker, timeout_s, done)
+            try:
+                kind, rank, payload = self.frames.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if kind == "eof" or kind == "agent_exit":
+                who = rank if kind == "eof" else f"node {rank}"
+                if kind == "eof" and rank in done:
+                    continue
+                died[rank if kind == "eof" else -1 - rank] = f"{'rank' if kind == 'eof' else 'torchrun'} {who} exited"
+                fail_at = fail_at or time.monotonic() + ERROR_GRACE_S
+                continue
+            if payload.get("task") not in (task_id, None):
+                continue
+            fk, data = payload["kind"], payload["data"]
+            if fk == "result":
+                merge_result(ranks[rank], data)
+            elif fk == "metric":
+                metrics[rank].append(data)
+            elif fk == "log":
+                logs.append(f"[rank {rank}] {data['text']}")
+            elif fk == "error":
+                errors[rank] = data
+                fail_at = fail_at or time.monotonic() + ERROR_GRACE_S
+            elif fk == "task_done":
+                done[rank] = data["seconds"]
+            if on_event is not None:
+                on_event(fk, rank, data)
+        seconds = time.perf_counter() - start
+        launch = "cold" if task_id == 1 else "warm"
+        first = self.ready[0]
+        return RunResult(
+            worker=worker, world_size=n, backend=first["backend"],
+            devices=[self.ready[r]["device"] for r in range(n)], placement=first["why"],
+            ranks=ranks, metrics=metrics, logs=logs, seconds=seconds, launch=launch,
+            startup_seconds=self.startup_seconds if launch == "cold" else 0.0,
+            rank_seconds=[done[r] for r in range(n)],
+        )
+
+    def _raise_failure(self, worker: str, errors: dict, died: dict) -> None:
+        time.sleep(0.3)  # let the agents print what killed a rank that died without a traceback
+        self.close()
+        if errors:
+            first = min(errors)
+            err = errors[first]
+            others = f" (ranks {sorted(set(errors) - {first})} failed too)" if len(errors) > 1 else ""
+            raise WorkerFailed(f"{worker}: rank {first} raised {err['type']}: {err['message']}{others}",
+                               rank=first, error_type=err["type"], rank_traceback=err["traceback"],
+                               errors=errors, logs=list(self.output))
+        dead = sorted(r for r in died if r >= 0)
+        rank = dead[0] if dead else None
+        raise WorkerFailed(f"{worker}: rank {rank if rank is not None else '?'} died without a Python traceback "
+                           f"(killed, crashed or exited){self._output_tail()}", rank=rank, logs=list(self.output))
+
+    def _raise_timeout(self, worker: str, timeout_s: float, done: dict) -> None:
+        stuck_ranks = [r for r in range(self.world_size) if r not in done]
+        stacks: dict[int, list] = {}
+        self.send_all("dump_stacks", {})
+        until = time.monotonic() + 2.0
+        while len(stacks) < len(self.conns) and time.monotonic() < until:
+            try:
+                kind, rank, payload = self.frames.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if kind == "frame" and payload["kind"] == "stacks":
+                stacks[rank] = payload["data"]["stack"]
+        self.close()
+        stuck = {r: describe_stack(stacks.get(r, [])) for r in stuck_ranks}
+        lines = "; ".join(f"rank {r} {where}" for r, where in stuck.items())
+        finished = sorted(done)
+        summary = (f"{worker} timed out after {timeout_s:g} s: {lines}"
+                   + (f"; ranks {finished} had finished" if finished else "")
+                   + ". A rank waiting in a collective usually means another rank never called it.")
+        raise JobTimeout(summary, stuck=stuck, logs=list(self.output))
+
+    def _output_tail(self, n: int = 15) -> str:
+        tail = [l for l in list(self.output)[-n:] if l.strip()]
+        return ("\nlast output:\n" + "\n".join(tail)) if tail else ""
+
+    # -- stopping --------------------------------------------------------------------------------
+    def pids(self) -> list[int]:
+        return [a.pid for a in self.agents] + [h["pid"] for h in self.hello.values()]
+
+    def alive(self) -> bool:
+        return not self.closed and all(a.poll() is None for a in self.agents)
+
+    def close(self, graceful: bool = False) -> None:
+        """Stop every process of this job. Graceful: ask the ranks to leave first (used for idle pools)."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            self.send_all("shutdown", {})
+            for a in self.agents:
+                try:
+                    a.wait(timeout=3)
+                except subprocess.TimeoutExpired:
+                    pass
+        reaper.kill_tree(self.pids())
+        for a in self.agents:
+            try:
+                a.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for conn in list(self.conns.values()):
+            try:
+                conn.close()
+            except OSError:
+                pass
+        self._listener.close()
+        reaper.unregister(self.id)

@@ -1,0 +1,214 @@
+"""``run`` and ``launch``: start a worker on real ranks from a notebook and get its results back.
+
+    res = run("workers.ch01_collectives", world_size=4, collective="all_reduce")
+    res[2]["after"]                   # rank 2's tensor after the collective
+
+    job = launch("workers.ch02_ddp", world_size=2, steps=50)   # returns at once
+    job.metrics                       # per-rank metric streams, growing while it runs
+    job.cancel()                      # stops every process of the job
+    res = job.wait()
+
+Warm ranks: by default the ranks of a run stay up afterwards (one set per world size), so the next run
+with the same world size skips torchrun's start (seconds) and answers in milliseconds. Each run is
+still a new execution of the worker with a fresh seed; ``RunResult.launch`` says "cold" or "warm".
+``warm=False`` starts and stops ranks just for this run. A failed, timed-out or cancelled run stops its
+ranks; the next run starts new ones.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import inspect
+import os
+import textwrap
+import threading
+import time
+from typing import Any, Callable
+
+from course_utils.jobs import RankJob
+from course_utils.results import CourseError, InvalidParameter, JobCancelled, RunResult
+from course_utils.validate import check_params, max_world_size
+
+DEFAULT_TIMEOUT_S = 60.0
+POOL_IDLE_S = float(os.environ.get("COURSE_POOL_IDLE_S", 600))
+MAX_WARM_RANKS = int(os.environ.get("COURSE_MAX_WARM_RANKS", 8))
+
+_pools: "collections.OrderedDict[tuple, RankJob]" = collections.OrderedDict()
+_pools_lock = threading.Lock()
+
+
+def ship_callable(fn: Callable) -> dict:
+    """A function defined in the notebook, sent to the ranks as source (it must not use notebook globals)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as exc:
+        raise InvalidParameter(
+            f"cannot send {getattr(fn, '__name__', fn)!r} to the ranks: define it with `def` in a cell of its own") from exc
+    return {"__course_callable__": True, "name": fn.__name__, "source": source}
+
+
+def _wire_params(params: dict) -> dict:
+    out = {}
+    for key, value in params.items():
+        if callable(value) and not isinstance(value, type):
+            out[key] = ship_callable(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _pool_key(world_size, nnodes, env, collective_timeout_s) -> tuple:
+    return (world_size, nnodes, tuple(sorted((env or {}).items())), collective_timeout_s)
+
+
+def _evict_for(world_size: int) -> None:
+    """Keep at most MAX_WARM_RANKS warm processes: two cores and 24 GB go further that way."""
+    now = time.time()
+    for key, job in list(_pools.items()):
+        idle = now - getattr(job, "last_used", now)
+        if not job.alive() or idle > POOL_IDLE_S:
+            _pools.pop(key).close(graceful=job.alive())
+    while _pools and sum(j.world_size for j in _pools.values() if not j.busy.locked()) + world_size > MAX_WARM_RANKS:
+        idle_keys = [k for k, j in _pools.items() if not j.busy.locked()]
+        if not idle_keys:
+            break
+        _pools.pop(idle_keys[0]).close(graceful=True)
+
+
+def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm) -> tuple[RankJob, bool]:
+    """A started (maybe still starting) job for this run, and whether it is a pool to give back after."""
+    if warm:
+        key = _pool_key(world_size, nnodes, env, collective_timeout_s)
+        with _pools_lock:
+            job = _pools.get(key)
+            if job is not None and job.alive() and job.busy.acquire(blocking=False):
+                _pools.move_to_end(key)
+                return job, True
+            if job is None or not job.alive():
+                if job is not None:
+                    _pools.pop(key).close()
+                _evict_for(world_size)
+                job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s)
+                job.busy.acquire()
+                _pools[key] = job
+                return job, True
+        # The warm ranks are busy with another run: this run gets ranks of its own.
+    job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s)
+    return job, False
+
+
+class Job:
+    """A run in progress. ``wait()`` returns its RunResult or raises what went wrong."""
+
+    def __init__(self, worker: str, world_size: int, params: dict, *, timeout: float, seed: int, warm: bool,
+                 nnodes: int, env: dict | None, collective_timeout_s: float,
+                 on_event: Callable[[str, int, dict], None] | None):
+        self.worker, self.world_size, self.params = worker, world_size, params
+        self.metrics: list[list[dict]] = [[] for _ in range(world_size)]
+        self.logs: list[str] = []
+        self.status = "starting"
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None
+        self._on_event = on_event
+        # Processes are started here, in the caller's thread (their parent-death signal follows this thread).
+        self._rank_job, self._pooled = _acquire_job(world_size, nnodes, env, collective_timeout_s, warm)
+        self._thread = threading.Thread(target=self._drive, args=(timeout, seed), daemon=True)
+        self._thread.start()
+
+    def _event(self, kind: str, rank: int, data: dict) -> None:
+        if kind == "metric":
+            self.metrics[rank].append(data)
+        elif kind == "log":
+            self.logs.append(f"[rank {rank}] {data['text']}")
+        if self._on_event is not None:
+            try:
+                self._on_event(kind, rank, data)
+            except Exception:  # a broken progress callback must not kill the run
+                pass
+
+    def _drive(self, timeout: float, seed: int) -> None:
+        job = self._rank_job
+        try:
+            if not job.ready:
+                job.wait_ready(cancelled=self._cancel.is_set)
+            self.status = "running"
+            self._result = job.run_task(self.worker, self.params, seed=seed, timeout_s=timeout,
+                                        on_event=self._event, cancelled=self._cancel.is_set)
+            self.status = "done"
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            self._error = exc
+            self.status = "cancelled" if isinstance(exc, JobCancelled) else "failed"
+            job.close()
+        finally:
+            if self._pooled:
+                job.last_used = time.time()
+                job.busy.release()
+            elif not job.closed:
+                job.close(graceful=True)
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop the run and every process it started; ``wait()`` then raises JobCancelled."""
+        self._cancel.set()
+        self._done.wait(timeout=15)
+
+    def wait(self, timeout: float | None = None) -> RunResult:
+        try:
+            if not self._done.wait(timeout):
+                raise TimeoutError(f"{self.worker} still running after {timeout} s (the job itself keeps its own timeout)")
+        except KeyboardInterrupt:  # the notebook's stop button: take the ranks down with us
+            self.cancel()
+            raise
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    @property
+    def result(self) -> RunResult | None:
+        return self._result
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def __repr__(self) -> str:
+        return f"<Job {self.worker} world={self.world_size} {self.status}>"
+
+
+def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT_S, seed: int = 0,
+           warm: bool = True, nnodes: int = 1, env: dict | None = None, collective_timeout: float | None = None,
+           on_event: Callable[[str, int, dict], None] | None = None, **params: Any) -> Job:
+    """Start ``worker`` on ``world_size`` ranks and return at once. Parameters are checked first."""
+    check_params(worker, world_size, params, nnodes=nnodes)
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise InvalidParameter(f"timeout must be a positive number of seconds, not {timeout!r}")
+    coll_timeout = float(collective_timeout if collective_timeout is not None else max(timeout, 30.0))
+    return Job(worker, world_size, _wire_params(params), timeout=float(timeout), seed=seed, warm=warm,
+               nnodes=nnodes, env=env, collective_timeout_s=coll_timeout, on_event=on_event)
+
+
+def run(worker: str, world_size: int = 2, **kwargs: Any) -> RunResult:
+    """Run ``worker`` on ``world_size`` ranks and return every rank's results (see ``launch`` for options)."""
+    return launch(worker, world_size, **kwargs).wait()
+
+
+def shutdown_pools() -> None:
+    """Stop all warm ranks of this notebook (also done when the kernel exits)."""
+    with _pools_lock:
+        while _pools:
+            _, job = _pools.popitem()
+            job.close(graceful=job.alive() and not job.busy.locked())
+
+
+def warm_pools() -> list[str]:
+    return [f"world {j.world_size}: {j.tasks_run} run(s), pids {j.pids()}" for j in _pools.values()]
+
+
+atexit.register(shutdown_pools)
+
+__all__ = ["run", "launch", "Job", "shutdown_pools", "warm_pools", "ship_callable", "CourseError", "max_world_size"]

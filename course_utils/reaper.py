@@ -1,0 +1,119 @@
+"""No process outlives its notebook.
+
+Three layers, because each alone has a hole:
+1. every rank keeps a socket to the notebook and exits the moment it closes (``workers/pool.py``);
+2. on Linux each torchrun agent gets ``PR_SET_PDEATHSIG``: if the notebook's kernel dies, the agent is
+   sent SIGTERM and takes its workers down with it;
+3. every job is written to a registry (one small JSON file per job in the user's cache). The next time
+   any notebook starts a job, jobs whose owner is dead are killed here ("stale jobs are reaped").
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+
+
+def registry_dir() -> Path:
+    root = os.environ.get("COURSE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "parallel-course")
+    path = Path(root) / "jobs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _identity(pid: int) -> list | None:
+    """(pid, start time): a pid alone can be reused by an unrelated process after ours is gone."""
+    try:
+        return [pid, psutil.Process(pid).create_time()]
+    except psutil.Error:
+        return None
+
+
+def _alive(ident: list) -> bool:
+    pid, created = ident
+    try:
+        return abs(psutil.Process(pid).create_time() - created) < 1e-3
+    except psutil.Error:
+        return False
+
+
+def register(job_id: str, pids: list[int]) -> None:
+    owner = _identity(os.getpid())
+    idents = [i for i in (_identity(p) for p in pids) if i]
+    path = registry_dir() / f"{job_id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"owner": owner, "pids": idents}))
+    os.replace(tmp, path)
+
+
+def unregister(job_id: str) -> None:
+    try:
+        (registry_dir() / f"{job_id}.json").unlink()
+    except FileNotFoundError:
+        pass
+
+
+def kill_tree(pids: list[int], *, grace_s: float = 0.0) -> None:
+    """Kill the given processes and all their descendants (SIGTERM first when ``grace_s`` > 0)."""
+    procs: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+        except psutil.Error:
+            continue
+        procs[pid] = p
+        try:
+            for child in p.children(recursive=True):
+                procs[child.pid] = child
+        except psutil.Error:
+            pass
+    if not procs:
+        return
+    if grace_s > 0:
+        for p in procs.values():
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _, procs_left = psutil.wait_procs(list(procs.values()), timeout=grace_s)
+    else:
+        procs_left = list(procs.values())
+    for p in procs_left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs_left, timeout=5)
+
+
+def reap_stale() -> int:
+    """Kill the processes of jobs whose notebook is gone. Returns how many jobs were reaped."""
+    reaped = 0
+    for path in registry_dir().glob("*.json"):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            continue
+        owner = entry.get("owner")
+        if owner and _alive(owner):
+            continue
+        live = [pid for pid, created in entry.get("pids", []) if _alive([pid, created])]
+        kill_tree(live)
+        path.unlink(missing_ok=True)
+        reaped += 1
+    return reaped
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for the torchrun agent: SIGTERM it when the process that started it dies (Linux)."""
+    os.setsid()  # its own process group, so a cancel can signal the agent without touching the notebook
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

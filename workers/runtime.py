@@ -1,0 +1,253 @@
+"""What every rank runs first: pick a backend and device, join the process group, report results.
+
+A worker is a module with ``main(ctx, **params)``. It runs two ways, unchanged:
+
+* from a terminal, on one node or many:  ``torchrun --nproc-per-node 4 workers/ch01_collectives.py --size 8``
+  (``entrypoint(main)`` parses ``--name value`` from ``main``'s signature and prints each rank's results);
+* from a notebook, through ``course_utils.run``: the ranks are started by ``workers/pool.py`` and every
+  result, metric and traceback travels over the results protocol (``workers/protocol.py``).
+
+Backend and device (``select_placement``): NCCL when every local rank has a GPU of its own; gloo on CUDA
+tensors when there are GPUs but fewer than local ranks (NCCL refuses two ranks on one GPU: "Duplicate GPU
+detected"); gloo on the CPU otherwise. ``COURSE_BACKEND`` / ``COURSE_DEVICE`` override the choice.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import os
+import random
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from workers import protocol
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    backend: str  # "nccl" | "gloo"
+    device: str  # "cpu" | "cuda:0" ...
+    why: str  # one sentence a learner can read
+
+
+def select_placement(local_rank: int, local_world_size: int) -> Placement:
+    backend = os.environ.get("COURSE_BACKEND")
+    device = os.environ.get("COURSE_DEVICE")
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        if n_gpus >= local_world_size and n_gpus > 0 and dist.is_nccl_available():
+            backend, why = "nccl", f"{n_gpus} GPU(s) for {local_world_size} local rank(s): one GPU per rank, NCCL"
+        elif n_gpus > 0:
+            backend = "gloo"
+            why = (f"{local_world_size} local ranks but {n_gpus} GPU(s): NCCL refuses two ranks on one GPU, "
+                   "so gloo moves CUDA tensors")
+        else:
+            backend, why = "gloo", "no GPU: gloo on the CPU"
+    else:
+        why = f"COURSE_BACKEND={backend} set by the user"
+    if device is None:
+        device = f"cuda:{local_rank % n_gpus}" if n_gpus > 0 else "cpu"
+    elif "COURSE_BACKEND" not in os.environ:
+        why += f"; COURSE_DEVICE={device} set by the user"
+    return Placement(backend, device, why)
+
+
+def seed_all(seed: int) -> None:
+    """Same seed on every rank unless a worker offsets it: DDP-style labs need identical initial weights."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA too
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+
+
+class Reporter:
+    """Sends results to the notebook, or prints them when the worker runs under a plain ``torchrun``."""
+
+    def __init__(self, rank: int, sock: socket.socket | None):
+        self.rank = rank
+        self.sock = sock
+        self.task: int | None = None
+        self._lock = threading.Lock()  # the pool's reader thread answers stack dumps on the same socket
+
+    def send(self, kind: str, data: Any) -> None:
+        if self.sock is None:
+            self._print(kind, data)
+            return
+        frame = protocol.encode(kind, data, rank=self.rank, task=self.task)
+        with self._lock:
+            self.sock.sendall(frame)
+
+    def _print(self, kind: str, data: Any) -> None:
+        if kind == "metric":
+            print(f"[rank {self.rank}] " + " ".join(f"{k}={_short(v)}" for k, v in data.items()), flush=True)
+        elif kind == "log":
+            print(f"[rank {self.rank}] {data['text']}", flush=True)
+        elif kind == "result":
+            for k, v in data.items():
+                print(f"[rank {self.rank}] {k} = {_short(v)}", flush=True)
+        elif kind == "error":
+            print(f"[rank {self.rank}] FAILED\n{data['traceback']}", file=sys.stderr, flush=True)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        if v.numel() <= 8:
+            return str(v.tolist())
+        return f"tensor{tuple(v.shape)} {v.dtype} sum={v.double().sum().item():.6g}"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+@dataclass
+class Context:
+    """Everything a worker needs to know about where it runs, and how to send things back."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    backend: str
+    device: torch.device
+    why: str
+    reporter: Reporter
+    collective_timeout_s: float
+    _results: dict = field(default_factory=dict)
+
+    # -- results protocol -------------------------------------------------------------------
+    def log(self, *parts: Any) -> None:
+        self.reporter.send("log", {"text": " ".join(str(p) for p in parts)})
+
+    def metric(self, step: int, **values: Any) -> None:
+        """One point of a per-step stream (loss, grad norm, ...): the notebook draws it live."""
+        self.reporter.send("metric", {"step": step, **values})
+
+    def result(self, **values: Any) -> None:
+        """Final values of this rank (tensors, numbers, strings, lists, dicts)."""
+        self.reporter.send("result", values)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        """Wall time of a region, synchronising the GPU on both sides so kernels are counted, not launches."""
+        self.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.synchronize()
+            self.reporter.send("result", {"timings": {name: time.perf_counter() - start}})
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def new_group(self, ranks=None, timeout_s: float | None = None):
+        """A new process group with its own collective timeout (the hang drills use a short one)."""
+        timeout = datetime.timedelta(seconds=timeout_s or self.collective_timeout_s)
+        return dist.new_group(ranks=ranks, timeout=timeout, backend=self.backend)
+
+
+def init_distributed(collective_timeout_s: float | None = None, sock: socket.socket | None = None) -> Context:
+    """Join the job torchrun started (env:// rendezvous) with a finite collective timeout."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    node_rank = int(os.environ.get("GROUP_RANK", 0))
+    if collective_timeout_s is None:
+        collective_timeout_s = float(os.environ.get("COURSE_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S))
+    placement = select_placement(local_rank, local_world_size)
+    device = torch.device(placement.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # Two cores shared by up to eight ranks: one intra-op thread per rank keeps them from fighting.
+    if device.type == "cpu":
+        torch.set_num_threads(int(os.environ.get("COURSE_THREADS_PER_RANK", 1)))
+    if "MASTER_ADDR" not in os.environ:  # run as plain `python worker.py`: a world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if not dist.is_initialized():
+        kwargs = {}
+        if placement.backend == "nccl":
+            kwargs["device_id"] = device  # eager NCCL init: errors surface here, not in the first collective
+        dist.init_process_group(
+            backend=placement.backend, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s), **kwargs,
+        )
+    return Context(
+        rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
+        node_rank=node_rank, backend=placement.backend, device=device, why=placement.why,
+        reporter=Reporter(rank, sock), collective_timeout_s=collective_timeout_s,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def error_payload(exc: BaseException) -> dict:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+# -- running a worker from a terminal --------------------------------------------------------------
+
+def _cli_params(main: Callable, argv: list[str]) -> dict:
+    """``--size 8 --dtype float32`` -> {"size": 8, "dtype": "float32"}, typed from main's defaults."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(main.__doc__ or "").strip().splitlines()[0] if main.__doc__ else None)
+    for name, p in list(inspect.signature(main).parameters.items())[1:]:
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            continue
+        default = p.default
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=name, type=lambda s: s.lower() in ("1", "true", "yes"), default=default)
+        elif isinstance(default, (list, tuple)):
+            kind = type(default[0]) if default else str
+            parser.add_argument(flag, dest=name, type=kind, nargs="+", default=list(default))
+        elif default is inspect.Parameter.empty:
+            parser.add_argument(flag, dest=name, required=True)
+        else:
+            parser.add_argument(flag, dest=name, type=type(default) if default is not None else str, default=default)
+    return vars(parser.parse_args(argv))
+
+
+def entrypoint(main: Callable, argv: list[str] | None = None) -> None:
+    """``if __name__ == "__main__": entrypoint(main)`` at the bottom of every worker."""
+    params = _cli_params(main, sys.argv[1:] if argv is None else argv)
+    seed_all(int(os.environ.get("COURSE_SEED", 0)))
+    ctx = init_distributed()
+    try:
+        out = main(ctx, **params)
+        if out:
+            ctx.result(**out)
+    except BaseException as exc:
+        ctx.reporter.send("error", error_payload(exc))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
