@@ -1,0 +1,18 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# Tests get their own job registry so a test that reaps cannot touch a learner's notebook jobs.
+os.environ.setdefault("COURSE_CACHE_DIR", str(ROOT / ".pytest_cache" / "course"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_warm_ranks():
+    yield
+    from course_utils import shutdown_pools
+
+    shutdown_pools()

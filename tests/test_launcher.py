@@ -1,0 +1,190 @@
+"""The launcher's promises, each tested on real torchrun ranks (gloo, CPU).
+
+Every test here would fail if the property it names were missing: a crash must end the job promptly with
+the rank's own traceback; a stuck rank must end at the timeout with the stuck collective named; a cancel
+must leave no process behind; two jobs at once must not collide; bad input must be refused before launch.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+import course_utils as cu
+from course_utils import reaper
+from course_utils.jobs import describe_stack
+
+pytestmark = pytest.mark.ranks
+
+
+def _gone(pids, within=10.0):
+    deadline = time.time() + within
+    while time.time() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_results_come_back_from_every_rank():
+    res = cu.run("workers.hello", world_size=4, value=1.0)
+    # sum over ranks of (rank + 1) = n(n+1)/2 = 10, seen identically by every rank
+    assert res.gather("sum") == [10.0] * 4
+    assert [d["env"]["RANK"] for d in res.ranks] == ["0", "1", "2", "3"]
+    assert res.backend == "gloo" and res.devices == ["cpu"] * 4
+
+
+def test_warm_rerun_reuses_ranks_and_says_so():
+    first = cu.run("workers.hello", world_size=2, value=0.0)
+    again = cu.run("workers.hello", world_size=2, value=5.0)
+    assert again.launch == "warm"
+    # new parameters reached the same processes: 5*2 + (0+1) = 11
+    assert again.gather("sum") == [11.0, 11.0]
+    assert again.gather("pid") == first.gather("pid") or first.launch == "cold"
+
+
+def test_cold_run_leaves_no_process():
+    res = cu.run("workers.hello", world_size=2, warm=False)
+    assert res.launch == "cold"
+    assert _gone(res.gather("pid"))
+
+
+def test_crash_ends_job_promptly_with_the_rank_traceback():
+    start = time.time()
+    with pytest.raises(cu.WorkerFailed) as info:
+        cu.run("workers.drills", world_size=2, mode="raise", bad_rank=1, timeout=60)
+    assert time.time() - start < 30  # not the 60 s timeout: the error ended it
+    err = info.value
+    assert err.rank == 1 and err.error_type == "ValueError"
+    assert "rank 1 was told to fail" in str(err)
+    assert "drills.py" in err.rank_traceback  # the rank's own traceback, not the notebook's
+
+
+def test_rank_that_dies_without_traceback_is_named():
+    with pytest.raises(cu.WorkerFailed) as info:
+        cu.run("workers.drills", world_size=2, mode="die", bad_rank=0, timeout=60)
+    assert "died" in str(info.value) and info.value.rank == 0
+
+
+def test_stuck_rank_times_out_and_names_the_collective():
+    start = time.time()
+    with pytest.raises(cu.JobTimeout) as info:
+        cu.run("workers.drills", world_size=2, mode="skip_collective", bad_rank=1, seconds=60, timeout=4, warm=False)
+    assert time.time() - start < 30
+    stuck = info.value.stuck
+    # rank 0 is inside all_reduce, waiting for rank 1, which is sleeping at the line that skips it
+    assert "all_reduce" in stuck[0], stuck
+    assert "drills.py" in stuck[1] and "sleep" in stuck[1], stuck
+
+
+def test_short_collective_timeout_turns_a_hang_into_an_error():
+    # The drill in chapter 01: gloo itself gives up after 2 s and rank 0 reports where.
+    with pytest.raises(cu.WorkerFailed) as info:
+        cu.run("workers.drills", world_size=2, mode="skip_collective", bad_rank=1, seconds=30,
+               collective_timeout=2.0, timeout=40, warm=False)
+    assert info.value.rank == 0
+    assert "all_reduce" in info.value.rank_traceback
+
+
+def test_cancel_leaves_no_process_behind():
+    job = cu.launch("workers.drills", world_size=2, mode="slow_metrics", seconds=60, timeout=120, warm=False)
+    deadline = time.time() + 60
+    while not all(job.metrics) and time.time() < deadline:  # metrics stream while it runs
+        time.sleep(0.1)
+    assert all(len(m) > 0 for m in job.metrics)
+    pids = job._rank_job.pids()
+    job.cancel()
+    with pytest.raises(cu.JobCancelled):
+        job.wait()
+    assert _gone(pids), [p for p in pids if psutil.pid_exists(p)]
+
+
+def test_two_jobs_at_once_do_not_collide():
+    results, errors = [], []
+
+    def one(value):
+        try:
+            results.append(cu.run("workers.hello", world_size=2, value=value, warm=False).gather("sum"))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(v,)) for v in (1.0, 2.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(r[0] for r in results) == [3.0, 5.0]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"world_size": 0}, "starts no rank"),
+    ({"world_size": 9}, "at most 8"),
+    ({"world_size": 2.5}, "whole number"),
+    ({"world_size": 2, "mode": "explode"}, "not a drill"),
+    ({"world_size": 2, "bad_rank": 3}, "use 0 to 1"),
+    ({"world_size": 2, "sconds": 3}, "did you mean 'seconds'"),
+    ({"world_size": 2, "seconds": "long"}, "should be a float"),
+    ({"world_size": 4, "nnodes": 3}, "divides world_size"),
+])
+def test_invalid_parameters_are_rejected_before_launch(kwargs, fragment):
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(cu.InvalidParameter) as info:
+        cu.launch("workers.drills", **kwargs)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)  # one sentence
+    assert set(psutil.Process().children(recursive=True)) == before  # nothing was started
+
+
+def test_ranks_leave_when_their_notebook_is_killed(tmp_path):
+    # A "notebook" process starts warm ranks, then is killed with SIGKILL (no atexit, no cleanup).
+    script = textwrap.dedent("""
+        import course_utils as cu
+        res = cu.run("workers.hello", world_size=2)
+        print(" ".join(str(p) for p in res.gather("pid")), flush=True)
+        import time; time.sleep(600)
+    """)
+    env = dict(os.environ, COURSE_CACHE_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    proc.kill()
+    proc.wait()
+    assert _gone(pids, within=15)  # the ranks saw their socket close and left
+
+
+def test_stale_jobs_of_a_dead_owner_are_reaped(tmp_path, monkeypatch):
+    # A process that survived its notebook (say the ranks were stuck in native code), registered by an
+    # owner that no longer exists: the next launch must kill it, and must spare jobs of live owners.
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    dead_owner = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_owner.wait()
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    kept = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        import json
+        created = psutil.Process(orphan.pid).create_time()
+        (reaper.registry_dir() / "stale.json").write_text(json.dumps(
+            {"owner": [dead_owner.pid, 1.0], "pids": [[orphan.pid, created]]}))
+        reaper.register("mine", [kept.pid])  # owner: this live test process
+        assert reaper.reap_stale() == 1
+        assert orphan.wait(timeout=10) is not None
+        assert kept.poll() is None
+        assert [p.name for p in reaper.registry_dir().glob("*.json")] == ["mine.json"]
+    finally:
+        for p in (orphan, kept):
+            p.kill()
+            p.wait()
+
+
+def test_describe_stack_names_the_collective():
+    stack = [["/w/workers/pool.py", 10, "run_task", "module.main(ctx)"],
+             ["/w/workers/lab.py", 42, "main", "dist.all_reduce(x)"],
+             [f"/v/torch/distributed/c10d_logger.py", 80, "wrapper", "return func()"],
+             [f"/v/torch/distributed/distributed_c10d.py", 2500, "all_reduce", "work.wait()"]]
+    assert describe_stack(stack) == "waiting in all_reduce called at lab.py:42 (dist.all_reduce(x))"

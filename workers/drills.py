@@ -1,0 +1,49 @@
+"""Things that go wrong on real ranks, on purpose: the debugging drills of chapter 01 and the launcher's tests.
+
+    torchrun --nproc-per-node 2 workers/drills.py --mode skip_collective
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from workers.runtime import entrypoint
+
+MODES = ("ok", "raise", "die", "skip_collective", "shape_mismatch", "sleep", "slow_metrics")
+
+
+def check_params(world_size, mode, bad_rank, **_):
+    if mode not in MODES:
+        return f"mode={mode!r} is not a drill: choose one of {', '.join(MODES)}"
+    if not 0 <= bad_rank < world_size:
+        return f"bad_rank={bad_rank} is not a rank of a world of {world_size}: use 0 to {world_size - 1}"
+    return None
+
+
+def main(ctx, mode: str = "ok", bad_rank: int = 1, seconds: float = 30.0, collective_timeout: float = 0.0):
+    """Run one drill. ``collective_timeout`` > 0 uses a fresh process group with that timeout (seconds)."""
+    group = ctx.new_group(timeout_s=collective_timeout) if collective_timeout > 0 else None
+    me_bad = ctx.rank == bad_rank
+    x = torch.ones(4, device=ctx.device) * (ctx.rank + 1)
+    if mode == "raise" and me_bad:
+        raise ValueError(f"rank {ctx.rank} was told to fail")
+    if mode == "die" and me_bad:
+        os._exit(7)  # no traceback, no goodbye: like a segfault or the OOM killer
+    if mode == "skip_collective" and me_bad:
+        time.sleep(seconds)  # never joins the all_reduce below
+        return {"skipped": True}
+    if mode == "shape_mismatch" and me_bad:
+        x = torch.ones(5, device=ctx.device)
+    if mode == "sleep":
+        time.sleep(seconds)
+    if mode == "slow_metrics":
+        for step in range(int(seconds * 10)):
+            ctx.metric(step=step, value=float(step))
+            time.sleep(0.1)
+    dist.all_reduce(x, group=group)
+    return {"sum": x, "pid": os.getpid()}
+
+
+if __name__ == "__main__":
+    entrypoint(main)
