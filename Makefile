@@ -1,0 +1,44 @@
+# Distributed Training: Parallel Engineering for LLMs
+#   make lab        create the environment if needed, open JupyterLab on the course
+#   make test       create the environment if needed, run the whole test suite (what CI runs)
+SHELL := /bin/bash
+PY := .venv/bin/python
+STAMP := .venv/.installed
+PYTEST := $(PY) -m pytest
+NB_OUT := build/executed
+
+.PHONY: setup lab test test-unit test-notebooks nbval notebooks grade bench doctor clean
+
+setup: $(STAMP)
+$(STAMP): pyproject.toml tools/setup_env.sh
+	bash tools/setup_env.sh
+
+lab: $(STAMP)
+	$(PY) -m jupyter lab --notebook-dir=. notebooks/00_overview.ipynb 2>/dev/null || $(PY) -m jupyter lab --notebook-dir=.
+
+doctor: $(STAMP)
+	$(PY) -m course_utils.doctor
+
+# Unit tests, rank tests under torchrun, grading self-test; then every notebook headless (papermill) and nbval.
+test: $(STAMP)
+	$(PYTEST) -q
+	$(PY) -m course_utils.notebooks check
+	$(PY) -m course_utils.notebooks execute --out $(NB_OUT) --timeout 600
+	$(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env --nbval-cell-timeout=600 \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
+
+test-unit: $(STAMP)
+	$(PYTEST) -q
+
+notebooks: $(STAMP)
+	$(PY) -m course_utils.notebooks execute
+
+grade: $(STAMP)
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=path/to/notebooks [OUT=grades]"; exit 2; }
+	$(PY) -m course_utils.grade $(SUBMISSIONS) --out $(or $(OUT),grades)
+
+bench: $(STAMP)
+	$(PY) -m course_utils.bench
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,164 @@
+"""Graded exercises: ``check("ring_all_reduce", ring_all_reduce)`` right after the learner's cell.
+
+An exercise is checked either on real ranks (``worker``: a rank-side checker module whose
+``main(ctx, exercise, answer)`` runs the learner's function, shipped as source, against a reference and
+returns ``{"status": "pass" | "fail" | "todo", "message": ...}`` per rank), or in the notebook process
+(``local``: a function ``(answer) -> (status, message)``) for pure formulas.
+
+``check`` never raises: a missing answer (the shipped stub raises NotImplementedError) scores zero with
+"not attempted yet"; a crash or a hang inside the learner's code becomes a failing verdict that quotes the
+rank's error. When ``COURSE_GRADE_LOG`` names a file, every verdict is appended to it as a JSON line:
+that is how the batch grader (``course_utils.grade``) collects scores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from course_utils.results import CourseError, JobTimeout, WorkerFailed
+
+PASS, FAIL, TODO = "pass", "fail", "todo"
+
+
+@dataclass(frozen=True)
+class Exercise:
+    name: str
+    chapter: str  # "01", "02", ...
+    function: str  # the name the learner's function must have in the notebook
+    title: str
+    points: int = 1
+    worker: str | None = None  # rank-side checker module
+    world_sizes: tuple[int, ...] = (2, 4)
+    local: Callable | None = None  # notebook-side checker: answer -> (status, message)
+    timeout_s: float = 30.0
+    params: dict = field(default_factory=dict)
+
+
+REGISTRY: dict[str, Exercise] = {}
+
+
+def register(exercise: Exercise) -> Exercise:
+    if exercise.name in REGISTRY and REGISTRY[exercise.name] != exercise:
+        raise ValueError(f"two exercises are named {exercise.name!r}")
+    REGISTRY[exercise.name] = exercise
+    return exercise
+
+
+def _load_catalogue() -> None:
+    # Each chapter declares its exercises in course_utils/catalogue/chNN.py; importing registers them.
+    import importlib
+    import pkgutil
+
+    from course_utils import catalogue
+
+    for mod in pkgutil.iter_modules(catalogue.__path__):
+        importlib.import_module(f"course_utils.catalogue.{mod.name}")
+
+
+def exercises(chapter: str | None = None) -> list[Exercise]:
+    _load_catalogue()
+    return [e for e in REGISTRY.values() if chapter is None or e.chapter == chapter]
+
+
+def get(name: str) -> Exercise:
+    _load_catalogue()
+    if name not in REGISTRY:
+        import difflib
+
+        close = difflib.get_close_matches(name, REGISTRY, n=1)
+        raise KeyError(f"no exercise named {name!r}" + (f": did you mean {close[0]!r}?" if close else ""))
+    return REGISTRY[name]
+
+
+@dataclass(repr=False)
+class Verdict:
+    exercise: str
+    status: str
+    message: str
+    points: float
+    max_points: int
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
+
+    def __str__(self) -> str:
+        mark = {PASS: "PASS", FAIL: "FAIL", TODO: "TODO"}[self.status]
+        return f"[{mark}] {self.exercise} ({self.points:g}/{self.max_points}): {self.message}"
+
+    __repr__ = __str__  # no timing in the text: nbval compares it across runs
+
+    def _repr_html_(self) -> str:
+        colour = {PASS: "#1a7f37", FAIL: "#cf222e", TODO: "#9a6700"}[self.status]
+        mark = {PASS: "&#10004; passed", FAIL: "&#10008; not yet", TODO: "&#9998; not attempted"}[self.status]
+        import html
+
+        return (f"<div style='border-left:4px solid {colour};padding:4px 10px'><b style='color:{colour}'>{mark}</b>"
+                f" <code>{self.exercise}</code> ({self.points:g}/{self.max_points})<br>"
+                f"<span style='white-space:pre-wrap'>{html.escape(self.message)}</span></div>")
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
+    from course_utils.launcher import run
+
+    for world_size in ex.world_sizes:
+        try:
+            res = run(ex.worker, world_size=world_size, exercise=ex.name, answer=answer,
+                      timeout=ex.timeout_s, **ex.params)
+        except JobTimeout as exc:
+            where = "; ".join(f"rank {r} {w}" for r, w in exc.stuck.items())
+            return FAIL, (f"at world size {world_size} your code did not finish within {ex.timeout_s:g} s ({where}). "
+                          "Does every rank call the same collectives, in the same order?")
+        except WorkerFailed as exc:
+            if exc.error_type == "NotImplementedError":
+                return TODO, "not attempted yet: replace the `raise NotImplementedError` with your code"
+            return FAIL, (f"at world size {world_size}, rank {exc.rank} raised {exc.error_type}: "
+                          f"{_first_line(exc.rank_traceback) or exc.summary}")
+        verdicts = res.gather("verdict")
+        for rank, v in enumerate(verdicts):
+            if v["status"] != PASS:
+                return v["status"], f"at world size {world_size}, rank {rank}: {v['message']}"
+    sizes = ", ".join(str(w) for w in ex.world_sizes)
+    return PASS, f"correct on real ranks at world size {sizes}"
+
+
+def check(name: str, answer: Callable | None) -> Verdict:
+    """Check the learner's answer to exercise ``name``; prints (and returns) a verdict, never raises."""
+    start = time.perf_counter()
+    try:
+        ex = get(name)
+    except KeyError as exc:
+        return _record(Verdict(name, FAIL, str(exc.args[0]), 0, 0, 0.0))
+    if answer is None or not callable(answer):
+        status, message = TODO, f"define a function named {ex.function} in the cell above, then run this cell"
+    else:
+        try:
+            if ex.local is not None:
+                try:
+                    status, message = ex.local(answer)
+                except NotImplementedError:
+                    status, message = TODO, "not attempted yet: replace the `raise NotImplementedError` with your code"
+            else:
+                status, message = _run_on_ranks(ex, answer)
+        except CourseError as exc:
+            status, message = FAIL, str(exc).splitlines()[0]
+        except Exception as exc:  # noqa: BLE001 - a broken answer must not break the notebook
+            status, message = FAIL, f"your function raised {type(exc).__name__}: {exc}"
+    points = ex.points if status == PASS else 0
+    return _record(Verdict(ex.name, status, message, points, ex.points, time.perf_counter() - start))
+
+
+def _record(verdict: Verdict) -> Verdict:
+    log = os.environ.get("COURSE_GRADE_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps(verdict.__dict__) + "\n")
+    return verdict

@@ -1,0 +1,105 @@
+"""Build and execute the course notebooks: ``python -m course_utils.notebooks sync|check|execute``.
+
+Each chapter is written as a percent-format script, ``notebooks/src/NN_name.py`` (easy to review and
+diff), and shipped as ``notebooks/NN_name.ipynb`` with its outputs and figures (what learners open and
+what readers see on GitHub). ``sync`` rebuilds the .ipynb files whose source changed; ``check`` fails
+if any .ipynb is out of step with its source; ``execute`` runs notebooks headless with papermill on a
+fresh kernel, in place (``make notebooks``) or into another folder (CI), and prints each runtime.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jupytext
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+NB_DIR = ROOT / "notebooks"
+SRC_DIR = NB_DIR / "src"
+FIGURES = NB_DIR / "figures"
+
+
+def sources() -> list[Path]:
+    return sorted(SRC_DIR.glob("[0-9][0-9]_*.py"))
+
+
+def notebook_for(src: Path) -> Path:
+    return NB_DIR / (src.stem + ".ipynb")
+
+
+def _cells(nb) -> list[tuple[str, str, tuple]]:
+    return [(c.cell_type, c.source.strip(), tuple(c.get("metadata", {}).get("tags", []))) for c in nb.cells]
+
+
+def build(src: Path) -> nbformat.NotebookNode:
+    nb = jupytext.read(src)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (course)", "language": "python"}
+    nb.metadata.pop("jupytext", None)
+    return nb
+
+
+def in_sync(src: Path) -> bool:
+    target = notebook_for(src)
+    return target.exists() and _cells(build(src)) == _cells(nbformat.read(target, as_version=4))
+
+
+def sync(names: list[str] | None = None) -> list[Path]:
+    changed = []
+    for src in sources():
+        if names and src.stem not in names:
+            continue
+        if not in_sync(src):
+            nbformat.write(build(src), notebook_for(src))
+            changed.append(notebook_for(src))
+    return changed
+
+
+def execute(path: Path, output: Path, *, timeout: float = 900) -> float:
+    import papermill
+
+    start = time.perf_counter()
+    papermill.execute_notebook(str(path), str(output), kernel_name="python3", cwd=str(NB_DIR),
+                               execution_timeout=timeout, progress_bar=False, log_output=False)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=["sync", "check", "execute"])
+    p.add_argument("names", nargs="*", help="notebook stems (default: all)")
+    p.add_argument("--out", type=Path, help="execute into this folder instead of in place")
+    p.add_argument("--timeout", type=float, default=900, help="per-cell execution timeout (s)")
+    a = p.parse_args(argv)
+    if a.command == "sync":
+        for path in sync(a.names):
+            print(f"rebuilt {path.relative_to(ROOT)}")
+        return 0
+    if a.command == "check":
+        stale = [s for s in sources() if not in_sync(s)]
+        for s in stale:
+            print(f"{notebook_for(s).relative_to(ROOT)} is out of step with {s.relative_to(ROOT)}: run `make notebooks`")
+        return 1 if stale else 0
+    sync(a.names)
+    FIGURES.mkdir(exist_ok=True)
+    failed = 0
+    for src in sources():
+        if a.names and src.stem not in a.names:
+            continue
+        nb = notebook_for(src)
+        out = (a.out / nb.name) if a.out else nb
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+        try:
+            seconds = execute(nb, out, timeout=a.timeout)
+            print(f"{nb.name}: executed headless in {seconds:.1f} s (CPU)", flush=True)
+        except Exception as exc:  # noqa: BLE001 - report every notebook, then fail
+            failed += 1
+            print(f"{nb.name}: FAILED: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

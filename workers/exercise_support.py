@@ -1,0 +1,65 @@
+"""What every rank-side exercise checker shares: run the learner's function, turn the outcome into a verdict.
+
+A check is ``fn(ctx, answer) -> None`` that raises ``Wrong("what is wrong and what to try")`` when the
+answer is wrong. Every rank runs the same check (collectives stay in step) and sends its own verdict.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class Wrong(AssertionError):
+    """The answer ran but gave a wrong result; the message is shown to the learner."""
+
+
+def verdict(status: str, message: str) -> dict:
+    return {"verdict": {"status": status, "message": message}}
+
+
+def run_exercise(ctx, checks: dict[str, Callable], exercise: str, answer) -> dict:
+    if exercise not in checks:
+        raise KeyError(f"no rank-side check for exercise {exercise!r}; known: {sorted(checks)}")
+    try:
+        checks[exercise](ctx, answer)
+    except NotImplementedError:
+        return verdict("todo", "not attempted yet: replace the `raise NotImplementedError` with your code")
+    except Wrong as exc:
+        return verdict("fail", str(exc))
+    return verdict("pass", "correct")
+
+
+def expect_close(got, want, what: str, *, atol: float = 1e-6, rtol: float = 1e-5, hints=()) -> None:
+    """Raise Wrong with a helpful message if ``got`` differs from ``want``.
+
+    ``hints`` is a list of ``(predicate(got, want) -> bool, message)``: the first that matches explains
+    the likely mistake (for example: got == want * world_size -> "you summed but did not average").
+    """
+    if not isinstance(got, torch.Tensor):
+        raise Wrong(f"{what}: expected a tensor, got {type(got).__name__}")
+    if got.shape != want.shape:
+        raise Wrong(f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}")
+    got_c, want_c = got.detach().to("cpu", torch.float64), want.detach().to("cpu", torch.float64)
+    if torch.allclose(got_c, want_c, atol=atol, rtol=rtol):
+        return
+    for predicate, message in hints:
+        try:
+            if predicate(got_c, want_c):
+                raise Wrong(f"{what}: {message}")
+        except Wrong:
+            raise
+        except Exception:  # noqa: BLE001 - a hint that does not apply
+            continue
+    err = (got_c - want_c).abs().max().item()
+    raise Wrong(f"{what}: max abs error {err:.3g} (tolerance {atol:g} + {rtol:g}*|expected|); "
+                f"first values got {_head(got_c)} expected {_head(want_c)}")
+
+
+def _head(t: torch.Tensor) -> str:
+    return "[" + ", ".join(f"{v:.4g}" for v in t.flatten()[:4].tolist()) + (", ...]" if t.numel() > 4 else "]")
+
+
+def scaled_by(factor: float):
+    """Hint predicate: got == want * factor."""
+    return lambda got, want: torch.allclose(got, want * factor, atol=1e-6, rtol=1e-5)
