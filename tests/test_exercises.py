@@ -1,0 +1,62 @@
+"""Every graded exercise, checked three ways on real ranks (CS336 style: the tests are the specification).
+
+- the reference solution scores full marks: the checker accepts a correct answer;
+- the stub shipped in the notebook scores zero, as "not attempted", without raising: a learner who has
+  not started sees a friendly verdict, never a traceback;
+- each plausible wrong answer is caught, with a message that names the mistake.
+"""
+import pytest
+
+from course_utils.exercises import FAIL, PASS, TODO, check, exercises
+from tests.exercise_sources import notebook_cells, solutions, stubs, wrong_answers
+
+pytestmark = pytest.mark.ranks
+ALL = exercises()
+CHAPTERS = sorted({e.chapter for e in ALL})
+
+
+@pytest.mark.parametrize("ex", ALL, ids=lambda e: e.name)
+def test_reference_solution_passes(ex):
+    answer = getattr(solutions(ex.chapter), ex.function)
+    verdict = check(ex.name, answer)
+    assert verdict.status == PASS, verdict.message
+    assert verdict.points == ex.points
+
+
+@pytest.mark.parametrize("ex", ALL, ids=lambda e: e.name)
+def test_shipped_stub_scores_zero_without_error(ex):
+    stub = stubs(ex.chapter).get(ex.function)
+    assert stub is not None, f"no cell tagged 'exercise' defines {ex.function} in chapter {ex.chapter}"
+    verdict = check(ex.name, stub)
+    assert verdict.status == TODO and verdict.points == 0, verdict
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_exercise_has_a_wrong_answer_that_is_caught(chapter):
+    wrong = wrong_answers(chapter)
+    covered = {name for name, _, _ in wrong}
+    missing = {e.name for e in ALL if e.chapter == chapter} - covered
+    assert not missing, f"no wrong answer for {sorted(missing)}"
+    for name, fn, fragment in wrong:
+        verdict = check(name, fn)
+        assert verdict.status == FAIL, (name, fn.__name__, verdict)
+        assert fragment in verdict.message, (name, fn.__name__, verdict.message)
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_notebook_has_two_exercises_each_followed_by_its_check(chapter):
+    cells = [c for c in notebook_cells(chapter) if c.cell_type == "code"]
+    mine = [e for e in ALL if e.chapter == chapter]
+    assert len(mine) >= 2
+    for ex in mine:
+        idx = [i for i, c in enumerate(cells) if "exercise" in c.metadata.get("tags", [])
+               and f"def {ex.function}(" in c.source]
+        assert idx, f"chapter {chapter}: no exercise cell defines {ex.function}"
+        follow = cells[idx[0] + 1]
+        assert f"check({ex.name!r}" in follow.source or f'check("{ex.name}"' in follow.source, follow.source
+
+
+def test_unknown_exercise_and_missing_answer_are_verdicts_not_errors():
+    assert check("no_such_exercise", lambda: None).status == FAIL
+    if ALL:
+        assert check(ALL[0].name, None).status == TODO

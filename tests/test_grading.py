@@ -1,0 +1,92 @@
+"""The batch grader, end to end: real notebooks executed headless, real ranks, a real gradebook.
+
+Solutions must score full marks, shipped stubs zero (without the grader failing), and a submission that
+hangs or does not even parse must cost only its own points: the grader survives and grades the rest.
+"""
+import csv
+import inspect
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_utils import grade
+from course_utils.exercises import exercises
+from tests.exercise_sources import solutions
+
+pytestmark = pytest.mark.ranks
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted({e.chapter for e in exercises()})
+assert CHAPTERS, "no chapter registers exercises"
+
+
+def shipped(chapter: str) -> nbformat.NotebookNode:
+    [path] = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
+    return nbformat.read(path, as_version=4)
+
+
+def answer_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code" and "exercise" in c.metadata.get("tags", [])]
+
+
+def with_answers(chapter: str, replace) -> nbformat.NotebookNode:
+    nb = shipped(chapter)
+    for ex in exercises(chapter):
+        for cell in answer_cells(nb):
+            if f"def {ex.function}(" in cell.source:
+                cell.source = replace(ex)
+    return nb
+
+
+def write(nb, folder: Path, learner: str, chapter: str) -> None:
+    [path] = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
+    (folder / learner).mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(folder / learner / path.name))
+
+
+def read_gradebook(out: Path) -> list[dict]:
+    with open(out / "gradebook.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_solutions_full_marks_stubs_zero(tmp_path):
+    subs = tmp_path / "subs"
+    for chapter in CHAPTERS:
+        sol = solutions(chapter)
+        write(with_answers(chapter, lambda ex: inspect.getsource(getattr(sol, ex.function))), subs, "ada", chapter)
+        write(shipped(chapter), subs, "bob", chapter)
+    rows = grade.grade_all(subs, tmp_path / "out", cell_timeout=120, total_timeout=400)
+    book = read_gradebook(tmp_path / "out")
+    assert len(book) == len(rows) == 2 * len(exercises())
+    for r in book:
+        if r["learner"] == "ada":
+            assert r["status"] == "pass" and float(r["points"]) == float(r["max_points"]), r
+        else:
+            assert r["status"] == "todo" and float(r["points"]) == 0, r
+    feedback = (tmp_path / "out" / "feedback" / "bob.md").read_text()
+    assert "not attempted" in feedback
+
+
+def test_hanging_and_broken_submissions_cost_only_their_points(tmp_path):
+    chapter = CHAPTERS[0]
+    first, *rest = exercises(chapter)
+    sol = solutions(chapter)
+
+    def hang_first(ex):
+        return "while True:\n    pass\n" if ex is first else inspect.getsource(getattr(sol, ex.function))
+
+    def broken_first(ex):
+        return "def oops(:\n" if ex is first else inspect.getsource(getattr(sol, ex.function))
+
+    subs = tmp_path / "subs"
+    write(with_answers(chapter, hang_first), subs, "hangs", chapter)
+    write(with_answers(chapter, broken_first), subs, "typo", chapter)
+    grade.grade_all(subs, tmp_path / "out", cell_timeout=10, total_timeout=120)
+    book = {(r["learner"], r["exercise"]): r for r in read_gradebook(tmp_path / "out")}
+    # The hanging cell stops that notebook: its checks did not run and say why.
+    assert float(book[("hangs", first.name)]["points"]) == 0
+    assert "not graded" in book[("hangs", first.name)]["message"]
+    # A syntax error costs that exercise only; the others still run and pass.
+    assert book[("typo", first.name)]["status"] in ("todo", "fail")
+    for ex in rest:
+        assert book[("typo", ex.name)]["status"] == "pass", book[("typo", ex.name)]

@@ -1,0 +1,1 @@
+"""Plausible wrong answers, one module per chapter: ``WRONG = [(exercise, function, message fragment)]``."""
