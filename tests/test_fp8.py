@@ -127,7 +127,8 @@ def test_outlier_channels_ruin_per_tensor_scaling_but_not_fine_groups():
     def errors(outlier):
         x = _randn(256, 512, seed=6)
         x[:, :4] *= outlier
-        return {g: relative_error(x[:, clean], fake_quantize(x, "e4m3", g)[:, clean]) for g in ("tensor", "tile", "block")}
+        return {g: relative_error(x[:, clean], fake_quantize(x, "e4m3", g)[:, clean])
+                for g in ("tensor", "tile", "block")}
 
     moderate, extreme = errors(1e2), errors(1e5)
     assert moderate["tensor"] < 1.1 * moderate["tile"]
