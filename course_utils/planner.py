@@ -97,9 +97,9 @@ class ModelShape:
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
-    # Touvron et al. 2023, "Llama 2", Table 1 (7B: no GQA) with the Llama 1 paper's Table 2 shape
-    # (dimension 4096, 32 heads, 32 layers) and 32k vocabulary (sec 2.1); ffn 11008 is the released
-    # params.json / HF config. n_params = 6.74e9.
+    # Touvron et al. 2023, "Llama 2": Table 1 (7B has no GQA), sec 2.2 "Tokenizer" (32k vocabulary);
+    # shape from the Llama 1 paper's Table 2 (dimension 4096, 32 heads, 32 layers); ffn 11008 is the
+    # released params.json / HF config. n_params = 6.74e9.
     "llama-2-7b": ModelShape("Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008,
                              vocab=32_000, source="Touvron et al. 2023 (Llama 1 Table 2, Llama 2 Table 1)"),
     # Llama Team 2024, "The Llama 3 Herd of Models", Table 3; vocabulary 128,256 is the released
@@ -158,11 +158,11 @@ class Link:
 
 
 GPUS: dict[str, GPU] = {
-    # NVIDIA H100 datasheet (SXM5): BF16 tensor core 1,979 TFLOPS "with sparsity", so 989.4e12 dense;
+    # NVIDIA H100 datasheet (SXM5): BF16 tensor core 1,979 TFLOPS "with sparsity", so 989.5e12 dense;
     # 80 GB HBM3, which the device exposes as 80 GiB.
-    "h100": GPU("H100 SXM 80GB", 80 * GiB, 989.4e12, "NVIDIA H100 datasheet"),
+    "h100": GPU("H100 SXM 80GB", 80 * GiB, 989.5e12, "NVIDIA H100 datasheet"),
     # NVIDIA H200 datasheet: 141 GB HBM3e, same BF16 tensor-core peak as H100 SXM.
-    "h200": GPU("H200 SXM 141GB", 141 * GB, 989.4e12, "NVIDIA H200 datasheet"),
+    "h200": GPU("H200 SXM 141GB", 141 * GB, 989.5e12, "NVIDIA H200 datasheet"),
     # NVIDIA A100 datasheet: 312 TFLOPS BF16 dense (Narayanan et al. 2021, sec 5: "312 teraFLOP/s").
     "a100": GPU("A100 SXM 80GB", 80 * GiB, 312e12, "NVIDIA A100 datasheet"),
 }
@@ -171,7 +171,7 @@ NETWORK_TIERS: dict[str, Link] = {
     # 900 GB/s total NVLink bandwidth per GPU (18 links; NVIDIA H100/H200 datasheets) = 450 GB/s each
     # way. Measured all_reduce busbw on 8x H200 (shared/reference/allreduce_8xH200_published.csv,
     # from stas00/ml-engineering): 367.6 GB/s with NVLS/SHARP off, up to 482 GB/s with NVLS.
-    # alpha: NCCL's own cost model, src/graph/tuning.cc, hwLat[NVLink][Ring][Simple] = 3.4 us.
+    # alpha: NCCL's own cost model (src/graph/tuning.cc, 2020 version), hwLat[NVLink][Ring][Simple] = 3.4 us.
     "nvlink4": Link("NVLink 4 + NVSwitch (H100/H200)", 450e9, 3.4e-6,
                     "H100 datasheet 900 GB/s bidirectional; NCCL tuning.cc hwLat"),
     # A100 datasheet: 600 GB/s NVLink per GPU (12 links), 300 GB/s each way; alpha as above.
@@ -458,14 +458,19 @@ def plan(
     if layout.zero_stage == 3:  # one layer gathered at a time (FSDP may prefetch a second)
         params += weight_bytes * model.params_per_layer / tp
         notes.append("ZeRO-3: parameters include one all-gathered layer.")
-    per_layer = activation_bytes_per_layer(
-        s_local, b, model.hidden, model.heads, tp=tp, sequence_parallel=sp, recompute=layout.recompute
-    )
+    def layer_activations(recompute: str) -> float:
+        act = activation_bytes_per_layer(s_local, b, model.hidden, model.heads, tp=tp, sequence_parallel=sp,
+                                         recompute=recompute)
+        if recompute == "none" and cp > 1:  # local queries attend to all seq keys: 5 a b (s/cp) s / t
+            act += 5 * model.heads * b * s_local * (seq - s_local) / tp
+        return act
+
+    per_layer = layer_activations(layout.recompute)
     in_flight = min(pp, m)  # 1F1B: the first stage holds p micro-batches (Korthikanti 4.2.3)
     interleave = 1 + (pp - 1) / (pp * v) if v > 1 else 1.0  # Korthikanti 4.2.3
     activations = per_layer * layers_per_stage * in_flight * interleave
     if layout.recompute == "full":  # the layer being recomputed holds its full set again
-        activations += activation_bytes_per_layer(s_local, b, model.hidden, model.heads, tp=tp, sequence_parallel=sp)
+        activations += layer_activations("none")
     if pp == 1:  # final norm, output projection input and fp32 logits (Korthikanti 4.3)
         activations += 4 * s_local * b * model.hidden / tp * (1 + model.vocab / model.hidden)
     memory = {"params": params, "grads": states.grads, "optimizer": states.optimizer, "activations": activations}

@@ -59,6 +59,8 @@ def test_out_of_range_saturates_instead_of_overflowing():
     assert torch.isinf(big.to(torch.float8_e5m2).float()).all()
     assert round_to_fp8(big, "e5m2").tolist() == [57344.0, -57344.0]
     assert round_to_fp8(big, "e4m3").tolist() == [448.0, -448.0]
+    # the same holds inside quantize when a given (delayed) scale is too large for the data
+    assert quantize(torch.tensor([1e6, 1.0]), "e5m2", scale=1.0).dequantize().tolist() == [57344.0, 1.0]
 
 
 @pytest.mark.parametrize("fmt, mantissa_bits", [("e4m3", 3), ("e5m2", 2)])
