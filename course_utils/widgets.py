@@ -8,12 +8,12 @@ notebook process from the ``RunResult``; nothing is cached: every change is a ne
 """
 from __future__ import annotations
 
+import base64
 import io
 import threading
 from typing import Callable
 
 import ipywidgets as W
-from IPython.display import Image
 
 from course_utils.launcher import launch
 from course_utils.results import CourseError, InvalidParameter, JobCancelled, RunResult
@@ -100,6 +100,18 @@ class LiveRun:
         self.status.value = "<i>running on real ranks...</i>"
         threading.Thread(target=self._finish, args=(job, settings), daemon=True).start()
 
+    def show(self, shown) -> None:
+        """Replace the output in one step (no flicker, and no kernel needed, so tests see it too)."""
+        if isinstance(shown, str):
+            outputs = ({"output_type": "stream", "name": "stdout", "text": shown + "\n"},)
+        elif shown is not None:
+            png = base64.b64encode(figure_png(shown)).decode("ascii")
+            outputs = ({"output_type": "display_data", "metadata": {},
+                        "data": {"image/png": png, "text/plain": "<figure>"}},)
+        else:
+            outputs = ()
+        self.out.outputs = outputs
+
     def _on_event(self, kind: str, rank: int, data: dict) -> None:
         if kind == "metric" and rank == 0:
             self.progress.value = min(self.progress.value + 1, self.progress.max)
@@ -108,11 +120,7 @@ class LiveRun:
         try:
             result = job.wait()
             shown = self.draw(result, {**self.fixed, **settings})
-            self.out.clear_output(wait=True)
-            if isinstance(shown, str):
-                self.out.append_stdout(shown + "\n")
-            elif shown is not None:
-                self.out.append_display_data(Image(figure_png(shown)))
+            self.show(shown)
             self.status.value = f"{result.describe()}"
             self.history.append((settings, result))
         except JobCancelled:

@@ -1,0 +1,118 @@
+"""``make bench``: how fast the course answers on this machine.
+
+- cold launch: torchrun start + imports + rendezvous + one tiny all_reduce, at world 1, 2, 4, 8;
+- warm rerun: the same run again on warm ranks (what a slider change costs), median and p90 of 20;
+- a LiveRun widget: from a slider change to the new figure drawn, median of 10;
+- every notebook executed headless (papermill, fresh kernel), wall time each.
+All numbers are CPU wall times of this machine; results also go to build/bench/results.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def bench_launch(worlds=(1, 2, 4, 8), reruns: int = 20) -> dict:
+    import course_utils as cu
+
+    out = {}
+    for w in worlds:
+        t0 = time.perf_counter()
+        cold = cu.run("workers.hello", world_size=w, warm=False)
+        cold_total = time.perf_counter() - t0
+        cu.run("workers.hello", world_size=w)  # start the warm ranks for this world size
+        warm = []
+        for i in range(reruns):
+            t0 = time.perf_counter()
+            res = cu.run("workers.hello", world_size=w, value=float(i))
+            warm.append(time.perf_counter() - t0)
+            assert res.launch == "warm" and res.gather("sum")[0] == i * w + w * (w - 1) / 2
+        out[w] = {"cold_s": cold_total, "cold_startup_s": cold.startup_seconds,
+                  "warm_median_s": statistics.median(warm), "warm_p90_s": _pct(warm, 0.9)}
+        print(f"world {w}: cold launch {cold_total:5.2f} s (start {cold.startup_seconds:.2f} s) | "
+              f"warm rerun median {out[w]['warm_median_s'] * 1e3:6.1f} ms, p90 {out[w]['warm_p90_s'] * 1e3:6.1f} ms",
+              flush=True)
+    cu.shutdown_pools()
+    return out
+
+
+def bench_widget(changes: int = 10) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_utils.widgets import LiveRun, slider
+
+    def draw(res, params):
+        fig, ax = plt.subplots(figsize=(4, 2))
+        ax.bar(range(res.world_size), res.gather("sum"))
+        return fig
+
+    control = slider("value", 0, 0, 100)
+    live = LiveRun("workers.hello", {"value": control}, draw, params={"world_size": 4}, auto_start=True)
+    live.wait()
+    times = []
+    for i in range(1, changes + 1):
+        t0 = time.perf_counter()
+        control.value = i
+        live.wait()
+        times.append(time.perf_counter() - t0)
+        assert live.history[-1][1].gather("sum")[0] == i * 4 + 6
+    print(f"LiveRun, world 4: slider change -> figure drawn, median {statistics.median(times) * 1e3:.0f} ms, "
+          f"max {max(times) * 1e3:.0f} ms", flush=True)
+    import course_utils as cu
+
+    cu.shutdown_pools()
+    return {"median_s": statistics.median(times), "max_s": max(times)}
+
+
+def bench_notebooks(names: list[str] | None = None) -> dict:
+    from course_utils import notebooks
+
+    out = {}
+    dest = ROOT / "build" / "bench" / "notebooks"
+    dest.mkdir(parents=True, exist_ok=True)
+    notebooks.sync()
+    for src in notebooks.sources():
+        if names and src.stem not in names:
+            continue
+        nb = notebooks.notebook_for(src)
+        seconds = notebooks.execute(nb, dest / nb.name)
+        out[nb.stem] = seconds
+        print(f"{nb.name}: headless in {seconds:.1f} s", flush=True)
+    print(f"all notebooks: {sum(out.values()):.0f} s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--skip-notebooks", action="store_true")
+    p.add_argument("--notebooks", nargs="*", help="only these notebooks")
+    a = p.parse_args(argv)
+    print(f"CPU wall times on {platform.node()} ({os.cpu_count()} cores); gloo on CPU", flush=True)
+    results = {"machine": {"cores": os.cpu_count(), "platform": platform.platform()},
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "launch": bench_launch(), "widget": bench_widget()}
+    if not a.skip_notebooks:
+        results["notebooks_s"] = bench_notebooks(a.notebooks)
+    out = ROOT / "build" / "bench" / "results.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
