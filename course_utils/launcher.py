@@ -112,6 +112,7 @@ class Job:
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._on_event = on_event
+        self._watch = None  # (status HTML, log Output) once watch() was called
         # Processes are started here, in the caller's thread (their parent-death signal follows this thread).
         self._rank_job, self._pooled = _acquire_job(world_size, nnodes, env, collective_timeout_s, warm)
         self._thread = threading.Thread(target=self._drive, args=(timeout, seed), daemon=True)
@@ -127,6 +128,39 @@ class Job:
                 self._on_event(kind, rank, data)
             except Exception:  # a broken progress callback must not kill the run
                 pass
+        if self._watch is not None and kind in ("metric", "log"):
+            self._refresh_watch(kind, rank, data)
+
+    def watch(self):
+        """A live view for the notebook: status, the latest metrics per rank, logs, and a cancel button."""
+        import ipywidgets as W
+
+        status = W.HTML(f"<b>{self.worker}</b> on {self.world_size} rank(s): {self.status}")
+        logs = W.Output(layout=W.Layout(max_height="160px", overflow="auto"))
+        button = W.Button(description="Cancel", icon="stop")
+        button.on_click(lambda _: self.cancel())
+        self._watch = (status, logs, button)
+        threading.Thread(target=self._watch_until_done, daemon=True).start()
+        return W.VBox([W.HBox([button, status]), logs])
+
+    def _refresh_watch(self, kind: str, rank: int, data: dict) -> None:
+        status, logs, _ = self._watch
+        if kind == "log":
+            logs.append_stdout(f"[rank {rank}] {data['text']}\n")
+        latest = [m[-1] for m in self.metrics if m]
+        if latest:
+            cells = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                         for k, v in m.items()) for r, m in enumerate(latest))
+            status.value = f"<b>{self.worker}</b> {self.status}: {cells}"
+
+    def _watch_until_done(self) -> None:
+        self._done.wait()
+        status, _, button = self._watch
+        button.disabled = True
+        if self._result is not None:
+            status.value = f"<b>done</b>: {self._result.describe()}"
+        else:
+            status.value = f"<b>{self.status}</b>: {str(self._error).splitlines()[0] if self._error else ''}"
 
     def _drive(self, timeout: float, seed: int) -> None:
         job = self._rank_job

@@ -188,3 +188,14 @@ def test_describe_stack_names_the_collective():
              [f"/v/torch/distributed/c10d_logger.py", 80, "wrapper", "return func()"],
              [f"/v/torch/distributed/distributed_c10d.py", 2500, "all_reduce", "work.wait()"]]
     assert describe_stack(stack) == "waiting in all_reduce called at lab.py:42 (dist.all_reduce(x))"
+
+
+def test_watch_shows_live_metrics_then_the_outcome():
+    job = cu.launch("workers.drills", world_size=2, mode="slow_metrics", seconds=1.0, timeout=60)
+    view = job.watch()
+    status = view.children[0].children[1]
+    res = job.wait()
+    deadline = time.time() + 5
+    while "done" not in status.value and time.time() < deadline:
+        time.sleep(0.05)
+    assert "done" in status.value and res.metrics[0][-1]["step"] == 9
