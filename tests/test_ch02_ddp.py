@@ -1,0 +1,175 @@
+"""Chapter 02 on real ranks (gloo, CPU): DDP equals one process, and each part of the one line does its job.
+
+Every rank-side result is compared with a single-process reference computed here from
+``workers/ch02_model.py``, with the fp32 tolerance stated there (atol 1e-6, rtol 1e-5).
+"""
+import pytest
+import torch
+
+import course_utils as cu
+from course_utils.ch02 import compare_to_baseline, reduction_ratios, reduction_reference
+from workers.ch02_model import (FP32_TOL, MIB, Setup, accumulated_reference, bucket_assignment, grads_on,
+                                make_batches, make_model, make_stack, predict_ddp_buckets, shard, train_single)
+
+TIMEOUT = 30  # the same as the exercise checks, so every test of this file shares one set of warm ranks per world
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return train_single(Setup())
+
+
+# -- pure functions (no ranks) --------------------------------------------------------------------------
+
+def test_tolerance_is_tight_enough_to_catch_ranks_that_do_not_average(baseline):
+    # A rank that skipped the all-reduce would step with the gradient of its own B/n rows. That step must
+    # land far outside the tolerance, or "DDP equals the baseline" would prove nothing.
+    setup = Setup()
+    model = make_model(setup)
+    x, y = shard(make_batches(setup, steps=1)[0], rank=0, world_size=2)
+    lone_grad = grads_on(model, x, y)
+    assert not torch.allclose(lone_grad, baseline["grads"][0], **FP32_TOL)
+    assert (lone_grad - baseline["grads"][0]).abs().max() > 100 * FP32_TOL["atol"]
+
+
+def test_bucket_rule_closes_a_bucket_once_it_reaches_the_limit():
+    # DDP keeps the tensor that crosses the limit in the bucket (reducer.cpp): 3+3 >= 5 closes the first.
+    assert bucket_assignment([3, 3, 3, 3], [5]) == [[0, 1], [2, 3]]
+    assert bucket_assignment([10, 1, 1], [5]) == [[0], [1, 2]]  # an oversized tensor fills a bucket alone
+    assert bucket_assignment([1, 1, 1, 1, 1], [1, 3]) == [[0], [1, 2, 3], [4]]  # first limit, then the rest
+    with pytest.raises(ValueError):
+        bucket_assignment([1], [])
+
+
+def test_predicted_buckets_for_the_stack_by_hand():
+    # Each Linear(256, 256) holds 256*256 + 256 fp32 numbers = 263,168 bytes; the cap is in MiB.
+    model = make_stack(6, 256)
+    layer = 263_168
+    assert predict_ddp_buckets(model, 0.5)["rebuilt"] == [2 * layer] * 3  # 2 layers reach 524,288
+    assert predict_ddp_buckets(model, 1.0)["rebuilt"] == [4 * layer, 2 * layer]  # 4 layers reach 1 MiB
+    assert predict_ddp_buckets(model, None)["rebuilt"] == [4 * layer, 2 * layer]  # default: 1 MiB first bucket
+    assert predict_ddp_buckets(model, 0.5)["first_iteration"] == [6 * layer]
+
+
+# -- DDP equals one process -------------------------------------------------------------------------------
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ddp_equals_single_process_after_every_step(world, baseline):
+    res = cu.run("workers.ch02_ddp", world_size=world, timeout=TIMEOUT)
+    c = compare_to_baseline(res, baseline)
+    weights = res.gather("weights")
+    assert all(w.shape == baseline["weights"].shape for w in weights)  # [steps + 1, P]: every step came back
+    # The mean loss over B/n rows, averaged over n ranks, is the mean over B rows: only the order of the
+    # additions differs, so every step agrees to fp32 rounding.
+    assert c["within_tol"], c["max_abs"]
+    # Every rank applied the same all-reduced gradient to the same weights: bit-identical.
+    assert c["ranks_identical"]
+    # And training moved the weights (a run that did nothing would fail the baseline comparison, but say so).
+    assert (weights[0][-1] - weights[0][0]).abs().max() > 1e-2
+    # The mean of the ranks' local losses is the global loss.
+    assert c["loss_diff"] < 1e-6
+    if world == 1:
+        assert torch.equal(weights[0], baseline["weights"])  # one rank: the same arithmetic, bit for bit
+    else:
+        # each rank read its own B/n rows: the local losses differ from rank to rank
+        assert not torch.equal(res[0]["local_losses"], res[1]["local_losses"])
+
+
+@pytest.mark.ranks
+def test_batch_that_does_not_split_is_refused_before_launch():
+    with pytest.raises(cu.InvalidParameter, match="choose a multiple of 4"):
+        cu.run("workers.ch02_ddp", world_size=4, global_batch=10)
+
+
+# -- what the one line does -------------------------------------------------------------------------------
+
+@pytest.mark.ranks
+def test_construction_broadcasts_rank0_parameters_and_buffers():
+    res = cu.run("workers.ch02_internals", world_size=4, timeout=TIMEOUT, part="broadcast")
+    rank0 = res[0]["before"]
+    for r in range(1, 4):
+        # they really started different (seed + 1000 * rank) ...
+        assert not torch.equal(res[r]["before"]["params"], rank0["params"])
+        assert not torch.equal(res[r]["before"]["in_scale"], rank0["in_scale"])
+        # ... and DDP(model) copied rank 0's parameters and buffers to them, exactly
+        assert torch.equal(res[r]["after"]["params"], rank0["params"])
+        assert torch.equal(res[r]["after"]["in_scale"], rank0["in_scale"])
+    # rank 0's own start is the single-process model's start
+    assert torch.equal(rank0["params"], torch.cat([p.detach().reshape(-1) for p in make_model(Setup()).parameters()]))
+
+
+@pytest.mark.ranks
+def test_gradient_is_the_mean_of_local_gradients_and_the_step_is_plain_sgd():
+    res = cu.run("workers.ch02_internals", world_size=4, timeout=TIMEOUT, part="average")
+    local = torch.stack(res.gather("local_grad"))  # [4, P]
+    for d in res.ranks:
+        assert torch.allclose(d["ddp_grad"], local.mean(dim=0), **FP32_TOL)
+        assert torch.equal(d["ddp_grad"], res[0]["ddp_grad"])
+        assert torch.allclose(d["weights_after"], d["weights_before"] - d["lr"] * d["ddp_grad"], atol=1e-7, rtol=0)
+    assert not torch.allclose(res[0]["ddp_grad"], local[0], **FP32_TOL)  # communication happened
+    # and the average is the single-process gradient on the whole batch
+    assert torch.allclose(res[0]["ddp_grad"], train_single(Setup(steps=1))["grads"][0], **FP32_TOL)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("cap, later", [(0.25, 6), (0.5, 3), (1.0, 2), (2.0, 1), (None, 2)])
+def test_all_reduce_count_against_bucket_cap_mb(cap, later):
+    # 6 layers of 263,168 bytes. Step 1: one bucket with everything (DDP has not yet seen the backward
+    # order). Step 2 on: buckets rebuilt with the cap, counted by a comm hook that sees every all-reduce.
+    params = {"default_cap": True} if cap is None else {"bucket_cap_mb": cap}
+    res = cu.run("workers.ch02_internals", world_size=2, timeout=TIMEOUT, part="buckets", steps=3, **params)
+    for d in res.ranks:
+        per_step = d["all_reduce_bytes"]
+        assert per_step[0] == [6 * 263_168]
+        assert len(per_step[1]) == len(per_step[2]) == later
+        assert per_step[1] == d["predicted"]["rebuilt"]
+        assert all(b >= (cap or 1) * MIB for b in per_step[1][:-1])  # every closed bucket reached its cap
+        assert d["ddp_logging"]["num_buckets_reduced"] == later  # DDP's own count agrees with the hook's
+
+
+@pytest.mark.ranks
+def test_first_bucket_is_launched_while_backward_is_still_running():
+    res = cu.run("workers.ch02_internals", world_size=2, timeout=TIMEOUT, part="buckets", bucket_cap_mb=0.5, steps=2)
+    events = [e for e in res[0]["events"] if e["step"] == 1]
+    kinds = [e["kind"] for e in events]
+    first_reduce = kinds.index("all_reduce")
+    assert "grad" in kinds[first_reduce:]  # gradients still to come after the first all-reduce: overlap
+    ready_before = {e["param"] for e in events[:first_reduce] if e["kind"] == "grad"}
+    assert ready_before == set(events[first_reduce]["params"])  # launched as soon as its own gradients were in
+    assert max(ready_before) == 11  # the last layer's gradients come first
+
+
+# -- pitfalls ---------------------------------------------------------------------------------------------
+
+@pytest.mark.ranks
+def test_without_set_epoch_every_epoch_is_the_same():
+    res = cu.run("workers.ch02_pitfalls", world_size=2, timeout=TIMEOUT, part="sampler", dataset_size=12, epochs=3)
+    for d in res.ranks:
+        assert d["without_set_epoch"][0] == d["without_set_epoch"][1] == d["without_set_epoch"][2]
+        assert d["with_set_epoch"][0] != d["with_set_epoch"][1]
+        assert d["with_set_epoch"][0] == d["without_set_epoch"][0]  # epoch 0 is epoch 0 either way
+    for mode in ("without_set_epoch", "with_set_epoch"):
+        for e in range(3):  # the shards of one epoch are disjoint and cover the dataset
+            assert sorted(res[0][mode][e] + res[1][mode][e]) == list(range(12))
+
+
+@pytest.mark.ranks
+def test_sum_reduction_scales_the_gradient_by_one_over_world_size():
+    reference = reduction_reference(Setup())
+    runs = {w: cu.run("workers.ch02_pitfalls", world_size=w, timeout=TIMEOUT, part="reduction") for w in (2, 4)}
+    for w, r in reduction_ratios(runs, reference).items():
+        assert r["mean"] == pytest.approx(1.0, abs=1e-6) and r["mean_residual"] < 1e-6
+        assert r["sum"] == pytest.approx(1 / w, abs=1e-6) and r["sum_residual"] < 1e-5
+
+
+@pytest.mark.ranks
+def test_no_sync_accumulation_equals_a_big_batch_with_one_all_reduce():
+    k = 4
+    res = cu.run("workers.ch02_pitfalls", world_size=2, timeout=TIMEOUT, part="no_sync", accumulation=k)
+    big_batch = accumulated_reference(Setup(), k)
+    for d in res.ranks:
+        assert d["with_no_sync"]["all_reduces"] == 1  # the tiny MLP fits one bucket: one all-reduce per step
+        assert d["without_no_sync"]["all_reduces"] == k  # every backward all-reduces
+        assert torch.allclose(d["with_no_sync"]["grad"], big_batch, **FP32_TOL)
+        assert torch.allclose(d["without_no_sync"]["grad"], big_batch, **FP32_TOL)

@@ -1,0 +1,171 @@
+"""Plausible wrong answers for chapter 02, each with a fragment of the message the check must give."""
+
+
+def ddp_without_averaging(model):
+    import torch.distributed as dist
+
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=0)
+
+    def sum_grad(param):
+        dist.all_reduce(param.grad)  # summed, never divided by the world size
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(sum_grad)
+
+
+def ddp_hook_gets_parameter(model):
+    # The Picotron fault: the hook's argument is the parameter, not the gradient. Averaging identical
+    # parameters changes nothing, and the gradients are never synchronised; nothing crashes.
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=0)
+
+    def average(grad):
+        dist.all_reduce(grad)
+        grad.div_(world_size)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(average)
+
+
+def ddp_without_broadcast(model):
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+
+    def average_grad(param):
+        dist.all_reduce(param.grad)
+        param.grad.div_(world_size)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(average_grad)
+
+
+def ddp_without_buffers(model):
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    for p in model.parameters():  # parameters only: the buffer in_scale stays different per rank
+        dist.broadcast(p.data, src=0)
+
+    def average_grad(param):
+        dist.all_reduce(param.grad)
+        param.grad.div_(world_size)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(average_grad)
+
+
+def buckets_one_per_tensor(grads, bucket_bytes):
+    import torch.distributed as dist
+
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(dist.get_world_size())
+
+
+def buckets_without_copy_back(grads, bucket_bytes):
+    import torch
+    import torch.distributed as dist
+
+    buckets, current, filled = [], [], 0
+    for g in grads:
+        current.append(g)
+        filled += g.numel() * g.element_size()
+        if filled >= bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())  # averaged, but only in the copy
+
+
+def buckets_without_averaging(grads, bucket_bytes):
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def buckets_close_before_exceeding(grads, bucket_bytes):
+    import torch
+    import torch.distributed as dist
+
+    buckets, current, filled = [], [], 0
+    for g in grads:
+        size = g.numel() * g.element_size()
+        if current and filled + size > bucket_bytes:  # never exceed the limit: not DDP's rule
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(g)
+        filled += size
+    if current:
+        buckets.append(current)
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def shard_ignores_epoch(dataset_size, rank, world_size, epoch, seed):
+    import math
+
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed)  # the epoch never enters: set_epoch forgotten
+    indices = torch.randperm(dataset_size, generator=g).tolist()
+    total = math.ceil(dataset_size / world_size) * world_size
+    indices += indices[:total - len(indices)]
+    return indices[rank:total:world_size]
+
+
+def shard_seeded_by_rank(dataset_size, rank, world_size, epoch, seed):
+    import math
+
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed + epoch + rank)  # each rank its own permutation: overlaps and holes
+    indices = torch.randperm(dataset_size, generator=g).tolist()
+    total = math.ceil(dataset_size / world_size) * world_size
+    indices += indices[:total - len(indices)]
+    return indices[rank:total:world_size]
+
+
+def shard_without_padding(dataset_size, rank, world_size, epoch, seed):
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(dataset_size, generator=g).tolist()[rank::world_size]  # uneven shards
+
+
+WRONG = [
+    ("ddp_by_hand", ddp_without_averaging, "times too large"),
+    ("ddp_by_hand", ddp_hook_gets_parameter, "receives the parameter, not the gradient"),
+    ("ddp_by_hand", ddp_without_broadcast, "still has its own initial weights"),
+    ("ddp_by_hand", ddp_without_buffers, "broadcast the buffers too"),
+    ("bucketed_average", buckets_one_per_tensor, "one per gradient"),
+    ("bucketed_average", buckets_without_copy_back, "torch.cat makes a copy"),
+    ("bucketed_average", buckets_without_averaging, "divide the summed bucket by the world size"),
+    ("bucketed_average", buckets_close_before_exceeding, "closes it as soon as it holds at least bucket_bytes"),
+    ("shard_indices", shard_ignores_epoch, "set_epoch"),
+    ("shard_indices", shard_seeded_by_rank, "never + rank"),
+    ("shard_indices", shard_without_padding, "pad by repeating"),
+]
