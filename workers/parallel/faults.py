@@ -1,0 +1,88 @@
+"""Deliberately broken tensor parallelism: one collective dropped, doubled or misplaced.
+
+``with inject("drop_backward_all_reduce"): ...`` runs the library with that one mistake, so a test (or a
+notebook cell) can show that the equivalence check against the dense model catches it. Each fault is a
+mistake people make when writing these layers by hand:
+
+    drop_forward_all_reduce    g is the identity: the row-parallel partial sums are never added up
+    drop_backward_all_reduce   f is the identity: the input gradient is only this rank's contribution
+    double_all_reduce          g all-reduces twice: the output is t times too large
+    misplaced_all_reduce       the backward all-reduce sits after the row layer instead of before the
+                               column layer (g all-reduces in both passes, f in neither): the same counts,
+                               but weight gradients t times too large and a partial input gradient
+    bias_before_reduce         the row-parallel bias is added on every rank before the all-reduce
+    drop_reduce_scatter        sequence parallelism: each rank keeps its rows of its own partial sum
+    skip_parameter_grad_sync   gradients of parameters that need a sum over ranks are left partial
+                               (LayerNorm and row bias under sequence parallelism, replicated KV heads)
+
+The patches replace module attributes for the duration of the ``with`` and restore them afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from workers.parallel import attention, block, layers, mappings
+from workers.parallel.comm_stats import PARAMETER
+
+FAULTS = ("drop_forward_all_reduce", "drop_backward_all_reduce", "double_all_reduce", "misplaced_all_reduce",
+          "bias_before_reduce", "drop_reduce_scatter", "skip_parameter_grad_sync")
+
+
+def _identity(input_, group=None):
+    return input_
+
+
+@contextlib.contextmanager
+def _patched(target, name, value):
+    saved = getattr(target, name)
+    setattr(target, name, value)
+    try:
+        yield
+    finally:
+        setattr(target, name, saved)
+
+
+@contextlib.contextmanager
+def inject(fault: str):
+    """Run the body with ``fault`` in the tensor-parallel library ("" or None: no fault)."""
+    if not fault:
+        yield
+        return
+    if fault not in FAULTS:
+        raise ValueError(f"no fault named {fault!r}: choose one of {', '.join(FAULTS)}")
+    reduce_from = mappings.reduce_from_tensor_model_parallel_region
+    copy_to = mappings.copy_to_tensor_model_parallel_region
+    with contextlib.ExitStack() as stack:
+        if fault == "drop_forward_all_reduce":
+            stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region", _identity))
+        elif fault == "drop_backward_all_reduce":
+            stack.enter_context(_patched(mappings, "copy_to_tensor_model_parallel_region", _identity))
+        elif fault == "double_all_reduce":
+            stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region",
+                                         lambda x, group=None: reduce_from(reduce_from(x, group), group)))
+        elif fault == "misplaced_all_reduce":
+            stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region",
+                                         lambda x, group=None: copy_to(reduce_from(x, group), group)))
+            stack.enter_context(_patched(mappings, "copy_to_tensor_model_parallel_region", _identity))
+        elif fault == "bias_before_reduce":
+            def forward(self, x):
+                if not self.input_is_parallel:
+                    x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
+                y = self.local(x)
+                if self.bias is not None:
+                    y = y + self.bias  # on every rank, before the sum: t copies of the bias
+                return self.output_region(y)
+            stack.enter_context(_patched(layers.RowParallelLinear, "forward", forward))
+        elif fault == "drop_reduce_scatter":
+            stack.enter_context(_patched(mappings, "reduce_scatter_to_sequence_parallel_region",
+                                         lambda x, group=None: mappings.scatter_to_sequence_parallel_region(x, group)))
+        elif fault == "skip_parameter_grad_sync":
+            original = layers.region
+
+            def region(scope, mapping, input_, *args, group=None, kind="activation", **kwargs):
+                if kind == PARAMETER:
+                    return input_
+                return original(scope, mapping, input_, *args, group=group, kind=kind, **kwargs)
+            for module in (layers, attention, block):
+                stack.enter_context(_patched(module, "region", region))
+        yield
