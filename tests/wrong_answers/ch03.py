@@ -1,0 +1,246 @@
+"""Plausible wrong answers to chapter 03's exercises, each with a fragment of the message that must catch it."""
+
+
+def g_backward_all_reduces():
+    """The 'symmetric' g: all-reduce forward and backward (what torch.distributed.nn.functional.all_reduce does)."""
+    import torch
+    import torch.distributed as dist
+
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            x = x.clone()
+            dist.all_reduce(x, group=group)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)  # wrong: the gradient is already complete
+            return grad, None
+
+    return lambda x, group=None: Copy.apply(x, group), lambda x, group=None: Reduce.apply(x, group)
+
+
+def f_backward_identity():
+    """f that forgets to sum: each rank keeps its own gradient of the replicated input."""
+    import torch
+    import torch.distributed as dist
+
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None  # wrong: the replicated input's gradient is the sum over ranks
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            x = x.clone()
+            dist.all_reduce(x, group=group)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    return lambda x, group=None: Copy.apply(x, group), lambda x, group=None: Reduce.apply(x, group)
+
+
+def g_in_place():
+    """Megatron-style in-place all-reduce of g's input: breaks a backward that saved that tensor."""
+    import torch
+    import torch.distributed as dist
+
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            dist.all_reduce(x, group=group)  # wrong: overwrites the caller's tensor
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    return lambda x, group=None: Copy.apply(x, group), lambda x, group=None: Reduce.apply(x, group)
+
+
+def f_and_g_ignore_group():
+    """Right on the whole world, but every collective ignores group= (always the world)."""
+    import torch
+    import torch.distributed as dist
+
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad)  # wrong: the world, not the group
+            return grad, None
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            x = x.clone()
+            dist.all_reduce(x)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    return lambda x, group=None: Copy.apply(x, group), lambda x, group=None: Reduce.apply(x, group)
+
+
+def split_takes_next_rank_slice():
+    """Split that keeps the next rank's slice (an off-by-one in the rank)."""
+    import torch
+    import torch.distributed as dist
+
+    def gather(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            return x.chunk(n, dim=-1)[(r + 1) % n].contiguous()  # wrong slice
+
+        @staticmethod
+        def backward(ctx, grad):
+            return gather(grad, ctx.group), None
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return gather(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+            return grad.chunk(n, dim=-1)[r].contiguous(), None
+
+    return lambda x, group=None: Scatter.apply(x, group), lambda x, group=None: Gather.apply(x, group)
+
+
+def gather_backward_all_reduces():
+    """Gather whose backward sums the (already replicated) gradient before keeping its slice."""
+    import torch
+    import torch.distributed as dist
+
+    def gather(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    def split(t, group):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        return t.chunk(n, dim=-1)[r].contiguous()
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return split(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return gather(grad, ctx.group), None
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return gather(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)  # wrong: the gradient is already complete
+            return split(grad, ctx.group), None
+
+    return lambda x, group=None: Scatter.apply(x, group), lambda x, group=None: Gather.apply(x, group)
+
+
+def scatter_backward_own_slice_only():
+    """Split whose backward pads this rank's slice gradient with zeros instead of gathering every slice."""
+    import torch
+    import torch.distributed as dist
+
+    def gather(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            return x.chunk(n, dim=-1)[r].contiguous()
+
+        @staticmethod
+        def backward(ctx, grad):
+            n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+            parts = [torch.zeros_like(grad) for _ in range(n)]
+            parts[r] = grad  # wrong: the other slices' gradients live on the other ranks
+            return torch.cat(parts, dim=-1), None
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return gather(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+            return grad.chunk(n, dim=-1)[r].contiguous(), None
+
+    return lambda x, group=None: Scatter.apply(x, group), lambda x, group=None: Gather.apply(x, group)
+
+
+WRONG = [
+    ("f_and_g", g_backward_all_reduces, "world-size scaling trap"),
+    ("f_and_g", f_backward_identity, "sum of all ranks' gradients"),
+    ("f_and_g", g_in_place, "changed its input in place"),
+    ("f_and_g", f_and_g_ignore_group, "pass group=group"),
+    ("split_and_gather", split_takes_next_rank_slice, "kept slice"),
+    ("split_and_gather", gather_backward_all_reduces, "do not sum it"),
+    ("split_and_gather", scatter_backward_own_slice_only, "all_gather the slices' gradients"),
+]

@@ -1,0 +1,91 @@
+"""Run every mapping of ``workers/parallel/mappings.py`` on real ranks; send back inputs, outputs and gradients.
+
+    torchrun --nproc-per-node 4 workers/ch03_mappings.py --mapping all --tp-size 2
+
+Each rank builds the inputs and output gradients of *all* ranks from one seed (``reference.example``),
+keeps its own, runs forward and backward, and returns its input, the gradient it was given, its output
+and the gradient of its input: everything the notebook needs to rebuild the run in one process
+(``reference.compare``). ``tp_size`` < world size splits the world into tensor-parallel groups of that
+size ([0..tp-1], [tp..2tp-1], ...) and every mapping runs inside its own group only.
+"""
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from workers.parallel import mappings
+from workers.parallel.reference import MAPPING_NAMES, example, uneven_splits
+from workers.runtime import entrypoint
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def check_params(world_size, mapping, rows, cols, dtype, tp_size, implementation, **_):
+    if mapping != "all" and mapping not in MAPPING_NAMES:
+        return f"mapping={mapping!r} is not a mapping: choose 'all' or one of {', '.join(MAPPING_NAMES)}"
+    if dtype not in DTYPES:
+        return f"dtype={dtype!r} is not supported here: choose one of {', '.join(DTYPES)}"
+    if rows < 1 or cols < 1:
+        return f"rows={rows} and cols={cols} must be at least 1 (they are the block sizes per rank)"
+    tp = tp_size or world_size
+    if tp < 1 or world_size % tp:
+        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size}"
+    if implementation is not None and mapping == "all":
+        return "an implementation replaces one mapping: pass mapping='<its name>' with it"
+    return None
+
+
+def tensor_parallel_groups(world_size: int, tp_size: int):
+    """Every rank creates every group, in the same order (new_group is collective); returns (groups, ranks)."""
+    if tp_size == world_size:
+        return [None], [list(range(world_size))]
+    ranks = [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
+    return [dist.new_group(r) for r in ranks], ranks
+
+
+def run_mapping(ctx, name: str, fn, group, group_index: int, *, rows: int, cols: int, dtype: torch.dtype,
+                seed: int, uneven: bool, tensor_parallel_output_grad: bool) -> dict:
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    options, kwargs = {}, {}
+    if name == "gather_from_sequence_parallel_region":
+        options["tensor_parallel_output_grad"] = kwargs["tensor_parallel_output_grad"] = tensor_parallel_output_grad
+    if name == "all_to_all" and uneven:
+        splits = uneven_splits(n)
+        options["input_split_sizes"] = splits
+        kwargs = {"input_split_sizes": splits[me], "output_split_sizes": [splits[s][me] for s in range(n)]}
+    inputs, grad_outputs = example(name, n, rows, cols, seed=seed + 1000 * group_index, dtype=dtype, **options)
+    x = inputs[me].clone().to(ctx.device).requires_grad_()
+    y = fn(x, group=group, **kwargs)
+    y.backward(grad_outputs[me].to(ctx.device))
+    return {"input": inputs[me], "grad_output": grad_outputs[me], "output": y, "grad_input": x.grad,
+            "options": {k: v for k, v in options.items()}}
+
+
+def main(ctx, mapping: str = "all", rows: int = 2, cols: int = 3, dtype: str = "float64", seed: int = 0,
+         tp_size: int = 0, uneven: bool = False, tensor_parallel_output_grad: bool = True, implementation=None):
+    """Forward and backward of each mapping; ``implementation`` (a function) replaces the library's."""
+    tp = tp_size or ctx.world_size
+    groups, ranks = tensor_parallel_groups(ctx.world_size, tp)
+    group_index = ctx.rank // tp
+    group = groups[group_index]
+    names = MAPPING_NAMES if mapping == "all" else (mapping,)
+    records = {}
+    try:
+        # Record warnings too: the library must not lean on deprecated collectives (torch 2.13 renamed some).
+        with mappings.record_communication() as log, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, name in enumerate(names):
+                fn = implementation if implementation is not None else mappings.MAPPINGS[name]
+                records[name] = run_mapping(ctx, name, fn, group, group_index, rows=rows, cols=cols,
+                                            dtype=DTYPES[dtype], seed=seed + i, uneven=uneven,
+                                            tensor_parallel_output_grad=tensor_parallel_output_grad)
+    finally:
+        for g in groups:
+            if g is not None:
+                dist.destroy_process_group(g)
+    return {"records": records, "group_ranks": ranks[group_index], "group_rank": ctx.rank % tp,
+            "communication": log, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+if __name__ == "__main__":
+    entrypoint(main)

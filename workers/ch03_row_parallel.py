@@ -1,0 +1,104 @@
+"""Row-parallel gradient synchronisation, on real ranks, with every collective logged.
+
+    torchrun --nproc-per-node 2 workers/ch03_row_parallel.py --mode row --input-is-parallel true
+
+``mode="row"``: a row-parallel linear Y = X W + b (W stored [in, out], split by rows, as in the chapter):
+
+    X_r = X[:, block r]  (given, input_is_parallel=True)  or  scatter(X)  (X replicated)
+    Y   = g(X_r W_r) + b                       bias added once, after the reduce
+
+``mode="mlp"``: Megatron's MLP, Y = g(GeLU(f(X) A_r) B_r) + b, A split by columns and B by rows.
+
+Every rank returns its output, the gradients of everything it holds, and the log of collectives with
+the pass (forward / backward) each ran in; the notebook compares them with ``reference.linear_reference``
+and ``reference.mlp_reference``.
+"""
+import torch
+import torch.distributed as dist
+
+from workers.ch03_mappings import tensor_parallel_groups
+from workers.parallel import mappings as M
+from workers.runtime import entrypoint
+
+MODES = ("row", "mlp")
+
+
+def problem(mode: str, seed: int, batch: int, hidden: int, out: int, ffn: int):
+    """Unsharded tensors, the same on every rank and in the notebook: (x, weights..., bias, grad_output)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0):
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+
+    x = draw(batch, hidden)
+    if mode == "row":
+        return {"x": x, "weight": draw(hidden, out, scale=hidden ** -0.5), "bias": draw(out),
+                "grad_output": draw(batch, out)}
+    return {"x": x, "w_in": draw(hidden, ffn, scale=hidden ** -0.5), "w_out": draw(ffn, hidden, scale=ffn ** -0.5),
+            "bias": draw(hidden), "grad_output": draw(batch, hidden)}
+
+
+def check_params(world_size, mode, hidden, ffn, tp_size, **_):
+    if mode not in MODES:
+        return f"mode={mode!r} is not known: choose one of {', '.join(MODES)}"
+    tp = tp_size or world_size
+    if world_size % tp:
+        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size}"
+    split = hidden if mode == "row" else ffn
+    if split % tp:
+        return f"{'hidden' if mode == 'row' else 'ffn'}={split} is not divisible by the tensor-parallel size {tp}"
+    return None
+
+
+def main(ctx, mode: str = "row", input_is_parallel: bool = False, batch: int = 4, hidden: int = 8, out: int = 6,
+         ffn: int = 16, seed: int = 0, tp_size: int = 0):
+    tp = tp_size or ctx.world_size
+    groups, ranks = tensor_parallel_groups(ctx.world_size, tp)
+    group, me = groups[ctx.rank // tp], ctx.rank % tp
+    p = {k: v.to(ctx.device) for k, v in problem(mode, seed, batch, hidden, out, ffn).items()}
+    try:
+        with M.record_communication() as log:
+            if mode == "row":
+                sent = _row(p, group, me, tp, input_is_parallel)
+            else:
+                sent = _mlp(p, group, me, tp)
+    finally:
+        for g in groups:
+            if g is not None:
+                dist.destroy_process_group(g)
+    return {**sent, "communication": log, "tp_size": tp, "group_rank": me}
+
+
+def _row(p: dict, group, me: int, tp: int, input_is_parallel: bool) -> dict:
+    rows = p["weight"].shape[0] // tp
+    block = slice(me * rows, (me + 1) * rows)
+    w_r = p["weight"][block].clone().requires_grad_()  # [h/n, o]
+    bias = p["bias"].clone().requires_grad_()  # [o], replicated
+    if input_is_parallel:
+        x = p["x"][:, block].clone().requires_grad_()  # [b, h/n]: the previous layer left X split
+        x_r = x
+    else:
+        x = p["x"].clone().requires_grad_()  # [b, h], replicated
+        x_r = M.scatter_to_tensor_model_parallel_region(x, group=group)  # [b, h/n]
+    y = M.reduce_from_tensor_model_parallel_region(x_r @ w_r, group=group) + bias  # [b, o]
+    y.backward(p["grad_output"])
+    return {"output": y, "grad_input": x.grad, "grad_weight": w_r.grad, "grad_bias": bias.grad,
+            "block": [block.start, block.stop]}
+
+
+def _mlp(p: dict, group, me: int, tp: int) -> dict:
+    cols = p["w_in"].shape[1] // tp
+    block = slice(me * cols, (me + 1) * cols)
+    a_r = p["w_in"][:, block].clone().requires_grad_()  # [h, 4h/n]: column parallel
+    b_r = p["w_out"][block].clone().requires_grad_()  # [4h/n, h]: row parallel
+    bias = p["bias"].clone().requires_grad_()  # [h], replicated
+    x = p["x"].clone().requires_grad_()  # [b, h], replicated
+    h_r = torch.nn.functional.gelu(M.copy_to_tensor_model_parallel_region(x, group=group) @ a_r)  # [b, 4h/n]
+    y = M.reduce_from_tensor_model_parallel_region(h_r @ b_r, group=group) + bias  # [b, h]
+    y.backward(p["grad_output"])
+    return {"output": y, "grad_input": x.grad, "grad_w_in": a_r.grad, "grad_w_out": b_r.grad,
+            "grad_bias": bias.grad, "block": [block.start, block.stop]}
+
+
+if __name__ == "__main__":
+    entrypoint(main)

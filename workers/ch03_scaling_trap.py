@@ -1,0 +1,112 @@
+"""The world-size scaling trap: a replicated loss behind an all-reduce whose backward all-reduces too.
+
+    torchrun --nproc-per-node 4 workers/ch03_scaling_trap.py
+
+A row-parallel linear layer, then a loss that every rank computes identically:
+
+    X_r = scatter(X)               [b, h/n]   this rank's columns of the replicated input
+    P_r = X_r W_r                  [b, o]     this rank's partial sum (W_r: rows r*h/n .. of W)
+    Y   = all_reduce(P_r)          [b, o]     replicated: Y = X W on every rank
+    L   = 0.5 * ||Y||^2                       replicated: one logical loss, computed n times
+
+The all-reduce runs with three backwards: Megatron's ``g`` (identity), a hand-written one that
+all-reduces the gradient (the "symmetric" choice), and ``torch.distributed.nn.functional.all_reduce``,
+which does the same. dL/dY = Y is already complete on every rank, so summing it over n ranks makes every
+gradient upstream n times too large.
+"""
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from workers.ch03_mappings import tensor_parallel_groups
+from workers.parallel import mappings as M
+from workers.runtime import entrypoint
+
+
+class _AllReduceBothWays(torch.autograd.Function):
+    """All-reduce forward and backward: right for a sum of per-rank losses, wrong for a replicated loss."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _torch_distributed_nn(x, group):
+    import torch.distributed.nn.functional as dnn
+
+    with warnings.catch_warnings():  # deprecated in favour of _functional_collectives; shown for its backward
+        warnings.simplefilter("ignore")
+        return dnn.all_reduce(x, group=group if group is not None else dist.group.WORLD)
+
+
+def _has_torch_distributed_nn() -> bool:
+    try:
+        import torch.distributed.nn.functional as dnn
+    except ImportError:
+        return False
+    return hasattr(dnn, "all_reduce")
+
+
+REDUCTIONS = {
+    "megatron_g": lambda x, group: M.reduce_from_tensor_model_parallel_region(x, group=group),
+    "all_reduce_backward": lambda x, group: _AllReduceBothWays.apply(x, group),
+    "torch.distributed.nn.all_reduce": _torch_distributed_nn,
+}
+
+
+def problem(seed: int, batch: int, hidden: int, out: int):
+    """The unsharded X and W, the same on every rank (and in the notebook's reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch, hidden), generator=gen, dtype=torch.float64)
+    w = torch.randn((hidden, out), generator=gen, dtype=torch.float64) / hidden ** 0.5
+    return x, w
+
+
+def check_params(world_size, hidden, tp_size, **_):
+    tp = tp_size or world_size
+    if world_size % tp:
+        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size}"
+    if hidden % tp:
+        return f"hidden={hidden} is not divisible by the tensor-parallel size {tp}: use a multiple of {tp}"
+    return None
+
+
+def main(ctx, batch: int = 4, hidden: int = 8, out: int = 4, seed: int = 0, tp_size: int = 0):
+    """Gradients of W_r and X under each backward of the all-reduce, for one tensor-parallel group size."""
+    tp = tp_size or ctx.world_size
+    groups, ranks = tensor_parallel_groups(ctx.world_size, tp)
+    group = groups[ctx.rank // tp]
+    me = ctx.rank % tp
+    x_full, w_full = problem(seed, batch, hidden, out)
+    rows = hidden // tp
+    results = {}
+    try:
+        for name, reduce in REDUCTIONS.items():
+            if name.startswith("torch.") and not _has_torch_distributed_nn():
+                continue
+            x = x_full.clone().to(ctx.device).requires_grad_()  # replicated leaf, fresh for each variant
+            w_r = w_full[me * rows:(me + 1) * rows].clone().to(ctx.device).requires_grad_()  # [h/n, o]
+            x_r = M.scatter_to_tensor_model_parallel_region(x, group=group)  # [b, h/n]
+            y = reduce(x_r @ w_r, group)  # [b, o], replicated
+            loss = 0.5 * y.square().sum()
+            loss.backward()
+            results[name] = {"loss": loss.item(), "grad_weight": w_r.grad, "grad_input": x.grad}
+    finally:
+        for g in groups:
+            if g is not None:
+                dist.destroy_process_group(g)
+    return {"results": results, "tp_size": tp, "group_rank": me, "weight_rows": [me * rows, (me + 1) * rows]}
+
+
+if __name__ == "__main__":
+    entrypoint(main)
