@@ -11,7 +11,7 @@ from course_utils.ch02 import compare_to_baseline, reduction_ratios, reduction_r
 from workers.ch02_model import (FP32_TOL, MIB, Setup, accumulated_reference, bucket_assignment, grads_on,
                                 make_batches, make_model, make_stack, predict_ddp_buckets, shard, train_single)
 
-TIMEOUT = 30  # the same as the exercise checks, so every test of this file shares one set of warm ranks per world
+LIMITS = {"timeout": 60, "collective_timeout": 30}  # 30 s collectives like the exercise checks: shared warm ranks
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_predicted_buckets_for_the_stack_by_hand():
 @pytest.mark.ranks
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ddp_equals_single_process_after_every_step(world, baseline):
-    res = cu.run("workers.ch02_ddp", world_size=world, timeout=TIMEOUT)
+    res = cu.run("workers.ch02_ddp", world_size=world, **LIMITS)
     c = compare_to_baseline(res, baseline)
     weights = res.gather("weights")
     assert all(w.shape == baseline["weights"].shape for w in weights)  # [steps + 1, P]: every step came back
@@ -86,7 +86,7 @@ def test_batch_that_does_not_split_is_refused_before_launch():
 
 @pytest.mark.ranks
 def test_construction_broadcasts_rank0_parameters_and_buffers():
-    res = cu.run("workers.ch02_internals", world_size=4, timeout=TIMEOUT, part="broadcast")
+    res = cu.run("workers.ch02_internals", world_size=4, **LIMITS, part="broadcast")
     rank0 = res[0]["before"]
     for r in range(1, 4):
         # they really started different (seed + 1000 * rank) ...
@@ -101,7 +101,7 @@ def test_construction_broadcasts_rank0_parameters_and_buffers():
 
 @pytest.mark.ranks
 def test_gradient_is_the_mean_of_local_gradients_and_the_step_is_plain_sgd():
-    res = cu.run("workers.ch02_internals", world_size=4, timeout=TIMEOUT, part="average")
+    res = cu.run("workers.ch02_internals", world_size=4, **LIMITS, part="average")
     local = torch.stack(res.gather("local_grad"))  # [4, P]
     for d in res.ranks:
         assert torch.allclose(d["ddp_grad"], local.mean(dim=0), **FP32_TOL)
@@ -118,7 +118,7 @@ def test_all_reduce_count_against_bucket_cap_mb(cap, later):
     # 6 layers of 263,168 bytes. Step 1: one bucket with everything (DDP has not yet seen the backward
     # order). Step 2 on: buckets rebuilt with the cap, counted by a comm hook that sees every all-reduce.
     params = {"default_cap": True} if cap is None else {"bucket_cap_mb": cap}
-    res = cu.run("workers.ch02_internals", world_size=2, timeout=TIMEOUT, part="buckets", steps=3, **params)
+    res = cu.run("workers.ch02_internals", world_size=2, **LIMITS, part="buckets", steps=3, **params)
     for d in res.ranks:
         per_step = d["all_reduce_bytes"]
         assert per_step[0] == [6 * 263_168]
@@ -130,7 +130,7 @@ def test_all_reduce_count_against_bucket_cap_mb(cap, later):
 
 @pytest.mark.ranks
 def test_first_bucket_is_launched_while_backward_is_still_running():
-    res = cu.run("workers.ch02_internals", world_size=2, timeout=TIMEOUT, part="buckets", bucket_cap_mb=0.5, steps=2)
+    res = cu.run("workers.ch02_internals", world_size=2, **LIMITS, part="buckets", bucket_cap_mb=0.5, steps=2)
     events = [e for e in res[0]["events"] if e["step"] == 1]
     kinds = [e["kind"] for e in events]
     first_reduce = kinds.index("all_reduce")
@@ -144,7 +144,7 @@ def test_first_bucket_is_launched_while_backward_is_still_running():
 
 @pytest.mark.ranks
 def test_without_set_epoch_every_epoch_is_the_same():
-    res = cu.run("workers.ch02_pitfalls", world_size=2, timeout=TIMEOUT, part="sampler", dataset_size=12, epochs=3)
+    res = cu.run("workers.ch02_pitfalls", world_size=2, **LIMITS, part="sampler", dataset_size=12, epochs=3)
     for d in res.ranks:
         assert d["without_set_epoch"][0] == d["without_set_epoch"][1] == d["without_set_epoch"][2]
         assert d["with_set_epoch"][0] != d["with_set_epoch"][1]
@@ -157,7 +157,7 @@ def test_without_set_epoch_every_epoch_is_the_same():
 @pytest.mark.ranks
 def test_sum_reduction_scales_the_gradient_by_one_over_world_size():
     reference = reduction_reference(Setup())
-    runs = {w: cu.run("workers.ch02_pitfalls", world_size=w, timeout=TIMEOUT, part="reduction") for w in (2, 4)}
+    runs = {w: cu.run("workers.ch02_pitfalls", world_size=w, **LIMITS, part="reduction") for w in (2, 4)}
     for w, r in reduction_ratios(runs, reference).items():
         assert r["mean"] == pytest.approx(1.0, abs=1e-6) and r["mean_residual"] < 1e-6
         assert r["sum"] == pytest.approx(1 / w, abs=1e-6) and r["sum_residual"] < 1e-5
@@ -166,7 +166,7 @@ def test_sum_reduction_scales_the_gradient_by_one_over_world_size():
 @pytest.mark.ranks
 def test_no_sync_accumulation_equals_a_big_batch_with_one_all_reduce():
     k = 4
-    res = cu.run("workers.ch02_pitfalls", world_size=2, timeout=TIMEOUT, part="no_sync", accumulation=k)
+    res = cu.run("workers.ch02_pitfalls", world_size=2, **LIMITS, part="no_sync", accumulation=k)
     big_batch = accumulated_reference(Setup(), k)
     for d in res.ranks:
         assert d["with_no_sync"]["all_reduces"] == 1  # the tiny MLP fits one bucket: one all-reduce per step

@@ -30,6 +30,8 @@ from course_utils import ch02, plots
 from workers.ch02_model import FP32_TOL, Setup, make_model, train_single
 
 plots.style()
+# 60 s per run; 30 s for a collective, like the exercise checks, so runs and checks share warm ranks
+LIMITS = {"timeout": 60, "collective_timeout": 30}
 setup = Setup()
 print(setup)
 print("parameters:", sum(p.numel() for p in make_model(setup).parameters()))
@@ -79,8 +81,7 @@ print("baseline loss per step:", [round(v, 4) for v in baseline["losses"].tolist
 # bit for bit?
 
 # %% tags=["nbval-ignore-output"]
-jobs = {w: cu.launch("workers.ch02_ddp", world_size=w, timeout=30, **setup.as_params()) for w in (1, 2, 4)}
-ddp_runs = {w: job.wait() for w, job in jobs.items()}  # three jobs at once: their cold starts overlap
+ddp_runs = {w: cu.run("workers.ch02_ddp", world_size=w, **LIMITS, **setup.as_params()) for w in (1, 2, 4)}
 for w, res in ddp_runs.items():
     print(res.describe())
 
@@ -126,7 +127,7 @@ plots.savefig(ch02.draw_ddp_vs_baseline(comparisons, baseline), "02_ddp_vs_singl
 # optimizer ever touches?
 
 # %%
-bcast = cu.run("workers.ch02_internals", world_size=4, timeout=30, part="broadcast")
+bcast = cu.run("workers.ch02_internals", world_size=4, **LIMITS, part="broadcast")
 rank0_start = bcast[0]["before"]
 for r, d in enumerate(bcast.ranks):
     print(f"rank {r}: started equal to rank 0: {torch.equal(d['before']['params'], rank0_start['params'])}; "
@@ -155,7 +156,7 @@ plots.savefig(ch02.draw_broadcast(bcast), "02_broadcast");
 # the SGD step is exactly `w - lr * grad`.
 
 # %%
-avg = cu.run("workers.ch02_internals", world_size=4, timeout=30, part="average")
+avg = cu.run("workers.ch02_internals", world_size=4, **LIMITS, part="average")
 local = torch.stack(avg.gather("local_grad"))  # [world, P]: each rank's gradient on its own rows
 ddp_grad = avg.gather("ddp_grad")
 mean_local = local.mean(dim=0)
@@ -192,9 +193,9 @@ print("optimizer step is plain SGD on that .grad (w_after == w_before - lr * gra
 
 # %%
 caps = [0.1, 0.25, 0.5, 1.0, 2.0]
-bucket_runs = {f"{cap:g}": cu.run("workers.ch02_internals", world_size=2, timeout=30, part="buckets",
+bucket_runs = {f"{cap:g}": cu.run("workers.ch02_internals", world_size=2, **LIMITS, part="buckets",
                                   bucket_cap_mb=cap) for cap in caps}
-bucket_runs["default"] = cu.run("workers.ch02_internals", world_size=2, timeout=30, part="buckets", default_cap=True)
+bucket_runs["default"] = cu.run("workers.ch02_internals", world_size=2, **LIMITS, part="buckets", default_cap=True)
 print(ch02.bucket_table(bucket_runs))
 
 # %%
@@ -210,8 +211,9 @@ for label, res in bucket_runs.items():
 plots.savefig(ch02.draw_bucket_counts(bucket_runs), "02_bucket_counts");
 
 # %% [markdown]
-# At 1 MiB four layers fit before the bucket reaches the cap (4 × 263,168 = 1,052,672 ≥ 1,048,576), so
-# two buckets; at 0.1 MiB every gradient pair of a layer overshoots the cap alone, so one bucket per layer.
+# At 0.1 and 0.25 MiB a single layer (bias, then weight: 263,168 bytes) already reaches the cap, so there
+# is one bucket per layer. At 1 MiB the bucket closes after four layers (4 × 263,168 = 1,052,672 ≥
+# 1,048,576), and the two layers left make a second one.
 # The default is not "one bucket": its first bucket is capped at 1 MiB so that communication starts early.
 #
 # When does each all-reduce start? The worker also records the moment each gradient lands in `.grad`
@@ -253,7 +255,7 @@ live = LiveRun("workers.ch02_internals",
                {"bucket_cap_mb": W.FloatSlider(value=0.5, min=0.05, max=2.0, step=0.05, description="bucket_cap_mb",
                                                continuous_update=False),
                 "layers": slider("layers", 6, 1, 12)},
-               draw_live, params={"part": "buckets", "world_size": 2, "steps": 2}, timeout=30)
+               draw_live, params={"part": "buckets", "world_size": 2, "steps": 2, "collective_timeout": 30}, timeout=60)
 live.wait(60)
 live
 
@@ -270,7 +272,7 @@ live
 # rank 0 read in epoch 2?
 
 # %%
-samp = cu.run("workers.ch02_pitfalls", world_size=2, timeout=30, part="sampler", dataset_size=12, epochs=3)
+samp = cu.run("workers.ch02_pitfalls", world_size=2, **LIMITS, part="sampler", dataset_size=12, epochs=3)
 for r, d in enumerate(samp.ranks):
     print(f"rank {r} without set_epoch: {d['without_set_epoch']}")
     print(f"rank {r} with set_epoch:    {d['with_set_epoch']}")
@@ -296,7 +298,7 @@ plots.savefig(ch02.draw_sampler(samp), "02_set_epoch");
 
 # %%
 red_ref = ch02.reduction_reference(setup)
-red_runs = {w: cu.run("workers.ch02_pitfalls", world_size=w, timeout=30, part="reduction") for w in (1, 2, 4)}
+red_runs = {w: cu.run("workers.ch02_pitfalls", world_size=w, **LIMITS, part="reduction") for w in (1, 2, 4)}
 ratios = ch02.reduction_ratios(red_runs, red_ref)
 for w, r in ratios.items():
     print(f"world {w}: mean-loss DDP / single = {r['mean']:.4f}   sum-loss DDP / single = {r['sum']:.4f}"
@@ -329,7 +331,7 @@ from workers.ch02_model import accumulated_reference
 
 rows = []
 for k in (1, 2, 4, 8):
-    res = cu.run("workers.ch02_pitfalls", world_size=2, timeout=30, part="no_sync", accumulation=k)
+    res = cu.run("workers.ch02_pitfalls", world_size=2, **LIMITS, part="no_sync", accumulation=k)
     ref = accumulated_reference(setup, k)
     d = res[0]
     rows.append({"k": k, "with": d["with_no_sync"]["all_reduces"], "without": d["without_no_sync"]["all_reduces"],
