@@ -1,0 +1,102 @@
+"""Attention split by heads, with GQA (split or replicated KV heads), equals the dense module on real ranks.
+
+Tolerance as in ``course_utils.tp_check``: float32 on the ranks, |got - want| <= 1e-5 + 1e-5 |want|
+against the dense module in float64.
+"""
+import pytest
+import torch
+
+import course_utils as cu
+from course_utils import tp_check
+from workers.parallel.attention import head_problem, kv_heads_for_rank, naive_qkv_rows, qkv_rows
+
+pytestmark = pytest.mark.ranks
+WORKER = "workers.ch05_attention_tp"
+SEQ, BATCH = 8, 2
+
+
+def run(world_size, **params):
+    res = cu.run(WORKER, world_size=world_size, seq=SEQ, batch=BATCH, **params)
+    return res, tp_check.config_of(res[0]["config"])
+
+
+CASES = [
+    {"n_heads": 4},  # multi-head
+    {"n_heads": 8, "n_kv_heads": 4},  # GQA, KV heads split at TP 2 and 4
+    {"n_heads": 8, "n_kv_heads": 2},  # GQA: split at TP 2, replicated twice at TP 4
+    {"n_heads": 4, "n_kv_heads": 1},  # MQA: replicated on every rank
+    {"n_heads": 4, "causal": False},
+    {"n_heads": 8, "n_kv_heads": 2, "sequence_parallel": True},
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("params", CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_attention_by_head_equals_dense(world_size, params):
+    res, cfg = run(world_size, **params)
+    report = tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH)
+    assert report.ok, report
+    assert len(report.errors) == 6  # output, input grad, qkv.weight, qkv.bias, proj.weight, proj.bias
+
+
+def test_replicated_kv_heads_get_identical_summed_gradients():
+    # TP 4 with 2 KV heads: ranks 0,1 hold KV head 0 and ranks 2,3 KV head 1. Each copy sees only its
+    # own query heads, so without a sum its gradient would be partial; with f over the copies it is the
+    # full gradient, the same bit for bit on both copies.
+    res, cfg = run(4, n_heads=8, n_kv_heads=2)
+    assert [r["kv_heads"] for r in res.ranks] == [[0], [0], [1], [1]]
+    q_rows = 2 * cfg.head_dim  # 2 query heads per rank come first in the local QKV weight
+    grads = [r["grads"]["qkv.weight"]["value"][q_rows:] for r in res.ranks]
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[2], grads[3])
+    assert not torch.equal(grads[0], grads[2])
+    kv_syncs = [row for row in tp_check.comm_rows(res, kind="parameter") if row["scope"].endswith("kv_copies")]
+    assert sum(row["calls"] for row in kv_syncs) == 2  # weight and bias, backward only
+    assert all(row["pass"] == "backward" and row["collective"] == "all_reduce" for row in kv_syncs)
+
+
+def test_replicated_kv_heads_without_the_gradient_sum_are_caught():
+    res, cfg = run(4, n_heads=8, n_kv_heads=2, fault="skip_parameter_grad_sync")
+    report = tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH)
+    assert not report.ok
+    assert any("qkv.weight" in p for p in report.problems + report.failed)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_naive_chunking_of_fused_qkv_runs_and_is_wrong(world_size):
+    res, cfg = run(world_size, n_heads=4, split="naive")
+    report = tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH)
+    assert not report.ok and report.errors["output"] > 1e-2
+
+
+@pytest.mark.parametrize("fault", ["drop_forward_all_reduce", "drop_backward_all_reduce", "double_all_reduce"])
+def test_broken_collectives_in_attention_are_caught(fault):
+    res, cfg = run(2, n_heads=4, fault=fault)
+    assert not tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH).ok
+
+
+@pytest.mark.parametrize("world_size,params,fragment", [
+    (4, {"n_heads": 6}, "n_heads=6 is not divisible by the tensor-parallel size 4"),
+    (4, {"n_heads": 12, "n_kv_heads": 6}, "n_kv_heads=6 and TP=4 do not divide one another"),
+])
+def test_invalid_head_counts_are_refused_in_one_sentence(world_size, params, fragment):
+    with pytest.raises(cu.InvalidParameter, match=fragment):
+        cu.run(WORKER, world_size=world_size, hidden=48, **params)
+
+
+# -- no ranks needed -----------------------------------------------------------------------------------
+
+def test_head_aware_split_of_fused_qkv():
+    # 4 query heads, 2 KV heads, head size 1: rows are q0 q1 q2 q3 | k0 k1 | v0 v1
+    assert qkv_rows(4, 2, 1, 0, 2).tolist() == [0, 1, 4, 6]
+    assert qkv_rows(4, 2, 1, 1, 2).tolist() == [2, 3, 5, 7]
+    assert naive_qkv_rows(4, 2, 1, 0, 2).tolist() == [0, 1, 2, 3]  # rank 0 gets four query heads, no K or V
+    # replicated KV: TP 4 over 2 KV heads -> ranks 0,1 read KV head 0, ranks 2,3 KV head 1
+    assert [kv_heads_for_rank(8, 2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]
+    assert qkv_rows(8, 2, 1, 3, 4).tolist() == [6, 7, 9, 11]
+
+
+def test_head_problem_sentences():
+    assert head_problem(8, 2, 4) is None and head_problem(8, 8, 4) is None and head_problem(8, 1, 8) is None
+    assert "not divisible by the tensor-parallel size" in head_problem(6, 6, 4)
+    assert "do not divide one another" in head_problem(12, 6, 4)
+    assert "not a multiple of n_kv_heads" in head_problem(8, 3, 1)
