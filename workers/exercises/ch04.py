@@ -1,0 +1,195 @@
+"""Rank-side checks for chapter 04: a column-parallel forward, a row-parallel forward with the bias once,
+and the split of SwiGLU's fused [gate; up] weight. All on real ranks, against the dense layer.
+
+Every rank builds the same dense layer from one seed, hands the learner's function its shard, runs
+forward *and* backward (the backward is where a missing ``f`` shows), and only then compares: each rank
+finishes all its collectives before any verdict, and the ranks agree on one verdict (``_agree``), so a
+wrong answer on one rank can never leave another waiting in a collective.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from workers.exercise_support import Wrong, expect_close, run_exercise, scaled_by
+from workers.parallel.dense import BlockConfig, build, inputs
+from workers.parallel.layers import contiguous_index
+from workers.parallel.mlp import ParallelMLP, naive_rows, swiglu_rows
+
+TOL = dict(atol=1e-5, rtol=1e-5)  # float32 against float64, sums of a few dozen terms
+SEQ, BATCH = 4, 2
+
+
+def _agree(ctx, check) -> None:
+    """Run ``check()`` on every rank; if it raised Wrong anywhere, raise the lowest rank's message everywhere."""
+    try:
+        check()
+        message = None
+    except Wrong as exc:
+        message = str(exc)
+    messages = [None] * ctx.world_size
+    dist.all_gather_object(messages, message)
+    for m in messages:
+        if m is not None:
+            raise Wrong(m)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.double(), b.double(), **TOL)
+
+
+def _dense_grads(linear, x, grad_output):
+    """Output and every gradient of the dense layer, float64, in this process."""
+    lin = torch.nn.Linear(linear.in_features, linear.out_features).double()
+    lin.load_state_dict(linear.state_dict())
+    x = x.double().requires_grad_()
+    y = lin(x)
+    y.backward(grad_output.double())
+    return y.detach(), x.grad, lin.weight.grad, lin.bias.grad
+
+
+# -- exercise 1: column-parallel forward ----------------------------------------------------------------
+
+def check_column_parallel_forward(ctx, answer) -> None:
+    t, r = ctx.world_size, ctx.rank
+    cfg = BlockConfig(hidden=8, ffn_hidden=16)
+    dense = build("column", cfg, seed=4)  # Linear(8, 16), the same on every rank
+    x_full, g_full = inputs("column", cfg, SEQ, BATCH, seed=4)
+    cols = contiguous_index(cfg.ffn, t, r, "ffn")
+    weight = dense.weight.detach()[cols].clone().to(ctx.device).requires_grad_()  # [16/t, 8]
+    bias = dense.bias.detach()[cols].clone().to(ctx.device).requires_grad_()
+    x = x_full.clone().to(ctx.device).requires_grad_()
+    y = answer(x, weight, bias, None)
+    ran_backward = isinstance(y, torch.Tensor) and y.shape == (SEQ, BATCH, len(cols)) and y.requires_grad
+    if ran_backward:
+        y.backward(g_full[..., cols].to(ctx.device))
+    want_y, want_dx, want_dw, want_db = _dense_grads(dense, x_full, g_full)
+
+    def verdict():
+        if not isinstance(y, torch.Tensor):
+            raise Wrong(f"column_parallel_forward should return a tensor, not {type(y).__name__}")
+        if y.shape == want_y.shape and t > 1:
+            raise Wrong(f"you returned the whole output {tuple(y.shape)}: a column-parallel layer returns only this "
+                        f"rank's {len(cols)} output columns, [s, b, out/t] (gather_output=False)")
+        expect_close(y.detach().cpu(), want_y[..., cols], f"rank {r}'s output columns", **TOL)
+        if not ran_backward:
+            raise Wrong("the output does not require grad: compute it from x, weight and bias with differentiable ops")
+        expect_close(weight.grad.cpu(), want_dw[cols], "the gradient of this rank's weight shard", **TOL)
+        expect_close(bias.grad.cpu(), want_db[cols], "the gradient of this rank's bias shard", **TOL)
+        partial = (g_full[..., cols].double() @ dense.weight.detach()[cols].double())  # this rank's part of dX
+        if t > 1 and _same(x.grad.cpu(), partial):
+            raise Wrong("the output is right, but the input gradient is only this rank's contribution "
+                        "(g_r W_r): every rank's columns read all of x, so dL/dx is the sum over ranks. Pass x "
+                        "through copy_to_tensor_model_parallel_region (f): identity forward, all-reduce backward")
+        expect_close(x.grad.cpu(), want_dx, "the input gradient (after backward)", **TOL,
+                     hints=[(scaled_by(t), f"it is {t} times too large: the gradient is all-reduced twice")])
+
+    _agree(ctx, verdict)
+
+
+# -- exercise 2: row-parallel forward, bias once -------------------------------------------------------------
+
+def check_row_parallel_forward(ctx, answer) -> None:
+    t, r = ctx.world_size, ctx.rank
+    cfg = BlockConfig(hidden=8, ffn_hidden=16)
+    dense = build("row", cfg, seed=5)  # Linear(16, 8)
+    with torch.no_grad():
+        dense.bias.add_(1.0)  # a bias far from zero, so adding it t times cannot hide in the tolerance
+    x_full, g_full = inputs("row", cfg, SEQ, BATCH, seed=5)
+    rows = contiguous_index(cfg.ffn, t, r, "ffn")
+    x = x_full[..., rows].clone().to(ctx.device).requires_grad_()  # [s, b, 16/t]
+    weight = dense.weight.detach()[:, rows].clone().to(ctx.device).requires_grad_()  # [8, 16/t]
+    bias = dense.bias.detach().clone().to(ctx.device).requires_grad_()  # [8], whole on every rank
+    y = answer(x, weight, bias, None)
+    ran_backward = isinstance(y, torch.Tensor) and y.shape == (SEQ, BATCH, cfg.hidden) and y.requires_grad
+    if ran_backward:
+        y.backward(g_full.to(ctx.device))
+    want_y, want_dx, want_dw, want_db = _dense_grads(dense, x_full, g_full)
+    b = dense.bias.detach().double()
+
+    def verdict():
+        if not isinstance(y, torch.Tensor):
+            raise Wrong(f"row_parallel_forward should return a tensor, not {type(y).__name__}")
+        got = y.detach().cpu().double()
+        partial = x_full[..., rows].double() @ dense.weight.detach()[:, rows].double().T
+        if t > 1 and got.shape == want_y.shape:
+            if _same(got, want_y + (t - 1) * b):
+                raise Wrong(f"the output holds the bias {t} times: you added it on every rank before the all-reduce, "
+                            "which sums it too. Add it once, to the reduced output")
+            if _same(got, partial + b) or _same(got, partial):
+                raise Wrong("the output is only this rank's partial product X_r A_r: the ranks' partial sums must "
+                            "be added up, with reduce_from_tensor_model_parallel_region (g)")
+        expect_close(got, want_y, f"rank {r}'s output", **TOL, hints=[
+            (lambda g, w: torch.allclose(g - b, t * (w - b), atol=1e-4), f"the sum is {t} times too large: "
+             "the partial products were all-reduced twice")])
+        if not ran_backward:
+            raise Wrong("the output does not require grad: compute it from x, weight and bias with differentiable ops")
+        expect_close(bias.grad.cpu(), want_db, "the bias gradient", **TOL, hints=[
+            (scaled_by(1 / t), f"it is 1/{t} of the right one: you added bias/{t} on every rank before the sum; "
+             "the forward is right, the gradient is not. Add the whole bias once, after the all-reduce")])
+        expect_close(weight.grad.cpu(), want_dw[:, rows], "the gradient of this rank's weight shard", **TOL,
+                     hints=[(scaled_by(t), f"it is {t} times too large: the backward all-reduces the gradient, "
+                             "but g's backward is the identity")])
+        expect_close(x.grad.cpu(), want_dx[..., rows], "the gradient of this rank's input shard", **TOL)
+
+    _agree(ctx, verdict)
+
+
+# -- exercise 3: SwiGLU split -----------------------------------------------------------------------------
+
+def check_swiglu_shard(ctx, answer) -> None:
+    t, r = ctx.world_size, ctx.rank
+    cfg = BlockConfig(hidden=8, ffn_hidden=16, activation="swiglu")
+    dense = build("mlp", cfg, seed=6)  # fc1: [2*16, 8] laid out [gate; up]
+    w, b = dense.fc1.weight.detach(), dense.fc1.bias.detach()
+    got_w, got_b = answer(w.clone(), r, t), answer(b.clone(), r, t)
+    want_rows = swiglu_rows(cfg.ffn, r, t)
+    shape_ok = isinstance(got_w, torch.Tensor) and got_w.shape == w[want_rows].shape and \
+        isinstance(got_b, torch.Tensor) and got_b.shape == b[want_rows].shape
+    # run the parallel MLP with the learner's shard (when the shapes allow) and measure its output
+    error = None
+    if shape_ok:
+        mlp = ParallelMLP.from_dense(dense).to(ctx.device)
+        with torch.no_grad():
+            mlp.fc1.weight.copy_(got_w)
+            mlp.fc1.bias.copy_(got_b)
+        x, _ = inputs("mlp", cfg, SEQ, BATCH, seed=6)
+        with torch.no_grad():
+            error = (mlp(x.to(ctx.device)).cpu() - dense(x)).abs().max().item()
+
+    def verdict():
+        for got, what in ((got_w, "weight"), (got_b, "bias")):
+            if not isinstance(got, torch.Tensor):
+                raise Wrong(f"swiglu_shard should return a tensor (the {what}'s rows for this rank), "
+                            f"not {type(got).__name__}")
+        if not shape_ok:
+            raise Wrong(f"rank {r}'s shard of the weight has shape {tuple(got_w.shape)}; it should be "
+                        f"{tuple(w[want_rows].shape)}: 2*ffn/t rows ({cfg.ffn // t} of gate, then {cfg.ffn // t} of up)")
+        if t > 1 and torch.equal(got_w.cpu(), w[naive_rows(cfg.ffn, r, t)]):
+            kind = "gate rows only" if r < t // 2 else "up rows only"
+            raise Wrong(f"that is the contiguous chunk w.chunk({t})[{r}]: rank {r} gets {kind}, so silu(gate) * up "
+                        f"multiplies the wrong columns (MLP output off by {error:.3g}). Take rows "
+                        f"[r*f/t, (r+1)*f/t) of gate AND the same rows of up (which start at row f)")
+        if error is not None and error > 1e-5:
+            raise Wrong(f"with your shard the MLP output is off by {error:.3g}: rank {r} should hold gate rows "
+                        f"{want_rows[0].item()}..{want_rows[len(want_rows) // 2 - 1].item()} and up rows "
+                        f"{want_rows[len(want_rows) // 2].item()}..{want_rows[-1].item()}, in that order")
+        expect_close(got_w.cpu(), w[want_rows], f"rank {r}'s fc1 weight rows", atol=0, rtol=0)
+
+    _agree(ctx, verdict)
+
+
+CHECKS = {"column_parallel_forward": check_column_parallel_forward,
+          "row_parallel_forward": check_row_parallel_forward,
+          "swiglu_shard": check_swiglu_shard}
+
+
+def main(ctx, exercise: str = "", answer=None):
+    return run_exercise(ctx, CHECKS, exercise, answer)
+
+
+if __name__ == "__main__":
+    from workers.runtime import entrypoint
+
+    entrypoint(main)
