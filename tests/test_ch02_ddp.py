@@ -69,9 +69,9 @@ def test_ddp_equals_single_process_after_every_step(world, baseline):
     assert (weights[0][-1] - weights[0][0]).abs().max() > 1e-2
     # The mean of the ranks' local losses is the global loss.
     assert c["loss_diff"] < 1e-6
-    if world == 1:
-        assert torch.equal(weights[0], baseline["weights"])  # one rank: the same arithmetic, bit for bit
-    else:
+    if world == 1 and res.devices == ["cpu"]:
+        assert torch.equal(weights[0], baseline["weights"])  # one CPU rank: the baseline's kernels, bit for bit
+    if world > 1:
         # each rank read its own B/n rows: the local losses differ from rank to rank
         assert not torch.equal(res[0]["local_losses"], res[1]["local_losses"])
 

@@ -104,7 +104,8 @@ for w, c in comparisons.items():
 plots.savefig(ch02.draw_ddp_vs_baseline(comparisons, baseline), "02_ddp_vs_single");
 
 # %% [markdown]
-# World 1 is bit-identical: one rank, an all-reduce over one process, the same arithmetic. At world 2 and 4
+# World 1 on the CPU is bit-identical: one rank, an all-reduce over one process, the same kernels as the
+# notebook's baseline (on a GPU the kernels differ, and so do the last bits). At world 2 and 4
 # the weights differ from the baseline by about $10^{-8}$, an ulp or so of numbers of size 0.1: the sums
 # were taken in another order, nothing more. The ranks agree with each other exactly, because each
 # received the same all-reduced gradient and applied the same SGD step to the same weights.
