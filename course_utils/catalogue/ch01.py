@@ -1,0 +1,33 @@
+"""Chapter 01's graded exercises: two collectives built from smaller ones (on real ranks), and busbw."""
+from course_utils.exercises import FAIL, PASS, Exercise, register
+
+CHECKER = "workers.exercises.ch01"
+
+
+def check_bus_bandwidth(answer) -> tuple[str, str]:
+    """Compare ``answer(collective, nbytes, seconds, world_size)`` with nccl-tests' definition."""
+    from course_utils.ledger import bus_bandwidth_factor
+
+    nbytes, seconds = 64 * 2**20, 0.004  # 64 MiB in 4 ms: algbw = 16.8 GB/s
+    for collective in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"):
+        for n in (2, 4, 8):
+            want = nbytes / seconds * bus_bandwidth_factor(collective, n)
+            got = answer(collective, nbytes, seconds, n)
+            if not isinstance(got, (int, float)) or isinstance(got, bool):
+                return FAIL, f"bus_bandwidth should return a number of bytes/s, not {type(got).__name__}"
+            if abs(got - want) > 1e-9 * want:
+                algbw = nbytes / seconds
+                return FAIL, (f"{collective} at n={n}: got {got / 1e9:.4g} GB/s, expected {want / 1e9:.4g} GB/s "
+                              f"(algbw {algbw / 1e9:.4g} GB/s x factor {bus_bandwidth_factor(collective, n):.4g}); "
+                              "check the factor for this collective")
+    return PASS, "matches nccl-tests' busbw for all six collectives at n = 2, 4, 8"
+
+
+register(Exercise("ring_all_reduce", "01", "ring_all_reduce",
+                  "Ring all-reduce from send/recv: reduce-scatter, then all-gather",
+                  worker=CHECKER, world_sizes=(2, 4)))
+register(Exercise("all_gather_from_broadcast", "01", "all_gather_from_broadcast",
+                  "all_gather built from one broadcast per rank",
+                  worker=CHECKER, world_sizes=(2, 4)))
+register(Exercise("bus_bandwidth", "01", "bus_bandwidth",
+                  "nccl-tests' bus bandwidth from a measured time", local=check_bus_bandwidth))

@@ -1,0 +1,208 @@
+"""Chapter 01 on real ranks: the minimal script, rank/local_rank on two nodes, every collective against a
+single-process reference, async timing, the bandwidth sweep, and the DETAIL debugging drill.
+
+Every collective is compared with ``workers.ch01_collectives.reference`` (float64, built from the same
+inputs without communication). The inputs are small integers, so SUM/MIN/MAX/AVG must match exactly;
+PRODUCT is compared with rtol 1e-6 (float32 products of two-digit numbers are exact up to world 4 here,
+the tolerance is for larger worlds).
+"""
+import os
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+
+import course_utils as cu
+from course_utils import ch01
+from course_utils.ledger import bus_bandwidth_factor
+from workers.ch01_collectives import COLLECTIVES, OPS, REDUCING, ROOTED, reference
+
+pytestmark = pytest.mark.ranks
+RUN = dict(timeout=30)  # same pool key as the exercise checks: the warm ranks are shared
+
+
+# -- the minimal script under plain torchrun ------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_minimal_script_sums_to_n_n_plus_1_over_2_on_every_rank(n):
+    run = ch01.run_script("workers/ch01_minimal.py", n, timeout=120)
+    assert run.ok, str(run) + "\n" + "\n".join(run.agent)
+    assert sorted(run.by_rank) == list(range(n))
+    for rank in range(n):
+        # rank r contributed r + 1; all_reduce SUM leaves 1 + ... + n on every rank
+        assert f"rank {rank}/{n}" in run.lines(rank)[0]
+        assert f"all_reduce -> {n * (n + 1) // 2}," in run.lines(rank)[0]
+
+
+def test_run_script_kills_the_whole_group_on_timeout(tmp_path):
+    # Rank 1 never joins the all_reduce; the default gloo timeout is 30 minutes, so only our timeout ends it.
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("pid", os.getpid(), flush=True)
+        if dist.get_rank() == 1:
+            time.sleep(600)
+        dist.all_reduce(torch.ones(1))
+    """))
+    start = time.time()
+    run = ch01.run_script(script, 2, timeout=25)
+    assert run.timed_out and not run.ok
+    assert time.time() - start < 60
+    pids = [int(line.split()[1]) for r in (0, 1) for line in run.lines(r) if line.startswith("pid")]
+    assert len(pids) == 2, str(run)  # both ranks had started before the timeout...
+    time.sleep(0.5)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive  # ...and neither survived it
+    assert "timed out" in str(run)
+
+
+def test_run_script_rejects_bad_input():
+    with pytest.raises(ValueError, match="whole number"):
+        ch01.run_script("workers/ch01_minimal.py", 0)
+    with pytest.raises(FileNotFoundError, match="no script"):
+        ch01.run_script("workers/no_such_script.py", 1)
+
+
+# -- rank, local_rank, world_size on two agents ----------------------------------------------------------
+
+def test_two_nodes_two_processes_each():
+    res = cu.run("workers.ch01_env", world_size=4, nnodes=2, warm=False, gpus_per_node=2, **RUN)
+    assert [d["rank"] for d in res.ranks] == [0, 1, 2, 3]
+    assert [d["local_rank"] for d in res.ranks] == [0, 1, 0, 1]  # restarts at 0 on each node
+    assert [d["node_rank"] for d in res.ranks] == [0, 0, 1, 1]
+    assert {d["world_size"] for d in res.ranks} == {4}
+    assert [d["env"]["GROUP_RANK"] for d in res.ranks] == ["0", "0", "1", "1"]
+    assert {d["env"]["LOCAL_WORLD_SIZE"] for d in res.ranks} == {"2"}
+    assert len({d["env"]["MASTER_PORT"] for d in res.ranks}) == 1  # both agents met at one rendezvous
+    # the all_gather of (rank, node, local_rank) agrees on every rank
+    table = [[0, 0, 0], [1, 0, 1], [2, 1, 0], [3, 1, 1]]
+    assert all(d["everyone"].tolist() == table for d in res.ranks)
+    # cuda:{rank} does not exist on a 2-GPU node for ranks 2 and 3; cuda:{local_rank} always does
+    assert [d["device_by_rank_exists"] for d in res.ranks] == [True, True, False, False]
+    assert [d["device_by_local_rank"] for d in res.ranks] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert "no such GPU" in ch01.device_table(res)
+
+
+# -- every collective -----------------------------------------------------------------------------------
+
+def test_reference_by_hand_at_world_2():
+    # The reference itself, checked against values worked out by hand (inputs: rank 0 [10, 11], rank 1 [20, 21]).
+    assert reference("all_reduce", 2)[1].tolist() == [30, 32]
+    assert reference("all_to_all", 2)[1].tolist() == [11, 21]
+    assert reference("reduce_scatter", 2, "max")[0].tolist() == [20]
+    assert reference("all_gather", 2)[0].tolist() == [10, 20]  # all_gather inputs are one chunk: [10], [20]
+    assert reference("scatter", 2, root=1)[0].tolist() == [20]
+    on_root = reference("reduce", 2, "product", root=1)
+    assert on_root[0] is None and on_root[1].tolist() == [200, 231]  # 10*20, 11*21 on the root only
+    assert reference("all_reduce", 2, "avg")[0].tolist() == [15, 16]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_collective_matches_single_process_reference(collective, n):
+    ops = OPS[:-1] if collective in REDUCING else ("sum",)  # band is refused on floats (next test)
+    root = n - 1 if collective in ROOTED else 0  # a root other than 0 catches src/dst mix-ups
+    for op in ops:
+        res = cu.run("workers.ch01_collectives", world_size=n, collective=collective, op=op, root=root, **RUN)
+        ok, err = ch01.compare_with_reference(res, collective, op=op, root=root)
+        assert ok, (collective, op, n, err, [d.get("after") for d in res.ranks])
+    if collective in ("reduce", "gather"):
+        # only the root's result is defined
+        assert res.gather("defined") == [r == root for r in range(n)]
+    if collective == "barrier":
+        late, waited = res.gather("before"), res.gather("after")
+        # rank r arrives r*50 ms late and nobody leaves before the last one: late + waited is about equal
+        ends = [float(a[0] + b[0]) for a, b in zip(late, waited)]
+        assert max(ends) - min(ends) < 40, ends
+        assert float(waited[0][0]) > float(waited[-1][0])
+
+
+def test_comparison_catches_a_wrong_result():
+    # compare_with_reference must not be a tautology: corrupt one element of one rank and it must say so.
+    res = cu.run("workers.ch01_collectives", world_size=2, collective="all_reduce", **RUN)
+    assert ch01.compare_with_reference(res, "all_reduce")[0]
+    res.ranks[1]["after"] = res.ranks[1]["after"].clone()
+    res.ranks[1]["after"][0] += 1
+    ok, err = ch01.compare_with_reference(res, "all_reduce")
+    assert not ok and err > 1e-3
+
+
+def test_bitwise_op_on_floats_is_reported_not_crashed():
+    res = cu.run("workers.ch01_collectives", world_size=2, collective="all_reduce", op="band", **RUN)
+    assert "Cannot use ReduceOp.BAND" in res[0]["unsupported"]
+    # the group is still usable afterwards (the refusal happened before any byte was sent)
+    again = cu.run("workers.ch01_collectives", world_size=2, collective="all_reduce", **RUN)
+    assert again.launch == "warm" and ch01.compare_with_reference(again, "all_reduce")[0]
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({"collective": "allreduce"}, "is not one of"),
+    ({"op": "mean"}, "not a reduction"),
+    ({"root": 2}, "use 0 to 1"),
+    ({"chunk": 0}, "too few"),
+])
+def test_collectives_bad_parameters_are_refused_in_one_sentence(params, fragment):
+    with pytest.raises(cu.InvalidParameter) as info:
+        cu.launch("workers.ch01_collectives", world_size=2, **params)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_collectives_figure_draws_every_collective():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    runs = {c: cu.run("workers.ch01_collectives", world_size=2, collective=c, **RUN) for c in COLLECTIVES}
+    fig = ch01.collectives_figure(runs)
+    texts = {t.get_text() for ax in fig.axes for t in ax.texts}
+    assert {"30", "32"} <= texts  # all_reduce's sums are drawn
+    assert "dist.all_to_all(out_chunks, chunks)" in texts
+    assert len(fig.axes) == 2 * len(COLLECTIVES)
+
+
+# -- async and timing -----------------------------------------------------------------------------------
+
+def test_async_launch_returns_before_the_transfer_is_done():
+    res = cu.run("workers.ch01_async", world_size=2, size_mb=4.0, iters=3, **RUN)
+    for d in res.ranks:
+        ms = d["ms"]
+        # gloo's async call hands the work to a thread: returning takes far less than waiting for the data
+        assert ms["async_launch"] < ms["async_wait"], ms
+        assert "cuda_event" not in ms  # only measured on a GPU
+        assert d["bytes"] == 4 * 2**20
+    assert "async_launch" in ch01.async_table(res)
+
+
+# -- bandwidth --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_bandwidth_rows_follow_nccl_tests_definitions(collective):
+    sizes = [4096, 1 << 20]
+    res = cu.run("workers.ch01_bandwidth", world_size=4, collective=collective, sizes=sizes, iters=2, warmup=1, **RUN)
+    rows = ch01.bandwidth_rows(res)
+    assert [r["bytes"] for r in rows] == sizes  # both sizes are multiples of 4 bytes x 4 ranks
+    for r in rows:
+        assert r["seconds"] > 0
+        assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
+        assert r["busbw"] == pytest.approx(r["algbw"] * bus_bandwidth_factor(collective, 4))
+    # every rank reports the same (MAX-reduced) times
+    assert len({tuple(d["seconds"]) for d in res.ranks}) == 1
+
+
+def test_bandwidth_rejects_bad_sizes():
+    with pytest.raises(cu.InvalidParameter, match="whole numbers of bytes"):
+        cu.launch("workers.ch01_bandwidth", world_size=2, sizes=[0])
+
+
+# -- debugging: TORCH_DISTRIBUTED_DEBUG=DETAIL names the mismatch ---------------------------------------
+
+def test_detail_mode_names_mismatched_shapes():
+    with pytest.raises(cu.WorkerFailed) as info:
+        cu.run("workers.drills", world_size=2, mode="shape_mismatch", bad_rank=1, collective_timeout=5.0,
+               timeout=40, warm=False, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    msg = str(info.value)
+    assert "Detected mismatch between collectives" in msg
+    assert "TensorShape=[4]" in msg and "TensorShape=[5]" in msg

@@ -1,0 +1,65 @@
+"""Chapter 01's notebook-side helpers, without ranks: alpha-beta fit, the published sweep, tables."""
+import math
+from pathlib import Path
+
+import pytest
+
+from course_utils import ch01
+
+
+def test_alpha_beta_fit_recovers_known_parameters():
+    alpha, B = 25e-6, 40e9  # 25 us, 40 GB/s
+    sizes = [2**k for k in range(10, 27, 2)]
+    times = [alpha + s / B for s in sizes]
+    got_alpha, got_B = ch01.fit_alpha_beta(sizes, times)
+    assert got_alpha == pytest.approx(alpha, rel=1e-9)
+    assert got_B == pytest.approx(B, rel=1e-9)
+
+
+def test_alpha_beta_fit_weighs_small_messages():
+    # An unweighted fit lets the largest message dominate; the relative fit keeps alpha within 10 %
+    # even when the large sizes carry a 5 % error.
+    alpha, B = 1e-3, 1e9
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e8]
+    times = [alpha + s / B for s in sizes]
+    times[-1] *= 1.05
+    got_alpha, _ = ch01.fit_alpha_beta(sizes, times)
+    assert got_alpha == pytest.approx(alpha, rel=0.1)
+
+
+def test_alpha_beta_fit_never_returns_a_negative_latency():
+    # Noisy small messages that are *faster* than the line through the large ones would give alpha < 0.
+    sizes, times = [1e3, 1e6, 1e7], [1e-9, 1e-3, 1e-2]
+    alpha, B = ch01.fit_alpha_beta(sizes, times)
+    assert alpha == 0.0 and B > 0
+    with pytest.raises(ValueError, match="two sizes"):
+        ch01.fit_alpha_beta([1e3], [1e-3])
+
+
+def test_published_sweep_is_in_the_repository_with_its_source():
+    path = ch01.published_csv_path()
+    assert path == ch01.REPO_ROOT / "data" / "reference" / "allreduce_8xH200_published.csv"
+    rows, header = ch01.load_published()
+    assert any("source:" in h and "CC-BY-SA" in h for h in header)
+    assert len(rows) == 20 and rows[0]["bytes"] == 32768 and rows[-1]["bytes"] == 16 * 2**30
+    # busbw / algbw is the all-reduce factor 2(n-1)/n = 1.75 for n = 8 (to the CSV's rounding)
+    for r in rows:
+        assert r["busbw"] / r["algbw"] == pytest.approx(1.75, rel=0.01)
+    shared = ch01.REPO_ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"
+    if shared.exists():  # the copy must not drift from the course's shared reference
+        assert shared.read_text() == path.read_text()
+
+
+def test_text_table_aligns_columns():
+    out = ch01.text_table([{"a": 1, "bb": 2.5}, {"a": 10, "bb": 0.125}])
+    lines = out.splitlines()
+    assert lines[0].split() == ["a", "bb"] and set(lines[1]) <= {"-", " "}
+    assert lines[2].split() == ["1", "2.5"] and lines[3].split() == ["10", "0.125"]
+    assert len({line.index("b") for line in lines[:1]}) == 1
+
+
+def test_origin_decodes_the_source_rank():
+    assert ch01._origin(23.0, 4, 4) == 1  # 10 * (1 + 1) + 3
+    assert ch01._origin(100.0, 4, 4) is None  # a sum: no single origin
+    assert ch01._origin(12.5, 4, 4) is None
+    assert ch01._origin(15.0, 4, 4) is None  # position 5 does not exist at width 4

@@ -1,0 +1,112 @@
+"""Plausible wrong answers for chapter 01, each with a fragment of the message the check must give."""
+
+
+def ring_without_all_gather(x):
+    # Stops after the reduce-scatter phase: each rank owns one finished chunk and never shares it.
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = list(x.chunk(n))
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        send = dist.isend(chunks[(rank - step) % n], (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+        send.wait()
+        chunks[(rank - step - 1) % n] += incoming
+    return x
+
+
+def ring_adds_in_all_gather(x):
+    # The all-gather phase adds the finished chunk to the local partial sum instead of replacing it.
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = list(x.chunk(n))
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        send = dist.isend(chunks[(rank - step) % n], (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+        send.wait()
+        chunks[(rank - step - 1) % n] += incoming
+    for step in range(n - 1):
+        send = dist.isend(chunks[(rank + 1 - step) % n], (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+        send.wait()
+        chunks[(rank - step) % n] += incoming
+    return x
+
+
+def ring_via_rank_zero(x):
+    # Right sum, wrong algorithm: everyone sends everything to rank 0, which sends the total back.
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if rank == 0:
+        incoming = torch.empty_like(x)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            x += incoming
+        for dst in range(1, n):
+            dist.send(x, dst)
+    else:
+        dist.send(x, 0)
+        dist.recv(x, 0)
+    return x
+
+
+def ring_with_library_all_reduce(x):
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    return x
+
+
+def gather_into_x(x):
+    # Broadcasts into x itself: from the first step on, x holds rank 0's data, so that is all anyone sends.
+    import torch
+    import torch.distributed as dist
+
+    rows = []
+    for src in range(dist.get_world_size()):
+        dist.broadcast(x, src=src)
+        rows.append(x.clone())
+    return torch.stack(rows)
+
+
+def gather_one_shared_buffer(x):
+    # One buffer for every broadcast, appended n times: every row ends up as the last rank's tensor.
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.empty_like(x)
+    rows = []
+    for src in range(dist.get_world_size()):
+        if src == dist.get_rank():
+            buf.copy_(x)
+        dist.broadcast(buf, src=src)
+        rows.append(buf)
+    return torch.stack(rows)
+
+
+def busbw_is_algbw(collective, nbytes, seconds, world_size):
+    return nbytes / seconds  # algbw: forgot the collective's factor
+
+
+def busbw_all_reduce_factor_everywhere(collective, nbytes, seconds, world_size):
+    n = world_size
+    return nbytes / seconds * 2 * (n - 1) / n  # right for all_reduce only
+
+
+WRONG = [
+    ("ring_all_reduce", ring_without_all_gather, "forget the all-gather phase"),
+    ("ring_all_reduce", ring_adds_in_all_gather, "counted twice"),
+    ("ring_all_reduce", ring_via_rank_zero, "where a ring sends"),
+    ("ring_all_reduce", ring_with_library_all_reduce, "called dist.all_reduce"),
+    ("all_gather_from_broadcast", gather_into_x, "broadcast into x itself"),
+    ("all_gather_from_broadcast", gather_one_shared_buffer, "share one buffer"),
+    ("bus_bandwidth", busbw_is_algbw, "factor"),
+    ("bus_bandwidth", busbw_all_reduce_factor_everywhere, "all_gather"),
+]

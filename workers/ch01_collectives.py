@@ -1,0 +1,183 @@
+"""Every collective of torch.distributed, once, with each rank's tensor before and after.
+
+    torchrun --nproc-per-node 4 workers/ch01_collectives.py --collective all_to_all
+
+Inputs are chosen so that you can read where each number came from: element j of rank r's input is
+``10 * (r + 1) + j``; the tens digit names the source rank, the units digit the position. After an
+``all_to_all`` at world 4, rank 1 holds [11, 21, 31, 41]: element 1 of every rank.
+
+``reference(...)`` computes, in one process and without any communication, what every rank must hold
+afterwards; the notebook and the tests compare the ranks' tensors with it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from workers.runtime import entrypoint
+
+COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+               "scatter", "gather", "barrier")
+OPS = ("sum", "product", "min", "max", "avg", "band")  # band: bitwise AND, defined for integers only
+REDUCING = ("reduce", "all_reduce", "reduce_scatter")
+ROOTED = ("broadcast", "reduce", "scatter", "gather")
+
+
+def check_params(world_size, collective, op, chunk, root, **_):
+    if collective not in COLLECTIVES:
+        return f"collective={collective!r} is not one of {', '.join(COLLECTIVES)}"
+    if op not in OPS:
+        return f"op={op!r} is not a reduction this chapter runs: choose one of {', '.join(OPS)}"
+    if chunk < 1:
+        return f"chunk={chunk} elements per rank per block is too few: use 1 or more"
+    if not 0 <= root < world_size:
+        return f"root={root} is not a rank of a world of {world_size}: use 0 to {world_size - 1}"
+    return None
+
+
+def rank_input(collective: str, rank: int, world_size: int, chunk: int = 1) -> torch.Tensor | None:
+    """What rank ``rank`` holds before the collective (float32); None for a barrier, which moves no data."""
+    if collective == "barrier":
+        return None
+    length = chunk if collective in ("all_gather", "gather") else world_size * chunk
+    return 10.0 * (rank + 1) + torch.arange(length, dtype=torch.float32)
+
+
+def _reduce(stack: torch.Tensor, op: str) -> torch.Tensor:
+    if op == "sum":
+        return stack.sum(0)
+    if op == "product":
+        return stack.prod(0)
+    if op == "min":
+        return stack.min(0).values
+    if op == "max":
+        return stack.max(0).values
+    if op == "avg":
+        return stack.mean(0)
+    if op == "band":
+        out = stack[0].long()
+        for row in stack[1:]:
+            out = out & row.long()
+        return out.to(stack.dtype)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def reference(collective: str, world_size: int, op: str = "sum", chunk: int = 1, root: int = 0) -> list:
+    """Single-process answer: what each rank holds afterwards (None where the result is undefined).
+
+    Computed in float64 from the same inputs the ranks use, so the comparison tests the collective,
+    not float32 rounding order.
+    """
+    n = world_size
+    inputs = [_input_for(collective, r, n, chunk, root) for r in range(n)]
+    ins = [None if t is None else t.double() for t in inputs]
+    if collective == "broadcast":
+        return [ins[root].clone() for _ in range(n)]
+    if collective == "reduce":
+        return [_reduce(torch.stack(ins), op) if r == root else None for r in range(n)]
+    if collective == "all_reduce":
+        return [_reduce(torch.stack(ins), op) for _ in range(n)]
+    if collective == "all_gather":
+        return [torch.cat(ins) for _ in range(n)]
+    if collective == "gather":
+        return [torch.cat(ins) if r == root else None for r in range(n)]
+    if collective == "reduce_scatter":
+        total = _reduce(torch.stack(ins), op)
+        return list(total.split(chunk))
+    if collective == "scatter":
+        return list(ins[root].split(chunk))
+    if collective == "all_to_all":
+        return [torch.cat([ins[src].split(chunk)[dst] for src in range(n)]) for dst in range(n)]
+    if collective == "barrier":
+        return [None for _ in range(n)]
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def _input_for(collective: str, rank: int, world_size: int, chunk: int, root: int) -> torch.Tensor | None:
+    if collective == "scatter":  # the root holds the list to scatter, whoever the root is
+        return rank_input(collective, rank, world_size, chunk) if rank == root else None
+    return rank_input(collective, rank, world_size, chunk)
+
+
+def _op(op: str):
+    return getattr(dist.ReduceOp, op.upper())
+
+
+def _barrier_demo(ctx) -> dict:
+    """Rank r arrives r * 50 ms late; nobody leaves before the last one has arrived.
+
+    Each rank times itself (clocks of different machines are not comparable): how late it arrived after
+    a first barrier, and how long it then waited inside the second one. Late + waited is about the same
+    on every rank: the arrival time of the last rank.
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    time.sleep(0.05 * ctx.rank)
+    arrived = time.perf_counter()
+    dist.barrier()
+    left = time.perf_counter()
+    return {"before": torch.tensor([(arrived - start) * 1e3]), "after": torch.tensor([(left - arrived) * 1e3]),
+            "defined": True, "call": "dist.barrier()",
+            "units": "ms: how late this rank arrived (before), how long it waited inside the barrier (after)"}
+
+
+def main(ctx, collective: str = "all_reduce", op: str = "sum", chunk: int = 1, root: int = 0):
+    """Run one collective on inputs whose values name their source rank and position."""
+    n, r, dev = ctx.world_size, ctx.rank, ctx.device
+    if collective == "barrier":
+        return _barrier_demo(ctx)
+    x_in = _input_for(collective, r, n, chunk, root)
+    before = None if x_in is None else x_in.to(dev)
+    defined = True
+    opname = f"ReduceOp.{op.upper()}"
+    try:
+        if collective == "broadcast":
+            after = before.clone()
+            dist.broadcast(after, src=root)
+            call = f"dist.broadcast(x, src={root})"
+        elif collective == "reduce":
+            after = before.clone()
+            dist.reduce(after, dst=root, op=_op(op))
+            defined = r == root  # other ranks' buffers are scratch space: their contents are unspecified
+            call = f"dist.reduce(x, dst={root}, op={opname})"
+        elif collective == "all_reduce":
+            after = before.clone()
+            dist.all_reduce(after, op=_op(op))
+            call = f"dist.all_reduce(x, op={opname})"
+        elif collective == "all_gather":
+            after = torch.empty(n * chunk, device=dev)
+            dist.all_gather(list(after.split(chunk)), before)
+            call = "dist.all_gather(outs, x)"
+        elif collective == "gather":
+            after = torch.empty(n * chunk, device=dev) if r == root else None
+            dist.gather(before, list(after.split(chunk)) if r == root else None, dst=root)
+            defined = r == root
+            call = f"dist.gather(x, outs if rank == {root} else None, dst={root})"
+        elif collective == "reduce_scatter":
+            after = torch.empty(chunk, device=dev)
+            dist.reduce_scatter(after, list(before.split(chunk)), op=_op(op))
+            call = f"dist.reduce_scatter(out, chunks, op={opname})"
+        elif collective == "scatter":
+            after = torch.empty(chunk, device=dev)
+            dist.scatter(after, list(before.split(chunk)) if r == root else None, src=root)
+            call = f"dist.scatter(out, chunks if rank == {root} else None, src={root})"
+        elif collective == "all_to_all":
+            after = torch.empty(n * chunk, device=dev)
+            dist.all_to_all(list(after.split(chunk)), list(before.split(chunk)))
+            call = "dist.all_to_all(out_chunks, chunks)"
+        else:
+            raise ValueError(f"unknown collective {collective!r}")
+    except (RuntimeError, TypeError, ValueError) as exc:
+        # A backend that lacks an operation (AVG on gloo before torch 2.8, bitwise ops on floats) refuses it
+        # on every rank before sending anything, so the group is still usable: report the refusal itself.
+        if "ReduceOp" not in str(exc) and "support" not in str(exc).lower():
+            raise
+        return {"unsupported": f"{type(exc).__name__}: {str(exc).splitlines()[0]}", "call": collective,
+                "backend": ctx.backend}
+    return {"before": before, "after": after, "defined": defined, "call": call, "backend": ctx.backend}
+
+
+if __name__ == "__main__":
+    entrypoint(main)
