@@ -41,6 +41,12 @@ class Comparison:
         name = max(self.errors, key=self.errors.get)
         return name, self.errors[name]
 
+    def verdict(self) -> str:
+        """The outcome without the error sizes (which depend on the CPU's rounding): safe to compare in CI."""
+        if self.ok:
+            return f"equal to the dense module: all {len(self.errors)} tensors within {ATOL:g} + {RTOL:g}*|want|"
+        return f"DIFFERENT from the dense module: {', '.join(self.failed + self.problems)}"
+
     def __repr__(self) -> str:
         verdict = "equal to the dense module" if self.ok else f"DIFFERENT: {', '.join(self.failed + self.problems)}"
         name, err = self.worst
@@ -104,3 +110,21 @@ def comm_count(result, collective: str, pass_: str, rank: int = 0, kind: str | N
 
 def comm_wire_bytes(result, rank: int = 0, kind: str | None = "activation", pass_: str | None = None) -> float:
     return sum(r["wire_bytes"] for r in comm_rows(result, rank, kind) if pass_ is None or r["pass"] == pass_)
+
+
+# -- FLOPs of one layer (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", sec. 5.1; Korthikanti et al. 2022, sec. 6): a multiply-add is 2 FLOPs ------
+
+def layer_forward_flops(seq: int, hidden: int, batch: int = 1, ffn: int = 0) -> dict:
+    """Forward FLOPs of one GPT layer by part (MHA, full s x s scores: no causal saving counted)."""
+    b, s, h, f = batch, seq, hidden, ffn or 4 * hidden
+    parts = {"qkv": 6 * b * s * h * h, "scores": 2 * b * s * s * h, "attention_v": 2 * b * s * s * h,
+             "proj": 2 * b * s * h * h, "mlp": 4 * b * s * h * f}
+    parts["attention"] = parts["qkv"] + parts["scores"] + parts["attention_v"] + parts["proj"]
+    parts["total"] = parts["attention"] + parts["mlp"]  # 24bsh^2 + 4bs^2h with f = 4h
+    return parts
+
+
+def attention_flop_share(seq: int, hidden: int) -> float:
+    """Attention's share of a layer's forward FLOPs: (8bsh^2 + 4bs^2h) / (24bsh^2 + 4bs^2h) = (2h + s) / (6h + s)."""
+    return (2 * hidden + seq) / (6 * hidden + seq)

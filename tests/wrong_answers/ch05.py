@@ -1,0 +1,48 @@
+"""Plausible wrong answers for chapter 05, each with a fragment of the message the check must give."""
+
+
+def qkv_naive_chunk(w, n_heads, n_kv_heads, head_dim, rank, world_size):
+    # The fused-QKV trap: a contiguous 1/t of [Q; K; V].
+    return w.chunk(world_size, dim=0)[rank]
+
+
+def qkv_chunk_each_part(w, n_heads, n_kv_heads, head_dim, rank, world_size):
+    # Right for MHA and for GQA with KV heads divisible by t; cuts a KV head in pieces when t > n_kv_heads.
+    import torch
+
+    d = head_dim
+    q, k, v = w[:n_heads * d], w[n_heads * d:(n_heads + n_kv_heads) * d], w[(n_heads + n_kv_heads) * d:]
+    return torch.cat([q.chunk(world_size)[rank], k.chunk(world_size)[rank], v.chunk(world_size)[rank]])
+
+
+def qkv_k_and_v_swapped(w, n_heads, n_kv_heads, head_dim, rank, world_size):
+    import torch
+
+    d, t = head_dim, world_size
+    q_per = n_heads // t
+    kv = (list(range(rank * n_kv_heads // t, (rank + 1) * n_kv_heads // t)) if n_kv_heads % t == 0
+          else [rank // (t // n_kv_heads)])
+    q = w[rank * q_per * d:(rank + 1) * q_per * d]
+    k_all, v_all = w[n_heads * d:(n_heads + n_kv_heads) * d], w[(n_heads + n_kv_heads) * d:]
+    return torch.cat([q] + [v_all[j * d:(j + 1) * d] for j in kv] + [k_all[j * d:(j + 1) * d] for j in kv])
+
+
+def kv_round_robin(n_heads, n_kv_heads, world_size, rank):
+    # Right when the KV heads are split; round-robin when they are replicated, so rank 1 reads the wrong head.
+    if n_kv_heads % world_size == 0:
+        per = n_kv_heads // world_size
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank % n_kv_heads]
+
+
+def kv_one_per_rank(n_heads, n_kv_heads, world_size, rank):
+    return [rank]
+
+
+WRONG = [
+    ("split_fused_qkv", qkv_naive_chunk, "contiguous chunk"),
+    ("split_fused_qkv", qkv_chunk_each_part, "cannot be split"),
+    ("split_fused_qkv", qkv_k_and_v_swapped, "in that order"),
+    ("kv_heads_for_rank", kv_round_robin, "reads KV head j // 4"),
+    ("kv_heads_for_rank", kv_one_per_rank, "query head j reads KV head"),
+]
