@@ -220,8 +220,10 @@ class RankJob:
         errors: dict[int, dict] = {}
         died: dict[int, str] = {}
         fail_at = None
+        loaded: set[int] = set()
         start = time.perf_counter()
-        deadline = time.monotonic() + timeout_s
+        # Until every rank has imported the worker, only the (generous) startup limit applies.
+        deadline = time.monotonic() + self.startup_timeout_s
         self.send_all("task", {"id": task_id, "worker": worker, "params": params, "seed": seed}, task=task_id)
         while len(done) < n:
             now = time.monotonic()
@@ -231,6 +233,11 @@ class RankJob:
             if fail_at is not None and now >= fail_at:
                 self._raise_failure(worker, errors, died)
             if now >= deadline:
+                if len(loaded) < n:
+                    self.close()
+                    missing = sorted(set(range(n)) - loaded)
+                    raise JobTimeout(f"{worker}: ranks {missing} did not finish importing it within "
+                                     f"{self.startup_timeout_s:g} s", logs=list(self.output))
                 self._raise_timeout(worker, timeout_s, done)
             try:
                 kind, rank, payload = self.frames.get(timeout=0.05)
@@ -255,6 +262,10 @@ class RankJob:
             elif fk == "error":
                 errors[rank] = data
                 fail_at = fail_at or time.monotonic() + ERROR_GRACE_S
+            elif fk == "loaded":
+                loaded.add(rank)
+                if len(loaded) == n:
+                    deadline = time.monotonic() + timeout_s
             elif fk == "task_done":
                 done[rank] = data["seconds"]
             if on_event is not None:
@@ -273,6 +284,16 @@ class RankJob:
     def _raise_failure(self, worker: str, errors: dict, died: dict) -> None:
         time.sleep(0.3)  # let the agents print what killed a rank that died without a traceback
         self.close()
+        dead = sorted(r for r in died if r >= 0 and r not in errors)
+        if dead:
+            # A rank that vanished is the cause; errors on the others (connection closed by peer) follow from it.
+            rank = dead[0]
+            then = ""
+            if errors:
+                r0 = min(errors)
+                then = f"; then rank {r0} raised {errors[r0]['type']}: {errors[r0]['message'][:200]}"
+            raise WorkerFailed(f"{worker}: rank {rank} died without a Python traceback (killed, crashed or "
+                               f"exited){then}{self._output_tail()}", rank=rank, errors=errors, logs=list(self.output))
         if errors:
             first = min(errors)
             err = errors[first]
@@ -280,16 +301,14 @@ class RankJob:
             raise WorkerFailed(f"{worker}: rank {first} raised {err['type']}: {err['message']}{others}",
                                rank=first, error_type=err["type"], rank_traceback=err["traceback"],
                                errors=errors, logs=list(self.output))
-        dead = sorted(r for r in died if r >= 0)
-        rank = dead[0] if dead else None
-        raise WorkerFailed(f"{worker}: rank {rank if rank is not None else '?'} died without a Python traceback "
-                           f"(killed, crashed or exited){self._output_tail()}", rank=rank, logs=list(self.output))
+        raise WorkerFailed(f"{worker}: torchrun exited before the ranks finished{self._output_tail()}",
+                           logs=list(self.output))
 
     def _raise_timeout(self, worker: str, timeout_s: float, done: dict) -> None:
         stuck_ranks = [r for r in range(self.world_size) if r not in done]
         stacks: dict[int, list] = {}
         self.send_all("dump_stacks", {})
-        until = time.monotonic() + 2.0
+        until = time.monotonic() + 5.0  # a loaded machine answers slowly; stuck ranks answer from a thread
         while len(stacks) < len(self.conns) and time.monotonic() < until:
             try:
                 kind, rank, payload = self.frames.get(timeout=0.05)

@@ -30,6 +30,7 @@ from course_utils.results import CourseError, InvalidParameter, JobCancelled, Ru
 from course_utils.validate import check_params, max_world_size
 
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL give up on a collective after this (a stuck rank)
 POOL_IDLE_S = float(os.environ.get("COURSE_POOL_IDLE_S", 600))
 MAX_WARM_RANKS = int(os.environ.get("COURSE_MAX_WARM_RANKS", 8))
 
@@ -221,7 +222,8 @@ def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT
     check_params(worker, world_size, params, nnodes=nnodes)
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise InvalidParameter(f"timeout must be a positive number of seconds, not {timeout!r}")
-    coll_timeout = float(collective_timeout if collective_timeout is not None else max(timeout, 30.0))
+    # A constant default, not derived from `timeout`: runs with different timeouts share the same warm ranks.
+    coll_timeout = float(collective_timeout if collective_timeout is not None else DEFAULT_COLLECTIVE_TIMEOUT_S)
     return Job(worker, world_size, _wire_params(params), timeout=float(timeout), seed=seed, warm=warm,
                nnodes=nnodes, env=env, collective_timeout_s=coll_timeout, on_event=on_event)
 

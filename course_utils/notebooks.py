@@ -46,13 +46,29 @@ def in_sync(src: Path) -> bool:
     return target.exists() and _cells(build(src)) == _cells(nbformat.read(target, as_version=4))
 
 
+def _carry_outputs(nb, old_path: Path) -> None:
+    """Keep the stored outputs of code cells whose source did not change (a markdown fix needs no rerun)."""
+    if not old_path.exists():
+        return
+    old = {}
+    for cell in nbformat.read(old_path, as_version=4).cells:
+        if cell.cell_type == "code":
+            old.setdefault(cell.source.strip(), cell)
+    for cell in nb.cells:
+        prev = old.get(cell.source.strip()) if cell.cell_type == "code" else None
+        if prev is not None:
+            cell.outputs, cell.execution_count = prev.outputs, prev.execution_count
+
+
 def sync(names: list[str] | None = None) -> list[Path]:
     changed = []
     for src in sources():
         if names and src.stem not in names:
             continue
         if not in_sync(src):
-            nbformat.write(build(src), notebook_for(src))
+            nb = build(src)
+            _carry_outputs(nb, notebook_for(src))
+            nbformat.write(nb, notebook_for(src))
             changed.append(notebook_for(src))
     return changed
 

@@ -98,6 +98,8 @@ def run_task(ctx: runtime.Context, task: dict) -> None:
         runtime.seed_all(int(task.get("seed", 0)))
         module = load_worker(task["worker"])
         params = rehydrate(task.get("params", {}))
+        # The run's timeout starts now: importing a worker on a loaded machine is not the run's fault.
+        reporter.send("loaded", {"seconds": time.perf_counter() - start})
         out = module.main(ctx, **params)
         if out:
             ctx.result(**out)

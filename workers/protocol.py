@@ -11,6 +11,7 @@ Kinds, rank -> notebook:
     log        data = {"text": str}
     result     data = {name: tensor | number | str | list | dict}   merged into the rank's results
     error      data = {"type", "message", "traceback"}   the rank's own traceback, shown in the notebook
+    loaded     data = {"seconds": float}                 the worker is imported; the run's timeout starts
     task_done  data = {"seconds": float}                 one per task and rank
     ready      data = {backend, device, why, local_world_size, node_rank, torch}   joined the process group
     stacks     data = {"stack": [[file, line, function, code], ...]}   answer to dump_stacks
@@ -35,7 +36,7 @@ import torch
 HEADER = struct.Struct(">Q")
 MAX_FRAME_BYTES = 1 << 31  # 2 GiB: a bigger frame means a bug (or a tensor that should stay on the rank)
 
-RANK_KINDS = ("hello", "ready", "metric", "log", "result", "error", "task_done", "stacks")
+RANK_KINDS = ("hello", "ready", "loaded", "metric", "log", "result", "error", "task_done", "stacks")
 NOTEBOOK_KINDS = ("task", "dump_stacks", "shutdown")
 
 
