@@ -3,7 +3,8 @@
 - cold launch: torchrun start + imports + rendezvous + one tiny all_reduce, at world 1, 2, 4, 8;
 - warm rerun: the same run again on warm ranks (what a slider change costs), median and p90 of 20;
 - a LiveRun widget: from a slider change to the new figure drawn, median of 10;
-- every notebook executed headless (papermill, fresh kernel), wall time each.
+- every notebook executed headless (papermill, fresh kernel), wall time each;
+- with a GPU: the chapters' GPU benchmarks (attention backends and kernels), written under data/.
 All numbers are CPU wall times of this machine; results also go to build/bench/results.json.
 """
 from __future__ import annotations
@@ -97,6 +98,29 @@ def bench_notebooks(names: list[str] | None = None) -> dict:
     return out
 
 
+def bench_gpu() -> dict:
+    """On a machine with a GPU: the GPU benchmarks of the chapters, each writing its JSON under data/."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no GPU here: the GPU benchmarks (attention, TP block, memory) are skipped; "
+              "the notebooks plot their committed results", flush=True)
+        return {}
+    day = time.strftime("%Y-%m-%d")
+    runs = {"attention": [sys.executable, "-m", "workers.bench_attention", "--quick",
+                          "--out", str(ROOT / "data" / "attention" / f"gpu_{day}.json")]}
+    out = {}
+    for name, cmd in runs.items():
+        t0 = time.perf_counter()
+        rc = subprocess.call(cmd, cwd=ROOT)
+        out[name] = {"returncode": rc, "seconds": time.perf_counter() - t0, "command": " ".join(cmd[1:])}
+        print(f"GPU bench {name}: exit {rc} in {out[name]['seconds']:.0f} s", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-notebooks", action="store_true")
@@ -105,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU wall times on {platform.node()} ({os.cpu_count()} cores); gloo on CPU", flush=True)
     results = {"machine": {"cores": os.cpu_count(), "platform": platform.platform()},
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "launch": bench_launch(), "widget": bench_widget()}
+    results["gpu"] = bench_gpu()
     if not a.skip_notebooks:
         results["notebooks_s"] = bench_notebooks(a.notebooks)
     out = ROOT / "build" / "bench" / "results.json"
