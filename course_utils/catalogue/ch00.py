@@ -1,0 +1,170 @@
+"""Chapter 00's graded exercises, all checked in the notebook (pure Python, against the ledger and planner).
+
+- ``layout_70b``: a TP/PP/DP/ZeRO layout for Llama 3 70B on 256 H100s that fits in 80 GB (the planner decides);
+- ``min_gpus_fsdp``: the smallest GPU count whose memory holds a model's states fully sharded (ZeRO-3/FSDP);
+- ``max_tp``: the largest tensor-parallel degree a head configuration allows inside one node;
+- ``zero_total_bytes``: the ZeRO stage formulas, total bytes per GPU (Rajbhandari et al. 2020, Figure 1).
+"""
+from __future__ import annotations
+
+import math
+
+from course_utils.exercises import FAIL, PASS, Exercise, register
+
+BYTES_PER_PARAM = 16  # mixed-precision Adam: 2 + 2 + 12 (ZeRO sec 3.1)
+H100_MEMORY = 80 * 2**30  # what the device exposes, in bytes (the planner's GPUS["h100"])
+
+
+# -- 1. a layout for 70B on 256 H100s ------------------------------------------------------------------
+
+LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage")
+LAYOUT_FIXED = {"seq": 4096, "micro_batch": 1, "recompute": "selective"}
+
+
+def plan_layout_70b(answer: dict):
+    """The planner's verdict for the learner's layout (Llama 3 70B, 256 H100s, seq 4096, micro-batch 1)."""
+    from course_utils.planner import Layout, plan
+
+    layout = Layout(tp=answer["tp"], pp=answer["pp"], dp=answer["dp"], zero_stage=answer["zero_stage"],
+                    **LAYOUT_FIXED)
+    return plan("70B", layout, 256, cluster_name="h100-ib")
+
+
+def check_layout_70b(answer) -> tuple[str, str]:
+    from course_utils.ledger import GB
+    from course_utils.planner import LayoutError
+
+    got = answer()
+    if not isinstance(got, dict) or not set(LAYOUT_KEYS) <= set(got):
+        return FAIL, f"return a dict with the keys {', '.join(LAYOUT_KEYS)}, for example dict(tp=8, pp=1, dp=32, zero_stage=1)"
+    try:
+        p = plan_layout_70b(got)
+    except LayoutError as exc:
+        return FAIL, str(exc)
+    if p.layout.tp > 8:
+        return FAIL, f"tp={p.layout.tp} spans more than one 8-GPU node, so its all-reduces leave NVLink; keep tp <= 8"
+    if not p.fits:
+        biggest = max(p.memory, key=p.memory.get)
+        return FAIL, (f"{p.total_memory_bytes / GB:.1f} GB per GPU does not fit in {p.gpu_memory_bytes / GB:.1f} GB "
+                      f"(80 GiB); the largest term is {biggest} ({p.memory[biggest] / GB:.1f} GB): split the model "
+                      "further (tp, pp) or shard more state (a higher zero_stage)")
+    return PASS, (f"fits: {p.total_memory_bytes / GB:.1f} GB of {p.gpu_memory_bytes / GB:.1f} GB per GPU, "
+                  f"{p.step_time_s:.2f} s per step in the planner's model (MFU {100 * p.mfu:.0f}%)")
+
+
+# -- 2. the smallest GPU count for FSDP alone ------------------------------------------------------------
+
+FSDP_CASES = [  # (n_params, gpu_memory_bytes, reserved_bytes)
+    (405.9e9, H100_MEMORY, 0.0),  # Llama 3.1 405B's model states alone
+    (405.9e9, H100_MEMORY, 20e9),  # ... with 20 GB per GPU kept for activations and buffers
+    (70.6e9, H100_MEMORY, 10e9),
+    (7e9, 24e9, 0.0),  # a 7B model on 24 GB cards
+    (5e9, 40e9, 0.0),  # 80 GB of states on 40 GB cards: exactly 2
+    (1e9, 80e9, 0.0),  # fits on one GPU
+]
+
+
+def min_gpus_reference(n_params: float, gpu_memory_bytes: float, reserved_bytes: float = 0.0) -> int:
+    usable = gpu_memory_bytes - reserved_bytes
+    return max(1, math.ceil(BYTES_PER_PARAM * n_params / usable))
+
+
+def check_min_gpus_fsdp(answer) -> tuple[str, str]:
+    for n_params, memory, reserved in FSDP_CASES:
+        got = answer(n_params, memory, reserved)
+        want = min_gpus_reference(n_params, memory, reserved)
+        case = f"n_params={n_params:g}, gpu_memory_bytes={memory:g}, reserved_bytes={reserved:g}"
+        if isinstance(got, bool) or not isinstance(got, int):
+            return FAIL, f"return a whole number of GPUs (an int), got {got!r} for {case}"
+        if got == want:
+            continue
+        usable = memory - reserved
+        if got == max(1, math.ceil(2 * n_params / usable)):
+            hint = "you counted only the 2-byte weights; FSDP shards all 16 bytes per parameter (weights, grads, Adam)"
+        elif reserved and got == max(1, math.ceil(BYTES_PER_PARAM * n_params / memory)):
+            hint = "each GPU has only gpu_memory_bytes - reserved_bytes left for the model states"
+        elif got == want - 1:
+            hint = (f"with {got} GPUs each would hold {BYTES_PER_PARAM * n_params / got / 1e9:.1f} GB of states, more "
+                    f"than the {usable / 1e9:.1f} GB available: round up, not down")
+        elif got == want + 1:
+            hint = f"{want} GPUs already suffice (the division is exact or already above); use math.ceil, not int(x) + 1"
+        else:
+            hint = f"16 bytes x n_params / N must fit in gpu_memory_bytes - reserved_bytes; expected {want}"
+        return FAIL, f"for {case} you returned {got}: {hint}"
+    return PASS, "correct: 16 bytes per parameter, spread over N GPUs, rounded up"
+
+
+# -- 3. the largest TP degree a head configuration allows -------------------------------------------------
+
+TP_CASES = [  # (heads, kv_heads, gpus_per_node)
+    (128, 8, 8),  # Llama 3.1 405B
+    (64, 8, 8),  # Llama 3 70B
+    (32, 32, 8),  # Llama 2 7B (no GQA)
+    (12, 12, 8),  # 12 heads: 8 does not divide them
+    (64, 4, 8),  # 4 KV heads
+    (128, 8, 16),  # a 16-GPU NVLink domain: still capped by the 8 KV heads
+    (14, 2, 8),
+    (25, 5, 8),
+]
+
+
+def check_max_tp(answer) -> tuple[str, str]:
+    for heads, kv_heads, node in TP_CASES:
+        got = answer(heads, kv_heads, node)
+        want = math.gcd(heads, kv_heads, node)
+        if got == want:
+            continue
+        case = f"heads={heads}, kv_heads={kv_heads}, gpus_per_node={node}"
+        if isinstance(got, bool) or not isinstance(got, int) or got < 1:
+            return FAIL, f"return a whole number >= 1, got {got!r} for {case}"
+        if heads % got:
+            why = f"tp={got} does not divide the {heads} query heads, so a GPU would hold a fraction of a head"
+        elif kv_heads % got:
+            why = (f"tp={got} does not divide the {kv_heads} key/value heads: each GPU needs whole KV heads "
+                   "(beyond that, KV heads must be replicated, which wastes memory and compute)")
+        elif node % got:
+            why = f"tp={got} does not tile a node of {node} GPUs, so some TP groups would straddle two nodes and leave NVLink"
+        else:
+            why = f"a larger degree, {want}, also divides the heads, the KV heads and the node"
+        return FAIL, f"for {case} you returned {got}: {why}"
+    return PASS, "correct: the largest degree dividing the heads, the KV heads and the node, gcd(heads, kv_heads, node)"
+
+
+# -- 4. ZeRO stage formulas, total bytes per GPU -------------------------------------------------------------
+
+ZERO_CASES = [(7.5e9, 64, s) for s in range(4)] + [(70e9, 8, s) for s in range(4)] + [(1e9, 1, 3), (13e9, 3, 2)]
+
+
+def check_zero_total_bytes(answer) -> tuple[str, str]:
+    from course_utils.ledger import model_state_bytes
+
+    for n_params, n_gpus, stage in ZERO_CASES:
+        got = answer(n_params, n_gpus, stage)
+        want = model_state_bytes(n_params, dp=n_gpus, zero_stage=stage).total
+        if isinstance(got, (int, float)) and not isinstance(got, bool) and abs(got - want) <= 1e-9 * want:
+            continue
+        case = f"n_params={n_params:g}, n_gpus={n_gpus}, stage={stage}"
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return FAIL, f"return a number of bytes, got {got!r} for {case}"
+        hint = ""
+        if abs(got * 1e9 / want - 1) < 1e-6:
+            hint = "return bytes, not GB"
+        else:
+            for other in range(4):
+                if other != stage and abs(got / model_state_bytes(n_params, dp=n_gpus, zero_stage=other).total - 1) < 1e-9:
+                    hint = (f"that is stage {other}'s total; stage {stage} shards "
+                            + {0: "nothing", 1: "the 12 bytes of optimizer state", 2: "optimizer state and gradients",
+                               3: "all 16 bytes"}[stage])
+                    break
+        return FAIL, f"for {case} expected {want:.6g} bytes, got {got:.6g}" + (f": {hint}" if hint else "")
+    return PASS, "correct: 120, 31.4, 16.6 and 1.9 GB for 7.5B parameters on 64 GPUs, as in the ZeRO paper's Figure 1"
+
+
+register(Exercise("layout_70b", "00", "layout_70b",
+                  "Pick TP/PP/DP and a ZeRO stage for Llama 3 70B on 256 H100s under 80 GB", local=check_layout_70b))
+register(Exercise("min_gpus_fsdp", "00", "min_gpus_fsdp",
+                  "The smallest GPU count for a model with FSDP (ZeRO-3) alone", local=check_min_gpus_fsdp))
+register(Exercise("max_tp", "00", "max_tp",
+                  "Why 8 KV heads cap tensor parallelism at 8", local=check_max_tp))
+register(Exercise("zero_total_bytes", "00", "zero_total_bytes",
+                  "The ZeRO stage formulas: bytes of model states per GPU", local=check_zero_total_bytes))

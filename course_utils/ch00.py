@@ -1,0 +1,334 @@
+"""Notebook-side helpers for chapter 00: the partition table, memory bars, the bubble and bandwidth figures,
+and the planner widget. Every number comes from ``course_utils.ledger`` / ``course_utils.planner``; this
+module only lays them out. Pure Python plus matplotlib/ipywidgets: no ranks are started.
+"""
+from __future__ import annotations
+
+import csv
+import html
+from dataclasses import dataclass
+from pathlib import Path
+
+from course_utils.ledger import GB, collective_time, pipeline_bubble_fraction, tp_comm_bytes_per_layer
+from course_utils.planner import (CLUSTERS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan, model_shape,
+                                  plan)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
+TIME_COLOURS = {"compute": "#4C72B0", "bubble": "#BBBBBB", "tp": "#DD8452", "cp": "#8172B3", "pp": "#937860",
+                "dp": "#55A868"}
+
+
+# -- a plain table, readable as text (nbval compares it) and as HTML -------------------------------------------
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+
+    def __str__(self) -> str:
+        cols = list(zip(self.header, *self.rows))
+        widths = [max(len(str(c)) for c in col) for col in cols]
+        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        out = [self.caption] if self.caption else []
+        out += [line(self.header), line(["-" * w for w in widths])] + [line(r) for r in self.rows]
+        return "\n".join(out)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        esc = lambda s: html.escape(str(s))  # noqa: E731
+        head = "".join(f"<th style='text-align:left'>{esc(h)}</th>" for h in self.header)
+        body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{esc(c)}</td>" for c in r) + "</tr>"
+                       for r in self.rows)
+        cap = f"<caption style='text-align:left'>{esc(self.caption)}</caption>" if self.caption else ""
+        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.0f} KiB"
+
+
+# -- 1. the partition logic of each parallelism ------------------------------------------------------------
+
+def partition_table(model: str = "70B", *, tp: int = 8, cp: int = 2, pp: int = 4, micro_batch: int = 1,
+                    seq: int = 8192, experts_top_k: int = 2) -> Table:
+    """What each parallelism splits, what it communicates, when, how big each message is and how often.
+
+    Sizes are bf16 (2 bytes) for one micro-batch of ``micro_batch`` x ``seq`` tokens of ``model``; "per GPU"
+    model states assume the ``tp`` x ``pp`` split. Sources: DP/ZeRO, Rajbhandari et al. 2020 sec 5 and 7;
+    TP, Shoeybi et al. 2019 sec 3; SP, Korthikanti et al. 2022 sec 4.2.2; CP, Llama 3 paper sec 3.3.2;
+    PP, Narayanan et al. 2021 sec 2.2 and 4.1; EP, Lepikhin et al. 2020 (GShard) sec 3.
+    """
+    m = model_shape(model)
+    b, s, h = micro_batch, seq, m.hidden
+    local_params = m.n_params / (tp * pp)
+    layer_params = m.params_per_layer / tp
+    act = b * s * h * 2  # one [b, s, h] bf16 activation
+    tpc = tp_comm_bytes_per_layer(b, s // cp, h, tp)
+    kv = 2 * b * s * m.kv_dim / tp * 2  # K and V of the whole sequence, this TP rank's heads
+    rows = [
+        ["DP (DDP)", "the batch; model replicated", "all_reduce of gradients",
+         "after backward (bucketed, overlapped)", _mb(2 * local_params), "1 per step"],
+        ["ZeRO-1", "+ optimizer states over DP", "reduce_scatter grads, all_gather params",
+         "after backward / after the step", _mb(2 * local_params) + " each", "1 + 1 per step"],
+        ["ZeRO-2", "+ gradients over DP", "reduce_scatter grads (per bucket), all_gather params",
+         "during backward / after the step", _mb(2 * local_params) + " each", "1 + 1 per step"],
+        ["ZeRO-3 / FSDP", "+ parameters over DP", "all_gather a layer's params; reduce_scatter its grads",
+         "before each layer's fwd and bwd; after its bwd", _mb(2 * layer_params) + " per layer",
+         "3 per layer per micro-batch"],
+        ["TP", "weight matrices (heads, FFN columns/rows)", "all_reduce of activations",
+         "inside every layer, fwd and bwd", _mb(tpc.message_bytes), "4 per layer per micro-batch"],
+        ["SP (with TP)", "LayerNorm/dropout activations along the sequence", "reduce_scatter + all_gather",
+         "replaces each TP all_reduce", _mb(tpc.message_bytes) + " (same wire bytes)", "4 + 4 per layer per micro-batch"],
+        ["CP", "the sequence (queries stay, keys/values travel)", "all_gather K,V; reduce_scatter dK,dV",
+         "inside every attention, fwd and bwd", _mb(kv), "2 per layer per micro-batch"],
+        ["PP", "the layers into stages", "send/recv activations and their gradients",
+         "at each stage boundary", _mb(act / tp) + " (1/tp with scatter/gather)", "2 per micro-batch per boundary"],
+        [f"EP (MoE, top-{experts_top_k})", "the experts of each MoE layer", "all_to_all tokens out and back",
+         "around every MoE FFN, fwd and bwd", _mb(act * experts_top_k), "4 per MoE layer per micro-batch"],
+    ]
+    caption = (f"{m.name}, micro-batch {b} x {s} tokens, bf16, tp={tp}, cp={cp}, pp={pp}: "
+               "message = the buffer one collective moves (nccl-tests' S)")
+    return Table(["parallelism", "splits", "communicates", "when", "message", "how often"], rows, caption)
+
+
+# -- 2. memory bars and time bars ----------------------------------------------------------------------------
+
+def memory_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "memory per GPU"):
+    """Stacked bars of params / grads / optimizer / activations (GB) with each plan's GPU-memory line."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(plans) + 2), 3.6))
+    bottoms = [0.0] * len(plans)
+    for state, colour in STATE_COLOURS.items():
+        values = [p.memory[state] / GB for p in plans]
+        ax.bar(range(len(plans)), values, bottom=bottoms, color=colour, label=state, width=0.6)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for i, p in enumerate(plans):
+        ax.hlines(p.gpu_memory_bytes / GB, i - 0.4, i + 0.4, colors="black", linestyles="--", linewidth=1.2)
+        ax.text(i, bottoms[i], "fits" if p.fits else "does NOT fit", ha="center", va="bottom", fontsize=8,
+                color="#1a7f37" if p.fits else "#cf222e")
+    ax.set_xticks(range(len(plans)), labels, fontsize=8)
+    ax.set_ylabel("GB (1e9 bytes)")
+    ax.set_title(title + "  (dashed: GPU memory)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_ylim(0, max(max(bottoms), max(p.gpu_memory_bytes / GB for p in plans)) * 1.18)
+    return ax
+
+
+def time_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "time per step (no overlap)"):
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(plans) + 2), 3.6))
+    parts = {"compute": [p.compute_time_s for p in plans], "bubble": [p.bubble_time_s for p in plans]}
+    parts |= {k: [p.comm_time_s[k] for p in plans] for k in ("tp", "cp", "pp", "dp")}
+    left = [0.0] * len(plans)
+    for name, values in parts.items():
+        ax.barh(range(len(plans)), values, left=left, color=TIME_COLOURS[name],
+                label=name if name in ("compute", "bubble") else f"comm {name}", height=0.6)
+        left = [a + v for a, v in zip(left, values)]
+    ax.set_yticks(range(len(plans)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per optimizer step (modelled)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    return ax
+
+
+def plan_row(label: str, p: Plan) -> list[str]:
+    lay = p.layout
+    return [label, f"{p.n_gpus}", f"{lay.tp}/{lay.cp}/{lay.pp}/{lay.dp}", f"{lay.zero_stage}",
+            f"{p.total_memory_bytes / GB:.1f}", "yes" if p.fits else "NO", f"{p.step_time_s:.2f}",
+            f"{100 * p.comm_total_s / p.step_time_s:.0f}%", f"{100 * p.mfu:.0f}%"]
+
+
+PLAN_HEADER = ["configuration", "GPUs", "tp/cp/pp/dp", "ZeRO", "GB/GPU", "fits", "s/step", "comm", "MFU"]
+
+
+# -- 3. pipeline bubble -----------------------------------------------------------------------------------------
+
+def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
+    """Two panels, one per denominator: bubble / ideal compute, and the idle share of the whole step."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+    ms = list(range(1, max_m + 1))
+    styles = {1: "-", 2: "--", 4: ":"}
+    for ax, denominator in zip(axes, ("ideal", "total")):
+        for i, p in enumerate(ps):
+            for v in vs:
+                ys = [pipeline_bubble_fraction(p, m, v, denominator=denominator) if (v == 1 or m % p == 0) else None
+                      for m in ms]
+                pts = [(m, y) for m, y in zip(ms, ys) if y is not None]
+                ax.plot([a for a, _ in pts], [b for _, b in pts], styles.get(v, "-"), color=f"C{i}",
+                        label=f"p={p}, v={v}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batches per step, m")
+        ax.axhline(0.1, color="grey", linewidth=0.8)
+    axes[0].set_title("bubble / ideal compute = (1/v)(p-1)/m", fontsize=10)
+    axes[0].set_ylim(0, 2)
+    axes[1].set_title("idle share of the step = (p-1)/(vm+p-1)", fontsize=10)
+    axes[1].set_ylim(0, 1)
+    axes[1].legend(fontsize=7, ncol=3)
+    fig.suptitle("Pipeline bubble (Narayanan et al. 2021, sec 2.2); grey line: 10%", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# -- 4. why TP stays inside the NVLink domain ----------------------------------------------------------------
+
+def published_allreduce() -> list[dict]:
+    """The 8x H200 all_reduce sweep (stas00/ml-engineering, CC-BY-SA 4.0), from data/reference or ../shared."""
+    for path in (REPO_ROOT / "data" / "reference" / "allreduce_8xH200_published.csv",
+                 REPO_ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"):
+        if path.exists():
+            lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+            return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(lines)]
+    return []
+
+
+def tp_layer_times(model: str = "70B", *, tp: int = 8, micro_batch: int = 1, seq: int = 4096,
+                   compute_efficiency: float = 0.6, gpu: str = "h100-ib") -> dict:
+    """One layer, one micro-batch: matmul time per TP rank vs the 4 TP all-reduces over each tier."""
+    m = model_shape(model)
+    cl = CLUSTERS[gpu]
+    b, s, h = micro_batch, seq, m.hidden
+    # forward + backward FLOPs of one layer, split over tp: 3 x (2 x params x tokens + 4 b s^2 h attention)
+    flops = 3 * (2 * m.params_per_layer * b * s + 4 * b * s * s * h) / tp
+    compute = flops / (cl.gpu.peak_flops * compute_efficiency)
+    comm = tp_comm_bytes_per_layer(b, s, h, tp)
+    tiers = {}
+    for key in ("nvlink4", "pcie4", "ib-ndr400", "ethernet100"):
+        link = NETWORK_TIERS[key]
+        tiers[key] = comm.all_reduces * collective_time("all_reduce", comm.message_bytes, tp, link.bandwidth,
+                                                        link.latency)
+    return {"compute_s": compute, "comm_s": tiers, "message_bytes": comm.message_bytes, "all_reduces": comm.all_reduces}
+
+
+def _log_ticks(ax, ticks) -> None:
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def bandwidth_figure(model: str = "70B", tp: int = 8):
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    keys = list(NETWORK_TIERS)
+    bws = [NETWORK_TIERS[k].bandwidth / 1e9 for k in keys]
+    ax1.barh(range(len(keys)), bws, color=["#4C72B0" if k.startswith("nvlink") else "#999999" for k in keys])
+    ax1.set_yticks(range(len(keys)), [NETWORK_TIERS[k].name for k in keys], fontsize=7)
+    ax1.invert_yaxis()
+    _log_ticks(ax1, [10, 30, 100, 300])
+    ax1.set_xlim(5, 700)
+    ax1.set_xlabel("GB/s per GPU, one direction (datasheets)")
+    rows = published_allreduce()
+    if rows:
+        best = max(r["busbw_GBps"] for r in rows)
+        ax1.axvline(best, color="#C44E52", linestyle="--", linewidth=1)
+        ax1.text(best * 0.95, len(keys) - 1, f"measured all_reduce\nbusbw, 8x H200:\n{best:.0f} GB/s", color="#C44E52",
+                 fontsize=7, va="center", ha="right")
+    ax1.set_title("bandwidth tiers", fontsize=10)
+    t = tp_layer_times(model, tp=tp)
+    labels = ["matmuls (60% of peak)"] + [f"TP all-reduces over {NETWORK_TIERS[k].name.split(' (')[0]}" for k in t["comm_s"]]
+    values = [t["compute_s"] * 1e3] + [v * 1e3 for v in t["comm_s"].values()]
+    colours = ["#4C72B0"] + ["#DD8452"] * len(t["comm_s"])
+    ax2.barh(range(len(values)), values, color=colours)
+    ax2.set_yticks(range(len(values)), labels, fontsize=7)
+    ax2.invert_yaxis()
+    _log_ticks(ax2, [0.3, 1, 3, 10, 30])
+    ax2.set_xlim(0.2, 2 * max(values))
+    ax2.set_xlabel("ms per layer per micro-batch (modelled, no overlap)")
+    ax2.set_title(f"{model_shape(model).name}, tp={tp}: {t['all_reduces']} x {_mb(t['message_bytes'])} all-reduces",
+                  fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# -- 5. the planner widget ------------------------------------------------------------------------------------
+
+GPU_COUNTS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def _draw_plan(p: Plan):
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [1, 2.2]})
+    memory_bars([p], [f"tp{p.layout.tp} cp{p.layout.cp} pp{p.layout.pp} dp{p.layout.dp}"], ax=ax1,
+                title=f"{p.model.name}")
+    time_bars([p], [f"ZeRO-{p.layout.zero_stage}"], ax=ax2,
+              title=f"{p.step_time_s:.2f} s/step, MFU {100 * p.mfu:.0f}% (modelled)")
+    fig.tight_layout()
+    return fig
+
+
+def planner_view(model: str, n_gpus: int, tp: int, pp: int, cp: int, zero_stage: int, seq: int, micro_batch: int,
+                 recompute: str, cluster_name: str, inter_node: str) -> Plan:
+    """What the widget shows for one setting of its controls (raises LayoutError with the planner's sentence)."""
+    layout = Layout(tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute)
+    return plan(model, layout, n_gpus, cluster_name=cluster_name, inter_node=inter_node)
+
+
+def planner_widget(model: str = "llama-3-70b", n_gpus: int = 256, tp: int = 8, pp: int = 4, cp: int = 1,
+                   zero_stage: int = 1, seq: int = 4096, micro_batch: int = 1, recompute: str = "selective",
+                   cluster_name: str = "h100-ib", inter_node: str = "ib-ndr400"):
+    """Controls -> ``planner.plan`` -> stacked memory bars with the GPU line, time bars and the summary.
+
+    Pure Python (no ranks), so it redraws at once; every control uses ``continuous_update=False``. A layout the
+    planner refuses shows its one-sentence reason instead of a figure.
+    """
+    import ipywidgets as W
+    from IPython.display import display
+
+    style = {"description_width": "initial"}
+    degree = lambda name, value: W.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=value,  # noqa: E731
+                                            description=name, style=style, layout=W.Layout(width="120px"))
+    controls = {
+        "model": W.Dropdown(options=list(MODEL_SHAPES), value=model, description="model", style=style),
+        "n_gpus": W.Dropdown(options=GPU_COUNTS, value=n_gpus, description="GPUs", style=style,
+                             layout=W.Layout(width="150px")),
+        "tp": degree("TP", tp), "pp": degree("PP", pp), "cp": degree("CP", cp),
+        "zero_stage": W.Dropdown(options=[0, 1, 2, 3], value=zero_stage, description="ZeRO", style=style,
+                                 layout=W.Layout(width="120px")),
+        "seq": W.Dropdown(options=[2048, 4096, 8192, 16384, 32768, 131072], value=seq, description="sequence",
+                          style=style, layout=W.Layout(width="170px")),
+        "micro_batch": W.IntSlider(value=micro_batch, min=1, max=16, description="micro-batch",
+                                   continuous_update=False, style=style),
+        "recompute": W.Dropdown(options=["none", "selective", "full"], value=recompute, description="recompute",
+                                style=style, layout=W.Layout(width="200px")),
+        "cluster_name": W.Dropdown(options=list(CLUSTERS), value=cluster_name, description="cluster", style=style),
+        "inter_node": W.Dropdown(options=[k for k in NETWORK_TIERS if not k.startswith("nvlink")], value=inter_node,
+                                 description="between nodes", style=style),
+    }
+    text = W.Output()
+
+    def update(**v):
+        try:
+            p = planner_view(**v)
+        except LayoutError as exc:
+            text.clear_output()
+            print(f"cannot run: {exc}")
+            return
+        import matplotlib.pyplot as plt
+
+        _draw_plan(p)
+        plt.show()
+        text.clear_output()
+        with text:
+            print(p.summary())
+
+    out = W.interactive_output(update, controls)
+    rows = [W.HBox([controls["model"], controls["n_gpus"], controls["cluster_name"], controls["inter_node"]]),
+            W.HBox([controls["tp"], controls["cp"], controls["pp"], controls["zero_stage"]]),
+            W.HBox([controls["seq"], controls["micro_batch"], controls["recompute"]])]
+    box = W.VBox(rows + [out, text])
+    box.controls = controls  # named like planner_view's parameters
+    return box

@@ -1,0 +1,396 @@
+# %% [markdown]
+# # 00 · Overview: from one GPU to ten thousand
+#
+# Every parallel training configuration answers three questions:
+#
+# 1. **Does it fit?** Parameters, gradients, optimizer states and activations must fit in each GPU's memory.
+# 2. **What fraction is communication?** Every way of splitting the work adds collectives; some run once per
+#    step, some inside every layer.
+# 3. **Is it balanced?** A pipeline idles while it fills and drains; an uneven split leaves GPUs waiting.
+#
+# This chapter answers them with arithmetic, before we build anything. Every number below is computed by
+# `course_utils.ledger` (each formula next to the paper it comes from, and tested against that paper's own
+# numbers) and `course_utils.planner` (the bookkeeping that combines them for one layout). Later chapters
+# build each parallelism on real ranks and measure what this chapter predicts.
+#
+# Units: bytes, FLOPs and seconds; model sizes are numbers of parameters. **GB is 1e9 bytes** (what the
+# ZeRO paper prints); GiB is 2^30 (what `nvidia-smi` shows: an "80 GB" H100 exposes 80 GiB = 85.9 GB).
+
+# %%
+import matplotlib.pyplot as plt
+from IPython.display import display
+
+from course_utils import ch00, plots
+from course_utils.exercises import check
+from course_utils.ledger import (GB, GiB, activation_bytes_per_layer, flops_per_token, megatron_flops_per_iteration,
+                                 megatron_params, megatron_training_time, mfu, model_state_bytes,
+                                 pipeline_bubble_fraction, training_days, training_flops)
+from course_utils.planner import GPUS, Layout, candidate_layouts, model_shape, plan
+from course_utils.published_configs import PUBLISHED_CONFIGS
+
+plots.style()
+
+# %% [markdown]
+# ## 1. Why one GPU is not enough
+#
+# Training with Adam in mixed precision keeps, for every parameter, a 2-byte bf16 weight, a 2-byte gradient,
+# and 12 bytes of optimizer state (an fp32 master copy, Adam's momentum and variance): **16 bytes per
+# parameter** (Rajbhandari et al. 2020, "ZeRO", section 3.1). Before a single activation is stored:
+
+# %%
+for key in ("llama-2-7b", "llama-3-70b", "llama-3.1-405b"):
+    m = model_shape(key)
+    states = model_state_bytes(m.n_params)
+    print(f"{m.name:<15} {m.n_params / 1e9:6.1f}e9 parameters -> {states.total / GB:8,.0f} GB of model states "
+          f"= {states.total / GPUS['h100'].memory_bytes:5.1f} H100s of memory")
+
+# %% [markdown]
+# Even a 7B model does not train on one 80 GB GPU with plain Adam. Every technique in this course is a way of
+# **splitting** something (the batch, the weights, the layers, the sequence, the optimizer state) across GPUs,
+# and each split has a price in communication.
+#
+# ## 2. The partition logic of each parallelism
+#
+# The table says, for Llama 3 70B with one micro-batch of 8192 tokens: what each parallelism splits, which
+# collective it needs, when in the step, how big each message is, and how often it happens. The message is
+# the buffer one collective moves (nccl-tests' S). Read the last column first: it decides which network a
+# parallelism can live on.
+
+# %%
+table = ch00.partition_table("70B", tp=8, cp=2, pp=4, seq=8192)
+display(table)
+
+# %% [markdown]
+# **Predict, then look.** Which rows communicate *inside every layer, for every micro-batch*, and which
+# once per optimizer step? Which of them can hide behind compute?
+#
+# TP, SP, CP, EP and ZeRO-3 sit on the critical path of every layer (a layer cannot finish before its
+# all-reduce or all-gather does), so they need the fastest links. DP and ZeRO-1/2 communicate once per step and
+# overlap with the backward pass; they tolerate the slow network between nodes. PP sends small messages
+# between neighbours and pays instead with idle time (the bubble, section 9). This is the whole logic of 4D
+# layouts: **the most frequent traffic on the fastest links**.
+#
+# ## 3. The ZeRO stages
+#
+# Data parallelism replicates the 16 bytes per parameter on every GPU. ZeRO (Rajbhandari et al. 2020,
+# section 5.1) removes the redundancy one state at a time, sharding it over the N_d data-parallel GPUs:
+#
+# | stage | sharded | bytes per GPU |
+# |---|---|---|
+# | 0 (DDP) | nothing | (2 + 2 + 12) Ψ |
+# | 1 (P_os) | optimizer states | 2Ψ + 2Ψ + 12Ψ/N_d |
+# | 2 (P_os+g) | + gradients | 2Ψ + (2 + 12)Ψ/N_d |
+# | 3 (P_os+g+p, FSDP) | + parameters | (2 + 2 + 12)Ψ/N_d |
+#
+# Stages 1 and 2 communicate what DDP does (a reduce-scatter plus an all-gather is an all-reduce); stage 3
+# adds an all-gather of every layer's weights before its forward and backward, 1.5x the traffic (section 7).
+#
+# ### Exercise 1: the ZeRO stage formulas
+# Write `zero_total_bytes(n_params, n_gpus, stage)`: the bytes of model states per GPU for mixed-precision
+# Adam at ZeRO stage 0, 1, 2 or 3, with all `n_gpus` in data parallelism.
+
+# %% tags=["exercise"]
+def zero_total_bytes(n_params, n_gpus, stage):
+    """Bytes of parameters + gradients + optimizer states per GPU (2 + 2 + 12 bytes per parameter)."""
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("zero_total_bytes", zero_total_bytes)
+
+# %% [markdown]
+# The ledger's own implementation reproduces the paper's Figure 1 example, 7.5B parameters on 64 GPUs:
+
+# %%
+print("stage   params    grads  optimizer    total   (GB per GPU; Figure 1 prints 120, 31.4, 16.6, 1.9)")
+for stage in range(4):
+    s = model_state_bytes(7.5e9, dp=64, zero_stage=stage)
+    print(f"{stage:>5} {s.params / GB:8.2f} {s.grads / GB:8.2f} {s.optimizer / GB:10.2f} {s.total / GB:8.1f}")
+
+# %% [markdown]
+# ## 4. Activations
+#
+# Model states do not depend on the batch; activations do, and for long sequences they dominate. Korthikanti
+# et al. 2022 (Table 2) count the bytes one layer keeps for backward: sbh(34 + 5as/h) without tensor
+# parallelism, where the 5as/h term is the s x s attention scores. Tensor parallelism divides 24 of the 34;
+# sequence parallelism divides the remaining 10; *selective* recomputation drops the scores (FlashAttention
+# never stores them); *full* recomputation keeps only each layer's input, 2sbh, and pays a second forward.
+
+# %%
+m70 = model_shape("70B")
+print(f"{m70.name}, one layer, micro-batch 1 x 4096 tokens (GB = 1e9 bytes)")
+print(f"{'tp':>3} {'seq-parallel':>12} {'none':>8} {'selective':>10} {'full':>8}")
+for tp, sp in ((1, False), (8, False), (8, True)):
+    row = [activation_bytes_per_layer(4096, 1, m70.hidden, m70.heads, tp=tp, sequence_parallel=sp, recompute=r) / GB
+           for r in ("none", "selective", "full")]
+    print(f"{tp:>3} {str(sp):>12} {row[0]:8.3f} {row[1]:10.3f} {row[2]:8.3f}")
+
+# %% [markdown]
+# Multiply by 80 layers, and by the micro-batches a pipeline keeps in flight: without recomputation the
+# attention scores alone (4096² per head, 64 heads) outweigh everything else.
+#
+# ## 5. The planner: does it fit, and where does the time go?
+#
+# `planner.plan(model, Layout(...), n_gpus)` combines the pieces for one layout: memory of the most loaded
+# GPU (the first pipeline stage) by state, and a step time split into compute (at 60% of the bf16 peak),
+# pipeline bubble and each parallelism's communication over the network tier its group spans. Groups are
+# laid out [TP, CP, PP, DP] from the innermost, as in Llama 3 (Figure 5): TP ranks are neighbours on one node.
+# Communication is *not* overlapped, so the times are an upper bound.
+#
+# **Predict** before running the next cell: Llama 3 70B on 256 H100s (32 nodes of 8). Which of these six
+# layouts fit in 80 GiB? Which is fastest?
+
+# %%
+LAYOUTS_70B = {
+    "DDP": Layout(tp=1, pp=1, zero_stage=0),
+    "FSDP (ZeRO-3)": Layout(tp=1, pp=1, zero_stage=3),
+    "TP8 + ZeRO-1": Layout(tp=8, pp=1, zero_stage=1),
+    "TP8 PP4 + ZeRO-1": Layout(tp=8, pp=4, zero_stage=1),
+    "... no recomputation": Layout(tp=8, pp=4, zero_stage=1, recompute="none"),
+    "... full recomputation": Layout(tp=8, pp=4, zero_stage=1, recompute="full"),
+}
+plans_70b = {name: plan("70B", layout, 256) for name, layout in LAYOUTS_70B.items()}
+display(ch00.Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in plans_70b.items()],
+                   "Llama 3 70B on 256 H100s (8 per node, NVLink 4, InfiniBand NDR 400), seq 4096, micro-batch 1"))
+
+# %% tags=["nbval-ignore-output"]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [1.2, 1]})
+ch00.memory_bars(list(plans_70b.values()), ["DDP", "FSDP", "TP8\nZeRO-1", "TP8 PP4\nZeRO-1", "... no\nrecompute",
+                                            "... full\nrecompute"], ax=ax1,
+                 title="Llama 3 70B, 256 H100s: memory per GPU")
+ch00.time_bars(list(plans_70b.values()), list(plans_70b), ax=ax2)
+ax1.set_yscale("log")
+ax1.set_ylim(1, 3000)
+fig.tight_layout()
+plots.savefig(fig, "00_planner_70b_256");
+
+# %% [markdown]
+# DDP needs over a terabyte per GPU; FSDP alone shards the states to a few GB but still carries 80 layers of
+# unsplit activations for a 4096-token sequence. Tensor parallelism divides both; pipeline parallelism then
+# divides the layers, at the price of a bubble. Without recomputation the activations are 65 GB; with full
+# recomputation the step is a third slower. The log scale hides nothing: the dashed line is the GPU.
+#
+# ### Explore the planner
+# The same model with controls (pure Python, so it redraws at once; `continuous_update=False`). A layout the
+# planner refuses says why in one sentence. Try TP=16 (it leaves the node), CP=2 with sequence 131072, or
+# ZeRO-3 without TP.
+
+# %% tags=["nbval-ignore-output"]
+ch00.planner_widget()
+
+# %% [markdown]
+# ## 6. Typical configurations
+#
+# A 7B model fits on one 8-GPU node with data parallelism and ZeRO-1; 70B needs TP inside the node and a few
+# pipeline stages; 405B needs all of it. The 405B layout below is the first row of Llama 3's Table 4 scaled
+# down to 1024 GPUs (tp=8, pp=16, dp=8).
+
+# %%
+TYPICAL = {
+    "Llama 2 7B": ("7B", 8, Layout(zero_stage=1)),
+    "Llama 3 70B": ("70B", 64, Layout(tp=8, pp=4, zero_stage=1)),
+    "Llama 3.1 405B": ("405B", 1024, Layout(tp=8, pp=16, zero_stage=1)),
+}
+typical = {name: plan(model, layout, n) for name, (model, n, layout) in TYPICAL.items()}
+display(ch00.Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in typical.items()],
+                   "H100 80 GB nodes, seq 4096, micro-batch 1, selective recomputation"))
+
+# %% tags=["nbval-ignore-output"]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.6))
+ch00.memory_bars(list(typical.values()), [f"{k}\n{p.n_gpus} GPUs" for k, p in typical.items()], ax=ax1,
+                 title="typical configurations")
+ch00.time_bars(list(typical.values()), list(typical), ax=ax2)
+fig.tight_layout()
+plots.savefig(fig, "00_typical_configs");
+
+# %% [markdown]
+# ### A 1024-GPU run
+# With 1024 GPUs fixed, the planner can enumerate every (tp, pp, dp) that keeps TP inside a node and
+# dividing the KV heads, for a global batch of 2048 sequences (8M tokens), fitting layouts first and fastest
+# first. For 405B the fastest fitting layouts are pipeline-heavy with TP=8; for 70B, less TP and more DP win
+# because the model's states already fit.
+
+# %%
+for key in ("405B", "70B"):
+    best = candidate_layouts(key, 1024, global_batch=2048)[:4]
+    display(ch00.Table(ch00.PLAN_HEADER, [ch00.plan_row(f"#{i + 1}", p) for i, p in enumerate(best)],
+                       f"{model_shape(key).name} on 1024 H100s, global batch 2048 x 4096: the planner's top 4"))
+
+# %% [markdown]
+# ### Exercise 2: a layout for 70B on 256 H100s
+# Return `dict(tp=..., pp=..., dp=..., zero_stage=...)` for Llama 3 70B on 256 H100s (32 nodes of 8), sequence
+# 4096, micro-batch 1, selective recomputation, that fits in 80 GiB per GPU and keeps TP inside a node. The
+# check runs the planner on your layout.
+
+# %% tags=["exercise"]
+def layout_70b():
+    """A 4D layout for Llama 3 70B on 256 H100s: dict(tp=..., pp=..., dp=..., zero_stage=...)."""
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("layout_70b", layout_70b)
+
+# %% [markdown]
+# ### Exercise 3: the smallest GPU count for FSDP alone
+# With FSDP (ZeRO-3) and no other parallelism, every GPU holds 16Ψ/N bytes of model states, plus what does not
+# shard: activations, the layer being gathered, buffers. Write `min_gpus_fsdp(n_params, gpu_memory_bytes,
+# reserved_bytes=0.0)`: the smallest N for which the model states fit next to `reserved_bytes`.
+
+# %% tags=["exercise"]
+def min_gpus_fsdp(n_params, gpu_memory_bytes, reserved_bytes=0.0):
+    """Smallest number of GPUs whose memory holds 16 bytes per parameter, fully sharded."""
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("min_gpus_fsdp", min_gpus_fsdp)
+
+# %% [markdown]
+# What the formula leaves out, the planner adds: activations with full recomputation, fp32 logits and one
+# all-gathered layer. Starting from the model-states-only answer, the first N that really fits:
+
+# %%
+n405 = model_shape("405B").n_params
+states_only = max(1, -(-16 * n405 // GPUS["h100"].memory_bytes))
+n = int(states_only)
+while not plan("405B", Layout(tp=1, pp=1, zero_stage=3, recompute="full", seq=4096), n).fits:
+    n += 1
+p = plan("405B", Layout(tp=1, pp=1, zero_stage=3, recompute="full", seq=4096), n)
+print(f"model states alone: {int(states_only)} GPUs; with activations (full recompute, seq 4096): {n} GPUs")
+print(p.summary())
+
+# %% [markdown]
+# Possible, and slow: every layer's 6.4 GB of bf16 weights is all-gathered over InfiniBand for the forward
+# and again for the backward, for every micro-batch. This is why FSDP alone is rare beyond ~70B and why
+# Llama 3 combined it with TP, PP and CP.
+#
+# ## 7. Why TP stays inside the NVLink domain
+#
+# Tensor parallelism all-reduces a [b, s, h] activation four times per layer (Shoeybi et al. 2019, section 3;
+# Korthikanti et al. 2022, section 4.2.2), on the critical path. Inside a DGX/HGX node, NVLink 4 with NVSwitch
+# gives each H100/H200 900 GB/s (450 each way, NVIDIA datasheets); a measured 8x H200 all_reduce reaches
+# 482 GB/s bus bandwidth with NVLS (stas00/ml-engineering, `data/reference/allreduce_8xH200_published.csv`).
+# Between nodes each GPU has one 400 Gb/s NIC: 50 GB/s, nine times less.
+
+# %% tags=["nbval-ignore-output"]
+fig = ch00.bandwidth_figure("70B", tp=8)
+plots.savefig(fig, "00_bandwidth_tiers");
+
+# %%
+t = ch00.tp_layer_times("70B", tp=8)
+print(f"Llama 3 70B, tp=8, micro-batch 1 x 4096: matmuls {t['compute_s'] * 1e3:.2f} ms per layer (60% of peak)")
+for tier, seconds in t["comm_s"].items():
+    print(f"  TP all-reduces over {tier:<12} {seconds * 1e3:7.2f} ms  ({seconds / t['compute_s']:5.2f} x compute)")
+
+# %% [markdown]
+# Over NVLink the all-reduces cost a fraction of the matmuls and can partly overlap; over InfiniBand they
+# cost more than the matmuls themselves, every layer. The KV heads set a second limit: each TP rank must
+# hold whole KV heads, so Llama 3's 8 KV heads cap TP at 8, exactly one NVLink domain.
+#
+# ### Exercise 4: why 8 KV heads cap TP at 8
+# Write `max_tp(heads, kv_heads, gpus_per_node=8)`: the largest TP degree that gives every GPU whole query
+# heads and whole KV heads without replicating any, and that tiles a node (so no TP group straddles two).
+
+# %% tags=["exercise"]
+def max_tp(heads, kv_heads, gpus_per_node=8):
+    """The largest tensor-parallel degree for this head configuration, inside one node."""
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("max_tp", max_tp)
+
+# %% [markdown]
+# ## 8. Published configurations
+#
+# How real runs were laid out, copied from the papers (`course_utils/published_configs.py` names the table for
+# every row). Every layout must obey **TP x CP x PP x DP = GPUs**; the last column checks it.
+
+# %%
+rows = []
+for c in PUBLISHED_CONFIGS:
+    try:
+        c.check_product()
+        ok = "ok"
+    except ValueError:
+        ok = "MISMATCH"
+    rows.append([c.name, c.gpu, str(c.gpus), f"{c.tp}/{c.cp}/{c.pp}/{c.dp}", c.data_parallel,
+                 f"{c.mfu:.0%}" if c.mfu else "-", f"{c.tp * c.cp * c.pp * c.dp} {ok}"])
+display(ch00.Table(["run", "GPU", "GPUs", "tp/cp/pp/dp", "DP holds", "MFU", "product"], rows,
+                   "Korthikanti et al. 2022 Tables 3 and 5; Llama 3 Table 4; BLOOM tr11 README; OPT sec 2.4"))
+
+# %% [markdown]
+# Two patterns stand out: TP is 8 (or 4) everywhere, one node; and the largest runs put their remaining
+# factor of thousands into DP, the only dimension that communicates once per step. (The Llama 3 paper's
+# 128K-context row is printed as DP=4 in some copies of the paper; DP=4 breaks the product rule, DP=8 keeps it
+# and keeps the 16M-token batch: see `published_configs.py`.)
+#
+# ## 9. FLOPs and time
+#
+# **C = 6ND** (Kaplan et al. 2020, section 2.1): a forward pass costs 2 FLOPs per parameter per token, the
+# backward twice that. **Days = C / (GPUs x peak x MFU)**, where MFU (model FLOPs utilisation, PaLM,
+# Chowdhery et al. 2022, Appendix B) is the fraction of the peak that the model's own FLOPs reach, without
+# counting recomputation.
+
+# %%
+c405 = training_flops(405e9, 15.6e12)
+print(f"Llama 3 405B, 15.6T tokens: 6ND = {c405:.2e} FLOPs (the paper: 3.8e25)")
+days = training_days(c405, 16384, GPUS["h100"].peak_flops, 0.41)
+print(f"  on 16,384 H100s at 41% MFU (Table 4): {days:.0f} days of pure training")
+c3 = training_flops(174.6e9, 300e9)
+print(f"GPT-3 175B (174.6e9 parameters), 300B tokens: {c3:.3e} FLOPs (Brown et al. 2020, Table D.1: 3.14e23)")
+
+# %% [markdown]
+# Megatron's exact count (Narayanan et al. 2021, eq. 3) includes attention and the logits and, with full
+# recomputation, a second forward pass: 96 B s l h² (1 + s/6h + V/16lh) per iteration, about 8 FLOPs per
+# parameter per token instead of 6. Their GPT-3 estimate, 8TP / (nX), gives 34 days on 1024 A100s at
+# 140 TFLOP/s each:
+
+# %%
+B, s, l, h, V = 1536, 2048, 96, 12288, 51200
+per_iter = megatron_flops_per_iteration(B, s, l, h, V, recompute=True)
+p_gpt3 = megatron_params(l, h, V, s)
+print(f"eq. (2) parameters: {p_gpt3 / 1e9:.1f}e9; eq. (3) FLOPs per iteration (batch {B}): {per_iter:.3e}")
+print(f"  per token: {per_iter / (B * s) / p_gpt3:.2f} x P  (6 without recomputation, 8 with)")
+print(f"  training time, 300e9 tokens on 1024 GPUs at 140 TFLOP/s: "
+      f"{megatron_training_time(300e9, 175e9, 1024, 140e12) / 86400:.1f} days (the paper: 34)")
+
+# %% [markdown]
+# MFU as PaLM defines it: tokens per second x model FLOPs per token (6N + 12LHQT, attention included) over
+# the peak of all chips. PaLM 540B trained at 238.3K tokens/s on 6144 TPU v4 chips (275 TFLOP/s each):
+
+# %%
+palm_fpt = flops_per_token(540.35e9, 118, 48, 256, 2048)
+print(f"PaLM 540B: {palm_fpt:.3e} FLOPs per token; MFU = {mfu(238.3e3, palm_fpt, 6144, 275e12):.1%} "
+      "(the paper, section 4.1: 46.2%)")
+
+# %% [markdown]
+# ## 10. The pipeline bubble
+#
+# With p stages and m micro-batches per step, a synchronous schedule (GPipe, 1F1B) idles for p - 1
+# micro-batch times while filling and draining; the interleaved schedule with v chunks per GPU divides that by
+# v (Narayanan et al. 2021, section 2.2). **Which denominator?** The paper divides the bubble by the ideal
+# compute time, giving (1/v)(p-1)/m, which exceeds 1 when m < p - 1. The share of the whole step spent idle
+# divides by compute + bubble: (p-1)/(vm + p - 1). The planner uses the first; both are drawn.
+
+# %%
+for p_, m_, v_ in ((4, 16, 1), (16, 64, 1), (16, 64, 2), (8, 8, 1)):
+    print(f"p={p_:>2} m={m_:>2} v={v_}: bubble/ideal = {pipeline_bubble_fraction(p_, m_, v_):.3f}, "
+          f"idle share of the step = {pipeline_bubble_fraction(p_, m_, v_, denominator='total'):.3f}")
+
+# %% tags=["nbval-ignore-output"]
+fig = ch00.bubble_figure()
+plots.savefig(fig, "00_pipeline_bubble");
+
+# %% [markdown]
+# To keep the bubble under 10% you need m >= 10(p-1)/v micro-batches per step, and each micro-batch adds
+# activation memory on the first stage (it holds p of them in flight). That is the balance pipeline
+# parallelism strikes: fewer layers per GPU against idle time and activation memory.
+#
+# ## Summary
+# - Model states cost 16 bytes per parameter; ZeRO shards them over DP, one state per stage.
+# - Activations scale with sequence x micro-batch; TP, SP, CP and recomputation cut them.
+# - The most frequent communication (TP, CP, EP: every layer) goes on NVLink; DP, once per step, crosses nodes.
+# - PP trades memory for a bubble of (p-1)/(vm) of the compute.
+# - 6ND and the MFU you can reach give the days; the planner gives a first layout to measure.

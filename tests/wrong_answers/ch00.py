@@ -1,0 +1,75 @@
+"""Plausible wrong answers for chapter 00, each with a fragment of the message the check must give."""
+
+
+def layout_70b_pure_dp():
+    return dict(tp=1, pp=1, dp=256, zero_stage=1)  # 70B of weights and gradients on every GPU
+
+
+def layout_70b_tp16():
+    return dict(tp=16, pp=2, dp=8, zero_stage=1)  # more than a node, and more than the 8 KV heads
+
+
+def layout_70b_product_wrong():
+    return dict(tp=8, pp=4, dp=4, zero_stage=1)  # 128 GPUs' worth of layout on 256 GPUs
+
+
+def min_gpus_weights_only(n_params, gpu_memory_bytes, reserved_bytes=0.0):
+    import math
+
+    return max(1, math.ceil(2 * n_params / (gpu_memory_bytes - reserved_bytes)))
+
+
+def min_gpus_floor(n_params, gpu_memory_bytes, reserved_bytes=0.0):
+    return max(1, int(16 * n_params / (gpu_memory_bytes - reserved_bytes)))
+
+
+def min_gpus_int_plus_one(n_params, gpu_memory_bytes, reserved_bytes=0.0):
+    return int(16 * n_params / (gpu_memory_bytes - reserved_bytes)) + 1
+
+
+def min_gpus_ignores_reserved(n_params, gpu_memory_bytes, reserved_bytes=0.0):
+    import math
+
+    return max(1, math.ceil(16 * n_params / gpu_memory_bytes))
+
+
+def max_tp_min_of_kv_and_node(heads, kv_heads, gpus_per_node=8):
+    return min(kv_heads, gpus_per_node)
+
+
+def max_tp_ignores_kv_heads(heads, kv_heads, gpus_per_node=8):
+    import math
+
+    return math.gcd(heads, gpus_per_node)
+
+
+def max_tp_ignores_node(heads, kv_heads, gpus_per_node=8):
+    import math
+
+    return math.gcd(heads, kv_heads)
+
+
+def zero_total_stage2_as_stage1(n_params, n_gpus, stage):
+    return (4 + 12 / n_gpus) * n_params if stage in (1, 2) else (16 * n_params / (n_gpus if stage == 3 else 1))
+
+
+def zero_total_in_gb(n_params, n_gpus, stage):
+    params = 2 * n_params / (n_gpus if stage >= 3 else 1)
+    grads = 2 * n_params / (n_gpus if stage >= 2 else 1)
+    return (params + grads + 12 * n_params / (n_gpus if stage >= 1 else 1)) / 1e9
+
+
+WRONG = [
+    ("layout_70b", layout_70b_pure_dp, "does not fit"),
+    ("layout_70b", layout_70b_tp16, "key/value heads"),
+    ("layout_70b", layout_70b_product_wrong, "but there are 256 GPUs"),
+    ("min_gpus_fsdp", min_gpus_weights_only, "only the 2-byte weights"),
+    ("min_gpus_fsdp", min_gpus_floor, "round up, not down"),
+    ("min_gpus_fsdp", min_gpus_int_plus_one, "use math.ceil"),
+    ("min_gpus_fsdp", min_gpus_ignores_reserved, "gpu_memory_bytes - reserved_bytes"),
+    ("max_tp", max_tp_min_of_kv_and_node, "does not divide the 12 query heads"),
+    ("max_tp", max_tp_ignores_kv_heads, "key/value heads"),
+    ("max_tp", max_tp_ignores_node, "does not tile a node of 8 GPUs"),
+    ("zero_total_bytes", zero_total_stage2_as_stage1, "that is stage 1's total"),
+    ("zero_total_bytes", zero_total_in_gb, "return bytes, not GB"),
+]
