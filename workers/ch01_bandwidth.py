@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from workers.ch01_collectives import comm_device
 from workers.runtime import entrypoint
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
@@ -64,7 +65,7 @@ def _op(collective: str, total: int, n: int, dev):
 def main(ctx, collective: str = "all_reduce", sizes: list = [4096, 65536, 1048576, 4194304, 16777216],  # noqa: B006
          iters: int = 5, warmup: int = 2):
     """Time ``collective`` at each size in ``sizes`` (bytes); report seconds per call, max over ranks."""
-    n, dev = ctx.world_size, ctx.device
+    n, dev = ctx.world_size, comm_device(ctx, collective)
     out_bytes, seconds = [], []
     for step, nbytes in enumerate(sizes):
         total = element_count(collective, int(nbytes), n)

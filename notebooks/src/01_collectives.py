@@ -163,7 +163,10 @@ for c, res in collective_runs.items():
 
 # %% [markdown]
 # Each line compares what the ranks hold with `workers.ch01_collectives.reference`, which computes the same
-# thing in one process from the same inputs, without any communication. Now look at the data move:
+# thing in one process from the same inputs, without any communication. (On a machine with one GPU and
+# several ranks, the runtime uses gloo on CUDA tensors; gloo implements only `all_reduce` and `broadcast` for
+# CUDA tensors, so the worker keeps the other collectives on the CPU: see `comm_device` in the worker.)
+# Now look at the data move:
 
 # %% tags=["nbval-ignore-output"]
 fig = ch01.collectives_figure(collective_runs)
@@ -411,18 +414,18 @@ print(f"{len(published)} sizes, {published[0]['bytes']} to {published[-1]['bytes
 # error, so that a 4 KB point counts as much as a 16 MB one.
 
 # %% tags=["nbval-ignore-output"]
+measured = {label: rows_ for label, rows_ in sweeps.items() if "all_reduce" in label}
 fits = {label: ch01.fit_alpha_beta([r["bytes"] for r in rows_], [r["seconds"] for r in rows_])
-        for label, rows_ in sweeps.items() if "all_reduce" in label}
+        for label, rows_ in measured.items()}
 fits["published"] = ch01.fit_alpha_beta([r["bytes"] for r in published],
                                         [r["bytes"] / r["algbw"] for r in published])
+worlds = {label: rows_[0]["world_size"] for label, rows_ in measured.items()} | {"published": 8}
 for label, (alpha, B) in fits.items():
-    n = int(label[-1]) if label[-1].isdigit() else 8
-    print(f"{label:45s} alpha = {alpha * 1e6:8.1f} us   B = {B / 1e9:8.3f} GB/s (algbw)"
-          f"   -> busbw {B * bus_bandwidth_factor('all_reduce', n) / 1e9:8.3f} GB/s")
+    busbw = B * bus_bandwidth_factor("all_reduce", worlds[label])
+    print(f"{label:45s} alpha = {alpha * 1e6:8.1f} us   B = {B / 1e9:8.3f} GB/s (algbw) -> busbw {busbw / 1e9:8.3f} GB/s")
     print(f"{'':45s} half of B is reached at S = alpha * B = {alpha * B / 1e3:,.0f} KB")
 
 # %% tags=["nbval-ignore-output"]
-measured = {k: v for k, v in sweeps.items() if "all_reduce" in k}
 fig = ch01.bandwidth_figure(measured, published, fits,
                             published_label="8xH200 NVLink, NCCL (published: stas00/ml-engineering, CC-BY-SA 4.0)")
 plots.savefig(fig, "01_allreduce_bandwidth");
