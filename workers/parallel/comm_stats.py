@@ -124,15 +124,23 @@ class CommLedger:
             row["wire_bytes"] += r["wire_bytes"]
         return [{"scope": s, "kind": k, "collective": c, "pass": p, **v} for (s, k, c, p), v in rows.items()]
 
-    def seconds(self) -> dict[str, float]:
-        """Time spent inside the regions' communication, per pass (``timed=True`` only)."""
-        total = {"forward": 0.0, "backward": 0.0}
-        open_at: dict[str, float] = {}
+    def intervals(self) -> list[tuple[str, str, float]]:
+        """(scope, pass, seconds) of every region's communication, in order (``timed=True`` only)."""
+        out, open_at = [], {}
         for _, scope, _, _, pass_, t in self.marks:
             if scope is not None:
-                open_at[pass_] = t
+                open_at[pass_] = (scope, t)
             elif pass_ in open_at:
-                total[pass_] += t - open_at.pop(pass_)
+                name, start = open_at.pop(pass_)
+                out.append((name, pass_, t - start))
+        return out
+
+    def seconds(self, scope: str | None = None) -> dict[str, float]:
+        """Time spent inside the regions' communication per pass, optionally under one scope (``timed=True``)."""
+        total = {"forward": 0.0, "backward": 0.0}
+        for name, pass_, dt in self.intervals():
+            if scope is None or name == scope or name.startswith(scope + "."):
+                total[pass_] += dt
         return total
 
 

@@ -1,0 +1,54 @@
+"""Plausible wrong answers for chapter 06, each with a fragment of the message the check must give."""
+
+
+def block_without_f(x, parts, group):
+    # The forward all-reduces are there; the backward ones are not: LayerNorm and input gradients are partial.
+    from workers.parallel.mappings import reduce_from_tensor_model_parallel_region as g
+
+    h = x + g(parts.attention_partial(parts.ln1(x)), group) + parts.attention_bias
+    return h + g(parts.mlp_partial(parts.ln2(h)), group) + parts.mlp_bias
+
+
+def block_bias_inside_g(x, parts, group):
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    h = x + g(parts.attention_partial(f(parts.ln1(x), group)) + parts.attention_bias, group)
+    return h + g(parts.mlp_partial(f(parts.ln2(h), group)) + parts.mlp_bias, group)
+
+
+def block_one_all_reduce(x, parts, group):
+    # Sums once, at the end: the second LayerNorm then normalises a partial sum.
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    h = x + parts.attention_partial(f(parts.ln1(x), group)) + parts.attention_bias
+    return g(h + parts.mlp_partial(f(parts.ln2(h), group)), group) + parts.mlp_bias
+
+
+def block_three_all_reduces(x, parts, group):
+    # An extra g on the residual stream, which is already replicated.
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    h = x + g(parts.attention_partial(f(parts.ln1(x), group)), group) + parts.attention_bias
+    h = g(h, group)
+    return h + g(parts.mlp_partial(f(parts.ln2(h), group)), group) + parts.mlp_bias
+
+
+def share_without_s_squared(seq, hidden):
+    return 8 * hidden / (24 * hidden)
+
+
+def share_only_scores(seq, hidden):
+    return 4 * seq / (24 * hidden + 4 * seq)
+
+
+WRONG = [
+    ("block_forward", block_without_f, "Pass the LayerNorm outputs through f"),
+    ("block_forward", block_bias_inside_g, "holds each bias"),
+    ("block_forward", block_one_all_reduce, "summed over ranks with g before it joins the residual stream"),
+    ("block_forward", block_three_all_reduces, "needs exactly two"),
+    ("attention_flop_share", share_without_s_squared, "does not change with s"),
+    ("attention_flop_share", share_only_scores, "only the s² part"),
+]

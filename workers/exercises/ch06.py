@@ -1,0 +1,128 @@
+"""Rank-side check for chapter 06: the Megatron block's forward with its two all-reduces, on real ranks.
+
+The learner gets the block's pieces with *no* communication inside (``BlockParts``): the two LayerNorms,
+each sub-layer's partial output (this rank's heads / FFN columns, before the sum, without the bias) and
+the two replicated biases. They write the forward with ``f`` and ``g`` in the right places. Every rank
+runs forward and backward, then compares the output, the input gradient and the gradient of every
+parameter shard with the dense block, and counts the collectives the regions ran.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from workers.exercise_support import Wrong, expect_close, run_exercise, scaled_by
+from workers.parallel import mappings
+from workers.parallel.block import ParallelBlock
+from workers.parallel.dense import BlockConfig, build, reference, inputs
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+SEQ, BATCH = 6, 2
+
+
+class BlockParts:
+    """This rank's pieces of a Megatron block, without communication.
+
+    ``ln1(x)``, ``ln2(x)``: the LayerNorms (replicated). ``attention_partial(y)``: this rank's heads applied to
+    ``y`` and projected by its rows of the output projection: one addend of the attention output, bias not
+    added. ``mlp_partial(y)``: the same for the MLP (fc1 columns, GeLU, fc2 rows). ``attention_bias``,
+    ``mlp_bias``: the output projections' biases, whole on every rank.
+    """
+
+    def __init__(self, block: ParallelBlock):
+        self.ln1, self.ln2 = block.ln1, block.ln2
+        self.attention_partial = block.attention.partial
+        self.mlp_partial = block.mlp.partial
+        self.attention_bias = block.attention.proj.bias
+        self.mlp_bias = block.mlp.fc2.bias
+
+
+def _dense_with_biases_times(cfg: BlockConfig, factor: int, x: torch.Tensor) -> torch.Tensor:
+    """The dense block's output if both output-projection biases counted ``factor`` times (bias inside g)."""
+    dense = build("block", cfg, seed=30).double()
+    with torch.no_grad():
+        dense.attention.proj.bias.mul_(factor)
+        dense.mlp.fc2.bias.mul_(factor)
+        return dense(x.double())
+
+
+def _agree(ctx, check) -> None:
+    try:
+        check()
+        message = None
+    except Wrong as exc:
+        message = str(exc)
+    messages = [None] * ctx.world_size
+    dist.all_gather_object(messages, message)
+    for m in messages:
+        if m is not None:
+            raise Wrong(m)
+
+
+def check_block_forward(ctx, answer) -> None:
+    t, r = ctx.world_size, ctx.rank
+    cfg = BlockConfig(hidden=16, n_heads=4)
+    block = ParallelBlock.from_dense(build("block", cfg, seed=30)).to(ctx.device)
+    parts = BlockParts(block)
+    x_full, g_full = inputs("block", cfg, SEQ, BATCH, seed=30)
+    x = x_full.clone().to(ctx.device).requires_grad_()
+    with mappings.record_communication() as log:
+        y = answer(x, parts, None)
+        ok_shape = isinstance(y, torch.Tensor) and y.shape == x.shape and y.requires_grad
+        if ok_shape:
+            y.backward(g_full.to(ctx.device))
+    ref = reference("block", cfg, SEQ, BATCH, seed=30)
+    forward_ar = sum(1 for e in log if e["collective"] == "all_reduce" and e["pass"] == "forward")
+    backward_ar = sum(1 for e in log if e["collective"] == "all_reduce" and e["pass"] == "backward")
+
+    def verdict():
+        if not isinstance(y, torch.Tensor):
+            raise Wrong(f"block_forward should return a tensor, not {type(y).__name__}")
+        if not ok_shape:
+            raise Wrong(f"the output should have the input's shape {tuple(x.shape)} and require grad; got "
+                        f"{tuple(y.shape)}")
+        if t > 1 and forward_ar > 2:
+            raise Wrong(f"your forward ran {forward_ar} all-reduces: a Megatron block needs exactly two, one g "
+                        "after each sub-layer's partial output")
+        got = y.detach().cpu().double()
+        want = ref["output"]
+        if t > 1 and torch.allclose(got, _dense_with_biases_times(cfg, t, x_full), atol=1e-4):
+            raise Wrong(f"the output holds each bias {t} times: you added it inside g (before the all-reduce); "
+                        "add it after the sum")
+        if not torch.allclose(got, want, **TOL):
+            raise Wrong(f"rank {r}'s block output is off by {(got - want).abs().max().item():.3g}: each sub-layer's partial "
+                        "output must be summed over ranks with g before it joins the residual stream (the next "
+                        "LayerNorm needs the whole sum), exactly once, and its bias added after the sum")
+        wrong = []
+        for name, p in block.named_parameters():
+            dense_grad = ref["grads"][name]
+            if hasattr(p, "partition_dim"):
+                dense_grad = dense_grad.index_select(p.partition_dim, p.partition_index)
+            if p.grad is None or not torch.allclose(p.grad.cpu().double(), dense_grad, **TOL):
+                wrong.append(name)
+        if wrong or not torch.allclose(x.grad.cpu().double(), ref["grad_input"], **TOL):
+            lns = [n for n in wrong if n.startswith("ln")]
+            raise Wrong("the output is right but the gradients are not (" + ", ".join(wrong or ["the input's"]) +
+                        "): each sub-layer's input feeds this rank's own heads or FFN columns, so its gradient is "
+                        "only this rank's part. Pass the LayerNorm outputs through f (copy_to, all-reduce in "
+                        "backward) before the partial sub-layers" + (f" ({', '.join(lns)} are partial)" if lns else ""))
+        expect_close(x.grad.cpu(), ref["grad_input"], "the input gradient", **TOL,
+                     hints=[(scaled_by(t), f"it is {t} times too large: a gradient was all-reduced twice")])
+        if t > 1 and backward_ar != 2:
+            raise Wrong(f"outputs and gradients are right, but the backward ran {backward_ar} all-reduces through the "
+                        "regions, where the block needs exactly two (one f per sub-layer)")
+
+    _agree(ctx, verdict)
+
+
+CHECKS = {"block_forward": check_block_forward}
+
+
+def main(ctx, exercise: str = "", answer=None):
+    return run_exercise(ctx, CHECKS, exercise, answer)
+
+
+if __name__ == "__main__":
+    from workers.runtime import entrypoint
+
+    entrypoint(main)
