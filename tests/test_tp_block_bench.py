@@ -1,0 +1,52 @@
+"""The H200 benchmark's CPU-safe parts: it imports, counts FLOPs as documented, and runs end to end on a CPU.
+
+The GPU numbers themselves come from a session with the H200 (``tools/gpu/tp_block_bench.py``), never
+from here: this only proves the script would run and that its two blocks compute the same function.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+
+import tp_block_bench as bench  # noqa: E402
+
+
+def test_flops_convention():
+    b, s, h = 8, 1024, 4096
+    assert bench.block_flops(b, s, h) == 3 * (24 * b * s * h * h + 2 * b * s * s * h)
+    assert bench.block_flops(b, s, h, causal=False) == 3 * (24 * b * s * h * h + 4 * b * s * s * h)
+
+
+def test_plain_block_loads_the_course_weights_and_matches_the_dense_block():
+    from workers.parallel.dense import BlockConfig, DenseBlock
+
+    torch.manual_seed(0)
+    cfg = BlockConfig(hidden=32, n_heads=4)
+    dense = DenseBlock(cfg)
+    plain = bench.PlainBlock(32, 4)
+    plain.load_course(dense)
+    x = torch.randn(2, 16, 32)
+    assert torch.allclose(plain(x), dense(x.transpose(0, 1)).transpose(0, 1), atol=1e-5)
+
+
+def test_runs_end_to_end_on_a_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "tools" / "gpu" / "tp_block_bench.py"), "--device", "cpu", "--dtype", "float32",
+           "--hidden", "32", "--heads", "4", "--shapes", "16x2,32x1", "--matmul", "64", "--iters", "2",
+           "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for key in ("device", "torch", "date", "command", "matmul", "shapes"):
+        assert key in data
+    assert data["device"].startswith("cpu")  # never mistaken for a GPU measurement
+    assert [r["seq"] for r in data["shapes"]] == [16, 32]
+    for row in data["shapes"]:
+        assert row["max_abs_diff_course_vs_plain"] < 1e-4
+        assert row["course_block"]["median_s"] > 0 and row["plain_block"]["tflops"] > 0
+        assert row["activation_memory"]["measured_bytes"] is None  # CUDA allocator only
