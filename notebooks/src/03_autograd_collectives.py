@@ -174,10 +174,9 @@ print(ch03.mapping_table(equivalence[4]))
 
 # %% [markdown]
 # Every output and every input gradient is **bit-identical** to the reference (the data are small
-# integers in float64, so no rounding can hide in the order of a sum). The same holds in float32 and for
-# an all-to-all with unequal splits, as in expert parallelism (`tests/test_mappings.py` checks both, at
-# world 1, 2 and 4, and checks that a deliberately wrong backward for each mapping *fails* this
-# comparison).
+# integers in float64, so no rounding can hide in the order of a sum). `tests/test_mappings.py` runs the
+# same comparison at world 1, 2 and 4, in float32, and for an all-to-all with unequal splits (as in expert
+# parallelism); and it checks that a deliberately wrong backward for each mapping *fails* it.
 #
 # Explore any mapping on any number of ranks (a real run per change):
 

@@ -23,7 +23,7 @@ SCATTER, GATHER = "scatter_to_tensor_model_parallel_region", "gather_from_tensor
 def _pair(answer, names: tuple[str, str]):
     got = answer()
     if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(callable(f) for f in got)):
-        raise Wrong(f"return a pair of functions ({names[0]}, {names[1]}), each called as fn(x, group=None); "
+        raise Wrong(f"return a pair of functions ({names[0]}, {names[1]}), each called as fn(x, group); "
                     f"got {type(got).__name__}")
     return got
 
@@ -31,7 +31,7 @@ def _pair(answer, names: tuple[str, str]):
 def _run(ctx, fn, what: str, x_in: torch.Tensor, grad: torch.Tensor, group=None, shape_hint: str = ""):
     """Forward and backward of the learner's ``fn`` on this rank; returns (output, gradient of x)."""
     x = x_in.clone().to(ctx.device).requires_grad_()
-    y = fn(x, group=group)
+    y = fn(x, group)  # positional, so a bare Function.apply works as well as a wrapper with group=None
     if not isinstance(y, torch.Tensor):
         raise Wrong(f"{what} should return a tensor, not {type(y).__name__}")
     if not torch.equal(x.detach().cpu(), x_in):
@@ -124,7 +124,7 @@ def check_f_and_g(ctx, answer) -> None:
         w_r = torch.randn((4, 4), generator=torch.Generator().manual_seed(100 + r), dtype=torch.float64)
         x = torch.randn((2, 4), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
         w_r, x = w_r.to(ctx.device), x.to(ctx.device).requires_grad_()
-        _gradcheck("g(tanh(f(x) W_r))", lambda t: reduce_from(torch.tanh(copy_to(t) @ w_r)), x)
+        _gradcheck("g(tanh(f(x) W_r))", lambda t: reduce_from(torch.tanh(copy_to(t, None) @ w_r), None), x)
 
     def in_a_group():  # two tensor-parallel groups side by side: f and g must stay inside their own group
         size = max(n // 2, 1)
@@ -134,14 +134,14 @@ def check_f_and_g(ctx, answer) -> None:
             _, want_dx = reference(F, xs, gs)
             _, dx = _run(ctx, copy_to, "copy_to (f) in a group", xs[r % size], gs[r % size], group=mine)
             if not torch.equal(dx, want_dx[r % size]):
-                raise Wrong(f"with group= a sub-group of {size} rank(s), copy_to's backward did not sum over that group "
-                            "only: pass group=group to every dist call (None means the whole world)")
+                raise Wrong(f"with group= a sub-group of {size} rank(s), copy_to's backward did not sum over "
+                            "that group only: pass group=group to every dist call (None means the whole world)")
             xs, gs = example(G, size, seed=34 + r // size)
             want_y, _ = reference(G, xs, gs)
             y, _ = _run(ctx, reduce_from, "reduce_from (g) in a group", xs[r % size], gs[r % size], group=mine)
             if not torch.equal(y, want_y[r % size]):
-                raise Wrong(f"with group= a sub-group of {size} rank(s), reduce_from's forward did not sum over that group "
-                            "only: pass group=group to every dist call (None means the whole world)")
+                raise Wrong(f"with group= a sub-group of {size} rank(s), reduce_from's forward did not sum over "
+                            "that group only: pass group=group to every dist call (None means the whole world)")
         finally:
             for g in groups:
                 dist.destroy_process_group(g)
@@ -202,7 +202,8 @@ def check_split_and_gather(ctx, answer) -> None:
         w_r = torch.randn((2,), generator=torch.Generator().manual_seed(200 + r), dtype=torch.float64)
         x = torch.randn((3, 2 * n), generator=torch.Generator().manual_seed(8), dtype=torch.float64)
         w_r, x = w_r.to(ctx.device), x.to(ctx.device).requires_grad_()
-        _gradcheck("gather(tanh(scatter(x) * w_r))", lambda t: gather_from(torch.tanh(scatter_to(t) * w_r)), x)
+        _gradcheck("gather(tanh(scatter(x) * w_r))",
+                   lambda t: gather_from(torch.tanh(scatter_to(t, None) * w_r), None), x)
 
     def in_a_group():  # slices are taken and gathered within the group
         size = max(n // 2, 1)

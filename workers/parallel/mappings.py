@@ -357,7 +357,10 @@ def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_o
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
-    """Reduce-scatter the first dim forward, all-gather backward (conjugate of ``gather_from_sequence_parallel_region``)."""
+    """Reduce-scatter the first dim forward, all-gather backward (conjugate of the sequence gather).
+
+    Korthikanti et al.'s ``g-bar``: after a row-parallel linear with sequence parallelism.
+    """
     return _ReduceScatterToSequenceParallelRegion.apply(input_, group)
 
 
