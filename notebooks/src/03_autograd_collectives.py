@@ -5,8 +5,10 @@
 # ordinary backward, and DDP averages the finished gradients. Tensor parallelism is different. A single
 # layer is split across ranks, so the **forward pass itself** needs collectives (an all-reduce of partial
 # sums, an all-gather of slices), and then the **backward pass must go back through them**. Autograd
-# cannot do that on its own: `dist.all_reduce` is an in-place operation on a buffer, with no gradient
-# formula. We have to give every collective a backward.
+# cannot do that on its own: `dist.all_reduce` is an in-place operation with no registered gradient
+# formula. Backpropagate through it and PyTorch (2.13) warns that "an autograd kernel was not registered
+# [...] This may lead to silently incorrect behavior", then passes the gradient through as if the
+# collective had not happened. We have to give every collective a backward, on purpose.
 #
 # Which backward? That is the whole chapter, and it is subtler than it looks. The obvious guess,
 # "the backward of an all-reduce is an all-reduce", is what `torch.distributed.nn.functional.all_reduce`
@@ -85,9 +87,12 @@ print(ch03.table(rows, ["mapping", "conjugate"]))
 # %% [markdown]
 # Notice the **conjugate** column: each mapping's backward is its conjugate's forward. This is not a
 # coincidence of naming. A collective is a linear map, and the backward of a linear map is its
-# transpose (adjoint). Summing copies and making copies are transposes of each other; so are splitting
-# and concatenating, and reduce-scatter and all-gather. An all-to-all is a permutation, whose transpose
-# is its inverse: the all-to-all back. Which of the pair you get in backward is fixed by the layouts.
+# transpose (adjoint). On the *logical* tensors, `g` is a sum $\mathbb{R}^{n \times d} \to \mathbb{R}^{d}$ and
+# `f` a copy $\mathbb{R}^{d} \to \mathbb{R}^{n \times d}$: each is the other's transpose. So are splitting and
+# concatenating, and reduce-scatter and all-gather. An all-to-all is a permutation, whose transpose is
+# its inverse: the all-to-all back. (Count `g`'s replicated output as $n$ separate tensors instead, and
+# `g` becomes "every rank gets the sum", a symmetric map whose transpose is itself: an all-reduce in
+# backward. That other convention is the trap of section 6.)
 #
 # `gather_from_sequence_parallel_region` has a flag: by default its output feeds a tensor-parallel region
 # (sequence parallelism, Korthikanti et al. 2022, [arXiv:2205.05198](https://arxiv.org/abs/2205.05198),
