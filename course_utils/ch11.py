@@ -1,0 +1,320 @@
+"""Notebook-side helpers for chapter 11: the ledger's figures, ZeRO-1 results against the ledger, the memory
+moments (accounted on any machine; ``torch.cuda.memory_allocated`` from committed GPU data), and FP8.
+
+Every prediction comes from ``course_utils.ledger`` / ``course_utils.planner``, every FP8 number from
+``course_utils.fp8``; measured numbers come from ranks (``workers/ch11_*.py``) or from ``data/gpu/*.json``,
+files written by ``tools/gpu/ch11_memory.sh`` on a real GPU. Nothing here invents a measurement.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from course_utils.ledger import GB, activation_bytes_per_layer, model_state_bytes
+from course_utils.planner import Layout, plan
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GPU_DATA = REPO_ROOT / "data" / "gpu"
+STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
+MOMENTS = ("init", "forward", "backward", "step")
+
+
+# -- 1. the four-state ledger -------------------------------------------------------------------------------
+
+def ledger_plans(model: str, dps: tuple[int, ...], *, tp: int = 1, pp: int = 1, seq: int = 4096) -> dict:
+    """{(dp, stage): Plan} for ZeRO stages 0-3 at each DP size (n_gpus = tp * pp * dp)."""
+    out = {}
+    for dp in dps:
+        for stage in range(4):
+            layout = Layout(tp=tp, pp=pp, zero_stage=stage, seq=seq, num_microbatches=4 * pp if pp > 1 else 1)
+            out[(dp, stage)] = plan(model, layout, tp * pp * dp)
+    return out
+
+
+def ledger_figure(plans: dict, title: str, ax=None):
+    """Grouped stacked bars: for each DP size, DDP and ZeRO-1/2/3, four states per GPU, GPU memory dashed."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.8))
+    dps = sorted({dp for dp, _ in plans})
+    x = 0.0
+    ticks, labels = [], []
+    for dp in dps:
+        for stage in range(4):
+            p = plans[(dp, stage)]
+            bottom = 0.0
+            for state, colour in STATE_COLOURS.items():
+                v = p.memory[state] / GB
+                ax.bar(x, v, bottom=bottom, color=colour, width=0.8, label=state if (dp, stage) == (dps[0], 0) else None)
+                bottom += v
+            ticks.append(x)
+            labels.append("DDP" if stage == 0 else f"Z{stage}")
+            x += 1
+        ax.text(x - 2.5, -0.16, f"dp={dp}", transform=ax.get_xaxis_transform(), ha="center", fontsize=9)
+        x += 0.8
+    mem = next(iter(plans.values())).gpu_memory_bytes / GB
+    ax.axhline(mem, color="black", linestyle="--", linewidth=1)
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylabel("GB per GPU (1e9 bytes)")
+    ax.set_title(title + f"  (dashed: {mem:.1f} GB)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return ax
+
+
+# -- 2. ZeRO-1 on ranks against the ledger ------------------------------------------------------------------
+
+def ledger_optimizer_bytes(n_params: int, world_size: int, bytes_per_param: float) -> float:
+    """The ledger's optimizer bytes per GPU for ZeRO-1 at this DP size (K = bytes_per_param)."""
+    return model_state_bytes(n_params, dp=world_size, zero_stage=1, optimizer_bytes_per_param=bytes_per_param).optimizer
+
+
+def bytes_rows(results: dict) -> list[list[str]]:
+    """``results``: {label: RunResult of workers.ch11_zero1}. One row per run: measured per-rank bytes vs ledger."""
+    rows = []
+    for label, res in results.items():
+        r0 = res[0]
+        n, k, world = r0["n_params"], r0["state_bytes_per_param"], len(res)
+        per_rank = [s["elementwise"] + s["master"] for s in res.gather("state_bytes")]
+        ledger = ledger_optimizer_bytes(n, world, k)
+        rows.append([label, str(world), f"{n:,}", f"{k}", ", ".join(f"{b:,}" for b in per_rank), f"{ledger:,.0f}",
+                     "equal" if all(b == ledger for b in per_rank) else
+                     f"max/ledger = {max(per_rank) / ledger:.3f}, sum/(K*P) = {sum(per_rank) / (k * n):.3f}"])
+    return rows
+
+
+def bytes_figure(flat: dict, params: dict, ax=None):
+    """Per-rank optimizer bytes against world size: the ledger's K*P/N line, each rank's measurement as a dot."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.6))
+    any_res = next(iter(flat.values()))
+    n, k = any_res[0]["n_params"], any_res[0]["state_bytes_per_param"]
+    worlds = sorted(flat)
+    ax.plot(worlds, [ledger_optimizer_bytes(n, w, k) for w in worlds], "-", color="black", label="ledger K·P/N")
+    for results, marker, colour, name in ((flat, "o", "#4C72B0", "flat partition"),
+                                         (params, "x", "#C44E52", "whole-tensor partition")):
+        for w, res in sorted(results.items()):
+            ys = [s["elementwise"] + s["master"] for s in res.gather("state_bytes")]
+            ax.scatter([w] * len(ys), ys, marker=marker, color=colour, s=40, zorder=3,
+                       label=name if w == min(results) else None)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(worlds, [str(w) for w in worlds])
+    ax.set_xlabel("data-parallel ranks N")
+    ax.set_ylabel("optimizer-state bytes on each rank")
+    ax.set_title(f"measured on real ranks (gloo, CPU): {n:,} parameters, K = {k}", fontsize=10)
+    ax.legend(fontsize=8)
+    return ax
+
+
+# -- 3. memory at the four moments ----------------------------------------------------------------------------
+
+def moments_of(rank_result: dict, step: int | None = None) -> list[dict]:
+    """The init moment and the four moments of ``step`` (default: the last, the steady state)."""
+    moments = rank_result["moments"]
+    last = max(m["step"] for m in moments) if step is None else step
+    return [m for m in moments if m["step"] == 0] + [m for m in moments if m["step"] == last and m["moment"] != "init"]
+
+
+def ledger_moment(config: dict, n_params: int, step: int, moment: str) -> dict:
+    """What the ledger predicts, in bytes per rank, at ``moment`` of ``step`` (step 0 is init) of a ch11_memory run.
+
+    Weights and gradients stay allocated throughout (the flat buffers). Optimizer state is the fp32 master shard
+    from init (with bf16 weights), plus Adam's moments once the first step has run (K = 4 + 8 = 12 then).
+    Activations, Korthikanti et al. 2022 Table 2 with selective recomputation (no stored scores, as SDPA), exist
+    only between forward and backward.
+    """
+    bf16 = config["dtype"] == "bfloat16"
+    w = 2 if bf16 else 4
+    dp = config["world_size"] if config["zero_stage"] == 1 else 1
+    stepped = step >= 2 or (step == 1 and moment == "step")
+    k = (4 if bf16 else 0) + ((8 if config["optimizer"] == "adamw" else 4) if stepped else 0)
+    states = model_state_bytes(n_params, dp=dp, zero_stage=1, weight_bytes=w, grad_bytes=w,
+                               optimizer_bytes_per_param=k)
+    act = 0.0
+    if moment == "forward":
+        act = config["layers"] * activation_bytes_per_layer(config["seq"], config["micro_batch"], config["hidden"],
+                                                            config["heads"], recompute="selective") * w / 2
+    return {"params": states.params, "grads": states.grads, "optimizer": states.optimizer, "activations": act}
+
+
+def ledger_moments(config: dict, n_params: int) -> dict:
+    """The ledger at init and at the four moments of a steady-state step (after the first): {moment: bytes}."""
+    return {m: ledger_moment(config, n_params, 0 if m == "init" else 2, m) for m in MOMENTS}
+
+
+def moments_figure(runs: dict, *, gpu: bool = False, title: str = "", unit: float = 2**20, unit_name: str = "MiB"):
+    """One panel per run ({label: rank-0 result of ch11_memory}): accounted bytes stacked by state at each moment,
+    the ledger's total as a black tick, and ``cuda_allocated`` as a hollow bar when ``gpu``."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.4 * len(runs) + 1.5, 3.6), sharey=True, squeeze=False)
+    for ax, (label, r) in zip(axes[0], runs.items()):
+        ms = moments_of(r)
+        ledger = ledger_moments(r["config"], r["n_params"])
+        for i, m in enumerate(ms):
+            bottom = 0.0
+            for state, colour in STATE_COLOURS.items():
+                v = m["accounted"][state] / unit
+                ax.bar(i - (0.18 if gpu else 0), v, bottom=bottom, width=0.36 if gpu else 0.6, color=colour,
+                       label=state if (i == 0 and ax is axes[0][0]) else None)
+                bottom += v
+            total = sum(ledger[m["moment"]].values()) / unit
+            ax.hlines(total, i - 0.4, i + 0.4, color="black", linewidth=2,
+                      label="ledger" if (i == 0 and ax is axes[0][0]) else None)
+            if gpu and "cuda_allocated" in m:
+                alloc = (m["cuda_allocated"] - r.get("baseline_cuda_allocated", 0)) / unit
+                ax.bar(i + 0.18, alloc, width=0.36, fill=False, edgecolor="black", hatch="//",
+                       label="cuda memory_allocated" if (i == 0 and ax is axes[0][0]) else None)
+        ax.set_xticks(range(len(ms)), [m["moment"] for m in ms], fontsize=8)
+        ax.set_title(label, fontsize=9)
+    axes[0][0].set_ylabel(unit_name)
+    fig.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95), frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def gpu_data(kind: str = "memory") -> dict | None:
+    """Committed GPU measurements (``tools/gpu/ch11_memory.sh``): data/gpu/ch11_<kind>_h200.json, else any GPU's."""
+    preferred = GPU_DATA / f"ch11_{kind}_h200.json"
+    paths = [preferred] if preferred.exists() else sorted(GPU_DATA.glob(f"ch11_{kind}_*.json"))
+    if not paths:
+        return None
+    data = json.loads(paths[0].read_text())
+    data["path"] = str(paths[0].relative_to(REPO_ROOT))
+    return data
+
+
+def gpu_label(data: dict) -> str:
+    return (f"{data.get('device_name', '?')}, torch {data.get('torch', '?')}, CUDA {data.get('cuda', '?')}, "
+            f"{data.get('date', '?')[:10]} ({data.get('path', '')})")
+
+
+# -- 4. FP8 -----------------------------------------------------------------------------------------------------
+
+def outlier_activation(rows: int = 256, cols: int = 1024, n_outliers: int = 4, outlier_scale: float = 100.0,
+                       seed: int = 0):
+    """Activations [tokens, channels] ~ N(0, 1) with ``n_outliers`` channels ``outlier_scale`` times larger:
+    the systematic outlier features of large transformers (Dettmers et al. 2022, LLM.int8(), section 3)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    channels = torch.randperm(cols, generator=g)[:n_outliers]
+    x[:, channels] *= outlier_scale
+    return x, channels
+
+
+def granularity_errors(outlier_scales=(1, 10, 1e2, 1e3, 1e4, 1e5, 1e6), fmt: str = "e4m3") -> dict:
+    """Relative error of fake-quantised activations, per granularity, on the ordinary channels only (the
+    outliers themselves are always represented well: they set the scale)."""
+    import torch
+
+    from course_utils.fp8 import GRANULARITIES, fake_quantize, relative_error
+
+    out = {g: [] for g in GRANULARITIES}
+    for scale in outlier_scales:
+        x, channels = outlier_activation(outlier_scale=float(scale))
+        ordinary = torch.ones(x.shape[1], dtype=torch.bool)
+        ordinary[channels] = False
+        for g in GRANULARITIES:
+            q = fake_quantize(x, fmt, g)
+            out[g].append(relative_error(x[:, ordinary], q[:, ordinary]))
+    return out
+
+
+def granularity_figure(outlier_scales=(1, 10, 1e2, 1e3, 1e4, 1e5, 1e6)):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, fmt in zip(axes, ("e4m3", "e5m2")):
+        errors = granularity_errors(outlier_scales, fmt)
+        for g, style in zip(errors, ("o-", "s--", "^:")):
+            ax.plot(outlier_scales, errors[g], style, label={"tensor": "per tensor", "tile": "per 1x128 tile",
+                                                              "block": "per 128x128 block"}[g])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("outlier channels' magnitude / the rest")
+        ax.set_title(f"{fmt.upper()}: error on the ordinary channels", fontsize=10)
+    axes[0].set_ylabel("relative error (Frobenius)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("4 outlier channels in a 256 x 1024 activation (computed on the CPU with torch's FP8 casts)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def scaling_history(steps: int = 40, spike_at: int = 25, spike: float = 20.0, history_len: int = 16,
+                    seed: int = 0) -> dict:
+    """A tensor whose amax drifts slowly, then jumps ``spike`` times at ``spike_at`` for one step.
+
+    For each step: the scale each recipe uses, the fraction of elements delayed scaling saturates, and both
+    relative errors. Delayed scaling (Transformer Engine's DelayedScaling) uses the history of earlier amaxes;
+    current scaling uses this tensor's own amax."""
+    import torch
+
+    from course_utils.fp8 import DelayedScaling, current_scale, fake_quantize, relative_error, saturated_fraction
+
+    g = torch.Generator().manual_seed(seed)
+    delayed = DelayedScaling("e4m3", history_len=history_len)
+    out = {k: [] for k in ("amax", "delayed_scale", "current_scale", "saturated", "delayed_error", "current_error")}
+    for step in range(steps):
+        x = torch.randn(128, 512, generator=g) * (1 + 0.02 * step)
+        if step == spike_at:
+            x[:4] *= spike  # a few tokens with much larger activations: amax jumps, most values do not
+        scale = delayed.scale
+        q_delayed = delayed.quantize(x).dequantize()
+        out["amax"].append(float(x.abs().max()))
+        out["delayed_scale"].append(float(scale))
+        out["current_scale"].append(float(current_scale(x)))
+        out["saturated"].append(saturated_fraction(x, scale))
+        out["delayed_error"].append(relative_error(x, q_delayed))
+        out["current_error"].append(relative_error(x, fake_quantize(x, "e4m3", "tensor")))
+    return out
+
+
+def scaling_figure(**kw):
+    import matplotlib.pyplot as plt
+
+    h = scaling_history(**kw)
+    steps = range(len(h["amax"]))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.plot(steps, h["amax"], "k-", label="amax of the tensor")
+    ax1.plot(steps, [448 / s for s in h["delayed_scale"]], "--", color="#C44E52",
+             label="amax delayed scaling assumes (history)")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("step")
+    ax1.legend(fontsize=8)
+    ax1.set_title("a spike in amax", fontsize=10)
+    ax2.plot(steps, h["delayed_error"], "-", color="#C44E52", label="delayed scaling")
+    ax2.plot(steps, h["current_error"], "-", color="#4C72B0", label="current scaling")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("relative error")
+    ax2.legend(fontsize=8)
+    ax2.set_title("E4M3 error per step (CPU, torch casts)", fontsize=10)
+    fig.tight_layout()
+    return fig, h
+
+
+def emulated_gemm_errors(m: int = 512, k: int = 1024, n: int = 512, outlier_scale: float = 100.0, seed: int = 0):
+    """Relative error of C = A B against fp32 for bf16 inputs and for E4M3 inputs at each granularity (A: activations
+    with outlier channels along K, scaled along K in 1x128 tiles or 128x128 blocks; B: weights, scaled the same
+    way along K). Products are accumulated in fp32, as tensor cores do; this is emulation on the CPU."""
+    import torch
+
+    from course_utils.fp8 import fake_quantize, relative_error
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g)
+    a[:, torch.randperm(k, generator=g)[:4]] *= outlier_scale  # [m, k]
+    b = torch.randn(k, n, generator=g) / k**0.5  # [k, n]
+    ref = a @ b
+    out = {"bf16": relative_error(ref, (a.bfloat16().float() @ b.bfloat16().float()))}
+    for gran in ("tensor", "tile", "block"):
+        aq = fake_quantize(a, "e4m3", gran)  # groups run along k, the contraction dimension
+        bq = fake_quantize(b.t().contiguous(), "e4m3", gran).t()
+        out[f"e4m3 per {gran}"] = relative_error(ref, aq @ bq)
+    return out

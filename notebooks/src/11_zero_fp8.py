@@ -1,0 +1,401 @@
+# %% [markdown]
+# # 11 · ZeRO and FP8: the memory ledger
+#
+# A GPU training a transformer holds four things: **parameters**, **gradients**, **optimizer states** and
+# **activations**. The first three (the *model states*) do not depend on the batch; plain data parallelism
+# copies all three onto every GPU, which is pure redundancy. ZeRO (Rajbhandari et al. 2020) removes it one state
+# at a time. FP8 attacks from the other side: fewer bytes per number, for the matmuls and what they save.
+#
+# In this chapter we keep the ledger honest: every prediction comes from `course_utils.ledger` (formulas from
+# the papers, tested against the papers' own numbers), and every measurement comes from real ranks, counted from
+# the tensors themselves. GPU-only numbers (`torch.cuda.memory_allocated`, FP8 tensor-core GEMMs) come from a
+# GPU when there is one, and otherwise from data committed with the course, labelled with device and date; if
+# neither exists, the notebook says so rather than invent them.
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import display
+
+import course_utils as cu
+from course_utils import ch11, plots
+from course_utils.ch00 import Table
+from course_utils.exercises import check
+from course_utils.fp8 import E4M3, E5M2
+from course_utils.ledger import GB, model_state_bytes
+
+plots.style()
+torch.set_num_threads(1)  # the notebook's own tensors are small; one thread leaves the cores to the ranks
+
+# %% [markdown]
+# ## 1. The four states, and what ZeRO shards
+#
+# Mixed-precision Adam keeps 2 bytes of bf16 weight, 2 bytes of gradient and K = 12 bytes of optimizer state
+# (fp32 master weight, momentum, variance) per parameter (ZeRO, section 3.1). With N_d data-parallel GPUs,
+# stage 1 shards the optimizer states, stage 2 also the gradients, stage 3 also the parameters (section 5.1).
+# The paper's Figure 1 example, 7.5B parameters on 64 GPUs:
+
+# %%
+rows = []
+for stage in range(4):
+    s = model_state_bytes(7.5e9, dp=64, zero_stage=stage)
+    rows.append([["DDP", "ZeRO-1 (P_os)", "ZeRO-2 (P_os+g)", "ZeRO-3 (P_os+g+p)"][stage],
+                 f"{s.params / GB:.2f}", f"{s.grads / GB:.2f}", f"{s.optimizer / GB:.2f}", f"{s.total / GB:.1f}"])
+display(Table(["stage", "params GB", "grads GB", "optimizer GB", "total GB"], rows,
+              "7.5e9 parameters, N_d = 64 (Figure 1 prints 120, 31.4, 16.6, 1.9 GB)"))
+
+# %% [markdown]
+# Activations are the fourth state and ZeRO does not touch them: they depend on sequence length and micro-batch
+# (Korthikanti et al. 2022, Table 2). The planner adds them. Llama 2 7B at sequence 4096 across data-parallel
+# sizes: ZeRO-1 and 2 cut the 12-byte and 2-byte terms, ZeRO-3 the rest of the model states; the activations
+# stay.
+
+# %% tags=["nbval-ignore-output"]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 3.8))
+ch11.ledger_figure(ch11.ledger_plans("7B", (8, 64, 512)), "Llama 2 7B, seq 4096, micro-batch 1", ax=ax1)
+ch11.ledger_figure(ch11.ledger_plans("70B", (1, 8, 32), tp=8, pp=4), "Llama 3 70B with tp=8, pp=4 (32 GPUs per replica)",
+                   ax=ax2)
+fig.tight_layout()
+plots.savefig(fig, "11_ledger_states");
+
+# %% [markdown]
+# With TP and PP the ledger composes: each GPU first holds Ψ/(tp·pp) of the parameters, and ZeRO shards that
+# slice over the DP ranks holding the same slice. For 70B with tp=8, pp=4, DDP already fits; ZeRO-1 then turns
+# the first stage's 27 GB of optimizer state into 3.4 GB at dp=8 and 0.9 GB at dp=32. (In Megatron the
+# distributed optimizer shards over DP x CP.)
+#
+# ### Exercise 1: the ZeRO ledger
+# Write `zero_state_bytes(n_params, dp, stage, tp=1, pp=1, optimizer_bytes=12)`: a dict with the bytes per GPU
+# of `"params"`, `"grads"` and `"optimizer"` (2-byte weights and gradients, `optimizer_bytes` per parameter of
+# optimizer state), when TP and PP split the model before ZeRO shards it over `dp` ranks.
+
+# %% tags=["exercise"]
+def zero_state_bytes(n_params, dp, stage, tp=1, pp=1, optimizer_bytes=12):
+    """Bytes per GPU of parameters, gradients and optimizer states: dict(params=..., grads=..., optimizer=...)."""
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("zero_state_bytes", zero_state_bytes)
+
+# %% [markdown]
+# ## 2. ZeRO-1 by hand, on real ranks
+#
+# `workers/zero/zero1.py` wraps any torch optimizer (`Zero1Optimizer(model.parameters(), torch.optim.AdamW,
+# lr=...)`). One step on N data-parallel ranks:
+#
+# 1. backward as usual: each rank has the gradient of its own B/N rows;
+# 2. **reduce-scatter** the gradients: rank r receives the sum over ranks of *its shard only*, and divides by N;
+# 3. the wrapped optimizer steps **only rank r's shard**, so only that shard has Adam moments;
+# 4. **all-gather** the updated shards: every rank holds the full, updated model again.
+#
+# Steps 2 and 4 move exactly the bytes of DDP's all-reduce (a ring all-reduce *is* a reduce-scatter followed by
+# an all-gather): the optimizer memory drops N times for free (ZeRO, section 7.2.1).
+#
+# **How to partition.** Laying all parameters end to end in one flat buffer and giving rank r elements
+# [rS, (r+1)S) makes every shard the same size, S = ⌈Ψ/N⌉, so the bytes match the ledger's KΨ/N exactly; the
+# price is that a shard may cut a tensor in two, which is exact only for *elementwise* optimizers (SGD, Adam,
+# AdamW). Giving each rank whole tensors (largest first to the least-loaded rank, like torch's
+# `ZeroRedundancyOptimizer`) works for any optimizer, including those that look at a whole matrix (LAMB,
+# Adafactor, Muon), but the shards are only as even as the tensor sizes allow. `partition="flat"` is the
+# default; `partition="params"` is the other choice. Either way the model's parameters become views of one flat
+# buffer and their `.grad` views of a flat gradient buffer, so backward accumulates straight into it and a tied
+# weight (here the embedding and the LM head share one `Parameter`) is one tensor, stepped once.
+#
+# The test bed is a small GPT with a tied embedding (`workers/ch11_model.py`). Every rank starts from its
+# own random weights (the optimizer's broadcast must equalise them), trains on its B/N rows, and alongside
+# trains the **single-process reference**: the whole batch, a plain unsharded `torch.optim.AdamW`. Worlds 1,
+# 2 and 4 start together (their torchrun cold starts overlap):
+
+# %%
+jobs = {w: cu.launch("workers.ch11_zero1", w, optimizer="adamw", timeout=240) for w in (1, 2, 4)}
+adamw = {w: job.wait() for w, job in jobs.items()}
+
+# %% tags=["nbval-ignore-output"]
+for w, res in adamw.items():
+    r0 = res[0]
+    print(f"world {w}: max |w - reference| after construction and each step: "
+          + ", ".join(f"{e:.1e}" for e in r0["max_abs_error"])
+          + f" | identical on every rank: {all(res.gather('equal_to_rank0'))}")
+
+# %% [markdown]
+# At world 1 the sharded optimizer *is* the unsharded one, bit for bit. At worlds 2 and 4 the weights differ
+# from the single process by about 1e-5 = 1e-3 x the learning rate: the n ranks add the gradient in a different
+# order than one process does, and **Adam divides each update by the size of that element's own gradient**, so
+# a rounding difference of 1e-7 on a gradient of 1e-4 becomes a relative difference of 1e-3 in the update. (SGD,
+# below, stays at 1e-7.) The check that isolates the sharding: feed a plain unsharded AdamW the *same averaged
+# gradient* (`grad_sync="all_reduce"` leaves it in every `.grad`) and compare.
+
+# %%
+TOL_ADAM = 5e-5  # = 5e-3 x lr: fp32 reordering of small gradients, amplified by Adam's normalisation
+same = cu.run("workers.ch11_zero1", 4, optimizer="adamw", grad_sync="all_reduce", timeout=120)
+sgd = {w: cu.run("workers.ch11_zero1", w, optimizer="sgd", timeout=120) for w in (1, 2, 4)}
+for w, res in adamw.items():
+    print(f"AdamW, world {w}: within {TOL_ADAM:g} of the single process: "
+          f"{max(res[0]['max_abs_error']) <= TOL_ADAM}; ranks identical: {all(res.gather('equal_to_rank0'))}; "
+          f"tied weight still one Parameter: {all(res.gather('tied'))}")
+print(f"AdamW, world 4, same gradients as an unsharded AdamW: max difference "
+      f"{max(max(e) for e in same.gather('same_grad_max_abs_error'))} (bitwise equal)")
+for w, res in sgd.items():
+    print(f"SGD + momentum, world {w}: within 1e-6 of the single process: {max(res[0]['max_abs_error']) <= 1e-6}")
+
+# %% [markdown]
+# **Predict, then measure.** The model has 27,840 parameters (fp32 here) and AdamW keeps two fp32 tensors per
+# parameter (`exp_avg`, `exp_avg_sq`): K = 8 bytes. How many bytes of optimizer state does each rank hold at
+# world 4? Write your number down, then run the cell: it sums `nbytes` over every tensor in each rank's
+# `optimizer.state` (the 4-byte `step` counter Adam keeps per tensor is reported apart: the ledger leaves it out).
+
+# %%
+params_part = {w: cu.run("workers.ch11_zero1", w, optimizer="adamw", partition="params", timeout=120) for w in (1, 2, 4)}
+mixed = cu.run("workers.ch11_zero1", 4, optimizer="adamw", dtype="bfloat16", master_weights=True, timeout=120)
+measured = {f"AdamW flat, N={w}": r for w, r in adamw.items()}
+measured |= {f"SGD flat, N={w}": r for w, r in sgd.items()}
+measured |= {f"AdamW whole tensors, N={w}": r for w, r in params_part.items()}
+measured["bf16 + fp32 master, AdamW, N=4"] = mixed
+display(Table(["run", "N", "parameters", "K", "measured bytes per rank", "ledger K·Ψ/N", "verdict"],
+              ch11.bytes_rows(measured), "optimizer-state bytes per rank, measured on real ranks vs the ledger"))
+print("scalar bookkeeping per rank (Adam's step counters):", adamw[4].gather("state_bytes")[0]["scalars"], "bytes")
+
+# %% [markdown]
+# The flat partition matches the ledger to the byte at every N, for AdamW (K = 8), SGD with momentum (K = 4),
+# and mixed precision, where the fp32 master shard joins the moments to make the paper's K = 12. Whole-tensor
+# shards are balanced only to within the largest tensor (here the 64 x 32 tied embedding): the sum is exact,
+# the split is not.
+
+# %% tags=["nbval-ignore-output"]
+ax = ch11.bytes_figure(adamw, params_part)
+plots.savefig(ax.figure, "11_zero1_bytes");
+
+# %% [markdown]
+# ## 3. Memory at the four moments of a step
+#
+# `workers/ch11_memory.py` trains a GPT in bf16 with fp32 master weights and AdamW, as DDP (`zero_stage=0`)
+# or ZeRO-1, and records memory after init, after the forward pass, after the backward pass and after the
+# optimizer step. On any machine it *accounts* bytes from the tensors themselves: the flat weight and gradient
+# buffers, the optimizer's state tensors, and the activations, i.e. the distinct storages autograd saved for
+# backward (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded. On a GPU it also records
+# `torch.cuda.memory_allocated`. Here, on the CPU, a small shape (h = 128, 2 layers):
+
+# %%
+SMALL = dict(hidden=128, heads=4, layers=2, vocab=512, seq=128, micro_batch=2, steps=2)
+memory_runs = {
+    "DDP, N=1": cu.run("workers.ch11_memory", 1, zero_stage=0, timeout=240, **SMALL)[0],
+    "DDP, N=2": cu.run("workers.ch11_memory", 2, zero_stage=0, timeout=240, **SMALL)[0],
+    "ZeRO-1, N=2": cu.run("workers.ch11_memory", 2, zero_stage=1, timeout=240, **SMALL)[0],
+    "ZeRO-1, N=4": cu.run("workers.ch11_memory", 4, zero_stage=1, timeout=240, **SMALL)[0],
+}
+rows = []
+for label, r in memory_runs.items():
+    ledger = ch11.ledger_moments(r["config"], r["n_params"])
+    for m in ch11.moments_of(r):
+        acc = m["accounted"]
+        rows.append([label, f"{m['moment']} (step {m['step']})"] + [f"{acc[k]:,}" for k in ch11.STATE_COLOURS]
+                    + [f"{sum(ledger[m['moment']][k] for k in ('params', 'grads', 'optimizer')):,.0f}"])
+display(Table(["run", "moment", "params", "grads", "optimizer", "activations", "ledger: model states"], rows,
+              f"rank 0, bytes accounted from tensors (CPU), {memory_runs['DDP, N=1']['n_params']:,} parameters"))
+
+# %% [markdown]
+# Model states match the ledger to the byte at every moment (the optimizer column adds Adam's 4-byte step
+# counter), including the jump at the first step, when Adam allocates its moments. Activations exist only
+# between forward and backward, and ZeRO-1 does not touch them. Against Korthikanti's per-layer formula:
+
+# %%
+r = memory_runs["DDP, N=1"]
+cfg = r["config"]
+forward = next(m for m in ch11.moments_of(r) if m["moment"] == "forward")
+layers_only = ch11.ledger_moments(cfg, r["n_params"])["forward"]["activations"]
+log_probs = cfg["micro_batch"] * cfg["seq"] * cfg["vocab"] * 4  # fp32 log-softmax the loss keeps, [b, s, V]
+print(f"accounted activations after forward: {forward['accounted']['activations']:,} bytes")
+print(f"Korthikanti Table 2, {cfg['layers']} layers, selective: {layers_only:,.0f} bytes "
+      f"(+ fp32 log-probabilities of the loss, b*s*V*4 = {log_probs:,}: {layers_only + log_probs:,.0f})")
+
+# %% [markdown]
+# The per-layer formula covers the transformer layers only; the loss's fp32 log-probabilities come on top
+# (with a 512-token vocabulary and h = 128 they are a fifth of the total), and this block has no dropout masks,
+# which the formula counts. The ledger is a model: it gets the model states exactly and the activations to
+# within what it leaves out, and it says what that is.
+
+# %% tags=["nbval-ignore-output"]
+fig = ch11.moments_figure(memory_runs, title="accounted tensor bytes per rank, CPU (gloo): not allocator measurements; "
+                                              "black: the ledger")
+plots.savefig(fig, "11_memory_moments_cpu");
+
+# %% [markdown]
+# ### The same on a GPU, for a model of about 1B parameters
+# `tools/gpu/ch11_memory.sh` runs the worker's default shape (l = 20, h = 2048, V = 32000, s = 2048: 1.08e9
+# parameters) on a GPU, records `torch.cuda.memory_allocated` at the four moments for DDP and ZeRO-1 at world 1
+# (NCCL) and 2 (two ranks on one GPU, gloo on CUDA tensors), and commits the result as
+# `data/gpu/ch11_memory_h200.json`, with device, versions and date.
+
+# %% tags=["nbval-ignore-output"]
+gpu = ch11.gpu_data("memory")
+if torch.cuda.is_available():
+    print("A GPU is visible: measuring live (this takes a minute).")
+    live = {f"{'DDP' if z == 0 else 'ZeRO-1'}, N=1": cu.run("workers.ch11_memory", 1, zero_stage=z, timeout=900)[0]
+            for z in (0, 1)}
+    fig = ch11.moments_figure(live, gpu=True, unit=2**30, unit_name="GiB",
+                              title=f"{torch.cuda.get_device_name(0)}: measured now")
+    plots.savefig(fig, "11_memory_moments_gpu")
+elif gpu is not None:
+    ok = {f"{'DDP' if r['zero_stage'] == 0 else 'ZeRO-1'}, N={r['world_size']}": r["ranks"][0]
+          for r in gpu["runs"] if "ranks" in r}
+    print("Committed GPU measurement:", ch11.gpu_label(gpu))
+    for r in gpu["runs"]:
+        if "error" in r:
+            print(f"  world {r['world_size']} zero {r['zero_stage']} ({r['grad_sync']}) failed: {r['error']}")
+    fig = ch11.moments_figure(ok, gpu=True, unit=2**30, unit_name="GiB",
+                              title=f"GPU: {ch11.gpu_label(gpu)}; hatched: torch.cuda.memory_allocated")
+    plots.savefig(fig, "11_memory_moments_gpu")
+else:
+    print("The GPU measurement has not been run yet: no GPU here, and no data/gpu/ch11_memory_*.json committed.\n"
+          "Run `bash tools/gpu/ch11_memory.sh` on a machine with a GPU and commit the JSON it writes.\n"
+          "Until then, the ledger's prediction for that run (GiB per rank, steady state after a step):")
+    cfg = dict(layers=20, hidden=2048, heads=16, vocab=32000, seq=2048, micro_batch=2, dtype="bfloat16",
+               optimizer="adamw")
+    n_1b = 12 * 20 * 2048**2 + 10 * 20 * 2048 + (32000 + 2048) * 2048 + 2 * 2048
+    for z, w in ((0, 1), (0, 2), (1, 2)):
+        pred = ch11.ledger_moments({**cfg, "zero_stage": z, "world_size": w}, n_1b)
+        print(f"  {'DDP' if z == 0 else 'ZeRO-1'}, N={w}: " + ", ".join(
+            f"{moment} {sum(v.values()) / 2**30:.1f}" for moment, v in pred.items()))
+
+# %% [markdown]
+# ### Exercise 2: the sharded optimizer step
+# Write `zero1_step(params, state, make_optimizer)`, called on every rank after backward:
+#
+# - `params`: the model's parameters (each tensor once, the tied one included); each `.grad` holds *this
+#   rank's* local gradient;
+# - `state`: a dict kept between calls (empty at the first call): keep your shard and your optimizer in it;
+# - `make_optimizer(tensors)`: returns a torch optimizer over the tensors you give it (SGD with momentum).
+#
+# Average the gradients over the ranks, step only this rank's 1/N of the elements with an optimizer that holds
+# state for that shard alone, then leave the full updated parameters on every rank. The check runs your function
+# on 2 and 4 real ranks for three steps against the unsharded single-process SGD, and measures the state your
+# optimizers hold. (Why SGD? Adam normalises away a gradient that is N times too large, so a missing average
+# would go unnoticed.)
+
+# %% tags=["exercise"]
+def zero1_step(params, state, make_optimizer):
+    """One ZeRO-1 step: average the gradients, step only this rank's shard, re-synchronise the parameters."""
+    import torch
+    import torch.distributed as dist
+
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("zero1_step", zero1_step)
+
+# %% [markdown]
+# ## 4. FP8
+#
+# FP8 halves bf16 again, for the operands of the matmuls (Micikevicius et al. 2022): **E4M3** (4 exponent bits,
+# 3 mantissa bits) for weights and activations, **E5M2** (more range, less precision) for gradients. Eight bits
+# cannot hold a tensor's range on their own, so every group of values carries an fp32 **scale** that maps its
+# largest magnitude (amax) onto the format's largest value.
+
+# %%
+for f in (E4M3, E5M2):
+    print(f"{f.name.upper()}: max {f.max:g}, smallest normal 2^{int(torch.tensor(f.min_normal).log2())}, "
+          f"smallest subnormal 2^{int(torch.tensor(f.min_subnormal).log2())}, {f.mantissa_bits} mantissa bits "
+          f"(relative step 2^-{f.mantissa_bits})")
+
+# %% [markdown]
+# ### Outlier channels and scaling granularity
+# Large transformers have a few activation channels far larger than the rest (Dettmers et al. 2022). One scale
+# for the whole tensor is set by those outliers, which pushes every ordinary value down the exponent range. FP8
+# is floating point, so that costs nothing until the ordinary values fall below the smallest normal number;
+# then they lose their mantissa and finally flush to zero. DeepSeek-V3 (2024, section 3.3.2) scales
+# activations per 1 x 128 tile and weights per 128 x 128 block, so an outlier only spoils its own group.
+#
+# **Predict**: at what outlier magnitude does per-tensor E4M3 start to hurt the ordinary channels? (E4M3's
+# normal range spans 448 / 2^-6, about 2^15.)
+
+# %% tags=["nbval-ignore-output"]
+fig = ch11.granularity_figure()
+plots.savefig(fig, "11_fp8_granularity");
+
+# %%
+errors = ch11.granularity_errors((1e2, 1e4, 1e6))
+for g, values in errors.items():
+    print(f"E4M3 per {g:<6}: error on ordinary channels with outliers 1e2 / 1e4 / 1e6 x: "
+          + " / ".join(f"{v:.2f}" for v in values))
+
+# %% [markdown]
+# Up to about 1e3 the granularity makes no difference: the relative error is E4M3's rounding (2^-4 step,
+# about 2.6% rms). Beyond 1e4 the per-tensor scale pushes the ordinary channels into subnormals and then to
+# zero; tiles and blocks keep the damage to the groups that contain an outlier. E5M2's 32 binades of range
+# never reach that point here, at twice the rounding error.
+#
+# ### Delayed versus current scaling
+# *Current* scaling reads the tensor's amax just before casting (an extra pass over the tensor); *delayed*
+# scaling (Transformer Engine's `DelayedScaling`) uses the largest amax of the previous steps, which saves that
+# pass but cannot see a sudden jump: the values beyond the stale range saturate at ±448. (At step 0 the history
+# is empty and the scale is 1, as in Transformer Engine; a window of 16 steps keeps the demonstration short,
+# where TE's default is 1024.)
+
+# %% tags=["nbval-ignore-output"]
+fig, history = ch11.scaling_figure()
+plots.savefig(fig, "11_fp8_delayed_vs_current");
+
+# %%
+spike = 25
+print(f"step {spike}: amax jumps {history['amax'][spike] / history['amax'][spike - 1]:.0f}x; delayed scaling "
+      f"saturates {history['saturated'][spike]:.1%} of the values (error {history['delayed_error'][spike]:.2f}); "
+      f"current scaling: error {history['current_error'][spike]:.3f}")
+print(f"the next step, the history holds the spike: delayed error {history['delayed_error'][spike + 1]:.3f} "
+      "(a smaller scale only shifts exponents, until values become subnormal)")
+
+# %% [markdown]
+# ### FP8 GEMM versus bf16
+# The payoff is speed: FP8 tensor cores do twice the bf16 FLOPs on Hopper. The cost is error. On the CPU we can
+# only emulate the numbers (quantise, dequantise, multiply in fp32, as tensor cores accumulate):
+
+# %%
+emulated = ch11.emulated_gemm_errors()
+print("C = A B (512 x 1024 x 512), A with 4 outlier channels (100x), relative error vs fp32 "
+      "(emulated on the CPU, not timed):")
+for name, err in emulated.items():
+    print(f"  {name:<18} {err:.4f}")
+
+# %% tags=["nbval-ignore-output"]
+gemm = ch11.gpu_data("fp8_gemm")
+if torch.cuda.is_available():
+    g = cu.run("workers.ch11_fp8_gemm", 1, timeout=300)[0]
+    print(f"measured now on {g.get('device_name')}:")
+    for name in ("bf16", "fp8_e4m3_per_tensor"):
+        print(f"  {name:<20} {g[name]}")
+elif gemm is not None and gemm.get("available"):
+    print("Committed GPU measurement:", ch11.gpu_label(gemm))
+    for name in ("bf16", "fp8_e4m3_per_tensor"):
+        print(f"  {name:<20} {gemm[name]}")
+else:
+    print("No GPU here and no committed data/gpu/ch11_fp8_gemm_*.json: the FP8 GEMM has not been timed yet "
+          "(tools/gpu/ch11_memory.sh does it).")
+    print("For scale, a previous run on one H200 (torch 2.11, 2026-11-29, shared/reference/h200_block_fp8_baseline.json):"
+          " an 8192^3 matmul at 715 TFLOP/s in bf16 and 1274 TFLOP/s with torch._scaled_mm in E4M3, 1.78x.")
+
+# %% [markdown]
+# ### What FP8 changes in the ledger, and what it does not
+# FP8 training recipes (Transformer Engine; DeepSeek-V3, section 3.3) cast the *inputs of the matmuls* to FP8.
+# The master weights and Adam's moments stay fp32, gradients are reduced in bf16 or fp32, and the model keeps
+# its bf16 weights (some recipes cache an extra FP8 copy). So the 16 bytes per parameter of model states do not
+# shrink; what shrinks is the activations saved for the linear layers' backward (1 byte instead of 2), and the
+# matmul time.
+
+# %%
+bf16 = model_state_bytes(1, weight_bytes=2, grad_bytes=2, optimizer_bytes_per_param=12).total
+fp8_cache = model_state_bytes(1, weight_bytes=2 + 1, grad_bytes=2, optimizer_bytes_per_param=12).total
+print(f"model states per parameter: {bf16:g} bytes in bf16; {fp8_cache:g} with a cached FP8 weight copy")
+# Korthikanti et al. 2022, sec 4.1: of a layer's 34 sbh bytes (selective recomputation), the inputs saved for the
+# four linear layers are QKV 2sbh + projection 2sbh + fc1 2sbh + fc2 8sbh = 14 sbh. Saved in FP8, they halve:
+print(f"activations per layer: 34 sbh in bf16 -> {34 - 14 / 2:g} sbh with FP8 linear inputs "
+      f"({(14 / 2) / 34:.0%} less)")
+
+# %% [markdown]
+# ## Summary
+# - The ledger: 2 + 2 + K bytes per parameter of model states, divided by tp·pp, then by N_d one state per ZeRO
+#   stage; activations on top, untouched by ZeRO.
+# - A hand-written ZeRO-1 (reduce-scatter, step a shard, all-gather) gives the unsharded optimizer's weights at
+#   N = 1, 2, 4 (bitwise when fed the same gradients), and its measured optimizer bytes are the ledger's KΨ/N.
+# - FP8 is floating point: one scale per tensor survives moderate outliers, per-tile and per-block scales survive
+#   extreme ones; delayed scaling clips a sudden spike that current scaling absorbs.

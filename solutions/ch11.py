@@ -1,0 +1,43 @@
+"""Reference answers for chapter 11's exercises (each self-contained: it travels to the ranks as source)."""
+
+
+def zero_state_bytes(n_params, dp, stage, tp=1, pp=1, optimizer_bytes=12):
+    """Bytes per GPU of parameters, gradients and optimizer states under ZeRO (Rajbhandari et al. 2020, sec 5.1)."""
+    local = n_params / (tp * pp)  # TP and PP split the model first; ZeRO shards what each GPU holds over dp
+    return {
+        "params": 2 * local / (dp if stage >= 3 else 1),
+        "grads": 2 * local / (dp if stage >= 2 else 1),
+        "optimizer": optimizer_bytes * local / (dp if stage >= 1 else 1),
+    }
+
+
+def zero1_step(params, state, make_optimizer):
+    """One ZeRO-1 step: average the gradients, step this rank's slice only, all-gather the updated slices."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    total = sum(p.numel() for p in params)
+    if not state:  # first call: parameters end to end, padded so that every rank's slice has the same length
+        shard = -(-total // n)
+        flat = torch.zeros(n * shard, dtype=params[0].dtype, device=params[0].device)
+        flat[:total] = torch.cat([p.detach().reshape(-1) for p in params])
+        state["shard"] = shard
+        state["mine"] = torch.nn.Parameter(flat[rank * shard:(rank + 1) * shard].clone())  # [S]
+        state["optimizer"] = make_optimizer([state["mine"]])  # state for S elements, not all of them
+    shard, mine = state["shard"], state["mine"]
+
+    grads = torch.zeros(n * shard, dtype=mine.dtype, device=mine.device)  # [n*S]
+    grads[:total] = torch.cat([p.grad.reshape(-1) for p in params])
+    my_grad = torch.empty(shard, dtype=mine.dtype, device=mine.device)  # [S]
+    dist.reduce_scatter_tensor(my_grad, grads)  # the SUM over ranks of my slice ...
+    mine.grad = my_grad / n  # ... then the mean
+    state["optimizer"].step()
+
+    updated = torch.empty(n * shard, dtype=mine.dtype, device=mine.device)  # [n*S]
+    dist.all_gather_into_tensor(updated, mine.detach())  # every rank's updated slice, everywhere
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(updated[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()

@@ -1,0 +1,151 @@
+"""Memory at the four moments of a training step, for DDP and ZeRO-1: after init, forward, backward, step.
+
+    torchrun --nproc-per-node 1 workers/ch11_memory.py                       # ~1.1B parameters, on a GPU
+    torchrun --nproc-per-node 2 workers/ch11_memory.py --hidden 256 --layers 4 --vocab 1024 --seq 256
+
+Two kinds of numbers, always labelled apart:
+
+- ``accounted``: bytes of the tensors this rank holds, added up from the tensors themselves, on any device:
+  the flat parameter and gradient buffers, the optimizer's state tensors (and fp32 master shard), and the
+  activations, i.e. the distinct storages autograd saved for backward (``saved_tensors_hooks``),
+  parameters excluded. This is what the ledger predicts, counted rather than modelled.
+- ``cuda_allocated`` (GPU only): ``torch.cuda.memory_allocated`` at each moment and the peak since the
+  previous moment (``max_memory_allocated``): what the caching allocator really handed out, including
+  temporaries (logits, casts, collective buffers) that the ledger does not model.
+
+The default shape is a ~1.1B-parameter GPT (l=20, h=2048, V=32000, s=2048): bf16 weights and gradients,
+fp32 master weights and AdamW moments (K = 12 bytes per parameter, Rajbhandari et al. 2020, sec 3.1).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from workers.ch11_model import OPTIMIZER_CLASSES, GPTConfig, loss_fn, make_batches, make_model, shard_rows
+from workers.runtime import entrypoint
+from workers.zero.zero1 import GRAD_SYNCS, Zero1Optimizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MOMENTS = ("init", "forward", "backward", "step")
+CPU_LIMIT_BYTES = 4e9  # refuse CPU runs whose model states alone would exceed this (the default shape is for a GPU)
+
+
+def model_state_estimate(layers: int, hidden: int, vocab: int, seq: int, dtype: str) -> float:
+    n = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=1, layers=layers).n_params
+    return n * (2 * (2 if dtype == "bfloat16" else 4) + (12 if dtype == "bfloat16" else 8))
+
+
+def check_params(world_size, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int = 32000,
+                 seq: int = 2048, micro_batch: int = 2, dtype: str = "bfloat16", optimizer: str = "adamw",
+                 zero_stage: int = 1, grad_sync: str = "reduce_scatter", **_):
+    if grad_sync not in GRAD_SYNCS:
+        return f"grad_sync={grad_sync!r} is not known; use one of {list(GRAD_SYNCS)}"
+    if hidden % heads:
+        return f"hidden={hidden} is not divisible by heads={heads}; choose heads that divide it"
+    if dtype not in DTYPES:
+        return f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}"
+    if optimizer not in OPTIMIZER_CLASSES:
+        return f"optimizer={optimizer!r} is not known; use one of {sorted(OPTIMIZER_CLASSES)}"
+    if zero_stage not in (0, 1):
+        return f"zero_stage={zero_stage} is not built here; use 0 (DDP) or 1 (ZeRO-1)"
+    if not torch.cuda.is_available():
+        need = model_state_estimate(layers, hidden, vocab, seq, dtype) * world_size
+        if need > CPU_LIMIT_BYTES:
+            return (f"without a GPU this shape needs about {need / 1e9:.0f} GB of CPU memory for the model states of "
+                    f"{world_size} rank(s); pass a small shape such as hidden=256, layers=4, vocab=1024, seq=256")
+    return None
+
+
+class SavedActivations:
+    """Counts the distinct storages autograd saves for backward (parameters excluded) while it is active."""
+
+    def __init__(self, exclude_ptrs: set[int]):
+        self.exclude = exclude_ptrs
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.exclude:
+            self.storages[ptr] = storage.nbytes()
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int = 32000, seq: int = 2048,
+         micro_batch: int = 2, steps: int = 2, dtype: str = "bfloat16", optimizer: str = "adamw",
+         zero_stage: int = 1, grad_sync: str = "reduce_scatter"):
+    cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    torch_dtype = DTYPES[dtype]
+    cuda = ctx.device.type == "cuda"
+
+    def allocated() -> dict:
+        if not cuda:
+            return {}
+        ctx.synchronize()
+        out = {"cuda_allocated": torch.cuda.memory_allocated(ctx.device),
+               "cuda_peak": torch.cuda.max_memory_allocated(ctx.device)}
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        return out
+
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    baseline = allocated().get("cuda_allocated", 0)  # whatever this process held before (the gloo/NCCL buffers)
+    model = make_model(cfg, seed=0, dtype=torch_dtype, device=ctx.device)
+    cls, hyper = OPTIMIZER_CLASSES[optimizer]
+    opt = Zero1Optimizer(model.parameters(), cls, shard=zero_stage == 1, grad_sync=grad_sync,
+                         master_weights=torch_dtype != torch.float32, **hyper)
+    param_ptrs = {f.flat_params.untyped_storage().data_ptr() for f in opt.groups}
+    batches = make_batches(cfg, micro_batch * ctx.world_size, steps)
+
+    def accounted(activations: int) -> dict:
+        buffers, state = opt.buffer_bytes(), opt.state_bytes()
+        return {"params": buffers["params"], "grads": buffers["grads"], "optimizer": state["total"],
+                "activations": activations}
+
+    moments = []
+
+    def record(step: int, moment: str, activations: int) -> None:
+        moments.append({"step": step, "moment": moment, "accounted": accounted(activations), **allocated()})
+
+    record(0, "init", 0)
+    for step, batch in enumerate(batches, start=1):
+        tokens = shard_rows(batch, ctx.rank, ctx.world_size).to(ctx.device)
+        saved = SavedActivations(param_ptrs)
+        with saved.hooks():
+            loss = loss_fn(model, tokens)
+        record(step, "forward", saved.nbytes)
+        loss.backward()
+        del loss  # the graph, and with it the saved activations, is gone
+        record(step, "backward", 0)
+        opt.step()
+        opt.zero_grad()
+        record(step, "step", 0)
+        ctx.metric(step=step)
+    out = {
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "owned_numel": opt.owned_numel(),
+        "moments": moments,
+        "baseline_cuda_allocated": baseline,
+        "config": {**cfg.as_params(), "micro_batch": micro_batch, "dtype": dtype, "optimizer": optimizer,
+                   "zero_stage": zero_stage, "grad_sync": grad_sync, "world_size": ctx.world_size},
+        "device": str(ctx.device),
+        "backend": ctx.backend,
+    }
+    if cuda:
+        with contextlib.suppress(Exception):
+            out["device_name"] = torch.cuda.get_device_name(ctx.device)
+            out["cuda_total_memory"] = torch.cuda.get_device_properties(ctx.device).total_memory
+    return out
+
+
+if __name__ == "__main__":
+    entrypoint(main)

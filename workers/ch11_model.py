@@ -1,0 +1,164 @@
+"""Chapter 11's model and data: a small GPT whose embedding and LM head share one Parameter.
+
+One definition for the ranks (``workers/ch11_*.py``, ``workers/exercises/ch11.py``) and the tests. The
+block is Megatron's GPT block (Narayanan et al. 2021, sec 5.1): LayerNorm, fused QKV, causal attention,
+output projection, LayerNorm, h -> 4h GeLU MLP, each with a residual. Megatron's eq. (2) counts 12h^2 + 13h
+parameters per layer; this block has no QKV bias (as Llama), so 12h^2 + 10h, and with the final LayerNorm:
+
+    P = 12 l h^2 + 10 l h + (V + s) h + 2h     (word embedding tied to the LM head; learned positions)
+
+Why no QKV bias: the key bias adds q.b_k to every score of a row, which softmax ignores, so its gradient is
+exactly zero in exact arithmetic and pure rounding noise in fp32. Adam divides by sqrt(v) + eps, which turns
+that noise into updates of about +-lr whose sign depends on the order of the additions: two correct
+implementations that add in a different order (one process vs n ranks) then disagree by ~lr on those
+elements. Without the bias every gradient is a real signal and the comparisons stay at fp32 rounding.
+
+The tied weight matters for ZeRO: the embedding and the head are one Parameter with one gradient (autograd
+adds both uses), so a sharded optimizer must step it exactly once. ``model.parameters()`` lists it once;
+``named_parameters(remove_duplicate=False)`` lists it twice, which is the trap.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# fp32 weights of O(0.1) after a few steps; reordered fp32 sums differ by a few ulp.
+FP32_TOL = {"atol": 1e-6, "rtol": 1e-5}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 64
+    seq: int = 16
+    hidden: int = 32
+    heads: int = 4
+    layers: int = 2
+
+    def as_params(self) -> dict:
+        return asdict(self)
+
+    @property
+    def n_params(self) -> int:
+        l, h = self.layers, self.hidden
+        return 12 * l * h * h + 10 * l * h + (self.vocab + self.seq) * h + 2 * h
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)  # see the module docstring
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):  # [b, s, h]
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)  # 3 x [b, s, h]
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))  # [b, a, s, h/a]
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, a, s, h/a]
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))  # [b, s, h]
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))  # [b, s, h]
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.hidden % cfg.heads:
+            raise ValueError(f"hidden={cfg.hidden} is not divisible by heads={cfg.heads}; choose heads that divide it.")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.hidden))
+        self.blocks = nn.ModuleList(Block(cfg.hidden, cfg.heads) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: ONE Parameter, used twice
+
+    def forward(self, tokens):  # [b, s] -> logits [b, s, V]
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]  # [b, s, h]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # [b, s, V]
+
+
+def make_model(cfg: GPTConfig = GPTConfig(), seed: int = 0, dtype: torch.dtype = torch.float32,
+               device="cpu") -> TinyGPT:
+    """The model, initialised from ``seed`` without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyGPT(cfg)
+        with torch.no_grad():
+            model.pos.normal_(0, 0.02)
+    return model.to(device=device, dtype=dtype)
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, mean over this batch's tokens (the average DDP and ZeRO reproduce)."""
+    logits = model(tokens[:, :-1])  # [b, s-1, V]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def make_batches(cfg: GPTConfig, global_batch: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
+    """``steps`` global batches of token ids [global_batch, seq + 1]: the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.vocab, (global_batch, cfg.seq + 1), generator=g) for _ in range(steps)]
+
+
+def shard_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous B/n rows of the global batch."""
+    rows = batch.shape[0] // world_size
+    return batch[rank * rows:(rank + 1) * rows]
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """Every parameter once (tied ones once), flattened, as float64 on the CPU, for comparisons."""
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float64) for p in model.parameters()])
+
+
+# The optimizers the chapter compares: AdamW (8 bytes of fp32 state per parameter: exp_avg, exp_avg_sq)
+# and SGD with momentum (4 bytes: momentum_buffer), with the hyperparameters every run uses.
+OPTIMIZER_CLASSES = {"adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}),
+                     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
+
+
+def make_optimizer(name: str, params):
+    if name not in OPTIMIZER_CLASSES:
+        raise ValueError(f"optimizer={name!r} is not known; use 'adamw' or 'sgd'.")
+    cls, hyper = OPTIMIZER_CLASSES[name]
+    return cls(params, **hyper)
+
+
+STATE_BYTES_PER_PARAM = {"adamw": 8, "sgd": 4}  # fp32 exp_avg + exp_avg_sq; fp32 momentum_buffer
+
+
+def train_reference(cfg: GPTConfig, optimizer: str, batches, seed: int = 0, dtype=torch.float32,
+                    master_weights: bool = False) -> list[torch.Tensor]:
+    """Single process, unsharded optimizer, the whole global batch: weights after each step (index 0 = start).
+
+    ``master_weights=True``: the model in ``dtype`` (bf16), the optimizer stepping an fp32 copy of every
+    parameter that is rounded back into the model after each step (mixed precision, unsharded).
+    """
+    model = make_model(cfg, seed=seed, dtype=dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params] if master_weights else params
+    opt = make_optimizer(optimizer, masters)
+    weights = [flat_params(model)]
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        if master_weights:
+            for p, m in zip(params, masters):
+                m.grad = p.grad.float()
+        opt.step()
+        if master_weights:
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+        weights.append(flat_params(model))
+    return weights

@@ -1,0 +1,98 @@
+"""ZeRO-1 on real ranks, against the unsharded optimizer in one process.
+
+    torchrun --nproc-per-node 4 workers/ch11_zero1.py --optimizer adamw --partition flat
+
+Every rank trains the tied-embedding GPT of ``workers/ch11_model.py`` on its B/n rows of each global batch
+with ``Zero1Optimizer``, and also trains, alone and without any collective, the single-process reference
+(whole batch, plain unsharded optimizer). Both compute the same mathematics (the mean loss over the global
+batch, then an elementwise update), so the weights agree to fp32 rounding after every step. Each rank also
+reports the optimizer-state bytes it actually holds (``nbytes`` of its state tensors), for the ledger.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from workers.ch11_model import (OPTIMIZER_CLASSES, STATE_BYTES_PER_PARAM, GPTConfig, flat_params, loss_fn,
+                                make_batches, make_model, shard_rows, train_reference)
+from workers.runtime import entrypoint
+from workers.zero.zero1 import GRAD_SYNCS, PARTITIONS, Zero1Optimizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_params(world_size, global_batch: int = 8, optimizer: str = "adamw", partition: str = "flat",
+                 grad_sync: str = "reduce_scatter", dtype: str = "float32", master_weights: bool = False,
+                 hidden: int = 32, heads: int = 4, **_):
+    if global_batch % world_size:
+        return (f"global_batch={global_batch} rows do not split evenly over world_size={world_size}; "
+                f"choose a global batch that is a multiple of {world_size}")
+    if optimizer not in OPTIMIZER_CLASSES:
+        return f"optimizer={optimizer!r} is not known; use one of {sorted(OPTIMIZER_CLASSES)}"
+    if partition not in PARTITIONS:
+        return f"partition={partition!r} is not known; use one of {list(PARTITIONS)}"
+    if grad_sync not in GRAD_SYNCS:
+        return f"grad_sync={grad_sync!r} is not known; use one of {list(GRAD_SYNCS)}"
+    if dtype not in DTYPES:
+        return f"dtype={dtype!r} is not supported here; use one of {sorted(DTYPES)}"
+    if dtype != "float32" and not master_weights:
+        return f"dtype={dtype} needs master_weights=True (an fp32 copy for the optimizer), as mixed precision does"
+    if hidden % heads:
+        return f"hidden={hidden} is not divisible by heads={heads}; choose heads that divide it"
+    return None
+
+
+def main(ctx, optimizer: str = "adamw", partition: str = "flat", grad_sync: str = "reduce_scatter",
+         steps: int = 3, global_batch: int = 8, dtype: str = "float32", master_weights: bool = False,
+         shard: bool = True, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2):
+    cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    torch_dtype = DTYPES[dtype]
+    batches = make_batches(cfg, global_batch, steps)
+    # Rank r starts from its own random weights: the optimizer's broadcast must make the replicas equal.
+    model = make_model(cfg, seed=ctx.rank, dtype=torch_dtype, device=ctx.device)
+    cls, hyper = OPTIMIZER_CLASSES[optimizer]
+    opt = Zero1Optimizer(model.parameters(), cls, partition=partition, grad_sync=grad_sync,
+                         master_weights=master_weights, shard=shard, **hyper)
+    reference = train_reference(cfg, optimizer, batches, seed=0, dtype=torch_dtype, master_weights=master_weights)
+    # With grad_sync="all_reduce" the averaged gradient is left in every .grad after the step: feed exactly
+    # those numbers to a plain, unsharded torch optimizer on a replica, which isolates the sharded step.
+    twin = twin_opt = None
+    if grad_sync == "all_reduce" and not master_weights:
+        twin = make_model(cfg, seed=0, dtype=torch_dtype, device=ctx.device)
+        twin_opt = cls(twin.parameters(), **hyper)
+
+    errors = [(flat_params(model) - reference[0]).abs().max().item()]
+    same_grad_errors = []
+    for step, batch in enumerate(batches):
+        opt.zero_grad()
+        loss = loss_fn(model, shard_rows(batch, ctx.rank, ctx.world_size).to(ctx.device))
+        loss.backward()
+        opt.step()
+        errors.append((flat_params(model) - reference[step + 1]).abs().max().item())
+        if twin is not None:
+            for t, p in zip(twin.parameters(), model.parameters()):
+                t.grad = p.grad.detach().clone()  # the averaged gradient, bit for bit
+            twin_opt.step()
+            same_grad_errors.append((flat_params(model) - flat_params(twin)).abs().max().item())
+        ctx.metric(step=step, loss=loss.item(), max_abs_error=errors[-1])
+
+    mine = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    return {
+        "max_abs_error": errors,  # vs the single-process reference, index 0 = after construction
+        "same_grad_max_abs_error": same_grad_errors or None,  # vs the unsharded optimizer, same gradients
+        "equal_to_rank0": bool(torch.equal(mine, rank0)),  # bitwise: the all-gather gives everyone the same bytes
+        "tied": model.head.weight is model.embed.weight,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "owned_numel": opt.owned_numel(),
+        "state_bytes": opt.state_bytes(),
+        "buffer_bytes": opt.buffer_bytes(),
+        "partition_table": opt.partition_table(),
+        "state_bytes_per_param": STATE_BYTES_PER_PARAM[optimizer] + (4 if master_weights else 0),
+        "param_bytes": torch.finfo(torch_dtype).bits // 8,
+    }
+
+
+if __name__ == "__main__":
+    entrypoint(main)

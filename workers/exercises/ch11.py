@@ -1,0 +1,169 @@
+"""Rank-side check for chapter 11's sharded optimizer step (ZeRO-1), on real ranks.
+
+The learner writes ``zero1_step(params, state, make_optimizer)``. Every rank trains the tied-embedding GPT of
+``workers/ch11_model.py`` on its B/n rows for a few steps, calling the learner's step, and compares with the
+single-process reference (whole batch, unsharded SGD with momentum). SGD, not Adam: Adam divides each update
+by the size of its own gradient, so a gradient that is n times too large (a sum instead of a mean) moves Adam's
+weights by almost exactly the same amount, and a missing average would go unnoticed.
+
+What is checked, each with the message that names the mistake: the optimizer holds state for about 1/n of the
+elements on each rank (and every element is stepped by exactly one rank); every parameter is updated on every
+rank after the step (the re-sync); the gradient is the mean over ranks, not the sum; the optimizer is created
+once, so its momentum carries over; the weights equal the reference after every step, and equal across ranks.
+Ranks agree on a verdict before anyone raises, so a wrong answer never turns into a hang.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from workers.ch11_model import OPTIMIZER_CLASSES, GPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
+from workers.exercise_support import Wrong, run_exercise
+
+STEPS = 3
+GLOBAL_BATCH = 8
+CFG = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2)
+# SGD with momentum is linear in the gradient: reordered fp32 sums (any correct sync) stay at ~1e-7.
+TOL = {"atol": 1e-5, "rtol": 1e-4}
+
+
+def _agree(ctx, check) -> None:
+    """Run ``check()`` on every rank; if it raised Wrong anywhere, raise the first message on every rank."""
+    try:
+        check()
+        message = None
+    except Wrong as exc:
+        message = str(exc)
+    messages = [None] * ctx.world_size
+    dist.all_gather_object(messages, message)
+    for rank, m in enumerate(messages):
+        if m is not None:
+            raise Wrong(m if rank == ctx.rank else f"(seen on rank {rank}) {m}")
+
+
+def _reference(batches, grad_scale: float = 1.0) -> list[torch.Tensor]:
+    """Single process, whole batch, plain SGD with momentum; ``grad_scale`` = n gives the 'summed' mistake."""
+    cls, hyper = OPTIMIZER_CLASSES["sgd"]
+    model = make_model(CFG, seed=0)
+    opt = cls(model.parameters(), **hyper)
+    out = [flat_params(model)]
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        for p in model.parameters():
+            p.grad.mul_(grad_scale)
+        opt.step()
+        out.append(flat_params(model))
+    return out
+
+
+def _state_numel(optimizers) -> int:
+    """Elements of per-element state (momentum buffers) the optimizers this rank created hold."""
+    total = 0
+    for opt in optimizers:
+        for p, state in opt.state.items():
+            total += sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total
+
+
+def check_zero1_step(ctx, answer) -> None:
+    n, rank = ctx.world_size, ctx.rank
+    batches = make_batches(CFG, GLOBAL_BATCH, STEPS)
+    want = _reference(batches)
+    summed = _reference(batches[:1], grad_scale=float(n))
+    model = make_model(CFG, seed=0).to(ctx.device)
+    params = list(model.parameters())  # the tied embedding/head weight appears once
+    n_params = sum(p.numel() for p in params)
+    largest = max(p.numel() for p in params)
+    created, given = [], []
+    cls, hyper = OPTIMIZER_CLASSES["sgd"]
+
+    def make_optimizer(tensors):
+        tensors = list(tensors)
+        given.append(sum(t.numel() for t in tensors))
+        opt = cls(tensors, **hyper)
+        created.append(opt)
+        return opt
+
+    state: dict = {}
+    for step, batch in enumerate(batches):
+        before = flat_params(model)
+        for p in params:
+            p.grad = None
+        loss_fn(model, shard_rows(batch, rank, n).to(ctx.device)).backward()
+        answer(params, state, make_optimizer)
+        got = flat_params(model)
+
+        if step == 0:
+            def sharded():
+                if not created:
+                    raise Wrong("make_optimizer was never called: build the optimizer over your shard with "
+                                "make_optimizer([...]) and call its step()")
+                held = _state_numel(created)
+                if held >= n_params and n > 1:
+                    raise Wrong(f"rank {rank}'s optimizer holds state for {held} elements, the whole model's "
+                                f"{n_params}: every rank stepped every parameter, which is plain DDP, not ZeRO-1. "
+                                f"Give make_optimizer only this rank's 1/{n} of the parameters")
+                if held > math.ceil(n_params / n) + largest:
+                    raise Wrong(f"rank {rank}'s optimizer holds state for {held} elements, more than 1/{n} of the "
+                                f"{n_params} (plus one tensor of slack for uneven splits): shard more evenly")
+            _agree(ctx, sharded)
+
+            counts = [None] * n
+            dist.all_gather_object(counts, _state_numel(created))
+
+            def covered():
+                total = sum(counts)
+                if total < n_params:
+                    raise Wrong(f"the ranks' optimizers together hold state for {total} of the {n_params} elements: "
+                                "some parameters are stepped by no rank; the shards must cover every parameter")
+                if total > n_params + n - 1:  # n - 1: the most padding an equal split can need
+                    raise Wrong(f"the ranks' optimizers together hold state for {total} elements, more than the "
+                                f"{n_params} parameters: some are stepped by several ranks; shards must not overlap")
+            _agree(ctx, covered)
+
+            def resynced():
+                changed = want[1] != want[0]
+                stale = int(((got == before) & changed).sum())
+                if stale:
+                    raise Wrong(f"after the step, {stale} of the {n_params} parameters on rank {rank} still hold their "
+                                "values from before the step: each rank updated only its own shard. Re-synchronise: "
+                                "all_gather (or broadcast from each owner) the updated shards so every rank has the "
+                                "full model")
+            _agree(ctx, resynced)
+
+            def averaged():
+                if n > 1 and torch.allclose(got, summed[1], **TOL):
+                    raise Wrong(f"the update is {n} times too large at world size {n}: all_reduce / reduce_scatter "
+                                "SUM the gradients over the ranks; divide by the world size to average them")
+            _agree(ctx, averaged)
+
+        def right():
+            if not torch.allclose(got, want[step + 1], **TOL):
+                err = (got - want[step + 1]).abs().max().item()
+                hint = ""
+                if len(created) > 1:
+                    hint = (f" You created {len(created)} optimizers in {step + 1} step(s): a new optimizer forgets "
+                            "its momentum; create it once and keep it in `state`.")
+                raise Wrong(f"weights after step {step + 1} differ from the unsharded single-process SGD by up to "
+                            f"{err:.3g} (tolerance {TOL['atol']:g} + {TOL['rtol']:g}*|w|).{hint}")
+        _agree(ctx, right)
+
+        mine = got.to(ctx.device)
+        rank0 = mine.clone()
+        dist.broadcast(rank0, src=0)
+
+        def equal_across_ranks():
+            if not torch.equal(mine, rank0):
+                raise Wrong(f"after step {step + 1} rank {rank}'s parameters differ from rank 0's: every rank must "
+                            "end the step with the same, full set of updated parameters")
+        _agree(ctx, equal_across_ranks)
+
+
+CHECKS = {"zero1_step": check_zero1_step}
+
+
+def main(ctx, exercise: str = "", answer=None):
+    return run_exercise(ctx, CHECKS, exercise, answer)
