@@ -45,7 +45,10 @@ class Comparison:
         """The outcome without the error sizes (which depend on the CPU's rounding): safe to compare in CI."""
         if self.ok:
             return f"equal to the dense module: all {len(self.errors)} tensors within {ATOL:g} + {RTOL:g}*|want|"
-        return f"DIFFERENT from the dense module: {', '.join(self.failed + self.problems)}"
+        kinds = {p.split(":")[0]: ("ranks disagree on a replicated part" if "disagrees" in p else "entries missing")
+                 for p in self.problems}
+        notes = [f"{name} ({why})" for name, why in kinds.items()]
+        return f"DIFFERENT from the dense module: {', '.join(self.failed + notes)}"
 
     def __repr__(self) -> str:
         verdict = "equal to the dense module" if self.ok else f"DIFFERENT: {', '.join(self.failed + self.problems)}"

@@ -126,3 +126,92 @@ def gpu_results(pattern: str = "tp_block_*.json") -> list[dict]:
     """Committed GPU measurements (``data/gpu``), newest first; empty when none has been measured yet."""
     files = sorted(GPU_DATA.glob(pattern), reverse=True)
     return [json.loads(f.read_text()) | {"file": str(f.relative_to(ROOT))} for f in files]
+
+
+# -- chapter 05: the fused-QKV trap ------------------------------------------------------------------------
+
+def qkv_split_figure(n_heads: int = 4, n_kv_heads: int = 4, head_dim: int = 2, tp: int = 2):
+    """The rows of a fused [Q; K; V] weight coloured by the rank that gets them: by heads, and chunked naively."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    from course_utils.tp_viz import rank_colours
+    from workers.parallel.attention import naive_qkv_rows, qkv_rows
+
+    rows = (n_heads + 2 * n_kv_heads) * head_dim
+    colours = rank_colours(tp)
+    fig, axes = plt.subplots(1, 2, figsize=(7.0, 4.2))
+    for ax, (title, fn) in zip(axes, (("by heads (right)", qkv_rows), ("w.chunk(t) (wrong)", naive_qkv_rows))):
+        owners: dict[int, list[int]] = {}
+        for r in range(tp):
+            for row in fn(n_heads, n_kv_heads, head_dim, r, tp).tolist():
+                owners.setdefault(row, []).append(r)
+        for row in range(rows):
+            ranks = owners.get(row, [])
+            for i, r in enumerate(ranks):
+                ax.add_patch(Rectangle((i / len(ranks), row), 1 / len(ranks), 1, facecolor=colours[r],
+                                       edgecolor="white", linewidth=0.3))
+        for h in range(n_heads + 2 * n_kv_heads):
+            part, k = (("q", h) if h < n_heads else ("k", h - n_heads) if h < n_heads + n_kv_heads
+                       else ("v", h - n_heads - n_kv_heads))
+            ax.text(-0.05, (h + 0.5) * head_dim, f"{part}{k}", ha="right", va="center", fontsize=8)
+        for boundary in (n_heads * head_dim, (n_heads + n_kv_heads) * head_dim):
+            ax.axhline(boundary, color="black", linewidth=1)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(rows, 0)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.grid(False)
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(f"fused QKV weight, {n_heads} query heads, {n_kv_heads} KV heads, TP {tp}: rows held by each rank",
+                 fontsize=10)
+    fig.legend(handles=[Patch(color=colours[r], label=f"rank {r}") for r in range(tp)], loc="lower center",
+               ncol=tp, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    return fig
+
+
+# -- chapter 06: training and GPU results ------------------------------------------------------------------
+
+def training_figure(dense_losses: list[float], runs: dict):
+    """Dense losses and each parallel run's, and their relative difference per step."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.4))
+    steps = range(1, len(dense_losses) + 1)
+    axes[0].plot(steps, dense_losses, "k-", linewidth=3, alpha=0.3, label="dense (one process, float64)")
+    for i, (label, losses) in enumerate(runs.items()):
+        axes[0].plot(steps, losses, "o--", color=f"C{i}", markersize=4, label=label)
+        rel = [max(abs(g - w) / abs(w), 1e-12) for g, w in zip(losses, dense_losses)]
+        axes[1].plot(steps, rel, "o-", color=f"C{i}", markersize=4, label=label)
+    axes[0].set_xlabel("optimizer step")
+    axes[0].set_ylabel("loss")
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("Adam on the block: losses", fontsize=10)
+    axes[1].axhline(1e-5, color="black", linestyle="--", linewidth=1)
+    axes[1].set_yscale("log")
+    axes[1].set_ylim(1e-10, 1e-3)
+    axes[1].set_xlabel("optimizer step")
+    axes[1].set_ylabel("|loss - dense loss| / dense loss")
+    axes[1].set_title("relative difference (tolerance 1e-5)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def gpu_table(result: dict) -> str:
+    """The committed H200 run as text: course block, plain block and matmul, and activation memory."""
+    lines = [f"{result['device']}, torch {result['torch']}, CUDA {result.get('cuda')}, {result['date']} "
+             f"({result['file']})", f"command: {result['command']}",
+             f"bf16 matmul {result['matmul']['n']}^3: {result['matmul']['tflops']:.0f} TFLOP/s"]
+    for row in result["shapes"]:
+        c, p = row["course_block"], row["plain_block"]
+        lines.append(f"s={row['seq']:>5} b={row['batch']}: course block {c['median_s'] * 1e3:.2f} ms = {c['tflops']:.0f} "
+                     f"TFLOP/s ({row['course_fraction_of_matmul']:.0%} of matmul); plain block {p['median_s'] * 1e3:.2f} "
+                     f"ms = {p['tflops']:.0f} TFLOP/s; course/plain time {row['course_vs_plain_time']:.3f}")
+        m = row["activation_memory"]
+        if m.get("measured_bytes"):
+            lines.append(f"        activations kept: {m['measured_bytes'] / 2**20:.0f} MiB measured vs sbh(34 + 5as/h) = "
+                         f"{m['korthikanti_none_bytes'] / 2**20:.0f} MiB, sbh*34 = {m['korthikanti_selective_bytes'] / 2**20:.0f}"
+                         f" MiB; with recompute {m['measured_bytes_recompute'] / 2**20:.0f} MiB vs 2sbh = "
+                         f"{m['korthikanti_full_bytes'] / 2**20:.0f} MiB")
+    return "\n".join(lines)

@@ -77,3 +77,20 @@ def test_training_with_a_missing_backward_all_reduce_drifts_from_dense():
     want, got, worst = tp_check.compare_training(res, cfg, seq=SEQ, batch=BATCH, steps=STEPS, lr=10 * LR)
     assert abs(got[0][0] - want[0]) < 1e-5 * want[0]
     assert worst > 1e-4, (want, got)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_the_plan_table_describes_the_modules(activation):
+    # plan.BLOCK_PLAN is the TP plan as data; the modules carry the same facts on their parameters.
+    from workers.parallel.block import ParallelBlock
+    from workers.parallel.dense import BlockConfig, build
+    from workers.parallel.plan import REPLICATED, ROW, block_plan
+
+    cfg = BlockConfig(hidden=16, n_heads=4, activation=activation)
+    block = ParallelBlock.from_dense(build("block", cfg))
+    plan = block_plan(activation)
+    assert {f"{m}.{p}" for m, p, _ in plan} == {n for n, _ in block.named_parameters()}
+    for module, param, how in plan:
+        p = block.get_parameter(f"{module}.{param}")
+        want = None if how == REPLICATED else (1 if how == ROW else 0)
+        assert getattr(p, "partition_dim", None) == want, (module, param, how)

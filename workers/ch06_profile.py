@@ -88,6 +88,15 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _shares(step: dict) -> dict:
+    total = sum(step[f"{k}_s"] for k in STAGES)
+    return {"ln": (step["ln1_s"] + step["ln2_s"]) / total,
+            "attention": (step["attention_s"] - step["comm_attention_forward_s"]) / total,
+            "mlp": (step["mlp_s"] - step["comm_mlp_forward_s"]) / total,
+            "communication": step["comm_forward_s"] / total,
+            "other": (step["residual1_s"] + step["residual2_s"]) / total}
+
+
 def profile_one(ctx, cfg: BlockConfig, seq: int, batch: int, *, sequence_parallel: bool, repeats: int, warmup: int,
                 dtype: torch.dtype, trace_dir: str) -> dict:
     torch.manual_seed(0)
@@ -135,12 +144,10 @@ def profile_one(ctx, cfg: BlockConfig, seq: int, batch: int, *, sequence_paralle
     finally:
         destroy_owned_groups(block)
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-    fwd = med["forward_s"]
-    share = {"ln": (med["ln1_s"] + med["ln2_s"]) / fwd,
-             "attention": (med["attention_s"] - med["comm_attention_forward_s"]) / fwd,
-             "mlp": (med["mlp_s"] - med["comm_mlp_forward_s"]) / fwd,
-             "communication": med["comm_forward_s"] / fwd,
-             "other": (med["residual1_s"] + med["residual2_s"]) / fwd}
+    # Shares step by step (each stage over that step's total of stages), then the median: a step slowed down
+    # by another process on the shared cores then skews one sample, not the ratio of two unrelated medians.
+    shares = [_shares(s) for s in steps]
+    share = {k: statistics.median(sh[k] for sh in shares) for k in shares[0]}
     return {"seq": seq, "batch": batch, **med, "forward_share": share, "repeats": repeats, "trace": trace,
             "device": str(ctx.device) if ctx.device.type == "cpu" else torch.cuda.get_device_name(ctx.device)}
 

@@ -1,0 +1,276 @@
+# %% [markdown]
+# # 06 · A Megatron-style transformer block from scratch
+#
+# Chapters 04 and 05 built the two halves of a transformer layer. This chapter puts them into one
+# **pre-LN block**, the layer of GPT-2 and Megatron-LM:
+#
+# $$ h = x + \mathrm{Attention}(\mathrm{LN}_1(x)), \qquad y = h + \mathrm{MLP}(\mathrm{LN}_2(h)) $$
+#
+# With tensor parallelism each sub-layer is wrapped in an `f` (identity forward, all-reduce backward) and
+# a `g` (all-reduce forward, identity backward): **2 all-reduces forward and 2 backward per layer**
+# (Shoeybi et al. 2019, [arXiv:1909.08053](https://arxiv.org/abs/1909.08053), Figure 4). Everything
+# between the sub-layers (LayerNorms, residual additions, dropout) runs *replicated*: every rank repeats
+# the same work on the whole `[s, b, h]` tensor and stores the same activations.
+#
+# **Sequence parallelism** (Korthikanti et al. 2022, *Reducing Activation Recomputation in Large
+# Transformer Models*, [arXiv:2205.05198](https://arxiv.org/abs/2205.05198), section 4.2.2, Figure 5)
+# removes that waste: the replicated regions work on a `[s/t, b, h]` slice of the sequence, each `g`
+# becomes a **reduce-scatter** and each `f` an **all-gather**. A ring all-reduce *is* a reduce-scatter
+# followed by an all-gather, so the bytes are the same; what changes is that the LayerNorm and dropout
+# activations shrink by t.
+#
+# We build it (`workers/parallel/block.py`), prove that it is the dense block, forward, backward and a
+# few optimizer steps, count its communication, and look at where its time goes.
+
+# %%
+import tempfile
+
+import torch
+
+import course_utils as cu
+from course_utils import plots, tp_check, tp_figures
+from course_utils.ledger import activation_bytes_per_layer, tp_comm_bytes_per_layer
+
+plots.style()
+LIMITS = {"timeout": 90}  # per run; the ranks stay warm between runs (and the exercise checks reuse them)
+SEQ, BATCH, HIDDEN = 8, 2, 32
+BLOCK = "workers.ch06_block"
+
+
+def run_block(world_size, **params):
+    """One forward + backward of the sharded block (or ``steps`` optimizer steps) on real ranks."""
+    res = cu.run(BLOCK, world_size=world_size, seq=SEQ, batch=BATCH, hidden=HIDDEN, **LIMITS, **params)
+    return res, tp_check.config_of(res[0]["config"])
+
+
+# %% [markdown]
+# ## 1. The block equals the dense block
+#
+# The dense reference (`DenseBlock`: LayerNorm, attention with a fused QKV, LayerNorm, GeLU MLP, both
+# residuals) is built from one seed on every rank; each rank keeps its shard with `ParallelBlock.from_dense`.
+# Its LayerNorm weights are moved away from 1 and 0, so that a wrong LayerNorm gradient cannot hide.
+# We compare the output, the input gradient and the gradients of all 12 parameters at TP 1, 2 and 4, with
+# and without sequence parallelism.
+#
+# **Predict**: with sequence parallelism, which parameters' gradients need an all-reduce that they did not
+# need without it?
+
+# %%
+equivalence = {}
+for t in (1, 2, 4):
+    for sp in (False, True):
+        res, cfg = run_block(t, sequence_parallel=sp)
+        equivalence[(t, sp)] = (res, tp_check.compare(res, "block", cfg, seq=SEQ, batch=BATCH))
+        print(f"TP {t}{' + SP' if sp else '     '}: {equivalence[(t, sp)][1].verdict()}")
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(tp_figures.equivalence_figure({f"TP {t}{' SP' if sp else ''}": rep for (t, sp), (_, rep) in
+                                             equivalence.items() if t > 1},
+                                            "Megatron block vs dense block: every tensor"), "06_equivalence");
+
+# %% [markdown]
+# The replicated parameters (both LayerNorms, the two output-projection biases) must end with the same
+# gradient on every rank. Without SP that is automatic: they act on the replicated tensor. With SP each
+# rank sees only its own rows, so each gradient is a partial sum; the block routes these parameters
+# through `f` as well, and the all-reduce in its backward sums the partial gradients.
+
+# %%
+replicated = ["ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attention.proj.bias", "mlp.fc2.bias"]
+for sp in (False, True):
+    res = equivalence[(4, sp)][0]
+    same = all(torch.equal(d["grads"][n]["value"], res[0]["grads"][n]["value"]) for d in res.ranks for n in replicated)
+    print(f"TP 4{' + SP' if sp else ''}: replicated parameters have bit-identical gradients on all ranks: {same}")
+res_nosync, cfg = run_block(2, sequence_parallel=True, fault="skip_parameter_grad_sync")
+print("SP without summing those gradients:", tp_check.compare(res_nosync, "block", cfg, seq=SEQ, batch=BATCH).verdict())
+
+# %% [markdown]
+# ## 2. What crosses the wire
+#
+# **Predict** for TP 4, b = 2, s = 8, h = 32 in float32: how many collectives per step, of which kinds,
+# and how many bytes does one rank send in total? Then with sequence parallelism.
+
+# %%
+for sp in (False, True):
+    res = equivalence[(4, sp)][0]
+    print(f"TP 4{' + SP' if sp else ''}, activations:")
+    for row in tp_check.comm_rows(res):
+        print(f"   {row['scope']:<16} {row['collective']:<15} {row['pass']:<9} message {row['message_bytes']} B, "
+              f"sent {row['wire_bytes']:.0f} B")
+    params = tp_check.comm_rows(res, kind="parameter")
+    print(f"   total sent per rank: {tp_check.comm_wire_bytes(res):.0f} B"
+          + (f"; plus {sum(r['calls'] for r in params)} small gradient all-reduces of replicated parameters "
+             f"({sum(r['message_bytes'] for r in params)} B)" if params else ""))
+expected = tp_comm_bytes_per_layer(BATCH, SEQ, HIDDEN, 4, bytes_per_element=4)
+print(f"formula: {expected.all_reduces} all-reduces x 2(t-1)/t x b*s*h*4 B = {expected.total_wire_bytes:.0f} B")
+
+# %% [markdown]
+# Four all-reduces without SP; with SP, two all-gathers and two reduce-scatters in each direction, each
+# moving the same 3/4 of a `b*s*h` message as half an all-reduce: the same 6144 bytes in total. What SP
+# buys is memory. Korthikanti et al.'s count of the activations one layer keeps for backward (Table 2,
+# 16-bit activations) for GPT-3 175B's layer (h = 12288, 96 heads, s = 2048, b = 1) at t = 8:
+
+# %%
+for sp in (False, True):
+    for recompute in ("none", "selective"):
+        gib = activation_bytes_per_layer(2048, 1, 12288, 96, tp=8, sequence_parallel=sp, recompute=recompute) / 2**30
+        print(f"TP 8, sequence parallel {str(sp):<5}, recompute {recompute:<9}: {gib:.3f} GiB per layer")
+
+# %% [markdown]
+# ## 3. A few optimizer steps
+#
+# Equal gradients at one point do not yet prove that training is the same: the optimizer must also update
+# every shard as the dense optimizer would update the corresponding slice. Adam is elementwise, so it
+# should. Four Adam steps on a mean squared error, from the same weights, against the dense block in
+# float64 in this process.
+
+# %%
+STEPS, LR = 4, 1e-3
+training = {}
+for t, sp in ((1, False), (2, False), (4, False), (4, True)):
+    res, cfg = run_block(t, steps=STEPS, lr=LR, sequence_parallel=sp)
+    dense_losses, got, worst = tp_check.compare_training(res, cfg, seq=SEQ, batch=BATCH, steps=STEPS, lr=LR)
+    training[f"TP {t}{' + SP' if sp else ''}"] = got[0]
+    print(f"TP {t}{' + SP' if sp else '     '}: losses within 1e-5 (relative) of the dense block at every step: "
+          f"{worst < 1e-5}; all ranks report the same losses: {all(g == got[0] for g in got)}")
+print("dense losses:", [round(v, 5) for v in dense_losses])
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(tp_figures.training_figure(dense_losses, training), "06_training");
+
+# %% [markdown]
+# ## 4. Where the time goes
+#
+# The FLOPs of one layer's forward (Narayanan et al. 2021, [arXiv:2104.04473](https://arxiv.org/abs/2104.04473),
+# section 5.1; a multiply-add is 2 FLOPs): QKV $6bsh^2$, scores $QK^\top$ $2bs^2h$, $PV$ $2bs^2h$,
+# output projection $2bsh^2$, MLP $16bsh^2$; in total $24bsh^2 + 4bs^2h$. Attention's share is
+# $(8bsh^2 + 4bs^2h)/(24bsh^2 + 4bs^2h) = (2h + s)/(6h + s)$: a third for short sequences, growing with s.
+#
+# `workers/ch06_profile.py` times each stage of the block's forward (with `time.perf_counter` on a CPU,
+# CUDA events on a GPU), the communication inside attention and the MLP separately (the communication
+# ledger's markers), and the backward as a whole. **CPU caveats**: the ranks share this machine's two
+# cores (and other jobs), so ranks slow each other down and an all-reduce waits for the slowest rank;
+# a CPU runs matmuls slowly relative to memory-bound work, so shares differ from a GPU's. The method is
+# the one you would use on a GPU; these numbers are CPU numbers.
+#
+# **Predict**: at h = 128, what share of the forward time is attention at s = 64, and at s = 1024?
+
+# %% tags=["nbval-ignore-output"]
+SEQS, PROF_HIDDEN = [64, 256, 1024], 128
+trace_dir = tempfile.mkdtemp(prefix="tp_block_traces_")
+profiles = {t: cu.run("workers.ch06_profile", world_size=t, hidden=PROF_HIDDEN, n_heads=8, seqs=SEQS, batch=2,
+                      repeats=5, warmup=2, trace_dir=trace_dir if t == 2 else "", **LIMITS)[0]["profiles"]
+            for t in (1, 2)}
+for t, profs in profiles.items():
+    for p in profs:
+        print(f"TP {t}, s={p['seq']:>5}: forward {p['forward_s'] * 1e3:6.1f} ms, backward {p['backward_s'] * 1e3:6.1f} ms; "
+              "shares " + ", ".join(f"{k} {v:.0%}" for k, v in p["forward_share"].items()))
+print("torch.profiler traces (open in chrome://tracing or https://ui.perfetto.dev):",
+      sorted({p["trace"] for p in profiles[2]}))
+
+# %% tags=["nbval-ignore-output"]
+one = profiles[1][-1]
+flops = tp_check.layer_forward_flops(one["seq"], PROF_HIDDEN, 2)
+predicted = {"attention": flops["attention"] / flops["total"], "mlp": flops["mlp"] / flops["total"]}
+plots.savefig(tp_figures.profile_figure(one, predicted, f"TP 1, h={PROF_HIDDEN}, s={one['seq']}, CPU"), "06_profile");
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(tp_figures.attention_share_figure(SEQS, [p["forward_share"]["attention"] /
+                                                       (p["forward_share"]["attention"] + p["forward_share"]["mlp"])
+                                                       for p in profiles[1]], PROF_HIDDEN), "06_attention_share");
+
+# %% [markdown]
+# The measured attention share (of attention + MLP compute time, TP 1) follows the FLOPs share's trend: the
+# $s^2$ terms take over as the sequence grows. Where it departs from the FLOPs line, the cause is the
+# kernels, not the arithmetic: on this CPU the small attention matmuls and the softmax run at a different
+# efficiency from the big MLP matmuls. At TP 2 the communication bar is large: two processes on two
+# shared cores, with gloo over the loopback, is the worst case for communication; on NVLink the same
+# bytes take microseconds. Chapter 10 measures that.
+#
+# ## 5. On a GPU
+#
+# The same block at TP 1 on one H200, bf16, h = 4096, 32 heads, s = 1024 and 4096, next to a plain
+# PyTorch pre-LN block of the same shape and a bf16 matmul (`tools/gpu/tp_block_bench.py`). The notebook
+# shows a GPU run only from a file committed in `data/gpu/`, labelled with its device, versions and date:
+
+# %%
+gpu_runs = tp_figures.gpu_results()
+if gpu_runs:
+    print(tp_figures.gpu_table(gpu_runs[0]))
+else:
+    print("Not measured on a GPU yet: no data/gpu/tp_block_*.json in this repository. A session with an H200 runs\n"
+          "  python tools/gpu/tp_block_bench.py --profile --out data/gpu/tp_block_h200.json\n"
+          "and commits the file; this cell then shows it. For orientation only (not this block): the course authors'\n"
+          "earlier H200 run measured the plain block at 605-638 TFLOP/s forward+backward, 85-89% of that run's\n"
+          "bf16 matmul, with FLOPs counted as 3 x (24bsh^2 + 2bs^2h).")
+
+# %% [markdown]
+# ## 6. Exercises
+#
+# **Exercise 1: the block's two all-reduces.** `parts` holds this rank's pieces of the block, with no
+# communication inside: `parts.ln1(x)`, `parts.ln2(x)` (the LayerNorms), `parts.attention_partial(y)` and
+# `parts.mlp_partial(y)` (this rank's heads / FFN columns applied to `y`: one addend of the sub-layer's
+# output, bias not added), and `parts.attention_bias`, `parts.mlp_bias` (whole on every rank). Write the
+# block's forward with `f` and `g` where they belong:
+# `from workers.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region`.
+# The check runs forward and backward on real ranks and compares every gradient with the dense block's.
+
+# %% tags=["exercise"]
+def block_forward(x, parts, group):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("block_forward", block_forward)
+
+# %% [markdown]
+# **Exercise 2: attention's share of the FLOPs.** Return the fraction of one layer's forward FLOPs spent
+# in the attention sub-layer (QKV, scores, $PV$, output projection), for sequence length `seq` and hidden
+# size `hidden`, with a 4h MLP and no causal saving.
+
+# %% tags=["exercise"]
+def attention_flop_share(seq, hidden):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("attention_flop_share", attention_flop_share)
+
+# %% [markdown]
+# ## 7. Explore on real ranks
+#
+# TP size, sequence parallelism and a fault: the widget reruns the block on real ranks and draws every
+# tensor's error against the dense block, with the collectives it counted.
+
+# %% tags=["nbval-ignore-output"]
+import ipywidgets as W
+
+from course_utils.widgets import LiveRun, slider
+
+
+def draw_block(res, params):
+    cfg = tp_check.config_of(res[0]["config"])
+    rep = tp_check.compare(res, "block", cfg, seq=SEQ, batch=BATCH)
+    counts = {}
+    for r in tp_check.comm_rows(res):
+        counts[f"{r['collective']} {r['pass']}"] = counts.get(f"{r['collective']} {r['pass']}", 0) + r["calls"]
+    title = f"TP {res.world_size}{' + SP' if params['sequence_parallel'] else ''}: {counts or 'no communication'}"
+    return tp_figures.equivalence_figure({f"TP {res.world_size}": rep}, title)
+
+
+block_live = LiveRun(BLOCK, {"world_size": slider("TP", 4, 1, 4),
+                             "sequence_parallel": W.Checkbox(value=True, description="sequence parallel"),
+                             "fault": W.Dropdown(options=["", "drop_reduce_scatter", "skip_parameter_grad_sync",
+                                                          "drop_backward_all_reduce", "misplaced_all_reduce"],
+                                                 value="", description="fault")},
+                     draw_block, params={"seq": SEQ, "batch": BATCH, "hidden": HIDDEN}, timeout=90)
+block_live.wait(90)
+block_live
+
+# %% [markdown]
+# ## Summary
+#
+# * A Megatron layer is two parallel regions, each opened by `f` and closed by `g`: 2 all-reduces forward,
+#   2 backward, each of a `b*s*h` activation; the replicated parameters get identical gradients for free.
+# * Sequence parallelism replaces each all-reduce by a reduce-scatter and an all-gather of the same bytes,
+#   and shards the LayerNorm/dropout region; its replicated parameters then need their gradients summed.
+# * The sharded block trains exactly like the dense one: same losses, step after step.
+# * Attention's share of the FLOPs is $(2h+s)/(6h+s)$; measured shares follow it where the kernels are
+#   equally efficient, and a profile is what tells you where they are not.
