@@ -107,14 +107,14 @@ def draw_mapping(res, name: str, group: int = 0):
 # -- gradcheck ------------------------------------------------------------------------------------------
 
 def gradcheck_rows(results: dict) -> list[dict]:
-    """``results``: variant -> RunResult of workers.ch03_gradcheck. One row per circuit and variant."""
+    """``results``: variant -> RunResult of workers.ch03_gradcheck. One row per circuit and variant (all ranks)."""
     rows = []
     for variant, res in results.items():
         per_rank = res.gather("gradcheck")
         for circuit in per_rank[0]:
             passed = [v[circuit]["passed"] for v in per_rank]
             ratios = [v[circuit]["grad_ratio"] for v in per_rank]
-            rows.append({"variant": variant, "circuit": circuit, "world": res.world_size,
+            rows.append({"variant": variant, "circuit": circuit, "ranks": res[0].get("tp_size", res.world_size),
                          "gradcheck": "pass" if all(passed) else ("FAIL" if not any(passed) else "mixed"),
                          "ratio": ", ".join(f"{r:.3g}" for r in ratios)})
     return rows
@@ -136,7 +136,7 @@ def draw_gradcheck(rows: list[dict]):
     ax.set_xticks(range(len(variants)), variants, fontsize=8, rotation=12, ha="right")
     ax.set_yticks(range(len(circuits)), circuits, fontsize=7.5)
     ax.grid(False)
-    ax.set_title(f"torch.autograd.gradcheck on {rows[0]['world']} real ranks (float64); each column swaps in one "
+    ax.set_title(f"torch.autograd.gradcheck in groups of {rows[0]['ranks']} real ranks (float64); each column swaps in one "
                  "wrong mapping\n(ratio: <v, J u> from backward / from finite differences, per rank)", fontsize=9)
     fig.tight_layout()
     return fig

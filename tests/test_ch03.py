@@ -9,7 +9,7 @@ import torch
 
 import course_utils as cu
 from course_utils import ch03
-from workers.ch03_gradcheck import VARIANTS
+from workers.ch03_gradcheck import CIRCUITS, VARIANTS
 from workers.ch03_row_parallel import problem as row_problem
 from workers.ch03_scaling_trap import problem as trap_problem
 
@@ -28,7 +28,7 @@ USES = {
 def test_gradcheck_passes_through_every_correct_mapping(world_size):
     res = cu.run("workers.ch03_gradcheck", world_size=world_size, timeout=120)
     for rank, verdicts in enumerate(res.gather("gradcheck")):
-        assert len(verdicts) == 5
+        assert list(verdicts) == list(CIRCUITS)
         for circuit, v in verdicts.items():
             assert v["passed"], (rank, circuit, v["message"])
             assert v["grad_ratio"] == pytest.approx(1.0, abs=1e-6), (rank, circuit)
@@ -36,7 +36,9 @@ def test_gradcheck_passes_through_every_correct_mapping(world_size):
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "correct"])
 def test_gradcheck_fails_exactly_where_a_wrong_mapping_is_used(variant):
-    res = cu.run("workers.ch03_gradcheck", world_size=2, variant=variant, timeout=120)
+    # world 4 as two groups of 2, each running its own gradcheck: the ratios are for n = 2
+    res = cu.run("workers.ch03_gradcheck", world_size=4, tp_size=2, variant=variant, timeout=120)
+    assert res.gather("group_ranks") == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for verdicts in res.gather("gradcheck"):
         for circuit, v in verdicts.items():
             uses = circuit.startswith(USES[variant])
@@ -93,7 +95,7 @@ def test_row_parallel_weight_gradients_are_complete_on_each_rank_without_communi
 def test_invalid_parameters_are_refused_before_launch():
     with pytest.raises(cu.InvalidParameter, match="not known"):
         cu.run("workers.ch03_gradcheck", world_size=2, variant="nope")
-    with pytest.raises(cu.InvalidParameter, match="multiples of world_size"):
+    with pytest.raises(cu.InvalidParameter, match="multiples of the group size 4"):
         cu.run("workers.ch03_gradcheck", world_size=4, rows=6)
     with pytest.raises(cu.InvalidParameter, match="not divisible"):
         cu.run("workers.ch03_row_parallel", world_size=4, mode="row", hidden=6)

@@ -143,26 +143,41 @@ def circuits(m: dict, group, rank: int, hidden: int, seed: int, device) -> dict:
     }
 
 
-def check_params(world_size, variant, rows, hidden, **_):
+CIRCUITS = (
+    "f -> tanh(x W_r) -> g",
+    "scatter -> tanh(x_r w_r) -> gather",
+    "scatter_seq -> tanh(x_r W_r) -> gather_seq(replicated)",
+    "scatter_seq -> gather_seq -> MLP_r -> reduce_scatter_seq -> gather_seq(replicated)",
+    "f -> all_to_all -> tanh(x W_r) -> all_to_all -> g",
+)
+
+
+def check_params(world_size, variant, rows, hidden, tp_size, **_):
     if variant not in VARIANTS:
         return f"variant={variant!r} is not known: choose one of {', '.join(VARIANTS)}"
-    if rows % world_size or hidden % world_size or rows < 1 or hidden < 1:
-        return (f"rows={rows} and hidden={hidden} must be positive multiples of world_size={world_size}: "
-                f"try rows={world_size} hidden={2 * world_size}")
+    tp = tp_size or world_size
+    if tp < 1 or world_size % tp:
+        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size}"
+    if rows % tp or hidden % tp or rows < 1 or hidden < 1:
+        return (f"rows={rows} and hidden={hidden} must be positive multiples of the group size {tp}: "
+                f"try rows={tp} hidden={2 * tp}")
     return None
 
 
-def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: int = 0, group_timeout: float = 20.0):
-    """gradcheck every circuit in float64 on this rank; all ranks must agree on the verdicts."""
+def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: int = 0, tp_size: int = 0,
+         group_timeout: float = 20.0):
+    """gradcheck every circuit in float64 on this rank, inside its group of ``tp_size`` ranks (0: the world)."""
+    tp = tp_size or ctx.world_size
     m = {**library(), **VARIANTS[variant]}
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((rows, hidden), generator=gen, dtype=torch.float64).to(ctx.device).requires_grad_()  # replicated
     verdicts = {}
-    names = list(circuits(m, None, ctx.rank, hidden, seed, ctx.device))
-    for name in names:
-        # A fresh group per circuit with a short timeout: if a broken backward ever left the ranks out of
+    for name in CIRCUITS:
+        # Fresh groups per circuit with a short timeout: if a broken backward ever left the ranks out of
         # step, the next circuit could not be confused with this one, and the wait ends in an error.
-        group = ctx.new_group(timeout_s=group_timeout)
+        # Every rank creates every group (new_group is collective), then uses its own.
+        groups = [ctx.new_group(list(range(s, s + tp)), timeout_s=group_timeout) for s in range(0, ctx.world_size, tp)]
+        group = groups[ctx.rank // tp]
         try:
             fn = circuits(m, group, dist.get_rank(group), hidden, seed, ctx.device)[name]
             try:
@@ -173,8 +188,10 @@ def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: in
             # How far off is the backward? One vector-Jacobian product against a central difference.
             verdicts[name]["grad_ratio"] = _vjp_ratio(fn, x)
         finally:
-            dist.destroy_process_group(group)
-    return {"gradcheck": verdicts, "variant": variant}
+            for g in groups:
+                dist.destroy_process_group(g)
+    first = ctx.rank // tp * tp
+    return {"gradcheck": verdicts, "variant": variant, "tp_size": tp, "group_ranks": list(range(first, first + tp))}
 
 
 def _vjp_ratio(fn, x: torch.Tensor, eps: float = 1e-6) -> float:

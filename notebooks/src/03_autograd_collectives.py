@@ -41,8 +41,11 @@ from workers.parallel import mappings
 from workers.parallel.reference import LAYOUTS, MAPPING_NAMES
 
 plots.style()
-# 60 s per run; the collective timeout keeps its default, so these runs, the widget and the exercise
-# checks all share the same warm ranks
+# Every run uses the same 4 ranks (started once, then kept warm), grouped as each experiment needs:
+# tp_size=2 makes two tensor-parallel groups, ranks [0, 1] and [2, 3], and every mapping runs inside its
+# own group. 60 s per run; the collective timeout keeps its default, so these runs, the widget and the
+# exercise checks all share the same warm ranks.
+WORLD = 4
 LIMITS = {"timeout": 60}
 
 # %% [markdown]
@@ -118,24 +121,26 @@ for code in (mappings._CopyToModelParallelRegion, mappings._ReduceFromModelParal
 # ## 3. On real ranks
 #
 # `workers/ch03_mappings.py` runs each mapping forward and backward on every rank, with small integer
-# inputs (so sums are exact in any order) and a different output gradient on each rank.
+# inputs (so sums are exact in any order) and a different output gradient on each rank. We look at the
+# group of ranks 0 and 1.
 #
 # **Predict.** Two ranks run `f`. Rank 0 receives output gradient $A$, rank 1 receives $B$. What is the
 # gradient of `x` on rank 0? Then `g`: rank 0 holds partial sum $p_0$, rank 1 holds $p_1$, and both
 # receive the same output gradient $C$. What is the gradient of $p_0$?
 
 # %%
-world2 = cu.run("workers.ch03_mappings", world_size=2, **LIMITS)
+pairs = cu.run("workers.ch03_mappings", world_size=WORLD, tp_size=2, **LIMITS)
+print("groups:", ch03.groups_of(pairs))
 
 # %% tags=["nbval-ignore-output"]
-plots.savefig(ch03.draw_mapping(world2, "copy_to_tensor_model_parallel_region"), "03_copy_to_region");
+plots.savefig(ch03.draw_mapping(pairs, "copy_to_tensor_model_parallel_region"), "03_copy_to_region");
 
 # %% [markdown]
 # Rank 0's `dL/dx` is $A + B$: rank 0 did not compute $B$, it *received* it, in the all-reduce of `f`'s
 # backward. And both ranks hold the same sum, as a replicated tensor's gradient must.
 
 # %% tags=["nbval-ignore-output"]
-plots.savefig(ch03.draw_mapping(world2, "reduce_from_tensor_model_parallel_region"), "03_reduce_from_region");
+plots.savefig(ch03.draw_mapping(pairs, "reduce_from_tensor_model_parallel_region"), "03_reduce_from_region");
 
 # %% [markdown]
 # `g`'s output is the sum, identical on both ranks; its backward hands $C$ back unchanged to each
@@ -143,7 +148,7 @@ plots.savefig(ch03.draw_mapping(world2, "reduce_from_tensor_model_parallel_regio
 # library (`mappings.record_communication()`):
 
 # %%
-print(ch03.communication_table(world2[0]["communication"]))
+print(ch03.communication_table(pairs[0]["communication"]))
 
 # %% [markdown]
 # ## 4. Ground truth: every mapping against a single-process reference
@@ -164,11 +169,11 @@ print(ch03.communication_table(world2[0]["communication"]))
 # shared by all ranks, and a replicated output's loss is counted once. If the library's backward rules
 # are right, the ranks reproduce the reference exactly.
 #
-# The run below uses 4 real ranks, grouped three ways: 4 groups of 1, 2 groups of 2, and 1 group of 4
-# (each mapping takes a `group`, and runs inside it only).
+# The 4 ranks, grouped three ways: 4 groups of 1, 2 groups of 2 (the run above), and 1 group of 4.
 
 # %%
-equivalence = {tp: cu.run("workers.ch03_mappings", world_size=4, tp_size=tp, **LIMITS) for tp in (1, 2, 4)}
+equivalence = {1: cu.run("workers.ch03_mappings", world_size=WORLD, tp_size=1, **LIMITS), 2: pairs,
+               4: cu.run("workers.ch03_mappings", world_size=WORLD, tp_size=4, **LIMITS)}
 for tp, res in equivalence.items():
     rows = ch03.mapping_rows(res)
     print(f"groups of {tp}: {sum(r['exact'] for r in rows)}/{len(rows)} (group, mapping) pairs bit-identical "
@@ -183,20 +188,22 @@ print(ch03.mapping_table(equivalence[4]))
 # same comparison at world 1, 2 and 4, in float32, and for an all-to-all with unequal splits (as in expert
 # parallelism); and it checks that a deliberately wrong backward for each mapping *fails* it.
 #
-# Explore any mapping on any number of ranks (a real run per change):
+# Explore any mapping with groups of 1, 2 or 4 ranks (a real run on the 4 ranks per change; the figure
+# shows the group of rank 0):
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W  # noqa: E402
 
-from course_utils.widgets import LiveRun, slider  # noqa: E402
+from course_utils.widgets import LiveRun  # noqa: E402
 
 explorer = LiveRun(
     "workers.ch03_mappings",
     {"mapping": W.Dropdown(options=list(MAPPING_NAMES), value="gather_from_sequence_parallel_region",
                            description="mapping"),
-     "world_size": slider("ranks", 2, 1, 4)},
+     "tp_size": W.SelectionSlider(options=[1, 2, 4], value=2, description="ranks per group",
+                                  continuous_update=False, style={"description_width": "initial"})},
     lambda res, p: ch03.draw_mapping(res, p["mapping"]),
-    params={"rows": 1, "cols": 2}, timeout=30,
+    params={"world_size": WORLD, "rows": 1, "cols": 2}, timeout=30,
 )
 explorer
 
@@ -217,16 +224,17 @@ explorer.wait(60)  # headless: let the first run finish before the next cells us
 #
 # To see that gradcheck would notice, each column below swaps one library mapping for a plausible wrong
 # one (an `f` that forgot to all-reduce, a `g` that all-reduces in backward too, a gather whose backward
-# sums, a split that keeps the wrong slice). Each cell also shows the ratio of one vector-Jacobian
-# product from the backward to the same from finite differences: 1 when right.
+# sums, a split that keeps the wrong slice), in groups of 2 ranks. Each cell also shows the ratio of one
+# vector-Jacobian product from the backward to the same from finite differences: 1 when right.
 
 # %%
-gradchecks = {"correct": cu.run("workers.ch03_gradcheck", world_size=4, **LIMITS)}
-print(ch03.table(ch03.gradcheck_rows(gradchecks), ["world", "circuit", "gradcheck", "ratio"]))
+gradchecks = {"correct": cu.run("workers.ch03_gradcheck", world_size=WORLD, **LIMITS)}
+print(ch03.table(ch03.gradcheck_rows(gradchecks), ["ranks", "circuit", "gradcheck", "ratio"]))
 
 # %%
 wrong_variants = ["f_backward_identity", "g_backward_all_reduce", "gather_backward_sums", "scatter_wrong_chunk"]
-at_two = {v: cu.run("workers.ch03_gradcheck", world_size=2, variant=v, **LIMITS) for v in ["correct"] + wrong_variants}
+at_two = {v: cu.run("workers.ch03_gradcheck", world_size=WORLD, tp_size=2, variant=v, **LIMITS)
+          for v in ["correct"] + wrong_variants}
 gradcheck_rows = ch03.gradcheck_rows(at_two)
 
 # %% tags=["nbval-ignore-output"]
@@ -262,12 +270,12 @@ print(ch03.table([r for r in gradcheck_rows if r["gradcheck"] != "pass"], ["vari
 
 # %%
 TRAP = {"batch": 4, "hidden": 8, "out": 4, "seed": 0}
-trap = {tp: cu.run("workers.ch03_scaling_trap", world_size=4, tp_size=tp, **TRAP, **LIMITS) for tp in (1, 2, 4)}
+trap = {tp: cu.run("workers.ch03_scaling_trap", world_size=WORLD, tp_size=tp, **TRAP, **LIMITS) for tp in (1, 2, 4)}
 
 # %% [markdown]
 # Eight ranks cost one more torchrun start: about 9 s on an idle 2-core machine, but 40 s when the
 # machine is busy, so the headless run stops at 4. Set `RUN_WORLD_8 = True` to add $n = 8$ (on ranks of
-# its own that stop afterwards, so the warm ranks of worlds 2 and 4 stay up for the exercises).
+# its own that stop afterwards, so the 4 warm ranks stay up for the exercises).
 
 # %% tags=["nbval-ignore-output"]
 from course_utils.validate import max_world_size  # noqa: E402
@@ -343,7 +351,8 @@ plots.savefig(ch03.draw_scaling(scaling), "03_scaling_trap");
 from workers.ch03_row_parallel import problem as row_problem  # noqa: E402
 
 for mode, input_is_parallel in (("row", True), ("row", False), ("mlp", False)):
-    res = cu.run("workers.ch03_row_parallel", world_size=4, mode=mode, input_is_parallel=input_is_parallel, **LIMITS)
+    res = cu.run("workers.ch03_row_parallel", world_size=WORLD, mode=mode, input_is_parallel=input_is_parallel,
+                 **LIMITS)
     comm = ch03.count_collectives(res[0]["communication"])
     label = f"{mode}, input_is_parallel={input_is_parallel}" if mode == "row" else "mlp (f, column, GeLU, row, g)"
     print(f"{label}\n  forward:  {comm['forward']}\n  backward: {comm['backward'] or 'no collective'}")
@@ -363,7 +372,7 @@ for mode, input_is_parallel in (("row", True), ("row", False), ("mlp", False)):
 #
 # Write Megatron's `f` and `g` as `torch.autograd.Function`s. Define the classes **inside** the function
 # below (it is sent to the ranks as source code) and return the pair `(copy_to, reduce_from)`, each called
-# as `fn(x, group=None)`. The checker runs them on 2 and then 4 real ranks against the reference,
+# as `fn(x, group=None)`. The checker runs them on 4 and then 2 real ranks against the reference,
 # gradchecks $g(\tanh(f(x)W_r))$ in float64, and runs them inside sub-groups.
 #
 # Hints: `forward(ctx, x, group)` and `backward(ctx, grad_output)`; `backward` returns one gradient per
