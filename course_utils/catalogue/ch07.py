@@ -1,0 +1,319 @@
+"""Chapter 07's graded exercises, checked in the notebook process (attention is single-process here).
+
+- ``merge_attention``: combine attention over two disjoint sets of keys from their (out, lse) pairs;
+- ``forward_tile_loop``: the FlashAttention forward for one head, walking the keys tile by tile;
+- ``backward_tile``: one tile of the backward: P rebuilt from the LSE, dV's share, and dS = P * (dP - delta).
+
+Every check compares with the float64 reference of ``workers/attention/reference.py`` on fresh random inputs,
+and climbs a ladder of cases, each adding one difficulty (several tiles, a causal mask, scores large enough
+to overflow exp in fp32), so that the first case that fails names the missing idea.
+"""
+from __future__ import annotations
+
+import math
+
+from course_utils.exercises import FAIL, PASS, Exercise, register
+
+# Inputs are fp32 (what a kernel's accumulators hold); the reference is float64. fp32 arithmetic in a
+# correct answer errs by about 1e-7 relative: 1e-5 leaves room for any order of summation.
+RELATIVE_TOLERANCE = 1e-5
+LSE_TOLERANCE = 1e-4  # absolute: the LSE is a log
+SHIFT = 200.0  # added to every score in the overflow cases: exp(200) overflows fp32 (max about 3.4e38 = e^88.7)
+
+
+def _tolerance(shift: float) -> float:
+    """An fp32 score near ``shift`` is rounded by about shift * 2^-24 (1.2e-5 at 200), and exp turns that absolute
+    error into the same relative error: correct fp32 answers on shifted scores miss by that much."""
+    return RELATIVE_TOLERANCE + 8 * abs(shift) * 2.0 ** -24
+
+
+def _generator(seed: int):
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def _relative_error(actual, expected) -> float:
+    diff = (actual.detach().double() - expected.double()).abs().max()
+    return (diff / expected.double().abs().max().clamp_min(1e-300)).item()
+
+
+def _tensor_problem(name: str, got, shape) -> str | None:
+    """A one-sentence complaint if ``got`` is not a finite-or-not tensor of ``shape``; else None."""
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        return f"{name} should be a tensor, got {type(got).__name__}"
+    if tuple(got.shape) != tuple(shape):
+        return f"{name} should have shape {tuple(shape)}, got {tuple(got.shape)}"
+    return None
+
+
+def _pair(got, names=("out", "lse")):
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return None, f"return a pair ({names[0]}, {names[1]}), got {type(got).__name__}"
+    return got, None
+
+
+def _partial_attention(scores, v, visible):
+    """float64 (out, lse) of attention restricted to the keys where ``visible`` is True (lse = -inf, out = 0
+    for a row that sees none of them)."""
+    import torch
+
+    s = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [N]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe[:, None])  # [N, Nk]; rows with no visible key are all 0
+    return p @ v, lse
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Merging two partial results
+# ----------------------------------------------------------------------------------------------------------
+
+def _merge_cases(seed: int):
+    """(description, out_a, lse_a, out_b, lse_b, expected_out, expected_lse); all fp32 in, float64 expected."""
+    import torch
+
+    gen = _generator(seed)
+    n, nk, d, split = 12, 20, 8, 7
+    q, k, v = (torch.randn(m, d, generator=gen, dtype=torch.float64) for m in (n, nk, nk))
+    scores = q @ k.T / math.sqrt(d)  # [N, Nk]
+    keys = torch.arange(nk)
+    everything = torch.ones(n, nk, dtype=torch.bool)
+    causal = keys[None, :] <= torch.arange(n)[:, None]  # [N, Nk]: row i sees keys 0..i
+    cases = []
+    for label, visible, shift in (("two halves of the keys", everything, 0.0),
+                                  ("causal, where the first rows see no key of part b", causal, 0.0),
+                                  (f"the same scores shifted by +{SHIFT:g} (softmax is unchanged, the LSEs are "
+                                   "large)", everything, SHIFT)):
+        s = scores + shift
+        out_a, lse_a = _partial_attention(s, v, visible & (keys[None, :] < split))
+        out_b, lse_b = _partial_attention(s, v, visible & (keys[None, :] >= split))
+        out, lse = _partial_attention(s, v, visible)
+        cases.append((label, out_a.float(), lse_a.float(), out_b.float(), lse_b.float(), out, lse))
+    return cases
+
+
+def _merge_hint(got_out, got_lse, out_a, lse_a, out_b, lse_b, want_out, want_lse) -> str:
+    import torch
+
+    if torch.allclose(got_out.double(), (out_a.double() + out_b.double()) / 2, atol=1e-6):
+        return ("you averaged the two outputs: weight each by its share of the softmax mass, "
+                "exp(lse_a - lse) and exp(lse_b - lse), which is a missing rescale of both parts")
+    if torch.allclose(got_lse.double(), torch.maximum(lse_a, lse_b).double(), atol=1e-6):
+        return "the LSE of the union is log(exp(lse_a) + exp(lse_b)), not the larger of the two"
+    return ""
+
+
+def check_merge_attention(answer) -> tuple[str, str]:
+    import torch
+
+    for label, out_a, lse_a, out_b, lse_b, want_out, want_lse in _merge_cases(seed=7):
+        got, problem = _pair(answer(out_a.clone(), lse_a.clone(), out_b.clone(), lse_b.clone()))
+        if problem:
+            return FAIL, problem
+        got_out, got_lse = got
+        problem = _tensor_problem("out", got_out, want_out.shape) or _tensor_problem("lse", got_lse, want_lse.shape)
+        if problem:
+            return FAIL, f"{label}: {problem}"
+        if not torch.isfinite(got_out).all() or not torch.isfinite(got_lse[torch.isfinite(want_lse)]).all():
+            if "shifted" in label:
+                return FAIL, (f"{label}: nan or inf, because exp(lse) overflows fp32 above e^88.7: forgetting the "
+                              "max subtraction; subtract m = max(lse_a, lse_b) before exponentiating "
+                              "(torch.logaddexp does it for you)")
+            return FAIL, (f"{label}: nan or inf where the answer is finite. A part that saw no keys has lse = -inf "
+                          "and out = 0: its weight exp(-inf - lse) must come out as 0, so subtract a finite number")
+        hint = _merge_hint(got_out, got_lse, out_a, lse_a, out_b, lse_b, want_out, want_lse)
+        err_out = _relative_error(got_out, want_out)
+        if not err_out <= _tolerance(SHIFT if "shifted" in label else 0.0):
+            return FAIL, (f"{label}: out differs from attention over all the keys (relative error {err_out:.2g})"
+                          + (f"; {hint}" if hint else ""))
+        err_lse = (got_lse.double() - want_lse).abs().max().item()
+        if not err_lse <= LSE_TOLERANCE * max(1.0, want_lse.abs().max().item() / 100):
+            return FAIL, (f"{label}: out is right but lse is off by {err_lse:.2g}"
+                          + (f"; {hint}" if hint else ": lse = log(exp(lse_a) + exp(lse_b))"))
+    return PASS, "correct: two partial attentions merge into one, empty parts and large scores included"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. The forward tile loop
+# ----------------------------------------------------------------------------------------------------------
+
+def _largest_output_numel(fn, *args, **kwargs):
+    """Call ``fn`` and return (its result, the largest number of elements of any tensor a torch call produced)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Watch(TorchFunctionMode):
+        largest = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in (result if isinstance(result, (tuple, list)) else (result,)):
+                if isinstance(t, torch.Tensor):
+                    Watch.largest = max(Watch.largest, t.numel())
+            return result
+
+    with Watch():
+        result = fn(*args, **kwargs)
+    return result, Watch.largest
+
+
+# (what the case adds, n_q, n_k, head_dim, causal, block, score shift): each case adds one difficulty.
+FORWARD_CASES = [
+    ("one tile (all keys fit in one block)", 9, 12, 8, False, 16, 0.0),
+    ("several tiles, the last one ragged", 10, 45, 8, False, 16, 0.0),
+    ("a causal mask over several tiles", 37, 37, 16, True, 8, 0.0),
+    (f"scores shifted by +{SHIFT:g} (the same softmax; exp overflows fp32 without the max subtraction)",
+     20, 50, 8, False, 16, SHIFT),
+]
+FORWARD_HINTS = {
+    0: "even with one tile: out should be softmax(q k^T / sqrt(d)) v, so check the scale and the division by l",
+    1: ("correct for one tile but not across tiles: missing rescale. When a tile raises the running max from m to "
+        "m_new, multiply l and acc by exp(m - m_new) before adding the new tile"),
+    2: ("wrong mask: with causal=True, query i sees key j iff j <= i, in absolute positions (the tile's first key "
+        "index plus the position inside the tile)"),
+    3: ("overflow: exp of the raw scores is inf in fp32; forgetting the max subtraction. Exponentiate "
+        "scores - m_new, never the scores themselves"),
+}
+
+
+def _forward_inputs(seed, n_q, n_k, d, shift):
+    import torch
+
+    gen = _generator(seed)
+    q, k, v = (torch.randn(m, d, generator=gen) for m in (n_q, n_k, n_k))
+    if shift:
+        # Append a constant coordinate so that every score gains exactly `shift` (scale 1/sqrt(d) included):
+        # the softmax and the output are unchanged, the LSE grows by `shift`.
+        d2 = d + 1
+        q = torch.cat([q * math.sqrt(d2 / d), torch.full((n_q, 1), shift * math.sqrt(d2))], dim=1)
+        k = torch.cat([k, torch.ones(n_k, 1)], dim=1)
+        v = torch.cat([v, torch.zeros(n_k, 1)], dim=1)
+    return q, k, v
+
+
+def check_forward_tile_loop(answer) -> tuple[str, str]:
+    import torch
+
+    from workers.attention.reference import attention_reference
+
+    for i, (label, n_q, n_k, d, causal, block, shift) in enumerate(FORWARD_CASES):
+        q, k, v = _forward_inputs(100 + i, n_q, n_k, d, shift)
+        want_out, want_lse = attention_reference(q, k, v, causal=causal)
+        got, largest = _largest_output_numel(answer, q.clone(), k.clone(), v.clone(), causal=causal, block=block)
+        got, problem = _pair(got)
+        if problem:
+            return FAIL, problem
+        got_out, got_lse = got
+        problem = _tensor_problem("out", got_out, want_out.shape) or _tensor_problem("lse", got_lse, want_lse.shape)
+        if problem:
+            return FAIL, f"{label}: {problem}"
+        if n_k > block and largest >= n_q * n_k:
+            return FAIL, (f"{label}: a tensor of {largest} elements appeared, as large as the whole {n_q} x {n_k} "
+                          f"score matrix: walk the keys in tiles of `block` = {block} rows instead")
+        err_out = _relative_error(got_out, want_out)
+        if not torch.isfinite(got_out).all() or not err_out <= _tolerance(shift):
+            what = "nan or inf" if not torch.isfinite(got_out).all() else f"relative error {err_out:.2g}"
+            return FAIL, f"{label}: out is wrong ({what}); {FORWARD_HINTS[i]}"
+        err_lse = (got_lse.double() - want_lse).abs().max().item()
+        if not err_lse <= LSE_TOLERANCE * max(1.0, want_lse.abs().max().item() / 100):
+            return FAIL, (f"{label}: out is right but the LSE is off by {err_lse:.2g}: wrong LSE. It is the log of "
+                          "the whole sum of exp(scores): lse = m + log(l), with the running max m added back")
+    return PASS, "correct: one tile, many tiles, causal, and scores that would overflow without the running max"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. One tile of the backward
+# ----------------------------------------------------------------------------------------------------------
+
+def _backward_problem(seed):
+    """A whole attention problem in fp32 with its float64 truth: (q, k, v, dout, out, lse, truth dict)."""
+    import torch
+
+    from workers.attention.reference import attention_reference_grads
+
+    gen = _generator(seed)
+    n, d = 40, 16
+    q, k, v, dout = (torch.randn(n, d, generator=gen) for _ in range(4))
+    out, lse, dq, dk, dv = attention_reference_grads(q, k, v, dout)
+    scale = 1.0 / math.sqrt(d)
+    p = torch.exp(q.double() @ k.double().T * scale - lse[:, None])  # [N, N]
+    dp = dout.double() @ v.double().T
+    ds = p * (dp - (dout.double() * out).sum(-1, keepdim=True))
+    return q, k, v, dout, out.float(), lse.float(), scale, {"dq": dq, "dk": dk, "dv": dv, "p": p, "dp": dp, "ds": ds}
+
+
+def _backward_hint(ds_got, p, dp, rows, cols, scale, q, k, dout, out_tile) -> str:
+    """Name the mistake when ``ds_got`` matches a plausible wrong formula; a recipe otherwise."""
+    import torch
+
+    p_t, dp_t = p[rows, cols], dp[rows, cols]
+    close = lambda x: torch.allclose(ds_got.double(), x, atol=1e-5)  # noqa: E731
+    if close(p_t * dp_t):
+        return ("you left out delta: dS = P * (dP - delta) with delta_i = rowsum(dO_i * O_i), the same number "
+                "for every key of row i")
+    if close(p_t * (dp_t - (p_t * dp_t).sum(-1, keepdim=True))):
+        return ("delta summed over this tile's keys only: delta_i = sum over ALL keys of P_ij dP_ij, which is "
+                "rowsum(dO_i * O_i), computable from the tile's own rows of dO and O")
+    s_local = q[rows].double() @ k[cols].double().T * scale
+    p_soft = torch.softmax(s_local, dim=-1)
+    if close(p_soft * (dp_t - (dout[rows].double() * out_tile.double()).sum(-1, keepdim=True))):
+        return ("you normalised P over this tile's keys: rebuild it with the saved LSE, P = exp(scale * q k^T - lse), "
+                "which is already normalised over the whole row")
+    return ("recompute in this order: P = exp(scale * q @ k.T - lse[:, None]), dP = dO @ v.T, "
+            "delta = rowsum(dO * O), dS = P * (dP - delta)")
+
+
+def check_backward_tile(answer) -> tuple[str, str]:
+    import torch
+
+    q, k, v, dout, out, lse, scale, truth = _backward_problem(seed=11)
+    n, d = q.shape
+    block_q, block_k = 16, 12  # 40 = 16 + 16 + 8 and 12 + 12 + 12 + 4: ragged tiles both ways
+    dq, dk, dv = (torch.zeros(n, d, dtype=torch.float64) for _ in range(3))
+    for qs in range(0, n, block_q):
+        rows = slice(qs, min(n, qs + block_q))
+        for ks in range(0, n, block_k):
+            cols = slice(ks, min(n, ks + block_k))
+            got, problem = _pair(answer(q[rows].clone(), k[cols].clone(), v[cols].clone(), out[rows].clone(),
+                                        dout[rows].clone(), lse[rows].clone(), scale), names=("dv", "ds"))
+            if problem:
+                return FAIL, problem
+            dv_tile, ds_tile = got
+            n_rows, n_cols = rows.stop - rows.start, cols.stop - cols.start
+            problem = (_tensor_problem("dv", dv_tile, (n_cols, d))
+                       or _tensor_problem("ds", ds_tile, (n_rows, n_cols)))
+            if problem:
+                return FAIL, f"tile (queries {rows.start}:{rows.stop}, keys {cols.start}:{cols.stop}): {problem}"
+            err = _relative_error(ds_tile, truth["ds"][rows, cols])
+            if not torch.isfinite(ds_tile).all() or not err <= RELATIVE_TOLERANCE * 10:
+                hint = _backward_hint(ds_tile, truth["p"], truth["dp"], rows, cols, scale, q, k, dout, out[rows])
+                return FAIL, (f"tile (queries {rows.start}:{rows.stop}, keys {cols.start}:{cols.stop}): dS is wrong "
+                              f"(relative error {err:.2g})" + (f"; {hint}" if hint else ""))
+            want_dv = truth["p"][rows, cols].T @ dout[rows].double()
+            err = _relative_error(dv_tile, want_dv)
+            if not err <= RELATIVE_TOLERANCE * 10:
+                return FAIL, (f"tile (queries {rows.start}:{rows.stop}, keys {cols.start}:{cols.stop}): dS is right "
+                              f"but this tile's dV is wrong (relative error {err:.2g}): dV_tile = P_tile^T @ dO_tile, "
+                              "with P rebuilt from the saved LSE")
+            dv[cols] += dv_tile.double()
+            dq[rows] += ds_tile.double() @ k[cols].double() * scale
+            dk[cols] += ds_tile.double().T @ q[rows].double() * scale
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        err = _relative_error(got, truth[name])
+        if not err <= RELATIVE_TOLERANCE * 10:
+            return FAIL, f"every tile looks right, yet the assembled {name} is off by {err:.2g} (relative)"
+    return PASS, ("correct: summed over the tiles, your dV and dS give dq, dk and dv equal to autograd through "
+                  "naive float64 attention")
+
+
+register(Exercise("merge_attention", "07", "merge_attention",
+                  "Merge attention over two sets of keys from their (out, lse) pairs", local=check_merge_attention))
+register(Exercise("forward_tile_loop", "07", "forward_tile_loop",
+                  "The FlashAttention forward for one head: the online softmax over key tiles",
+                  local=check_forward_tile_loop))
+register(Exercise("backward_tile", "07", "backward_tile",
+                  "One tile of the backward: P from the LSE, dV's share, dS = P * (dP - delta)",
+                  local=check_backward_tile))

@@ -1,0 +1,65 @@
+"""Chapter 07's exercises, checked in the notebook process: solutions pass, the shipped stubs score zero as
+"not attempted", and every plausible wrong answer fails with a message that names the mistake."""
+import pytest
+
+from course_utils.exercises import FAIL, PASS, TODO, check, exercises
+from tests.exercise_sources import solutions, stubs, wrong_answers
+
+CHAPTER = "07"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small tensor ops on a shared 2-core machine: a second OpenMP thread mostly waits on the first.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_three_local_exercises():
+    mine = exercises(CHAPTER)
+    assert {e.name for e in mine} == {"merge_attention", "forward_tile_loop", "backward_tile"}
+    assert all(e.local is not None for e in mine)
+
+
+@pytest.mark.parametrize("ex", exercises(CHAPTER), ids=lambda e: e.name)
+def test_solution_passes(ex):
+    verdict = check(ex.name, getattr(solutions(CHAPTER), ex.function))
+    assert verdict.status == PASS and verdict.points == ex.points, verdict.message
+
+
+@pytest.mark.parametrize("ex", exercises(CHAPTER), ids=lambda e: e.name)
+def test_stub_is_not_attempted(ex):
+    verdict = check(ex.name, stubs(CHAPTER)[ex.function])
+    assert verdict.status == TODO and verdict.points == 0, verdict
+
+
+@pytest.mark.parametrize("name,fn,fragment", wrong_answers(CHAPTER), ids=lambda v: getattr(v, "__name__", str(v)))
+def test_wrong_answer_is_caught(name, fn, fragment):
+    verdict = check(name, fn)
+    assert verdict.status == FAIL and fragment in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize("name,answer,fragment", [
+    ("merge_attention", lambda *a: a[0], "return a pair"),
+    ("forward_tile_loop", lambda q, k, v, causal=False, block=16: (q[:, :1], q[:, 0]), "out should have shape"),
+    ("backward_tile", lambda q, k, v, out, dout, lse, scale: (v, None), "ds should be a tensor"),
+    ("backward_tile", lambda q, k, v, out, dout, lse, scale: 1 / 0, "ZeroDivisionError"),
+])
+def test_malformed_answers_get_a_sentence_not_a_traceback(name, answer, fragment):
+    verdict = check(name, answer)
+    assert verdict.status == FAIL and fragment in verdict.message, verdict.message
+
+
+def test_forward_check_accepts_any_correct_tiling():
+    # A correct answer that ignores `block` for the tile size it uses internally, but still tiles, passes:
+    # the check only forbids tensors as large as the whole score matrix.
+    ref = solutions(CHAPTER).forward_tile_loop
+
+    def smaller_tiles(q, k, v, causal=False, block=16):
+        return ref(q, k, v, causal=causal, block=max(1, block // 2))
+
+    assert check("forward_tile_loop", smaller_tiles).status == PASS
