@@ -246,8 +246,9 @@ print(ch03.table([r for r in gradcheck_rows if r["gradcheck"] != "pass"], ["vari
 # %% [markdown]
 # Each wrong mapping fails exactly the circuits that use it, on every rank, and passes the others. The
 # ratios tell the story: a `g` or gather that sums in backward is off by exactly $n = 2$; an `f` that
-# forgot to sum sees only its own rank's share of the gradient (in the first circuit the two ranks'
-# ratios add up to 1: each holds one of the two terms of the sum that `f`'s all-reduce would have made).
+# forgot to sum sees only its own rank's share of the gradient (in the first circuit the ratios of the
+# two ranks of a group add up to 1: each holds one of the two terms of the sum that `f`'s all-reduce
+# would have made). The ratio columns list ranks 0 to 3; both groups ran the same circuits, in parallel.
 #
 # One limit, worth knowing: gradcheck checks that the backward matches the *forward you wrote*. A split
 # that keeps the wrong slice fails here only because its backward still puts the gradient back in the
