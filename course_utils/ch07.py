@@ -258,6 +258,16 @@ def load_bench(path: str | Path) -> dict:
         return json.load(f)
 
 
+def latest_bench(head_dim: int = 128, pattern: str = BENCH_GLOB):
+    """(path, results) of the newest benchmark file (by name: they carry the date) with rows at ``head_dim``,
+    or None when no such file has been committed."""
+    for path in reversed(bench_files(pattern)):
+        results = load_bench(path)
+        if any(r.get("head_dim") == head_dim for r in results.get("rows", [])):
+            return path, results
+    return None
+
+
 def bench_caption(results: dict) -> str:
     meta = results.get("meta", {})
     return (f"{meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, Triton {meta.get('triton', '?')}, "

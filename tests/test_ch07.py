@@ -166,6 +166,18 @@ def test_comparison_figure_draws_bench_rows_next_to_the_reference(tmp_path):
 
 def test_no_bench_files_when_none_are_committed(tmp_path):
     assert ch07.bench_files(str(tmp_path / "h200_*.json")) == []
+    assert ch07.latest_bench(pattern=str(tmp_path / "h200_*.json")) is None
+
+
+def test_latest_bench_is_the_newest_file_with_that_head_dim(tmp_path):
+    def write(name, head_dim):
+        (tmp_path / name).write_text(json.dumps({"meta": {}, "rows": [{"impl": "sdpa_flash", "n": 1024,
+                                                                        "head_dim": head_dim, "causal": False}]}))
+    write("h200_2026-12-01.json", 128)
+    write("h200_2026-12-02_d128.json", 128)
+    write("h200_2026-12-02_d64.json", 64)  # newest by name, but no head dim 128 rows
+    path, results = ch07.latest_bench(128, pattern=str(tmp_path / "h200_*.json"))
+    assert path.name == "h200_2026-12-02_d128.json" and results["rows"][0]["head_dim"] == 128
 
 
 def test_io_rows_follow_the_bytes_model():

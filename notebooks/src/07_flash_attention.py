@@ -378,12 +378,11 @@ ch07.save_and_show(ch07.comparison_figure(REFERENCE), "07_h200_comparison")
 # and writes `data/attention/h200_<date>.json`; this cell draws whatever has been committed.
 
 # %%
-bench_paths = ch07.bench_files()
-if bench_paths:
-    BENCH = ch07.load_bench(bench_paths[-1])
-    print(f"course benchmark: {bench_paths[-1].name}, {ch07.bench_caption(BENCH)}")
+latest = ch07.latest_bench(head_dim=128)
+BENCH = latest[1] if latest else None
+if latest:
+    print(f"course benchmark: {latest[0].name}, {ch07.bench_caption(BENCH)}")
 else:
-    BENCH = None
     print("The course's kernels have not been measured on a GPU yet: there is no data/attention/h200_*.json. "
           "Every GPU number in this chapter is the reference run above.")
 
