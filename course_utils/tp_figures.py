@@ -30,7 +30,7 @@ def equivalence_figure(reports: dict, title: str = "sharded vs dense: largest er
     ax.set_xticklabels([n.replace("grads.", "d ") for n in names], rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("max |parallel - dense|")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, ncol=len(reports))
+    ax.legend(fontsize=7, ncol=min(len(reports), 3), loc="upper left")
     fig.tight_layout()
     return fig
 
