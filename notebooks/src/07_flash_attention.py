@@ -135,7 +135,7 @@ print("naive fp32 vs float64:", f"{relative_error(naive32, attention_reference(q
       "| tiled fp32 bit-identical to naive fp32:", torch.equal(flash_attention(q, k, v, impl="torch"), naive32))
 
 # %% [markdown]
-# Both fp32 versions sit about 1e-7 from the float64 truth: tiling loses nothing. They are not bit-identical
+# Both fp32 versions sit a few times 1e-7 from the float64 truth: tiling loses nothing. They are not bit-identical
 # to each other, because the sums run in a different order; that is rounding, and it is why every
 # comparison in this course states a tolerance instead of asking for `torch.equal`.
 #
