@@ -6,6 +6,9 @@ PY := .venv/bin/python
 STAMP := .venv/.installed
 PYTEST := $(PY) -m pytest
 NB_OUT := build/executed
+# Two cores shared by the notebook kernel and up to eight ranks: one thread each avoids oversubscription.
+export OMP_NUM_THREADS ?= 1
+export MPLBACKEND ?= Agg
 
 .PHONY: setup lab test test-unit test-notebooks nbval notebooks grade bench doctor clean
 

@@ -130,6 +130,32 @@ def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
     return PASS, f"correct on real ranks at world size {sizes}"
 
 
+def _run_local(ex: Exercise, answer: Callable) -> tuple[str, str]:
+    """A notebook-side check in a thread, so an endless loop in an answer cannot freeze the notebook."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["verdict"] = ex.local(answer)
+        except NotImplementedError:
+            box["verdict"] = (TODO, "not attempted yet: replace the `raise NotImplementedError` with your code")
+        except BaseException as exc:  # noqa: BLE001 - reported as the verdict
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(ex.timeout_s)
+    if worker.is_alive():
+        return FAIL, (f"your function did not finish within {ex.timeout_s:g} s: look for a loop that never ends "
+                      "(the check keeps running in the background until it does)")
+    if "error" in box:
+        exc = box["error"]
+        return FAIL, f"your function raised {type(exc).__name__}: {exc}"
+    return box["verdict"]
+
+
 def check(name: str, answer: Callable | None) -> Verdict:
     """Check the learner's answer to exercise ``name``; prints (and returns) a verdict, never raises."""
     start = time.perf_counter()
@@ -142,10 +168,7 @@ def check(name: str, answer: Callable | None) -> Verdict:
     else:
         try:
             if ex.local is not None:
-                try:
-                    status, message = ex.local(answer)
-                except NotImplementedError:
-                    status, message = TODO, "not attempted yet: replace the `raise NotImplementedError` with your code"
+                status, message = _run_local(ex, answer)
             else:
                 status, message = _run_on_ranks(ex, answer)
         except CourseError as exc:

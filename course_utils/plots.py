@@ -7,6 +7,7 @@ import matplotlib
 
 FIGURES = Path(__file__).resolve().parent.parent / "notebooks" / "figures"
 CPU_NOTE = "measured on this machine's CPU (gloo): not GPU numbers"
+CPU_NOTE_LOCAL = "measured on this machine's CPU, one process: not GPU numbers"
 
 
 def savefig(fig, name: str):

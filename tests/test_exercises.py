@@ -60,3 +60,22 @@ def test_unknown_exercise_and_missing_answer_are_verdicts_not_errors():
     assert check("no_such_exercise", lambda: None).status == FAIL
     if ALL:
         assert check(ALL[0].name, None).status == TODO
+
+
+def test_a_local_check_that_never_ends_is_a_verdict_not_a_frozen_notebook():
+    import time
+
+    from course_utils.exercises import Exercise, REGISTRY
+
+    def slow_checker(answer):
+        answer()
+        return PASS, "ok"
+
+    REGISTRY["_test_endless"] = Exercise("_test_endless", "99", "f", "endless", local=slow_checker, timeout_s=1.0)
+    try:
+        start = time.time()
+        verdict = check("_test_endless", lambda: time.sleep(30))
+        assert verdict.status == FAIL and "did not finish within 1 s" in verdict.message
+        assert time.time() - start < 5
+    finally:
+        del REGISTRY["_test_endless"]
