@@ -423,10 +423,10 @@ def bandwidth_figure(measured: dict[str, list[dict]], published: list[dict] | No
     ax_bw.set_title("all_reduce bus bandwidth")
     ax_t.set_ylabel("time per all_reduce (us)")
     ax_t.set_title("time and the alpha-beta fit t = alpha + S/B")
-    ax_bw.legend(fontsize=7, loc="center right")
-    ax_t.legend(fontsize=6, loc="upper left")
-    fig.text(0.01, -0.02, f"gloo curves: {CPU_NOTE}. Black: published, not measured here.", fontsize=7)
     fig.tight_layout()
+    for ax in (ax_bw, ax_t):  # below the plots: the curves span the whole axes
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    fig.text(0.01, 1.0, f"gloo curves: {CPU_NOTE}. Black: published, not measured here.", fontsize=7)
     return fig
 
 
