@@ -192,6 +192,40 @@ def gpu_label(data: dict) -> str:
             f"{data.get('date', '?')[:10]} ({data.get('path', '')})")
 
 
+def gpu_memory_report(data: dict, title: str | None = None):
+    """Figure and text for a GPU memory record (the JSON ``tools/gpu/ch11_memory.sh`` writes): every run that
+    succeeded is drawn (accounted bytes, ledger, ``torch.cuda.memory_allocated``); every run that failed is named."""
+    ok = {f"{'DDP' if r['zero_stage'] == 0 else 'ZeRO-1'}, N={r['world_size']}": r["ranks"][0]
+          for r in data["runs"] if "ranks" in r}
+    lines = [f"GPU measurement: {gpu_label(data)}"]
+    lines += [f"  world {r['world_size']} zero {r['zero_stage']} ({r.get('grad_sync', '')}) failed: {r['error']}"
+              for r in data["runs"] if "error" in r]
+    for label, r in ok.items():
+        steady = moments_of(r)
+        alloc = ", ".join(f"{m['moment']} {(m['cuda_allocated'] - r.get('baseline_cuda_allocated', 0)) / 2**30:.2f}"
+                          for m in steady if "cuda_allocated" in m)
+        lines.append(f"  {label} ({r['n_params'] / 1e9:.2f}e9 parameters), memory_allocated GiB: {alloc}")
+    fig = moments_figure(ok, gpu=True, unit=2**30, unit_name="GiB",
+                         title=title or f"{gpu_label(data)}; hatched: torch.cuda.memory_allocated") if ok else None
+    return fig, "\n".join(lines)
+
+
+def gemm_report(g: dict) -> str:
+    """Text for an FP8 GEMM record (``workers/ch11_fp8_gemm.py``, live or committed)."""
+    if not g.get("available"):
+        return f"FP8 GEMM not measured: {g.get('reason') or g.get('error', 'unknown reason')}"
+    lines = [f"{g['size']}^3 GEMM on {g.get('device_name')} (torch {g.get('torch')}, CUDA {g.get('cuda')}):"]
+    for name in ("bf16", "fp8_e4m3_per_tensor"):
+        r = g.get(name, {})
+        if "error" in r:
+            lines.append(f"  {name:<20} failed: {r['error']}")
+        else:
+            lines.append(f"  {name:<20} {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, relative error {r['rel_error']:.4f}")
+    if "ms" in g.get("bf16", {}) and "ms" in g.get("fp8_e4m3_per_tensor", {}):
+        lines.append(f"  FP8 speed-up over bf16: {g['bf16']['ms'] / g['fp8_e4m3_per_tensor']['ms']:.2f}x")
+    return "\n".join(lines)
+
+
 # -- 4. FP8 -----------------------------------------------------------------------------------------------------
 
 def outlier_activation(rows: int = 256, cols: int = 1024, n_outliers: int = 4, outlier_scale: float = 100.0,

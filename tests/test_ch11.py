@@ -126,3 +126,37 @@ def test_gpu_script_is_valid_bash_and_refuses_to_run_without_a_gpu():
                          env={"PY": sys.executable, "PATH": "/usr/bin:/bin"})
     assert run.returncode != 0 and "no GPU visible" in run.stderr
     assert not list((ROOT / "data" / "gpu").glob("ch11_*_cpu*.json"))  # nothing written, nothing faked
+
+
+@pytest.mark.ranks
+def test_gpu_memory_report_draws_every_successful_run_and_names_every_failed_one():
+    # The record's structure is the one tools/gpu/ch11_memory.sh writes; its numbers here come from a real CPU run,
+    # with cuda_allocated set to the accounted total (a stand-in made in this test only, never saved).
+    import course_utils as cu
+
+    res = cu.run("workers.ch11_memory", 1, zero_stage=0, timeout=240, hidden=64, heads=4, layers=2, vocab=256,
+                 seq=32, micro_batch=2, steps=2)
+    rank = res[0]
+    for m in rank["moments"]:
+        m["cuda_allocated"] = sum(m["accounted"].values())
+    data = {"device_name": "stand-in", "torch": "x", "cuda": "y", "date": "2026-12-01", "path": "test",
+            "runs": [{"world_size": 1, "zero_stage": 0, "grad_sync": "reduce_scatter", "ranks": res.ranks},
+                     {"world_size": 2, "zero_stage": 1, "grad_sync": "reduce_scatter", "error": "RuntimeError: boom"}]}
+    fig, text = ch11.gpu_memory_report(data)
+    assert "world 2 zero 1 (reduce_scatter) failed: RuntimeError: boom" in text
+    assert "DDP, N=1" in text and fig is not None and len(fig.axes) == 1
+    hatched = [p for p in fig.axes[0].patches if p.get_hatch()]
+    assert len(hatched) == 4  # init + the steady step's forward, backward, step
+    assert ch11.gpu_memory_report({**data, "runs": data["runs"][1:]})[0] is None  # nothing to draw, still reported
+    plt.close("all")
+
+
+def test_gemm_report_states_what_was_measured_or_why_not():
+    assert ch11.gemm_report({"available": False, "reason": "no GPU"}) == "FP8 GEMM not measured: no GPU"
+    g = {"available": True, "size": 8192, "device_name": "NVIDIA H200", "torch": "t", "cuda": "c",
+         "bf16": {"ms": 2.0, "tflops": 550.0, "rel_error": 0.002},
+         "fp8_e4m3_per_tensor": {"ms": 1.0, "tflops": 1100.0, "rel_error": 0.03}}
+    text = ch11.gemm_report(g)
+    assert "FP8 speed-up over bf16: 2.00x" in text and "NVIDIA H200" in text
+    failed = ch11.gemm_report({**g, "fp8_e4m3_per_tensor": {"error": "RuntimeError: no FP8"}})
+    assert "failed: RuntimeError: no FP8" in failed and "speed-up" not in failed

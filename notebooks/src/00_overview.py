@@ -64,10 +64,11 @@ display(table)
 # **Predict, then look.** Which rows communicate *inside every layer, for every micro-batch*, and which
 # once per optimizer step? Which of them can hide behind compute?
 #
-# TP, SP, CP, EP and ZeRO-3 sit on the critical path of every layer (a layer cannot finish before its
-# all-reduce or all-gather does), so they need the fastest links. DP and ZeRO-1/2 communicate once per step and
-# overlap with the backward pass; they tolerate the slow network between nodes. PP sends small messages
-# between neighbours and pays instead with idle time (the bubble, section 9). This is the whole logic of 4D
+# TP, SP, CP and EP sit on the critical path of every layer (a layer cannot finish before its all-reduce or
+# all-to-all does), so they need the fastest links. ZeRO-3 also communicates in every layer, but it can fetch
+# the next layer's weights while computing this one. DP and ZeRO-1/2 communicate once per step and overlap with
+# the backward pass; they tolerate the slow network between nodes. PP sends small messages between neighbours
+# and pays instead with idle time (the bubble, section 10). This is the whole logic of 4D
 # layouts: **the most frequent traffic on the fastest links**.
 #
 # ## 3. The ZeRO stages

@@ -13,6 +13,8 @@
 # neither exists, the notebook says so rather than invent them.
 
 # %%
+import datetime
+
 import matplotlib.pyplot as plt
 import torch
 from IPython.display import display
@@ -104,12 +106,11 @@ check("zero_state_bytes", zero_state_bytes)
 #
 # The test bed is a small GPT with a tied embedding (`workers/ch11_model.py`). Every rank starts from its
 # own random weights (the optimizer's broadcast must equalise them), trains on its B/N rows, and alongside
-# trains the **single-process reference**: the whole batch, a plain unsharded `torch.optim.AdamW`. Worlds 1,
-# 2 and 4 start together (their torchrun cold starts overlap):
+# trains the **single-process reference**: the whole batch, a plain unsharded `torch.optim.AdamW`. The first
+# run at each world size starts its ranks (seconds); later runs reuse them.
 
 # %%
-jobs = {w: cu.launch("workers.ch11_zero1", w, optimizer="adamw", timeout=240) for w in (1, 2, 4)}
-adamw = {w: job.wait() for w, job in jobs.items()}
+adamw = {w: cu.run("workers.ch11_zero1", w, optimizer="adamw", timeout=240) for w in (1, 2, 4)}
 
 # %% tags=["nbval-ignore-output"]
 for w, res in adamw.items():
@@ -159,7 +160,7 @@ print("scalar bookkeeping per rank (Adam's step counters):", adamw[4].gather("st
 # %% [markdown]
 # The flat partition matches the ledger to the byte at every N, for AdamW (K = 8), SGD with momentum (K = 4),
 # and mixed precision, where the fp32 master shard joins the moments to make the paper's K = 12. Whole-tensor
-# shards are balanced only to within the largest tensor (here the 64 x 32 tied embedding): the sum is exact,
+# shards are balanced only to within the largest tensor (here the 128 x 32 MLP weights): the sum is exact,
 # the split is not.
 
 # %% tags=["nbval-ignore-output"]
@@ -231,21 +232,18 @@ plots.savefig(fig, "11_memory_moments_cpu");
 gpu = ch11.gpu_data("memory")
 if torch.cuda.is_available():
     print("A GPU is visible: measuring live (this takes a minute).")
-    live = {f"{'DDP' if z == 0 else 'ZeRO-1'}, N=1": cu.run("workers.ch11_memory", 1, zero_stage=z, timeout=900)[0]
-            for z in (0, 1)}
-    fig = ch11.moments_figure(live, gpu=True, unit=2**30, unit_name="GiB",
-                              title=f"{torch.cuda.get_device_name(0)}: measured now")
+    live = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "date": datetime.date.today().isoformat(), "path": "measured live",
+            "runs": [{"world_size": 1, "zero_stage": z,
+                      "ranks": cu.run("workers.ch11_memory", 1, zero_stage=z, timeout=900).ranks} for z in (0, 1)]}
+    fig, text = ch11.gpu_memory_report(live)
+    print(text)
     plots.savefig(fig, "11_memory_moments_gpu")
 elif gpu is not None:
-    ok = {f"{'DDP' if r['zero_stage'] == 0 else 'ZeRO-1'}, N={r['world_size']}": r["ranks"][0]
-          for r in gpu["runs"] if "ranks" in r}
-    print("Committed GPU measurement:", ch11.gpu_label(gpu))
-    for r in gpu["runs"]:
-        if "error" in r:
-            print(f"  world {r['world_size']} zero {r['zero_stage']} ({r['grad_sync']}) failed: {r['error']}")
-    fig = ch11.moments_figure(ok, gpu=True, unit=2**30, unit_name="GiB",
-                              title=f"GPU: {ch11.gpu_label(gpu)}; hatched: torch.cuda.memory_allocated")
-    plots.savefig(fig, "11_memory_moments_gpu")
+    fig, text = ch11.gpu_memory_report(gpu)
+    print(text)
+    if fig is not None:
+        plots.savefig(fig, "11_memory_moments_gpu")
 else:
     print("The GPU measurement has not been run yet: no GPU here, and no data/gpu/ch11_memory_*.json committed.\n"
           "Run `bash tools/gpu/ch11_memory.sh` on a machine with a GPU and commit the JSON it writes.\n"
@@ -360,14 +358,10 @@ for name, err in emulated.items():
 # %% tags=["nbval-ignore-output"]
 gemm = ch11.gpu_data("fp8_gemm")
 if torch.cuda.is_available():
-    g = cu.run("workers.ch11_fp8_gemm", 1, timeout=300)[0]
-    print(f"measured now on {g.get('device_name')}:")
-    for name in ("bf16", "fp8_e4m3_per_tensor"):
-        print(f"  {name:<20} {g[name]}")
+    print("measured now:", ch11.gemm_report(cu.run("workers.ch11_fp8_gemm", 1, timeout=300)[0]))
 elif gemm is not None and gemm.get("available"):
     print("Committed GPU measurement:", ch11.gpu_label(gemm))
-    for name in ("bf16", "fp8_e4m3_per_tensor"):
-        print(f"  {name:<20} {gemm[name]}")
+    print(ch11.gemm_report(gemm))
 else:
     print("No GPU here and no committed data/gpu/ch11_fp8_gemm_*.json: the FP8 GEMM has not been timed yet "
           "(tools/gpu/ch11_memory.sh does it).")
