@@ -56,7 +56,7 @@ class RankJob:
     """Ranks started by torchrun that run tasks sent from this notebook until ``close()``."""
 
     def __init__(self, world_size: int, *, nnodes: int = 1, env: dict | None = None,
-                 collective_timeout_s: float = 60.0, startup_timeout_s: float = 120.0, label: str = ""):
+                 collective_timeout_s: float = 60.0, startup_timeout_s: float | None = None, label: str = ""):
         if world_size % nnodes:
             raise ValueError("world_size must be a multiple of nnodes")
         self.world_size, self.nnodes = world_size, nnodes
@@ -64,7 +64,8 @@ class RankJob:
         self.label = label
         self.id = f"{os.getpid()}-{next(_job_counter)}-{uuid.uuid4().hex[:6]}"
         self.collective_timeout_s = collective_timeout_s
-        self.startup_timeout_s = startup_timeout_s
+        # Starting torchrun and importing torch takes 5 s on an idle 2-core machine, minutes on a loaded one.
+        self.startup_timeout_s = startup_timeout_s or float(os.environ.get("COURSE_STARTUP_TIMEOUT", 300))
         self.frames: queue.Queue = queue.Queue()
         self.conns: dict[int, socket.socket] = {}
         self.hello: dict[int, dict] = {}
@@ -74,6 +75,7 @@ class RankJob:
         self.closed = False
         self.busy = threading.Lock()
         self.tasks_run = 0
+        self.code_version = 0.0  # set by the launcher for warm pools
         self.started_at = time.time()
         self.startup_seconds = 0.0
         self._send_lock = threading.Lock()

@@ -76,12 +76,23 @@ def _evict_for(world_size: int) -> None:
         _pools.pop(idle_keys[0]).close(graceful=True)
 
 
+def _workers_version() -> float:
+    """Newest modification time under workers/: warm ranks must not run code older than the files."""
+    from course_utils.jobs import REPO_ROOT
+
+    return max((p.stat().st_mtime for p in (REPO_ROOT / "workers").rglob("*.py")), default=0.0)
+
+
 def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm) -> tuple[RankJob, bool]:
     """A started (maybe still starting) job for this run, and whether it is a pool to give back after."""
     if warm:
         key = _pool_key(world_size, nnodes, env, collective_timeout_s)
         with _pools_lock:
             job = _pools.get(key)
+            if job is not None and job.code_version != _workers_version() and not job.busy.locked():
+                # A file under workers/ changed since these ranks started: their imports are stale.
+                _pools.pop(key).close(graceful=True)
+                job = None
             if job is not None and job.alive() and job.busy.acquire(blocking=False):
                 _pools.move_to_end(key)
                 return job, True
@@ -90,6 +101,7 @@ def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm) -> tuple[R
                     _pools.pop(key).close()
                 _evict_for(world_size)
                 job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s)
+                job.code_version = _workers_version()
                 job.busy.acquire()
                 _pools[key] = job
                 return job, True

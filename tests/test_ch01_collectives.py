@@ -49,9 +49,9 @@ def test_run_script_kills_the_whole_group_on_timeout(tmp_path):
         dist.all_reduce(torch.ones(1))
     """))
     start = time.time()
-    run = ch01.run_script(script, 2, timeout=25)
+    run = ch01.run_script(script, 2, timeout=60)  # room for a cold start on a busy 2-core machine
     assert run.timed_out and not run.ok
-    assert time.time() - start < 60
+    assert time.time() - start < 120
     pids = [int(line.split()[1]) for r in (0, 1) for line in run.lines(r) if line.startswith("pid")]
     assert len(pids) == 2, str(run)  # both ranks had started before the timeout...
     time.sleep(0.5)

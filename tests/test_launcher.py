@@ -200,3 +200,16 @@ def test_watch_shows_live_metrics_then_the_outcome():
     while "done" not in status.value and time.time() < deadline:
         time.sleep(0.05)
     assert "done" in status.value and res.metrics[0][-1]["step"] == 9
+
+
+def test_warm_ranks_restart_when_a_worker_dependency_changes():
+    # Editing any file under workers/ (not just the worker itself) must not leave warm ranks on stale code.
+    from pathlib import Path
+
+    first = cu.run("workers.hello", world_size=1)
+    again = cu.run("workers.hello", world_size=1)
+    assert again.launch == "warm"
+    dep = Path(cu.launcher.__file__).resolve().parent.parent / "workers" / "protocol.py"
+    os.utime(dep)  # "edit" a module the worker imports
+    after = cu.run("workers.hello", world_size=1)
+    assert after.launch == "cold" and after.gather("pid") != first.gather("pid")

@@ -2,7 +2,9 @@
 
 That is the promise to learners with a real cluster: the scripts in workers/ are real programs.
 """
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +37,10 @@ def test_hello_under_plain_torchrun(nproc):
 
 @pytest.mark.parametrize("script", WORKERS, ids=lambda p: p.name)
 def test_every_worker_runs_with_its_defaults_at_world_2(script):
-    out = torchrun(script, 2)
+    # A worker whose defaults are a GPU-sized run declares a CPU-sized example command line instead.
+    match = re.search(r"^CPU_EXAMPLE_ARGS = (\[.*\])$", script.read_text(), re.M)
+    args = ast.literal_eval(match.group(1)) if match else []
+    out = torchrun(script, 2, *args)
     assert out.returncode == 0, (out.stdout[-1500:], out.stderr[-3000:])
 
 

@@ -79,6 +79,12 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+# A CPU-sized run for a terminal (and for the test that runs every worker under plain torchrun):
+#   torchrun --nproc-per-node 2 workers/ch11_memory.py --layers 2 --hidden 128 --heads 4 --vocab 512 --seq 128
+# The defaults are the ~1.1B-parameter shape measured on the GPU (tools/gpu/ch11_memory.sh).
+CPU_EXAMPLE_ARGS = ["--layers", "2", "--hidden", "128", "--heads", "4", "--vocab", "512", "--seq", "128"]
+
+
 def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int = 32000, seq: int = 2048,
          micro_batch: int = 2, steps: int = 2, dtype: str = "bfloat16", optimizer: str = "adamw",
          zero_stage: int = 1, grad_sync: str = "reduce_scatter"):
