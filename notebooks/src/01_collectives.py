@@ -201,8 +201,8 @@ for op, res in op_runs.items():
 # %% [markdown]
 # With this PyTorch, gloo computes `AVG` (added to gloo in 2025, pytorch/pytorch#149781; before that it
 # raised "Cannot use ReduceOp.AVG with Gloo"), and refuses bitwise ops on floating point tensors (they are
-# defined for integers). `PRODUCT` at world 4 reaches 10⁶; at world 8 it reaches 3·10¹⁵, past float32's
-# exact integers, hence the relative tolerance. `AVG` deserves suspicion in general: a 2025 bug report
+# defined for integers). `PRODUCT` at world 4 reaches 4·10⁵; at world 8 it reaches 2·10¹³, past float32's
+# exact integers (2²⁴ ≈ 1.7·10⁷), hence the relative tolerance. `AVG` deserves suspicion in general: a 2025 bug report
 # (pytorch/pytorch#162338) found gloo's `reduce_scatter` silently *summing* when asked to average. Check the
 # operators your code relies on the same way, on the version you run:
 
@@ -278,9 +278,10 @@ print("reads of x right after launching the async all_reduce that saw the input,
 # ## 5. Debugging drills: breaking a job on purpose
 #
 # The classic distributed failure is not a crash but a **hang**: one rank never reaches a collective, every
-# other rank waits in it forever, and nothing prints. Three drills, each on its own fresh ranks, with short
-# timeouts so that every failure arrives as an exception within seconds. They are independent jobs, so we
-# start them all now and read them one by one.
+# other rank waits in it forever, and nothing prints. Three kinds of failure in four drills (the skipped
+# collective twice, caught by two different safety nets), each on its own fresh ranks, with short timeouts so
+# that every failure arrives as an exception within seconds. They are independent jobs, so we start them all
+# now and read them one by one.
 
 # %%
 drills = {
@@ -298,8 +299,8 @@ drills = {
 
 # %% [markdown]
 # **Drill 1: a rank skips a collective.** Rank 1 sleeps instead of joining `all_reduce`; rank 0 waits in it.
-# The process group was created with a 2-second timeout (`init_process_group(timeout=...)`, or
-# `ctx.new_group(timeout_s=2)` here), so gloo itself gives up and rank 0 raises:
+# The process group was created with a 2-second timeout (`collective_timeout=2.0` above, which the course
+# runtime passes to `init_process_group(timeout=...)`), so gloo itself gives up and rank 0 raises:
 
 # %% tags=["nbval-ignore-output"]
 err = ch01.drill_outcome(drills["skip, gloo timeout"])
@@ -311,9 +312,9 @@ print("".join(err.rank_traceback.strip().splitlines(keepends=True)[-6:]))
 # Read it bottom-up: the error is a gloo **recv timeout** inside `all_reduce`, called from `drills.py`. The
 # question to ask is never "why is gloo slow" but "which rank did not call this collective?".
 #
-# The default collective timeout is 30 minutes for gloo and 10 for NCCL (`init_process_group(timeout=...)`):
-# that is what makes a real job look hung. A second line of defence is the job's own deadline. Here the group timeout is long (30 s) but
-# the job gets 5 s; at the deadline the launcher asks every rank where it is, then stops them all:
+# Without `timeout=`, `init_process_group` waits 30 minutes for gloo and 10 for NCCL: that is what makes a
+# real job look hung. A second line of defence is the job's own deadline. Here the group timeout is long
+# (30 s) but the job gets 5 s; at the deadline the launcher asks every rank where it is, then stops them all:
 
 # %% tags=["nbval-ignore-output"]
 err = ch01.drill_outcome(drills["skip, job timeout"])
@@ -343,9 +344,9 @@ print("\n".join(line for line in err.logs if "what()" in line or "EnforceNotMet"
 # wrong. With NCCL it can be worse: mismatched sizes may run to completion and return garbage, or hang.
 #
 # **Drill 3: the same bug with `TORCH_DISTRIBUTED_DEBUG=DETAIL`.** In this mode PyTorch wraps the process
-# group and, before every collective, the ranks compare a fingerprint of the call (operation, shapes,
-# dtypes, devices) through the store. It costs an extra round trip per collective, so it is for debugging,
-# not production.
+# group, and before every collective the ranks exchange a fingerprint of the call (operation, sequence number,
+# shapes, dtypes, devices) over a small helper gloo group and compare them. That is an extra collective per
+# collective, so it is for debugging, not production.
 
 # %% tags=["nbval-ignore-output"]
 err = ch01.drill_outcome(drills["shape mismatch, DETAIL"])
@@ -379,7 +380,7 @@ print(ch01.text_table([[c] + [f"{bus_bandwidth_factor(c, n):.3f}" for n in (2, 4
 # %% [markdown]
 # **Predict.** An 8×H200 node with NVLink 4 reaches about 480 GB/s of all-reduce busbw on large messages
 # (the published sweep below). What will gloo reach on this machine, through loopback TCP on two shared
-# cores: 50 GB/s? 5? 0.5? And at 4 KB, which of the two is closer to its peak?
+# cores: 50 GB/s? 5? 0.5? And at the smallest sizes, how far below its own peak is each?
 #
 # The sweep: message sizes from 4 KB to 16 MB, world sizes 2 and 4, 2 warm-up then 5 timed calls per size,
 # the mean per call, the slowest rank's.
@@ -433,8 +434,10 @@ plots.savefig(fig, "01_allreduce_bandwidth");
 
 # %% [markdown]
 # Three lessons in one figure:
-# - **Two orders of magnitude and more** separate loopback TCP on a laptop-class CPU from NVLink. This is why
-#   tensor parallelism, which all-reduces activations in every layer, stays inside the NVLink domain.
+# - **Two to three orders of magnitude** separate loopback TCP on this CPU from NVLink. Every tier of a real
+#   cluster has such steps (NVLink inside a node is still about ten times a node's InfiniBand link per GPU),
+#   which is why tensor parallelism, which all-reduces activations in every layer, stays inside the NVLink
+#   domain (chapter 00).
 # - **Small messages are latency-bound everywhere.** Even the H200 node reaches only ~1.4 GB/s at 32 KB: α, not
 #   B, sets the time. The product α·B is the message size at which half of B is reached; below it, batching
 #   many small tensors into one (DDP's gradient buckets, chapter 2) is the fix.
