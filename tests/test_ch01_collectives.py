@@ -6,13 +6,11 @@ inputs without communication). The inputs are small integers, so SUM/MIN/MAX/AVG
 PRODUCT is compared with rtol 1e-6 (float32 products of two-digit numbers are exact up to world 4 here,
 the tolerance is for larger worlds).
 """
-import os
 import textwrap
 import time
 
 import psutil
 import pytest
-import torch
 
 import course_utils as cu
 from course_utils import ch01

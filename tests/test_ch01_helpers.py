@@ -1,6 +1,4 @@
 """Chapter 01's notebook-side helpers, without ranks: alpha-beta fit, the published sweep, tables."""
-import math
-from pathlib import Path
 
 import pytest
 
