@@ -94,3 +94,16 @@ def test_the_plan_table_describes_the_modules(activation):
         p = block.get_parameter(f"{module}.{param}")
         want = None if how == REPLICATED else (1 if how == ROW else 0)
         assert getattr(p, "partition_dim", None) == want, (module, param, how)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_tensor_parallel_groups_inside_one_world(tp_size):
+    # World 4 split into groups of tp_size ranks: each group is a complete tensor-parallel block on its own,
+    # and every group must equal the dense block (compare checks each group separately).
+    res, cfg = run(4, tp_size=tp_size, sequence_parallel=True, n_heads=8, n_kv_heads=1)
+    assert [d["tp_group_ranks"] for d in res.ranks][0] == list(range(tp_size))
+    assert len(tp_check.tensor_parallel_groups(res)) == 4 // tp_size
+    report = tp_check.compare(res, "block", cfg, seq=SEQ, batch=BATCH)
+    assert report.ok, report
+    broken, cfg = run(4, tp_size=2, fault="drop_forward_all_reduce")
+    assert not tp_check.compare(broken, "block", cfg, seq=SEQ, batch=BATCH).ok

@@ -107,3 +107,12 @@ def test_wire_factors_are_the_ring_algorithms():
     assert wire_factor("all_reduce", 4) == 1.5 and wire_factor("all_gather", 4) == 0.75
     assert wire_factor("reduce_scatter", 2) == 0.5 and wire_factor("all_reduce", 1) == 0.0
     assert message_bytes("all_gather", 100, 4) == 400 and message_bytes("reduce_scatter", 400, 4) == 400
+
+
+def test_groups_of_two_inside_a_world_of_four_send_the_bytes_of_tp_2():
+    res = cu.run("workers.ch06_block", world_size=4, tp_size=2, hidden=HIDDEN, seq=SEQ, batch=BATCH)
+    expected = tp_comm_bytes_per_layer(BATCH, SEQ, HIDDEN, 2, bytes_per_element=FP32)
+    for rank in range(4):
+        assert tp_check.comm_count(res, "all_reduce", "forward", rank) == 2
+        assert tp_check.comm_wire_bytes(res, rank) == pytest.approx(expected.total_wire_bytes)
+        assert all(r["group_size"] == 2 for r in res[rank]["comm"])

@@ -27,19 +27,22 @@ from workers.parallel.attention import destroy_owned_groups
 from workers.parallel.block import ParallelBlock
 from workers.parallel.comm_stats import CommLedger, name_scopes
 from workers.parallel.dense import BlockConfig
-from workers.parallel.harness import problem
+from workers.parallel.harness import TensorParallelGroups, problem
 from workers.runtime import entrypoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAGES = ("ln1", "attention", "residual1", "ln2", "mlp", "residual2")
 
 
-def check_params(world_size, hidden=128, n_heads=8, seq=128, seqs=(), batch=2, sequence_parallel=False,
+def check_params(world_size, tp_size=0, hidden=128, n_heads=8, seq=128, seqs=(), batch=2, sequence_parallel=False,
                  repeats=5, warmup=2, dtype="float32", **_):
     if dtype not in DTYPES:
         return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
     if repeats < 1 or warmup < 0:
         return f"repeats={repeats} must be at least 1 and warmup={warmup} at least 0"
+    if tp_size < 0 or (tp_size and world_size % tp_size):
+        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size} (0: all)"
+    world_size = tp_size or world_size
     cfg = BlockConfig(hidden=hidden, n_heads=n_heads)
     for s in [int(v) for v in (list(seqs) or [seq])]:
         bad = problem("block", cfg, world_size, s, batch, sequence_parallel=sequence_parallel)
@@ -98,12 +101,12 @@ def _shares(step: dict) -> dict:
 
 
 def profile_one(ctx, cfg: BlockConfig, seq: int, batch: int, *, sequence_parallel: bool, repeats: int, warmup: int,
-                dtype: torch.dtype, trace_dir: str) -> dict:
+                dtype: torch.dtype, trace_dir: str, group=None, tp: int = 1) -> dict:
     torch.manual_seed(0)
-    block = ParallelBlock(cfg, sequence_parallel=sequence_parallel, device=ctx.device, dtype=dtype)
+    block = ParallelBlock(cfg, group, sequence_parallel=sequence_parallel, device=ctx.device, dtype=dtype)
     name_scopes(block)
     timer = SegmentTimer(ctx.device)
-    local_seq = seq // ctx.world_size if sequence_parallel else seq
+    local_seq = seq // tp if sequence_parallel else seq
     x = torch.randn(local_seq, batch, cfg.hidden, device=ctx.device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     steps = []
@@ -154,15 +157,21 @@ def profile_one(ctx, cfg: BlockConfig, seq: int, batch: int, *, sequence_paralle
 
 def main(ctx, hidden: int = 128, n_heads: int = 8, seq: int = 128, seqs: list = (), batch: int = 2,
          sequence_parallel: bool = False, repeats: int = 5, warmup: int = 2, dtype: str = "float32",
-         trace_dir: str = ""):
-    """Median per-segment times of ``repeats`` forward + backward steps, for each sequence length."""
+         trace_dir: str = "", tp_size: int = 0):
+    """Median per-segment times of ``repeats`` forward + backward steps, for each sequence length.
+
+    ``tp_size`` (0: the whole world): tensor-parallel groups of that size, each profiling its own block at
+    the same time (``tp_size=1`` on 2 ranks: two TP-1 blocks side by side, one core each on this machine).
+    """
     cfg = BlockConfig(hidden=hidden, n_heads=n_heads)
     profiles = []
-    for s in [int(v) for v in (list(seqs) or [seq])]:
-        profiles.append(profile_one(ctx, cfg, s, batch, sequence_parallel=sequence_parallel, repeats=repeats,
-                                    warmup=warmup, dtype=DTYPES[dtype], trace_dir=trace_dir))
-        ctx.metric(step=len(profiles), seq=s, forward_ms=profiles[-1]["forward_s"] * 1e3)
-    return {"profiles": profiles, "config": cfg.as_dict(), "threads": torch.get_num_threads()}
+    with TensorParallelGroups(tp_size) as tp:
+        for s in [int(v) for v in (list(seqs) or [seq])]:
+            profiles.append(profile_one(ctx, cfg, s, batch, sequence_parallel=sequence_parallel, repeats=repeats,
+                                        warmup=warmup, dtype=DTYPES[dtype], trace_dir=trace_dir, group=tp.group,
+                                        tp=tp.size))
+            ctx.metric(step=len(profiles), seq=s, forward_ms=profiles[-1]["forward_s"] * 1e3)
+        return {"profiles": profiles, "config": cfg.as_dict(), "threads": torch.get_num_threads(), **tp.describe()}
 
 
 if __name__ == "__main__":

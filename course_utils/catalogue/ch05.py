@@ -5,7 +5,7 @@ CHECKER = "workers.exercises.ch05"
 
 register(Exercise("split_fused_qkv", "05", "split_fused_qkv",
                   "Split a fused [Q; K; V] weight by heads (MHA, GQA split, GQA replicated)",
-                  worker=CHECKER, world_sizes=(2, 4)))
+                  worker=CHECKER, world_sizes=(4, 2)))
 register(Exercise("kv_heads_for_rank", "05", "kv_heads_for_rank",
                   "GQA: which KV heads a rank must hold, split or replicated",
-                  worker=CHECKER, world_sizes=(2, 4)))
+                  worker=CHECKER, world_sizes=(4, 2)))

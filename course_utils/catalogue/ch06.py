@@ -29,6 +29,6 @@ def check_attention_flop_share(answer) -> tuple[str, str]:
 
 register(Exercise("block_forward", "06", "block_forward",
                   "The Megatron block's forward: f and g around each sub-layer, biases once",
-                  worker=CHECKER, world_sizes=(2, 4)))
+                  worker=CHECKER, world_sizes=(4, 2)))
 register(Exercise("attention_flop_share", "06", "attention_flop_share",
                   "Attention's share of a layer's forward FLOPs as a function of s and h", local=check_attention_flop_share))

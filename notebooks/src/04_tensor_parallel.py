@@ -34,9 +34,16 @@ SEQ, BATCH, HIDDEN = 4, 2, 16  # small enough to print, big enough that a wrong 
 LAYERS = "workers.ch04_tp_layers"
 
 
-def run_layer(world_size, **params):
-    """One forward + backward of a sharded module on real ranks, and its comparison with the dense one."""
-    res = cu.run(LAYERS, world_size=world_size, seq=SEQ, batch=BATCH, hidden=HIDDEN, **LIMITS, **params)
+WORLD = 4  # one set of 4 warm ranks; TP 1, 2 and 4 run as tensor-parallel groups inside it
+
+
+def run_layer(tp, **params):
+    """One forward + backward of a sharded module at tensor-parallel size ``tp``, and its comparison with the dense one.
+
+    The 4 ranks form 4/tp independent groups ([0], [1], [2], [3] at TP 1; [0, 1], [2, 3] at TP 2; all four at
+    TP 4), each running the whole module; ``compare`` rebuilds and checks every group.
+    """
+    res = cu.run(LAYERS, world_size=WORLD, tp_size=tp, seq=SEQ, batch=BATCH, hidden=HIDDEN, **LIMITS, **params)
     cfg = tp_check.config_of(res[0]["config"])
     return res, tp_check.compare(res, params.get("module", "mlp"), cfg, seq=SEQ, batch=BATCH)
 
@@ -263,7 +270,8 @@ cu.check("swiglu_shard", swiglu_shard)
 # ## 7. Explore on real ranks
 #
 # Pick a module and a TP size: the widget reruns the equivalence on real ranks and draws the error of
-# every tensor. Try the naive SwiGLU split (`split="naive"`), or a fault.
+# every tensor. Try the naive SwiGLU split (`split="naive"`), or a fault, or TP 3 (which does not divide
+# the 4 ranks: refused in a sentence before anything starts).
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W
@@ -274,16 +282,16 @@ from course_utils.widgets import LiveRun, slider
 def draw_equivalence(res, params):
     cfg = tp_check.config_of(res[0]["config"])
     rep = tp_check.compare(res, params["module"], cfg, seq=SEQ, batch=BATCH)
-    return tp_figures.equivalence_figure({f"TP {res.world_size}": rep}, f"{params['module']}: {rep!r}"[:110])
+    return tp_figures.equivalence_figure({f"TP {params['tp_size']}": rep}, f"{params['module']}: {rep!r}"[:110])
 
 
-live = LiveRun(LAYERS, {"world_size": slider("TP", 2, 1, 4),
+live = LiveRun(LAYERS, {"tp_size": slider("TP", 2, 1, 4),
                         "module": W.Dropdown(options=["mlp", "column", "row"], value="mlp", description="module"),
                         "activation": W.Dropdown(options=["gelu", "swiglu"], value="swiglu", description="MLP"),
                         "split": W.Dropdown(options=["right", "naive"], value="naive", description="split"),
                         "fault": W.Dropdown(options=[""] + faults[1:] + ["bias_before_reduce"], value="",
                                             description="fault")},
-               draw_equivalence, params={"seq": SEQ, "batch": BATCH, "hidden": HIDDEN},
+               draw_equivalence, params={"world_size": WORLD, "seq": SEQ, "batch": BATCH, "hidden": HIDDEN},
                timeout=60)
 live.wait(60)
 live

@@ -30,9 +30,16 @@ SEQ, BATCH = 8, 2
 ATTENTION = "workers.ch05_attention_tp"
 
 
-def run_attention(world_size, **params):
-    """One forward + backward of this rank's heads on real ranks, and the comparison with dense attention."""
-    res = cu.run(ATTENTION, world_size=world_size, seq=SEQ, batch=BATCH, **LIMITS, **params)
+WORLD = 4  # one set of 4 warm ranks; TP 1, 2 and 4 run as tensor-parallel groups inside it
+
+
+def run_attention(tp, **params):
+    """One forward + backward of attention split over ``tp`` ranks, and the comparison with dense attention.
+
+    The 4 ranks form 4/tp independent tensor-parallel groups, each running the whole attention; ``compare``
+    rebuilds and checks every group.
+    """
+    res = cu.run(ATTENTION, world_size=WORLD, tp_size=tp, seq=SEQ, batch=BATCH, **LIMITS, **params)
     cfg = tp_check.config_of(res[0]["config"])
     return res, tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH)
 
@@ -49,7 +56,7 @@ def run_attention(world_size, **params):
 # %%
 mha = {t: run_attention(t, hidden=32, n_heads=4) for t in (1, 2, 4)}
 for t, (res, rep) in mha.items():
-    heads = [d["query_heads"] for d in res.ranks]
+    heads = [d["query_heads"] for d in res.ranks[:t]]  # the first group; the others hold the same heads
     print(f"TP {t}: query heads per rank {heads}; {rep.verdict()}")
     print("      communication of rank 0:",
           [(r["scope"], r["collective"], r["pass"]) for r in tp_check.comm_rows(res)] or "none")
@@ -94,7 +101,8 @@ gqa = {"GQA 8q/2kv, TP 2 (split)": run_attention(2, hidden=32, n_heads=8, n_kv_h
        "GQA 8q/2kv, TP 4 (replicated x2)": run_attention(4, hidden=32, n_heads=8, n_kv_heads=2),
        "MQA 4q/1kv, TP 4 (replicated x4)": run_attention(4, hidden=32, n_heads=4, n_kv_heads=1)}
 for label, (res, rep) in gqa.items():
-    print(f"{label}: KV heads per rank {[d['kv_heads'] for d in res.ranks]}; {rep.verdict()}")
+    tp = res[0]["tp_size"]
+    print(f"{label}: KV heads per rank {[d['kv_heads'] for d in res.ranks[:tp]]}; {rep.verdict()}")
     syncs = [r for r in tp_check.comm_rows(res, kind="parameter") if r["scope"].endswith("kv_copies")]
     print("      gradient sums over KV copies (rank 0):", [(r["collective"], r["pass"], r["calls"]) for r in syncs]
           or "none")
@@ -160,16 +168,16 @@ from course_utils.widgets import LiveRun, slider
 def draw_heads(res, params):
     cfg = tp_check.config_of(res[0]["config"])
     rep = tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH)
-    kv = [d["kv_heads"] for d in res.ranks]
-    return tp_figures.equivalence_figure({f"TP {res.world_size}": rep},
+    kv = [d["kv_heads"] for d in res.ranks[:params["tp_size"]]]
+    return tp_figures.equivalence_figure({f"TP {params['tp_size']}": rep},
                                          f"{cfg.n_heads} heads, {cfg.kv_heads} KV heads, KV per rank {kv}: "
                                          f"{'equal' if rep.ok else 'DIFFERENT'}")
 
 
-heads_live = LiveRun(ATTENTION, {"world_size": slider("TP", 4, 1, 4), "n_heads": slider("heads", 8, 1, 16),
+heads_live = LiveRun(ATTENTION, {"tp_size": slider("TP", 4, 1, 4), "n_heads": slider("heads", 8, 1, 16),
                                  "n_kv_heads": slider("KV heads", 2, 1, 16),
                                  "split": W.Dropdown(options=["right", "naive"], value="right", description="split")},
-                     draw_heads, params={"hidden": 48, "seq": SEQ, "batch": BATCH},
+                     draw_heads, params={"world_size": WORLD, "hidden": 48, "seq": SEQ, "batch": BATCH},
                      timeout=60)
 heads_live.wait(60)
 heads_live

@@ -37,9 +37,16 @@ SEQ, BATCH, HIDDEN = 8, 2, 32
 BLOCK = "workers.ch06_block"
 
 
-def run_block(world_size, **params):
-    """One forward + backward of the sharded block (or ``steps`` optimizer steps) on real ranks."""
-    res = cu.run(BLOCK, world_size=world_size, seq=SEQ, batch=BATCH, hidden=HIDDEN, **LIMITS, **params)
+WORLD = 4  # one set of 4 warm ranks; TP 1, 2 and 4 run as tensor-parallel groups inside it
+
+
+def run_block(tp, **params):
+    """One forward + backward of the block split over ``tp`` ranks (or ``steps`` optimizer steps of it).
+
+    The 4 ranks form 4/tp independent tensor-parallel groups, each running the whole block; ``compare``
+    rebuilds and checks every group.
+    """
+    res = cu.run(BLOCK, world_size=WORLD, tp_size=tp, seq=SEQ, batch=BATCH, hidden=HIDDEN, **LIMITS, **params)
     return res, tp_check.config_of(res[0]["config"])
 
 
@@ -48,6 +55,8 @@ def run_block(world_size, **params):
 #
 # The dense reference (`DenseBlock`: LayerNorm, attention with a fused QKV, LayerNorm, GeLU MLP, both
 # residuals) is built from one seed on every rank; each rank keeps its shard with `ParallelBlock.from_dense`.
+# TP 1, 2 and 4 run on one set of 4 ranks, split into tensor-parallel groups of 1, 2 or 4 ranks, each group a
+# complete block of its own (and each checked).
 # Its LayerNorm weights are moved away from 1 and 0, so that a wrong LayerNorm gradient cannot hide.
 # We compare the output, the input gradient and the gradients of all 12 parameters at TP 1, 2 and 4, with
 # and without sequence parallelism.
@@ -157,8 +166,9 @@ plots.savefig(tp_figures.training_figure(dense_losses, training), "06_training")
 # %% tags=["nbval-ignore-output"]
 SEQS, PROF_HIDDEN = [64, 256, 1024], 128
 trace_dir = tempfile.mkdtemp(prefix="tp_block_traces_")
-profiles = {t: cu.run("workers.ch06_profile", world_size=t, hidden=PROF_HIDDEN, n_heads=8, seqs=SEQS, batch=2,
-                      repeats=5, warmup=2, trace_dir=trace_dir if t == 2 else "", **LIMITS)[0]["profiles"]
+# 2 ranks, one per core: at TP 1 each rank runs its own block, at TP 2 they share one
+profiles = {t: cu.run("workers.ch06_profile", world_size=2, tp_size=t, hidden=PROF_HIDDEN, n_heads=8, seqs=SEQS,
+                      batch=2, repeats=5, warmup=2, trace_dir=trace_dir if t == 2 else "", **LIMITS)[0]["profiles"]
             for t in (1, 2)}
 for t, profs in profiles.items():
     for p in profs:
@@ -251,16 +261,18 @@ def draw_block(res, params):
     counts = {}
     for r in tp_check.comm_rows(res):
         counts[f"{r['collective']} {r['pass']}"] = counts.get(f"{r['collective']} {r['pass']}", 0) + r["calls"]
-    title = f"TP {res.world_size}{' + SP' if params['sequence_parallel'] else ''}: {counts or 'no communication'}"
-    return tp_figures.equivalence_figure({f"TP {res.world_size}": rep}, title)
+    tp = params["tp_size"]
+    title = f"TP {tp}{' + SP' if params['sequence_parallel'] else ''}: {counts or 'no communication'}"
+    return tp_figures.equivalence_figure({f"TP {tp}": rep}, title)
 
 
-block_live = LiveRun(BLOCK, {"world_size": slider("TP", 4, 1, 4),
+block_live = LiveRun(BLOCK, {"tp_size": slider("TP", 4, 1, 4),
                              "sequence_parallel": W.Checkbox(value=True, description="sequence parallel"),
                              "fault": W.Dropdown(options=["", "drop_reduce_scatter", "skip_parameter_grad_sync",
                                                           "drop_backward_all_reduce", "misplaced_all_reduce"],
                                                  value="", description="fault")},
-                     draw_block, params={"seq": SEQ, "batch": BATCH, "hidden": HIDDEN}, timeout=90)
+                     draw_block, params={"world_size": WORLD, "seq": SEQ, "batch": BATCH, "hidden": HIDDEN},
+                     timeout=90)
 block_live.wait(90)
 block_live
 

@@ -75,6 +75,13 @@ def assemble(records: list[dict], full_shapes: dict[str, tuple]) -> tuple[dict, 
                 where = (slice(None),) * len(shape)
             else:
                 where = (slice(None),) * item["dim"] + (item["index"],)
+            expected = list(shape) if item["dim"] < 0 else [len(item["index"]) if d == item["dim"] else n
+                                                             for d, n in enumerate(shape)]
+            if (item["dim"] >= 0 and len(item["index"]) and int(item["index"].max()) >= shape[item["dim"]]) \
+                    or list(value.shape) != expected:
+                problems.append(f"{name}: rank {rank}'s part {tuple(value.shape)} does not fit the dense shape {shape} "
+                                "(compared with the configuration the ranks ran?)")
+                continue
             held = seen[where]
             if held.any():
                 previous = out[where]
