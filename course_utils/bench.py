@@ -111,7 +111,9 @@ def bench_gpu() -> dict:
         return {}
     day = time.strftime("%Y-%m-%d")
     runs = {"attention": [sys.executable, "-m", "workers.bench_attention", "--quick",
-                          "--out", str(ROOT / "data" / "attention" / f"gpu_{day}.json")]}
+                          "--out", str(ROOT / "data" / "attention" / f"gpu_{day}.json")],
+            "tp_block": [sys.executable, str(ROOT / "tools" / "gpu" / "tp_block_bench.py"), "--profile",
+                         "--out", str(ROOT / "data" / "gpu" / f"tp_block_{day}.json")]}
     out = {}
     for name, cmd in runs.items():
         t0 = time.perf_counter()
