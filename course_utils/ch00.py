@@ -286,7 +286,6 @@ def planner_widget(model: str = "llama-3-70b", n_gpus: int = 256, tp: int = 8, p
     planner refuses shows its one-sentence reason instead of a figure.
     """
     import ipywidgets as W
-    from IPython.display import display
 
     style = {"description_width": "initial"}
     degree = lambda name, value: W.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=value,  # noqa: E731

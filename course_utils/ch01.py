@@ -306,8 +306,6 @@ def compare_with_reference(result, collective: str, *, op: str = "sum", chunk: i
     Ranks whose output is unspecified (reduce/gather away from the root) are skipped; float32 ranks are
     compared with a float64 reference, so ``rtol`` covers float32 rounding (products reach 1e15 at world 8).
     """
-    import torch
-
     from workers.ch01_collectives import reference
 
     want = reference(collective, result.world_size, op, chunk, root)

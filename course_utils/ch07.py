@@ -323,7 +323,7 @@ def comparison_figure(reference: dict, bench: dict | None = None, head_dim: int 
             ax.set_ylim(0, (peak or 800) * 1.08)
             if row == 1:
                 ax.set_xlabel("sequence length N")
-    handles, labels = {}, []
+    handles = {}
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)

@@ -172,8 +172,7 @@ class RankJob:
                 event = self.frames.get(timeout=min(0.1, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    missing = sorted(set(range(self.world_size)) - set(self.ready))
-                    self._fail_startup(f"ranks {missing} did not start within {self.startup_timeout_s:.0f} s", errors)
+                    self._fail_startup(self._startup_diagnosis(), errors)
                 continue
             kind, rank, payload = event
             if kind == "frame" and payload["kind"] == "ready":
@@ -184,6 +183,37 @@ class RankJob:
             elif kind == "agent_exit":
                 self._fail_startup(f"torchrun (node {rank}) exited with code {payload} while starting", errors)
         self.startup_seconds = time.perf_counter() - self._t0
+
+    def _startup_diagnosis(self) -> str:
+        """Why the ranks are not ready: never connected (torchrun or ``import torch`` still running), or
+        connected and waiting in the rendezvous (then their stacks say where)."""
+        missing = sorted(set(range(self.world_size)) - set(self.ready))
+        silent = [r for r in missing if r not in self.hello]
+        joining = [r for r in missing if r in self.hello]
+        parts = [f"ranks {missing} did not start within {self.startup_timeout_s:.0f} s"]
+        if silent:
+            parts.append(f"ranks {silent} never connected (torchrun or `import torch` had not finished)")
+        if joining:
+            stacks = self._collect_stacks(joining)
+            where = ", ".join(f"rank {r} {describe_stack(stacks.get(r, []))}" for r in joining)
+            parts.append(f"ranks {joining} connected but did not join the process group ({where})")
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        parts.append(f"load average {load:.1f} on {os.cpu_count()} cores; COURSE_STARTUP_TIMEOUT raises the limit")
+        return "; ".join(parts)
+
+    def _collect_stacks(self, ranks: list[int], wait_s: float = 5.0) -> dict[int, list]:
+        """Ask every connected rank for its main thread's stack; a loaded machine answers slowly."""
+        stacks: dict[int, list] = {}
+        self.send_all("dump_stacks", {})
+        until = time.monotonic() + wait_s
+        while not set(ranks) <= set(stacks) and time.monotonic() < until:
+            try:
+                kind, rank, payload = self.frames.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if kind == "frame" and payload["kind"] == "stacks":
+                stacks[rank] = payload["data"]["stack"]
+        return stacks
 
     def _fail_startup(self, summary: str, errors: dict) -> None:
         time.sleep(0.2)
@@ -308,16 +338,7 @@ class RankJob:
 
     def _raise_timeout(self, worker: str, timeout_s: float, done: dict) -> None:
         stuck_ranks = [r for r in range(self.world_size) if r not in done]
-        stacks: dict[int, list] = {}
-        self.send_all("dump_stacks", {})
-        until = time.monotonic() + 5.0  # a loaded machine answers slowly; stuck ranks answer from a thread
-        while len(stacks) < len(self.conns) and time.monotonic() < until:
-            try:
-                kind, rank, payload = self.frames.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if kind == "frame" and payload["kind"] == "stacks":
-                stacks[rank] = payload["data"]["stack"]
+        stacks = self._collect_stacks([r for r in stuck_ranks if r in self.conns])  # answered from a thread
         self.close()
         stuck = {r: describe_stack(stacks.get(r, [])) for r in stuck_ranks}
         lines = "; ".join(f"rank {r} {where}" for r, where in stuck.items())

@@ -35,12 +35,18 @@ def _identity(pid: int) -> list | None:
         return None
 
 
-def _alive(ident: list) -> bool:
+def _process(ident: list) -> psutil.Process | None:
+    """The process ``ident`` names if it is still that process (same start time), else None."""
     pid, created = ident
     try:
-        return abs(psutil.Process(pid).create_time() - created) < 1e-3
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - created) < 1e-3 else None
     except psutil.Error:
-        return False
+        return None
+
+
+def _alive(ident: list) -> bool:
+    return _process(ident) is not None
 
 
 def register(job_id: str, pids: list[int]) -> None:
@@ -59,15 +65,20 @@ def unregister(job_id: str) -> None:
         pass
 
 
-def kill_tree(pids: list[int], *, grace_s: float = 0.0) -> None:
-    """Kill the given processes and all their descendants (SIGTERM first when ``grace_s`` > 0)."""
+def kill_tree(pids: list[int | psutil.Process], *, grace_s: float = 0.0) -> None:
+    """Kill the given processes and all their descendants (SIGTERM first when ``grace_s`` > 0).
+
+    Pass plain pids only for children this process has not yet waited for (their pid cannot be reused);
+    for anything else pass the ``psutil.Process`` found when its identity was checked: psutil refuses to
+    signal a Process whose pid now belongs to another program.
+    """
     procs: dict[int, psutil.Process] = {}
-    for pid in pids:
+    for item in pids:
         try:
-            p = psutil.Process(pid)
+            p = item if isinstance(item, psutil.Process) else psutil.Process(item)
         except psutil.Error:
             continue
-        procs[pid] = p
+        procs[p.pid] = p
         try:
             for child in p.children(recursive=True):
                 procs[child.pid] = child
@@ -104,7 +115,7 @@ def reap_stale() -> int:
         owner = entry.get("owner")
         if owner and _alive(owner):
             continue
-        live = [pid for pid, created in entry.get("pids", []) if _alive([pid, created])]
+        live = [proc for proc in (_process(ident) for ident in entry.get("pids", [])) if proc is not None]
         kill_tree(live)
         path.unlink(missing_ok=True)
         reaped += 1

@@ -66,18 +66,14 @@ def test_origin_decodes_the_source_rank():
 def test_comm_device_keeps_gloo_on_the_cpu_where_it_has_no_cuda_implementation():
     # A one-GPU machine runs several ranks with gloo on CUDA tensors; gloo implements only all_reduce and
     # broadcast for CUDA tensors (PyTorch's backend table), so the other collectives must get CPU tensors.
-    from types import SimpleNamespace
-
     import torch
 
-    from workers.ch01_collectives import comm_device
+    from workers.runtime import comm_device
 
-    gloo_gpu = SimpleNamespace(backend="gloo", device=torch.device("cuda:0"))
-    nccl_gpu = SimpleNamespace(backend="nccl", device=torch.device("cuda:1"))
-    gloo_cpu = SimpleNamespace(backend="gloo", device=torch.device("cpu"))
-    assert comm_device(gloo_gpu, "all_reduce") == torch.device("cuda:0")
-    assert comm_device(gloo_gpu, "broadcast") == torch.device("cuda:0")
+    gloo_gpu, nccl_gpu, gloo_cpu = ("gloo", "cuda:0"), ("nccl", "cuda:1"), ("gloo", "cpu")
+    assert comm_device(*gloo_gpu, "all_reduce") == torch.device("cuda:0")
+    assert comm_device(*gloo_gpu, "broadcast") == torch.device("cuda:0")
     for collective in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather", "reduce", "send"):
-        assert comm_device(gloo_gpu, collective) == torch.device("cpu")
-        assert comm_device(nccl_gpu, collective) == torch.device("cuda:1")
-        assert comm_device(gloo_cpu, collective) == torch.device("cpu")
+        assert comm_device(*gloo_gpu, collective) == torch.device("cpu")
+        assert comm_device(*nccl_gpu, collective) == torch.device("cuda:1")
+        assert comm_device(*gloo_cpu, collective) == torch.device("cpu")

@@ -183,6 +183,41 @@ def test_stale_jobs_of_a_dead_owner_are_reaped(tmp_path, monkeypatch):
             p.wait()
 
 
+def test_reaper_spares_a_process_that_reused_a_recorded_pid(tmp_path, monkeypatch):
+    # The registry outlives reboots and pids are recycled: an entry whose pid now belongs to another program
+    # (different start time) must not get that program killed.
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        import json
+        created = psutil.Process(bystander.pid).create_time()
+        (reaper.registry_dir() / "old.json").write_text(json.dumps(
+            {"owner": [bystander.pid, created - 3600.0], "pids": [[bystander.pid, created - 3600.0]]}))
+        assert reaper.reap_stale() == 1  # the entry is gone ...
+        time.sleep(0.2)
+        assert bystander.poll() is None  # ... and the process now holding that pid lives on
+        assert not list(reaper.registry_dir().glob("*.json"))
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_startup_timeout_says_which_ranks_never_connected_and_leaves_nothing():
+    # Far too short a limit for torchrun to start and import torch: the message must say where the ranks
+    # got to (not just "did not start") and how loaded the machine is, and the agents must be gone.
+    from course_utils.jobs import RankJob
+
+    job = RankJob(2, startup_timeout_s=0.3)
+    agents = [a.pid for a in job.agents]
+    with pytest.raises(cu.WorkerFailed) as info:
+        job.wait_ready()
+    message = str(info.value)
+    assert "did not start within 0 s" in message or "did not start within 1 s" in message
+    assert "never connected" in message and "load average" in message
+    assert "COURSE_STARTUP_TIMEOUT" in message
+    assert _gone(agents)
+
+
 def test_describe_stack_names_the_collective():
     stack = [["/w/workers/pool.py", 10, "run_task", "module.main(ctx)"],
              ["/w/workers/lab.py", 42, "main", "dist.all_reduce(x)"],

@@ -10,7 +10,7 @@ import torch
 
 import course_utils as cu
 from course_utils import tp_check
-from workers.parallel.dense import BlockConfig, build
+from workers.parallel.dense import build
 from workers.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from workers.parallel.mlp import naive_rows, swiglu_rows
 

@@ -15,8 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.ch01_collectives import comm_device
-from workers.runtime import entrypoint
+from workers.runtime import all_gather_single, entrypoint, reduce_scatter_single
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
 MAX_BYTES = 1 << 30
@@ -51,11 +50,10 @@ def _op(collective: str, total: int, n: int, dev):
         return lambda: dist.reduce(x, dst=0)
     if collective == "all_gather":
         out, inp = torch.empty(total, device=dev), torch.ones(total // n, device=dev)
-        return lambda: dist.all_gather_into_tensor(out, inp)
+        return lambda: all_gather_single(out, inp)
     if collective == "reduce_scatter":
         out, inp = torch.empty(total // n, device=dev), torch.ones(total, device=dev)
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        return lambda: rs(out, inp)
+        return lambda: reduce_scatter_single(out, inp)
     if collective == "all_to_all":
         out, inp = torch.empty(total, device=dev), torch.ones(total, device=dev)
         return lambda: dist.all_to_all_single(out, inp)
@@ -65,7 +63,7 @@ def _op(collective: str, total: int, n: int, dev):
 def main(ctx, collective: str = "all_reduce", sizes: list = [4096, 65536, 1048576, 4194304, 16777216],  # noqa: B006
          iters: int = 5, warmup: int = 2):
     """Time ``collective`` at each size in ``sizes`` (bytes); report seconds per call, max over ranks."""
-    n, dev = ctx.world_size, comm_device(ctx, collective)
+    n, dev = ctx.world_size, ctx.comm_device(collective)
     out_bytes, seconds = [], []
     for step, nbytes in enumerate(sizes):
         total = element_count(collective, int(nbytes), n)

@@ -22,19 +22,7 @@ COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatte
                "scatter", "gather", "barrier")
 OPS = ("sum", "product", "min", "max", "avg", "band")  # band: bitwise AND, defined for integers only
 REDUCING = ("reduce", "all_reduce", "reduce_scatter")
-GLOO_CUDA_OK = ("all_reduce", "broadcast", "barrier")  # PyTorch's backend table: gloo's other ops want CPU tensors
 ROOTED = ("broadcast", "reduce", "scatter", "gather")
-
-
-def comm_device(ctx, collective: str) -> torch.device:
-    """Where this collective's tensors live: the rank's device, except for ops gloo only runs on CPU tensors.
-
-    On a one-GPU machine the runtime uses gloo on CUDA tensors (NCCL refuses two ranks on one GPU), and gloo
-    implements only all_reduce and broadcast for CUDA tensors; send/recv, gather, scatter... need CPU ones.
-    """
-    if ctx.backend == "gloo" and ctx.device.type == "cuda" and collective not in GLOO_CUDA_OK:
-        return torch.device("cpu")
-    return ctx.device
 
 
 def check_params(world_size, collective, op, chunk, root, **_):
@@ -137,7 +125,7 @@ def _barrier_demo(ctx) -> dict:
 
 def main(ctx, collective: str = "all_reduce", op: str = "sum", chunk: int = 1, root: int = 0):
     """Run one collective on inputs whose values name their source rank and position."""
-    n, r, dev = ctx.world_size, ctx.rank, comm_device(ctx, collective)
+    n, r, dev = ctx.world_size, ctx.rank, ctx.comm_device(collective)
     if collective == "barrier":
         return _barrier_demo(ctx)
     x_in = _input_for(collective, r, n, chunk, root)

@@ -15,7 +15,6 @@ import socket
 import torch
 import torch.distributed as dist
 
-from workers.ch01_collectives import comm_device
 from workers.runtime import entrypoint
 
 # The variables torchrun (torch.distributed.run) sets for every worker process it starts.
@@ -32,7 +31,7 @@ def main(ctx, gpus_per_node: int = 0):
     """
     gpus = gpus_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     # Confirm the identities with a collective: every rank learns every rank's (node, local_rank).
-    dev = comm_device(ctx, "all_gather")
+    dev = ctx.comm_device("all_gather")
     me = torch.tensor([ctx.rank, ctx.node_rank, ctx.local_rank], device=dev)
     table = torch.empty(ctx.world_size * 3, dtype=me.dtype, device=dev)
     dist.all_gather(list(table.split(3)), me)

@@ -13,7 +13,6 @@
     accumulates; the backward outside it all-reduces once. Without ``no_sync`` every micro-batch
     all-reduces: the same gradient, k times the communication (counted with a comm hook).
 """
-import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.autograd.gradcheck import GradcheckError
 
 from workers.parallel import mappings as M
+from workers.parallel.faults import all_reduce_both_ways
+from workers.parallel.groups import TensorParallelGroups
 from workers.runtime import entrypoint
 
 # -- plausible wrong mappings -------------------------------------------------------------------------
@@ -32,23 +34,6 @@ class _CopyWithIdentityBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
-
-
-class _ReduceWithAllReduceBackward(torch.autograd.Function):
-    """``g`` whose backward all-reduces too (as ``torch.distributed.nn.functional.all_reduce`` does)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -85,7 +70,7 @@ class _ScatterWrongChunk(torch.autograd.Function):
 VARIANTS = {
     "correct": {},
     "f_backward_identity": {"f": lambda x, group=None: _CopyWithIdentityBackward.apply(x, group)},
-    "g_backward_all_reduce": {"g": lambda x, group=None: _ReduceWithAllReduceBackward.apply(x, group)},
+    "g_backward_all_reduce": {"g": all_reduce_both_ways},
     "gather_backward_sums": {"gather": lambda x, group=None: _GatherWithSummingBackward.apply(x, group)},
     "scatter_wrong_chunk": {"scatter": lambda x, group=None: _ScatterWrongChunk.apply(x, group)},
 }
@@ -175,11 +160,8 @@ def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: in
     for name in CIRCUITS:
         # Fresh groups per circuit with a short timeout: if a broken backward ever left the ranks out of
         # step, the next circuit could not be confused with this one, and the wait ends in an error.
-        # Every rank creates every group (new_group is collective), then uses its own.
-        groups = [ctx.new_group(list(range(s, s + tp)), timeout_s=group_timeout) for s in range(0, ctx.world_size, tp)]
-        group = groups[ctx.rank // tp]
-        try:
-            fn = circuits(m, group, dist.get_rank(group), hidden, seed, ctx.device)[name]
+        with TensorParallelGroups(tp, timeout_s=group_timeout) as groups:
+            fn = circuits(m, groups.group, groups.rank, hidden, seed, ctx.device)[name]
             try:
                 torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7, rtol=1e-5, raise_exception=True)
                 verdicts[name] = {"passed": True, "message": ""}
@@ -187,11 +169,7 @@ def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: in
                 verdicts[name] = {"passed": False, "message": str(exc).strip().splitlines()[0]}
             # How far off is the backward? One vector-Jacobian product against a central difference.
             verdicts[name]["grad_ratio"] = _vjp_ratio(fn, x)
-        finally:
-            for g in groups:
-                dist.destroy_process_group(g)
-    first = ctx.rank // tp * tp
-    return {"gradcheck": verdicts, "variant": variant, "tp_size": tp, "group_ranks": list(range(first, first + tp))}
+    return {"gradcheck": verdicts, "variant": variant, "tp_size": tp, "group_ranks": groups.ranks}
 
 
 def _vjp_ratio(fn, x: torch.Tensor, eps: float = 1e-6) -> float:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from workers.parallel import mappings
+from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.reference import MAPPING_NAMES, example, uneven_splits
 from workers.runtime import entrypoint
 
@@ -33,14 +34,6 @@ def check_params(world_size, mapping, rows, cols, dtype, tp_size, implementation
     if implementation is not None and mapping == "all":
         return "an implementation replaces one mapping: pass mapping='<its name>' with it"
     return None
-
-
-def tensor_parallel_groups(world_size: int, tp_size: int):
-    """Every rank creates every group, in the same order (new_group is collective); returns (groups, ranks)."""
-    if tp_size == world_size:
-        return [None], [list(range(world_size))]
-    ranks = [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
-    return [dist.new_group(r) for r in ranks], ranks
 
 
 def run_mapping(ctx, name: str, fn, group, group_index: int, *, rows: int, cols: int, dtype: torch.dtype,
@@ -64,26 +57,18 @@ def run_mapping(ctx, name: str, fn, group, group_index: int, *, rows: int, cols:
 def main(ctx, mapping: str = "all", rows: int = 2, cols: int = 3, dtype: str = "float64", seed: int = 0,
          tp_size: int = 0, uneven: bool = False, tensor_parallel_output_grad: bool = True, implementation=None):
     """Forward and backward of each mapping; ``implementation`` (a function) replaces the library's."""
-    tp = tp_size or ctx.world_size
-    groups, ranks = tensor_parallel_groups(ctx.world_size, tp)
-    group_index = ctx.rank // tp
-    group = groups[group_index]
     names = MAPPING_NAMES if mapping == "all" else (mapping,)
     records = {}
-    try:
-        # Record warnings too: the library must not lean on deprecated collectives (torch 2.13 renamed some).
-        with mappings.record_communication() as log, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for i, name in enumerate(names):
-                fn = implementation if implementation is not None else mappings.MAPPINGS[name]
-                records[name] = run_mapping(ctx, name, fn, group, group_index, rows=rows, cols=cols,
-                                            dtype=DTYPES[dtype], seed=seed + i, uneven=uneven,
-                                            tensor_parallel_output_grad=tensor_parallel_output_grad)
-    finally:
-        for g in groups:
-            if g is not None:
-                dist.destroy_process_group(g)
-    return {"records": records, "group_ranks": ranks[group_index], "group_rank": ctx.rank % tp,
+    # Record warnings too: the library must not lean on deprecated collectives (torch 2.13 renamed some).
+    with TensorParallelGroups(tp_size) as tp, mappings.record_communication() as log, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, name in enumerate(names):
+            fn = implementation if implementation is not None else mappings.MAPPINGS[name]
+            records[name] = run_mapping(ctx, name, fn, tp.group, tp.index, rows=rows, cols=cols,
+                                        dtype=DTYPES[dtype], seed=seed + i, uneven=uneven,
+                                        tensor_parallel_output_grad=tensor_parallel_output_grad)
+    return {"records": records, "group_ranks": tp.ranks, "group_rank": tp.rank,
             "communication": log, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
 
 

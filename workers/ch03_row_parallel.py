@@ -14,10 +14,9 @@ the pass (forward / backward) each ran in; the notebook compares them with ``ref
 and ``reference.mlp_reference``.
 """
 import torch
-import torch.distributed as dist
 
-from workers.ch03_mappings import tensor_parallel_groups
 from workers.parallel import mappings as M
+from workers.parallel.groups import TensorParallelGroups
 from workers.runtime import entrypoint
 
 MODES = ("row", "mlp")
@@ -52,21 +51,13 @@ def check_params(world_size, mode, hidden, ffn, tp_size, **_):
 
 def main(ctx, mode: str = "row", input_is_parallel: bool = False, batch: int = 4, hidden: int = 8, out: int = 6,
          ffn: int = 16, seed: int = 0, tp_size: int = 0):
-    tp = tp_size or ctx.world_size
-    groups, ranks = tensor_parallel_groups(ctx.world_size, tp)
-    group, me = groups[ctx.rank // tp], ctx.rank % tp
     p = {k: v.to(ctx.device) for k, v in problem(mode, seed, batch, hidden, out, ffn).items()}
-    try:
-        with M.record_communication() as log:
-            if mode == "row":
-                sent = _row(p, group, me, tp, input_is_parallel)
-            else:
-                sent = _mlp(p, group, me, tp)
-    finally:
-        for g in groups:
-            if g is not None:
-                dist.destroy_process_group(g)
-    return {**sent, "communication": log, "tp_size": tp, "group_rank": me}
+    with TensorParallelGroups(tp_size) as tp, M.record_communication() as log:
+        if mode == "row":
+            sent = _row(p, tp.group, tp.rank, tp.size, input_is_parallel)
+        else:
+            sent = _mlp(p, tp.group, tp.rank, tp.size)
+    return {**sent, "communication": log, "tp_size": tp.size, "group_rank": tp.rank}
 
 
 def _row(p: dict, group, me: int, tp: int, input_is_parallel: bool) -> dict:

@@ -19,26 +19,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from workers.ch03_mappings import tensor_parallel_groups
 from workers.parallel import mappings as M
+from workers.parallel.faults import all_reduce_both_ways
+from workers.parallel.groups import TensorParallelGroups
 from workers.runtime import entrypoint
-
-
-class _AllReduceBothWays(torch.autograd.Function):
-    """All-reduce forward and backward: right for a sum of per-rank losses, wrong for a replicated loss."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def _torch_distributed_nn(x, group):
@@ -59,7 +43,7 @@ def _has_torch_distributed_nn() -> bool:
 
 REDUCTIONS = {
     "megatron_g": lambda x, group: M.reduce_from_tensor_model_parallel_region(x, group=group),
-    "all_reduce_backward": lambda x, group: _AllReduceBothWays.apply(x, group),
+    "all_reduce_backward": all_reduce_both_ways,
     "torch.distributed.nn.all_reduce": _torch_distributed_nn,
 }
 
@@ -83,29 +67,21 @@ def check_params(world_size, hidden, tp_size, **_):
 
 def main(ctx, batch: int = 4, hidden: int = 8, out: int = 4, seed: int = 0, tp_size: int = 0):
     """Gradients of W_r and X under each backward of the all-reduce, for one tensor-parallel group size."""
-    tp = tp_size or ctx.world_size
-    groups, ranks = tensor_parallel_groups(ctx.world_size, tp)
-    group = groups[ctx.rank // tp]
-    me = ctx.rank % tp
     x_full, w_full = problem(seed, batch, hidden, out)
-    rows = hidden // tp
     results = {}
-    try:
+    with TensorParallelGroups(tp_size) as tp:
+        rows, me = hidden // tp.size, tp.rank
         for name, reduce in REDUCTIONS.items():
             if name.startswith("torch.") and not _has_torch_distributed_nn():
                 continue
             x = x_full.clone().to(ctx.device).requires_grad_()  # replicated leaf, fresh for each variant
             w_r = w_full[me * rows:(me + 1) * rows].clone().to(ctx.device).requires_grad_()  # [h/n, o]
-            x_r = M.scatter_to_tensor_model_parallel_region(x, group=group)  # [b, h/n]
-            y = reduce(x_r @ w_r, group)  # [b, o], replicated
+            x_r = M.scatter_to_tensor_model_parallel_region(x, group=tp.group)  # [b, h/n]
+            y = reduce(x_r @ w_r, tp.group)  # [b, o], replicated
             loss = 0.5 * y.square().sum()
             loss.backward()
             results[name] = {"loss": loss.item(), "grad_weight": w_r.grad, "grad_input": x.grad}
-    finally:
-        for g in groups:
-            if g is not None:
-                dist.destroy_process_group(g)
-    return {"results": results, "tp_size": tp, "group_rank": me, "weight_rows": [me * rows, (me + 1) * rows]}
+    return {"results": results, "tp_size": tp.size, "group_rank": me, "weight_rows": [me * rows, (me + 1) * rows]}
 
 
 if __name__ == "__main__":

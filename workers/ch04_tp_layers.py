@@ -9,7 +9,8 @@ parameter gradient with the indices of the dense entries it holds, and the colle
 ``fault`` injects one broken collective (``workers/parallel/faults.py``) to show that the check catches it.
 """
 from workers.parallel.dense import BlockConfig
-from workers.parallel.harness import DTYPES, TensorParallelGroups, forward_backward, problem
+from workers.parallel.groups import TensorParallelGroups
+from workers.parallel.harness import DTYPES, forward_backward, problem
 from workers.runtime import entrypoint
 
 

@@ -9,7 +9,8 @@ contiguous chunks instead of by heads: the run succeeds and the numbers are wron
 """
 from workers.parallel.attention import kv_heads_for_rank
 from workers.parallel.dense import BlockConfig
-from workers.parallel.harness import DTYPES, TensorParallelGroups, forward_backward, problem
+from workers.parallel.groups import TensorParallelGroups
+from workers.parallel.harness import DTYPES, forward_backward, problem
 from workers.parallel.layers import group_size_rank
 from workers.runtime import entrypoint
 

@@ -9,7 +9,8 @@ with the collectives it ran (compared with ``dense.reference`` by ``course_utils
 returns its losses (streamed as metrics too) and its final parameters, to set against the dense block.
 """
 from workers.parallel.dense import BlockConfig
-from workers.parallel.harness import DTYPES, TensorParallelGroups, forward_backward, problem, train_parallel
+from workers.parallel.groups import TensorParallelGroups
+from workers.parallel.harness import DTYPES, forward_backward, problem, train_parallel
 from workers.runtime import entrypoint
 
 

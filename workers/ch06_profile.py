@@ -27,7 +27,8 @@ from workers.parallel.attention import destroy_owned_groups
 from workers.parallel.block import ParallelBlock
 from workers.parallel.comm_stats import CommLedger, name_scopes
 from workers.parallel.dense import BlockConfig
-from workers.parallel.harness import TensorParallelGroups, problem
+from workers.parallel.groups import TensorParallelGroups
+from workers.parallel.harness import problem
 from workers.runtime import entrypoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

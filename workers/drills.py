@@ -1,6 +1,9 @@
 """Things that go wrong on real ranks, on purpose: the debugging drills of chapter 01 and the launcher's tests.
 
-    torchrun --nproc-per-node 2 workers/drills.py --mode skip_collective
+    torchrun --nproc-per-node 2 workers/drills.py --mode skip_collective --group-timeout 5
+
+From a notebook, ``course_utils.run(..., collective_timeout=5)`` sets the timeout of the default group
+instead; ``group_timeout`` is for plain torchrun, where no launcher is there to set it.
 """
 import os
 import time
@@ -21,9 +24,9 @@ def check_params(world_size, mode, bad_rank, **_):
     return None
 
 
-def main(ctx, mode: str = "ok", bad_rank: int = 1, seconds: float = 30.0, collective_timeout: float = 0.0):
-    """Run one drill. ``collective_timeout`` > 0 uses a fresh process group with that timeout (seconds)."""
-    group = ctx.new_group(timeout_s=collective_timeout) if collective_timeout > 0 else None
+def main(ctx, mode: str = "ok", bad_rank: int = 1, seconds: float = 30.0, group_timeout: float = 0.0):
+    """Run one drill. ``group_timeout`` > 0 runs the collective in a fresh group with that timeout (seconds)."""
+    group = ctx.new_group(timeout_s=group_timeout) if group_timeout > 0 else None
     me_bad = ctx.rank == bad_rank
     x = torch.ones(4, device=ctx.device) * (ctx.rank + 1)
     if mode == "raise" and me_bad:

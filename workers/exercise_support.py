@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 
 class Wrong(AssertionError):
@@ -16,6 +17,26 @@ class Wrong(AssertionError):
 
 def verdict(status: str, message: str) -> dict:
     return {"verdict": {"status": status, "message": message}}
+
+
+def agree(check: Callable[[], None], group=None) -> None:
+    """Run one stage of a check on every rank, then share the verdicts: if any rank found the answer wrong,
+    every rank raises (the lowest such rank's message; other ranks say which rank saw it).
+
+    Without this, a rank that found a mistake would stop while the others went on into the learner's next
+    collective and waited there until the timeout, hiding the real message behind a hang.
+    """
+    try:
+        check()
+        mine = None
+    except Wrong as exc:
+        mine = str(exc) or "wrong"
+    messages = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, mine, group=group)
+    me = dist.get_rank(group)
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise Wrong(message if rank == me else f"(seen on rank {rank}) {message}")
 
 
 def run_exercise(ctx, checks: dict[str, Callable], exercise: str, answer) -> dict:

@@ -33,6 +33,40 @@ from workers import protocol
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn that they
+# are deprecated). Both names reach the same backend call, on gloo and on NCCL.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# The collectives gloo implements for CUDA tensors (PyTorch's backend table); for every other one (all_gather,
+# reduce_scatter, all_to_all, send/recv, gather, scatter, reduce) gloo needs CPU tensors. This matters on a
+# one-GPU machine, where several ranks share the GPU and talk through gloo.
+GLOO_CUDA_COLLECTIVES = frozenset({"all_reduce", "broadcast", "barrier"})
+
+
+def comm_device(backend: str, device: torch.device, collective: str) -> torch.device:
+    """Where ``collective``'s tensors must live: ``device``, or the CPU where gloo has no CUDA version of it."""
+    device = torch.device(device)
+    if backend == "gloo" and device.type == "cuda" and collective not in GLOO_CUDA_COLLECTIVES:
+        return torch.device("cpu")
+    return device
+
+
+def host_staged(collective: str, call: Callable, output: torch.Tensor, input_: torch.Tensor, group=None,
+                **kwargs) -> torch.Tensor:
+    """``call(output, input_, group=group, **kwargs)``, through host copies when the group's backend cannot
+    run ``collective`` on these tensors (gloo on CUDA tensors); returns ``output``.
+
+    The copies cost two device<->host transfers: acceptable for the one-GPU labs, never used with NCCL.
+    """
+    if comm_device(dist.get_backend(group), output.device, collective) == output.device:
+        call(output, input_, group=group, **kwargs)
+        return output
+    host_out = torch.empty_like(output, device="cpu")
+    call(host_out, input_.cpu(), group=group, **kwargs)
+    output.copy_(host_out)
+    return output
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -155,6 +189,10 @@ class Context:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def comm_device(self, collective: str) -> torch.device:
+        """The device for ``collective``'s tensors on this rank: the CPU for gloo's CPU-only collectives."""
+        return comm_device(self.backend, self.device, collective)
+
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
@@ -165,6 +203,14 @@ class Context:
         return dist.new_group(ranks=ranks, timeout=timeout, backend=self.backend)
 
 
+def collective_timeout() -> datetime.timedelta:
+    """The collective timeout this rank's world was created with: new groups should wait no longer.
+
+    (``dist.new_group`` without a timeout falls back to torch's default of 30 minutes, not the world's.)
+    """
+    return datetime.timedelta(seconds=float(os.environ.get("COURSE_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S)))
+
+
 def init_distributed(collective_timeout_s: float | None = None, sock: socket.socket | None = None) -> Context:
     """Join the job torchrun started (env:// rendezvous) with a finite collective timeout."""
     rank = int(os.environ.get("RANK", 0))
@@ -173,7 +219,8 @@ def init_distributed(collective_timeout_s: float | None = None, sock: socket.soc
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     node_rank = int(os.environ.get("GROUP_RANK", 0))
     if collective_timeout_s is None:
-        collective_timeout_s = float(os.environ.get("COURSE_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S))
+        collective_timeout_s = collective_timeout().total_seconds()
+    os.environ["COURSE_COLLECTIVE_TIMEOUT"] = str(collective_timeout_s)  # for groups created later
     placement = select_placement(local_rank, local_world_size)
     device = torch.device(placement.device)
     if device.type == "cuda":

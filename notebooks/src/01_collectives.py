@@ -165,7 +165,7 @@ for c, res in collective_runs.items():
 # Each line compares what the ranks hold with `workers.ch01_collectives.reference`, which computes the same
 # thing in one process from the same inputs, without any communication. (On a machine with one GPU and
 # several ranks, the runtime uses gloo on CUDA tensors; gloo implements only `all_reduce` and `broadcast` for
-# CUDA tensors, so the worker keeps the other collectives on the CPU: see `comm_device` in the worker.)
+# CUDA tensors, so the worker keeps the other collectives on the CPU: see `comm_device` in `workers/runtime.py`.)
 # Now look at the data move:
 
 # %% tags=["nbval-ignore-output"]

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from workers.ch01_collectives import comm_device
 from workers.exercise_support import Wrong, expect_close, run_exercise
 from workers.runtime import entrypoint
 
@@ -104,7 +103,7 @@ def check_ring_all_reduce(ctx, answer) -> None:
     length = 3 * n  # a multiple of the world size: n chunks of 3
     inputs = [rank_values(k, (length,), seed=1) for k in range(n)]
     want = torch.stack(inputs).sum(0)
-    x = inputs[r].clone().to(comm_device(ctx, "send"))  # gloo sends CPU tensors only
+    x = inputs[r].clone().to(ctx.comm_device("send"))  # gloo sends CPU tensors only
     with only_point_to_point() as sent:
         got = answer(x)
     if got is None:

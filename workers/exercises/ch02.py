@@ -2,7 +2,7 @@
 
 Each check runs the learner's function on every rank of a real process group and compares with the
 single-process reference of ``workers/ch02_model``. Ranks agree on a verdict before anyone raises
-(``_agree``): a rank that stopped early while the others went on into the learner's collectives would
+(``agree``): a rank that stopped early while the others went on into the learner's collectives would
 turn a wrong answer into a hang.
 """
 from __future__ import annotations
@@ -14,24 +14,10 @@ import torch.distributed as dist
 
 from workers.ch02_model import (FP32_TOL, Setup, bucket_assignment, flat, flat_grads, grads_on, loss_fn,
                                 make_batches, make_model, shard, train_single)
-from workers.exercise_support import Wrong, expect_close, run_exercise, scaled_by
+from workers.exercise_support import Wrong, agree, expect_close, run_exercise, scaled_by
 
 STEPS = 3
 START_SEED_OFFSET = 1000  # rank r starts from seed + 1000 r: different weights until someone broadcasts
-
-
-def _agree(ctx, check) -> None:
-    """Run ``check()`` on every rank; if it raised Wrong on any rank, raise the lowest such rank's message everywhere."""
-    try:
-        check()
-        message = None
-    except Wrong as exc:
-        message = str(exc)
-    messages = [None] * ctx.world_size
-    dist.all_gather_object(messages, message)
-    for m in messages:
-        if m is not None:
-            raise Wrong(m)  # the same verdict on every rank; messages about one rank name it
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -59,7 +45,7 @@ def check_ddp_by_hand(ctx, answer) -> None:
             raise Wrong(f"rank {rank}'s buffer in_scale differs from rank 0's: broadcast the buffers too "
                         "(model.buffers()), as DDP does, or ranks compute different forwards")
 
-    _agree(ctx, broadcast_done)
+    agree(broadcast_done)
 
     baseline = train_single(setup)
     opt = torch.optim.SGD(model.parameters(), lr=setup.lr)
@@ -85,14 +71,14 @@ def check_ddp_by_hand(ctx, answer) -> None:
                               "not the gradient: all-reduce param.grad, not its argument"),
                          ])
 
-        _agree(ctx, gradients_right)
+        agree(gradients_right)
         opt.step()
 
         def weights_right():
             expect_close(flat(model.parameters()), baseline["weights"][step + 1],
                          f"weights after SGD step {step + 1}", **FP32_TOL)
 
-        _agree(ctx, weights_right)
+        agree(weights_right)
 
     mine = flat(model.parameters()).to(ctx.device)
     rank0 = mine.clone()
@@ -103,7 +89,7 @@ def check_ddp_by_hand(ctx, answer) -> None:
             raise Wrong(f"after {STEPS} steps rank {rank}'s weights differ from rank 0's by "
                         f"{(mine - rank0).abs().max().item():.3g}: every rank must apply the same averaged gradient")
 
-    _agree(ctx, ranks_equal)
+    agree(ranks_equal)
 
 
 # -- exercise 2: bucketed averaging -------------------------------------------------------------------------
@@ -175,7 +161,7 @@ def check_bucketed_average(ctx, answer) -> None:
             raise Wrong(f"{what} your all_reduce calls had {calls} elements; DDP's rule (fill in order, close a "
                         f"bucket once it holds at least bucket_bytes) gives buckets of {expected} elements")
 
-        _agree(ctx, right)
+        agree(right)
 
 
 # -- exercise 3: sampler sharding ---------------------------------------------------------------------------
@@ -218,7 +204,7 @@ def check_shard_indices(ctx, answer) -> None:
                 if list(other_seed) == list(mine) and size > 6:
                     raise Wrong(f"{where}: the indices do not depend on seed: seed the shuffle with seed + epoch")
 
-            _agree(ctx, right)
+            agree(right)
             orders.append([i for s in shards for i in s])
 
         def epochs_differ():
@@ -229,7 +215,7 @@ def check_shard_indices(ctx, answer) -> None:
                 raise Wrong(f"dataset_size={size}: the indices are not shuffled: permute range(dataset_size) with "
                             "torch.randperm and a seeded generator")
 
-        _agree(ctx, epochs_differ)
+        agree(epochs_differ)
 
 
 CHECKS = {"ddp_by_hand": check_ddp_by_hand, "bucketed_average": check_bucketed_average,

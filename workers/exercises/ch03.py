@@ -10,9 +10,9 @@ learner's collectives, and the same functions inside a sub-group, to be sure ``g
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from workers.exercise_support import Wrong, expect_close, run_exercise, scaled_by
+from workers.exercise_support import Wrong, agree, expect_close, run_exercise, scaled_by
+from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.reference import example, reference
 from workers.runtime import entrypoint
 
@@ -49,32 +49,8 @@ def _run(ctx, fn, what: str, x_in: torch.Tensor, grad: torch.Tensor, group=None,
     return y.detach().cpu(), x.grad.detach().cpu()
 
 
-def _agree(stage) -> None:
-    """Run one stage of a check on every rank, then share the verdicts: every rank fails with the first message.
-
-    Without this, a rank that found a mistake would stop while the others went on into the next
-    collective and waited there until the timeout, hiding the real message.
-    """
-    try:
-        stage()
-        mine = ""
-    except Wrong as exc:
-        mine = str(exc) or "wrong"
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, mine)
-    for rank, message in enumerate(messages):
-        if message:
-            raise Wrong(message if message == mine else f"(seen on rank {rank}) {message}")
-
-
 def _same(t: torch.Tensor):
     return lambda got, want: got.shape == t.shape and torch.equal(got, t.double())
-
-
-def _groups(ctx, size: int):
-    """Every rank creates every sub-group of ``size`` consecutive ranks; returns (groups, my group)."""
-    groups = [ctx.new_group(list(range(s, s + size))) for s in range(0, ctx.world_size, size)]
-    return groups, groups[ctx.rank // size]
 
 
 def _gradcheck(what: str, fn, x: torch.Tensor) -> None:
@@ -128,8 +104,8 @@ def check_f_and_g(ctx, answer) -> None:
 
     def in_a_group():  # two tensor-parallel groups side by side: f and g must stay inside their own group
         size = max(n // 2, 1)
-        groups, mine = _groups(ctx, size)
-        try:
+        with TensorParallelGroups(size, fresh=True) as groups:
+            mine = groups.group
             xs, gs = example(F, size, seed=33 + r // size)
             _, want_dx = reference(F, xs, gs)
             _, dx = _run(ctx, copy_to, "copy_to (f) in a group", xs[r % size], gs[r % size], group=mine)
@@ -142,12 +118,9 @@ def check_f_and_g(ctx, answer) -> None:
             if not torch.equal(y, want_y[r % size]):
                 raise Wrong(f"with group= a sub-group of {size} rank(s), reduce_from's forward did not sum over "
                             "that group only: pass group=group to every dist call (None means the whole world)")
-        finally:
-            for g in groups:
-                dist.destroy_process_group(g)
 
     for stage in (f_alone, g_alone, together, in_a_group):
-        _agree(stage)
+        agree(stage)
 
 
 # -- exercise 2: split and gather along the last dimension ----------------------------------------------
@@ -207,8 +180,8 @@ def check_split_and_gather(ctx, answer) -> None:
 
     def in_a_group():  # slices are taken and gathered within the group
         size = max(n // 2, 1)
-        groups, mine = _groups(ctx, size)
-        try:
+        with TensorParallelGroups(size, fresh=True) as groups:
+            mine = groups.group
             xs, gs = example(SCATTER, size, seed=43)
             want_y, want_dx = reference(SCATTER, xs, gs)
             y, dx = _run(ctx, scatter_to, "scatter_to in a group", xs[r % size], gs[r % size], group=mine,
@@ -217,12 +190,9 @@ def check_split_and_gather(ctx, answer) -> None:
                 raise Wrong(f"with group= a sub-group of {size} rank(s), scatter_to did not keep slice "
                             "dist.get_rank(group) or did not gather within the group: use the group's rank and "
                             "size, and pass group=group to every dist call")
-        finally:
-            for g in groups:
-                dist.destroy_process_group(g)
 
     for stage in (scatter_alone, gather_alone, together, in_a_group):
-        _agree(stage)
+        agree(stage)
 
 
 CHECKS = {"f_and_g": check_f_and_g, "split_and_gather": check_split_and_gather}

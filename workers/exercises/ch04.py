@@ -3,36 +3,20 @@ and the split of SwiGLU's fused [gate; up] weight. All on real ranks, against th
 
 Every rank builds the same dense layer from one seed, hands the learner's function its shard, runs
 forward *and* backward (the backward is where a missing ``f`` shows), and only then compares: each rank
-finishes all its collectives before any verdict, and the ranks agree on one verdict (``_agree``), so a
+finishes all its collectives before any verdict, and the ranks agree on one verdict (``agree``), so a
 wrong answer on one rank can never leave another waiting in a collective.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from workers.exercise_support import Wrong, expect_close, run_exercise, scaled_by
+from workers.exercise_support import Wrong, agree, expect_close, run_exercise, scaled_by
 from workers.parallel.dense import BlockConfig, build, inputs
 from workers.parallel.layers import contiguous_index
 from workers.parallel.mlp import ParallelMLP, naive_rows, swiglu_rows
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32 against float64, sums of a few dozen terms
 SEQ, BATCH = 4, 2
-
-
-def _agree(ctx, check) -> None:
-    """Run ``check()`` on every rank; if it raised Wrong anywhere, raise the lowest rank's message everywhere."""
-    try:
-        check()
-        message = None
-    except Wrong as exc:
-        message = str(exc)
-    messages = [None] * ctx.world_size
-    dist.all_gather_object(messages, message)
-    for m in messages:
-        if m is not None:
-            raise Wrong(m)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -85,7 +69,7 @@ def check_column_parallel_forward(ctx, answer) -> None:
         expect_close(x.grad.cpu(), want_dx, "the input gradient (after backward)", **TOL,
                      hints=[(scaled_by(t), f"it is {t} times too large: the gradient is all-reduced twice")])
 
-    _agree(ctx, verdict)
+    agree(verdict)
 
 
 # -- exercise 2: row-parallel forward, bias once -------------------------------------------------------------
@@ -133,7 +117,7 @@ def check_row_parallel_forward(ctx, answer) -> None:
                              "but g's backward is the identity")])
         expect_close(x.grad.cpu(), want_dx[..., rows], "the gradient of this rank's input shard", **TOL)
 
-    _agree(ctx, verdict)
+    agree(verdict)
 
 
 # -- exercise 3: SwiGLU split -----------------------------------------------------------------------------
@@ -177,7 +161,7 @@ def check_swiglu_shard(ctx, answer) -> None:
                         f"{want_rows[len(want_rows) // 2].item()}..{want_rows[-1].item()}, in that order")
         expect_close(got_w.cpu(), w[want_rows], f"rank {r}'s fc1 weight rows", atol=0, rtol=0)
 
-    _agree(ctx, verdict)
+    agree(verdict)
 
 
 CHECKS = {"column_parallel_forward": check_column_parallel_forward,

@@ -10,25 +10,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from workers.exercise_support import Wrong, run_exercise
+from workers.exercise_support import Wrong, agree, run_exercise
 from workers.parallel.attention import (ParallelAttention, destroy_owned_groups, kv_heads_for_rank, naive_qkv_rows,
                                         qkv_rows)
 from workers.parallel.dense import BlockConfig, build, inputs
 
 SEQ, BATCH = 6, 2
-
-
-def _agree(ctx, check) -> None:
-    try:
-        check()
-        message = None
-    except Wrong as exc:
-        message = str(exc)
-    messages = [None] * ctx.world_size
-    dist.all_gather_object(messages, message)
-    for m in messages:
-        if m is not None:
-            raise Wrong(m)
 
 
 def configs(world_size: int) -> list[BlockConfig]:
@@ -104,7 +91,7 @@ def check_split_fused_qkv(ctx, answer) -> None:
             if not torch.equal(got_w.cpu(), w[want_rows]) or not torch.equal(got_b.cpu(), b[want_rows]):
                 raise Wrong(f"{label}: the output is right but the rows are not exactly those of heads {want_heads}")
 
-        _agree(ctx, verdict)
+        agree(verdict)
 
 
 def check_kv_heads_for_rank(ctx, answer) -> None:
@@ -133,7 +120,7 @@ def check_kv_heads_for_rank(ctx, answer) -> None:
         if problems:
             raise Wrong(problems[0])
 
-    _agree(ctx, verdict)
+    agree(verdict)
 
 
 CHECKS = {"split_fused_qkv": check_split_fused_qkv, "kv_heads_for_rank": check_kv_heads_for_rank}

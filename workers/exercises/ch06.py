@@ -9,9 +9,8 @@ parameter shard with the dense block, and counts the collectives the regions ran
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from workers.exercise_support import Wrong, expect_close, run_exercise, scaled_by
+from workers.exercise_support import Wrong, agree, expect_close, run_exercise, scaled_by
 from workers.parallel import mappings
 from workers.parallel.block import ParallelBlock
 from workers.parallel.dense import BlockConfig, build, reference, inputs
@@ -44,19 +43,6 @@ def _dense_with_biases_times(cfg: BlockConfig, factor: int, x: torch.Tensor) -> 
         dense.attention.proj.bias.mul_(factor)
         dense.mlp.fc2.bias.mul_(factor)
         return dense(x.double())
-
-
-def _agree(ctx, check) -> None:
-    try:
-        check()
-        message = None
-    except Wrong as exc:
-        message = str(exc)
-    messages = [None] * ctx.world_size
-    dist.all_gather_object(messages, message)
-    for m in messages:
-        if m is not None:
-            raise Wrong(m)
 
 
 def check_block_forward(ctx, answer) -> None:
@@ -112,7 +98,7 @@ def check_block_forward(ctx, answer) -> None:
             raise Wrong(f"outputs and gradients are right, but the backward ran {backward_ar} all-reduces through the "
                         "regions, where the block needs exactly two (one f per sub-layer)")
 
-    _agree(ctx, verdict)
+    agree(verdict)
 
 
 CHECKS = {"block_forward": check_block_forward}

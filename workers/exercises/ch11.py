@@ -20,27 +20,13 @@ import torch
 import torch.distributed as dist
 
 from workers.ch11_model import OPTIMIZER_CLASSES, GPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
-from workers.exercise_support import Wrong, run_exercise
+from workers.exercise_support import Wrong, agree, run_exercise
 
 STEPS = 3
 GLOBAL_BATCH = 8
 CFG = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2)
 # SGD with momentum is linear in the gradient: reordered fp32 sums (any correct sync) stay at ~1e-7.
 TOL = {"atol": 1e-5, "rtol": 1e-4}
-
-
-def _agree(ctx, check) -> None:
-    """Run ``check()`` on every rank; if it raised Wrong anywhere, raise the first message on every rank."""
-    try:
-        check()
-        message = None
-    except Wrong as exc:
-        message = str(exc)
-    messages = [None] * ctx.world_size
-    dist.all_gather_object(messages, message)
-    for rank, m in enumerate(messages):
-        if m is not None:
-            raise Wrong(m if rank == ctx.rank else f"(seen on rank {rank}) {m}")
 
 
 def _reference(batches, grad_scale: float = 1.0) -> list[torch.Tensor]:
@@ -109,7 +95,7 @@ def check_zero1_step(ctx, answer) -> None:
                 if held > math.ceil(n_params / n) + largest:
                     raise Wrong(f"rank {rank}'s optimizer holds state for {held} elements, more than 1/{n} of the "
                                 f"{n_params} (plus one tensor of slack for uneven splits): shard more evenly")
-            _agree(ctx, sharded)
+            agree(sharded)
 
             counts = [None] * n
             dist.all_gather_object(counts, _state_numel(created))
@@ -122,7 +108,7 @@ def check_zero1_step(ctx, answer) -> None:
                 if total > n_params + n - 1:  # n - 1: the most padding an equal split can need
                     raise Wrong(f"the ranks' optimizers together hold state for {total} elements, more than the "
                                 f"{n_params} parameters: some are stepped by several ranks; shards must not overlap")
-            _agree(ctx, covered)
+            agree(covered)
 
             def resynced():
                 changed = want[1] != want[0]
@@ -132,13 +118,13 @@ def check_zero1_step(ctx, answer) -> None:
                                 "values from before the step: each rank updated only its own shard. Re-synchronise: "
                                 "all_gather (or broadcast from each owner) the updated shards so every rank has the "
                                 "full model")
-            _agree(ctx, resynced)
+            agree(resynced)
 
             def averaged():
                 if n > 1 and torch.allclose(got, summed[1], **TOL):
                     raise Wrong(f"the update is {n} times too large at world size {n}: all_reduce / reduce_scatter "
                                 "SUM the gradients over the ranks; divide by the world size to average them")
-            _agree(ctx, averaged)
+            agree(averaged)
 
         def right():
             if not torch.allclose(got, want[step + 1], **TOL):
@@ -149,7 +135,7 @@ def check_zero1_step(ctx, answer) -> None:
                             "its momentum; create it once and keep it in `state`.")
                 raise Wrong(f"weights after step {step + 1} differ from the unsharded single-process SGD by up to "
                             f"{err:.3g} (tolerance {TOL['atol']:g} + {TOL['rtol']:g}*|w|).{hint}")
-        _agree(ctx, right)
+        agree(right)
 
         mine = got.to(ctx.device)
         rank0 = mine.clone()
@@ -159,7 +145,7 @@ def check_zero1_step(ctx, answer) -> None:
             if not torch.equal(mine, rank0):
                 raise Wrong(f"after step {step + 1} rank {rank}'s parameters differ from rank 0's: every rank must "
                             "end the step with the same, full set of updated parameters")
-        _agree(ctx, equal_across_ranks)
+        agree(equal_across_ranks)
 
 
 CHECKS = {"zero1_step": check_zero1_step}

@@ -32,6 +32,19 @@ def _identity(input_, group=None):
     return input_
 
 
+_copy_to = mappings.copy_to_tensor_model_parallel_region  # the correct mappings, whatever is patched later
+_reduce_from = mappings.reduce_from_tensor_model_parallel_region
+
+
+def all_reduce_both_ways(input_, group=None):
+    """An all-reduce whose backward all-reduces too (``f`` after ``g``), as ``torch.distributed.nn``'s does.
+
+    Right when every rank's loss is a different term of the total; wrong after a replicated loss, where
+    the incoming gradient is already complete and summing it over n ranks makes it n times too large.
+    """
+    return _copy_to(_reduce_from(input_, group), group)
+
+
 @contextlib.contextmanager
 def _patched(target, name, value):
     saved = getattr(target, name)
@@ -51,7 +64,6 @@ def inject(fault: str):
     if fault not in FAULTS:
         raise ValueError(f"no fault named {fault!r}: choose one of {', '.join(FAULTS)}")
     reduce_from = mappings.reduce_from_tensor_model_parallel_region
-    copy_to = mappings.copy_to_tensor_model_parallel_region
     with contextlib.ExitStack() as stack:
         if fault == "drop_forward_all_reduce":
             stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region", _identity))
@@ -61,8 +73,7 @@ def inject(fault: str):
             stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region",
                                          lambda x, group=None: reduce_from(reduce_from(x, group), group)))
         elif fault == "misplaced_all_reduce":
-            stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region",
-                                         lambda x, group=None: copy_to(reduce_from(x, group), group)))
+            stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region", all_reduce_both_ways))
             stack.enter_context(_patched(mappings, "copy_to_tensor_model_parallel_region", _identity))
         elif fault == "bias_before_reduce":
             def forward(self, x):

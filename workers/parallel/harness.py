@@ -27,46 +27,6 @@ from workers.parallel.plan import shard_record
 KINDS = ("column", "row", "mlp", "attention", "block")
 
 
-class TensorParallelGroups:
-    """``with TensorParallelGroups(tp_size) as tp:`` splits the world into groups of ``tp_size`` consecutive ranks.
-
-    ``tp.group`` is this rank's group (None when it is the whole world), ``tp.ranks`` its members. Every
-    rank creates every group, in the same order (``dist.new_group`` is collective over the world), and
-    destroys them on the way out: warm ranks outlive a run, groups must not pile up. Running TP 1, 2 and 4
-    as groups inside one world of 4 ranks lets a notebook compare all three on one set of warm ranks.
-    """
-
-    def __init__(self, tp_size: int = 0):
-        import torch.distributed as dist
-
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        self.size = tp_size or world
-        if world % self.size:
-            raise ValueError(f"tp_size={tp_size} does not divide the world size {world}: choose a divisor of {world}")
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.index = rank // self.size
-        self.ranks = list(range(self.index * self.size, (self.index + 1) * self.size))
-        self._created = []
-        self.group = None
-        if self.size != world:
-            for start in range(0, world, self.size):
-                pg = dist.new_group(list(range(start, start + self.size)))
-                if start == self.index * self.size:
-                    self.group = pg
-                    self._created.append(pg)
-
-    def __enter__(self) -> "TensorParallelGroups":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import torch.distributed as dist
-
-        for pg in self._created:
-            dist.destroy_process_group(pg)
-        self._created = []
-
-    def describe(self) -> dict:
-        return {"tp_size": self.size, "tp_group": self.index, "tp_group_ranks": self.ranks}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 

@@ -35,10 +35,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn that
-# they are deprecated). Both names reach the same backend call, on gloo and on NCCL.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from workers.runtime import all_gather_single, host_staged, reduce_scatter_single
 
 # -- instrumentation: which collectives ran, in which pass, with how many bytes ------------------------
 
@@ -121,8 +118,7 @@ def _gather_along_first_dim(input_: torch.Tensor, group, mapping: str, pass_: st
     input_ = input_.contiguous()
     output = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))  # [n*s, ...]
     _note(mapping, "all_gather", pass_, input_)
-    _all_gather_single(output, input_, group=group)
-    return output
+    return host_staged("all_gather", all_gather_single, output, input_, group)
 
 
 def _gather_along_last_dim(input_: torch.Tensor, group, mapping: str, pass_: str) -> torch.Tensor:
@@ -143,8 +139,7 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor, group, mapping: str, p
     input_ = input_.contiguous()
     output = input_.new_empty((rows, *input_.shape[1:]))  # [s/n, ...]
     _note(mapping, "reduce_scatter", pass_, input_)
-    _reduce_scatter_single(output, input_, group=group)
-    return output
+    return host_staged("reduce_scatter", reduce_scatter_single, output, input_, group)
 
 
 def _all_to_all(input_: torch.Tensor, output_split_sizes, input_split_sizes, group, mapping: str,
@@ -162,9 +157,8 @@ def _all_to_all(input_: torch.Tensor, output_split_sizes, input_split_sizes, gro
     rows = input_.shape[0] if output_split_sizes is None else sum(output_split_sizes)
     output = input_.new_empty((rows, *input_.shape[1:]))
     _note(mapping, "all_to_all", pass_, input_)
-    dist.all_to_all_single(output, input_, output_split_sizes=output_split_sizes,
-                           input_split_sizes=input_split_sizes, group=group)
-    return output
+    return host_staged("all_to_all", dist.all_to_all_single, output, input_, group,
+                       output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes)
 
 
 # -- the autograd functions: forward of one is the backward of its conjugate ----------------------------

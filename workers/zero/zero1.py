@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from workers.runtime import all_gather_single, host_staged, reduce_scatter_single
+
 PARTITIONS = ("flat", "params")
 GRAD_SYNCS = ("reduce_scatter", "all_reduce")
 
@@ -207,7 +209,7 @@ class Zero1Optimizer:
             flat.collect_grads()
             if self.sharded and self.grad_sync == "reduce_scatter":  # rank r receives the sum of its shard only
                 shard_grad = torch.empty_like(flat.shard(flat.flat_grads, r))  # [S]
-                dist.reduce_scatter_tensor(shard_grad, flat.flat_grads, group=self.group)
+                host_staged("reduce_scatter", reduce_scatter_single, shard_grad, flat.flat_grads, self.group)
                 shard_grad.div_(n)  # the SUM over ranks -> the mean: the gradient of the global batch's mean loss
             else:  # DDP, or ZeRO-1 over an all-reduce (3 Psi on the wire instead of 2 Psi): every .grad averaged
                 dist.all_reduce(flat.flat_grads, group=self.group)
@@ -225,7 +227,8 @@ class Zero1Optimizer:
                 if self.master_weights:  # the stepped fp32 shard, rounded back into the model's dtype
                     flat.flat_params[piece.start:piece.stop].copy_(p.detach().reshape(-1))
             if self.sharded:  # every rank gets every updated shard (in place: the input is our own slice)
-                dist.all_gather_into_tensor(flat.flat_params, flat.shard(flat.flat_params, r), group=self.group)
+                host_staged("all_gather", all_gather_single, flat.flat_params, flat.shard(flat.flat_params, r),
+                            self.group)
         return loss
 
     def zero_grad(self, set_to_none: bool = False) -> None:
