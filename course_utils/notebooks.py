@@ -47,17 +47,26 @@ def in_sync(src: Path) -> bool:
 
 
 def _carry_outputs(nb, old_path: Path) -> None:
-    """Keep the stored outputs of code cells whose source did not change (a markdown fix needs no rerun)."""
+    """Keep what the stored notebook has for cells whose source did not change: outputs of code cells (a
+    markdown fix needs no rerun), and every cell's id and metadata (so the diff shows only the real change)."""
     if not old_path.exists():
         return
+    stored = nbformat.read(old_path, as_version=4)
     old = {}
-    for cell in nbformat.read(old_path, as_version=4).cells:
-        if cell.cell_type == "code":
-            old.setdefault(cell.source.strip(), cell)
+    for cell in stored.cells:
+        old.setdefault((cell.cell_type, cell.source.strip()), cell)
     for cell in nb.cells:
-        prev = old.get(cell.source.strip()) if cell.cell_type == "code" else None
-        if prev is not None:
+        prev = old.get((cell.cell_type, cell.source.strip()))
+        if prev is None:
+            continue
+        if "id" in prev:
+            cell.id = prev.id
+        cell.metadata = prev.metadata
+        if cell.cell_type == "code":
             cell.outputs, cell.execution_count = prev.outputs, prev.execution_count
+    for key in ("papermill", "widgets"):
+        if key in stored.metadata:
+            nb.metadata[key] = stored.metadata[key]
 
 
 def sync(names: list[str] | None = None) -> list[Path]:
