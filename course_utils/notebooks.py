@@ -61,7 +61,11 @@ def _carry_outputs(nb, old_path: Path) -> None:
             continue
         if "id" in prev:
             cell.id = prev.id
-        cell.metadata = prev.metadata
+        tags = cell.metadata.get("tags")  # the source decides the tags; the stored cell, the rest
+        cell.metadata = nbformat.from_dict(dict(prev.metadata))
+        cell.metadata.pop("tags", None)
+        if tags:
+            cell.metadata["tags"] = tags
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = prev.outputs, prev.execution_count
     for key in ("papermill", "widgets"):
