@@ -1,12 +1,11 @@
-"""Chapter 01's exercises, graded on real ranks: the solutions pass, the notebook's stubs score zero as
-"not attempted", and every plausible wrong answer fails with a message that names the mistake.
-(``tests/test_exercises.py`` does the same for every chapter; this file runs chapter 01 alone.)"""
+"""Chapter 01's exercise checker beyond the generic grading (tests/test_exercises.py): an answer that deadlocks
+ends at the timeout with advice, and the ready-made collectives the checker hides come back afterwards."""
 import dataclasses
 
 import pytest
 
-from course_utils.exercises import FAIL, PASS, TODO, check, exercises
-from tests.exercise_sources import solutions, stubs
+from course_utils.exercises import FAIL, check, exercises
+from tests.exercise_sources import solutions
 from tests.wrong_answers.ch01 import WRONG
 
 pytestmark = pytest.mark.ranks
@@ -17,27 +16,6 @@ def test_chapter_has_the_three_exercises():
     assert {e.name for e in MINE} == {"ring_all_reduce", "all_gather_from_broadcast", "bus_bandwidth"}
     assert {name for name, _, _ in WRONG} == {e.name for e in MINE}
     assert sum(e.worker is not None for e in MINE) >= 2  # at least two are graded on ranks
-
-
-@pytest.mark.parametrize("ex", MINE, ids=lambda e: e.name)
-def test_solution_passes(ex):
-    verdict = check(ex.name, getattr(solutions("01"), ex.function))
-    assert verdict.status == PASS, verdict.message
-    if ex.worker:
-        assert "2, 4" in verdict.message
-
-
-@pytest.mark.parametrize("ex", MINE, ids=lambda e: e.name)
-def test_stub_scores_zero(ex):
-    verdict = check(ex.name, stubs("01")[ex.function])
-    assert verdict.status == TODO and verdict.points == 0, verdict
-
-
-@pytest.mark.parametrize("name, fn, fragment", WRONG, ids=[fn.__name__ for _, fn, _ in WRONG])
-def test_wrong_answer_is_caught(name, fn, fragment):
-    verdict = check(name, fn)
-    assert verdict.status == FAIL, verdict
-    assert fragment in verdict.message, verdict.message
 
 
 def test_ring_that_deadlocks_fails_with_a_timeout_not_a_hang():

@@ -1,9 +1,9 @@
-"""Chapter 07's exercises, checked in the notebook process: solutions pass, the shipped stubs score zero as
-"not attempted", and every plausible wrong answer fails with a message that names the mistake."""
+"""Chapter 07's exercises, checked in the notebook process, beyond the generic grading (tests/test_exercises.py):
+malformed answers get a sentence, and any correct tiling passes."""
 import pytest
 
-from course_utils.exercises import FAIL, PASS, TODO, check, exercises
-from tests.exercise_sources import solutions, stubs, wrong_answers
+from course_utils.exercises import FAIL, PASS, check, exercises
+from tests.exercise_sources import solutions
 
 CHAPTER = "07"
 
@@ -23,24 +23,6 @@ def test_three_local_exercises():
     mine = exercises(CHAPTER)
     assert {e.name for e in mine} == {"merge_attention", "forward_tile_loop", "backward_tile"}
     assert all(e.local is not None for e in mine)
-
-
-@pytest.mark.parametrize("ex", exercises(CHAPTER), ids=lambda e: e.name)
-def test_solution_passes(ex):
-    verdict = check(ex.name, getattr(solutions(CHAPTER), ex.function))
-    assert verdict.status == PASS and verdict.points == ex.points, verdict.message
-
-
-@pytest.mark.parametrize("ex", exercises(CHAPTER), ids=lambda e: e.name)
-def test_stub_is_not_attempted(ex):
-    verdict = check(ex.name, stubs(CHAPTER)[ex.function])
-    assert verdict.status == TODO and verdict.points == 0, verdict
-
-
-@pytest.mark.parametrize("name,fn,fragment", wrong_answers(CHAPTER), ids=lambda v: getattr(v, "__name__", str(v)))
-def test_wrong_answer_is_caught(name, fn, fragment):
-    verdict = check(name, fn)
-    assert verdict.status == FAIL and fragment in verdict.message, verdict.message
 
 
 @pytest.mark.parametrize("name,answer,fragment", [

@@ -221,8 +221,8 @@ def test_startup_timeout_says_which_ranks_never_connected_and_leaves_nothing():
 def test_describe_stack_names_the_collective():
     stack = [["/w/workers/pool.py", 10, "run_task", "module.main(ctx)"],
              ["/w/workers/lab.py", 42, "main", "dist.all_reduce(x)"],
-             [f"/v/torch/distributed/c10d_logger.py", 80, "wrapper", "return func()"],
-             [f"/v/torch/distributed/distributed_c10d.py", 2500, "all_reduce", "work.wait()"]]
+             ["/v/torch/distributed/c10d_logger.py", 80, "wrapper", "return func()"],
+             ["/v/torch/distributed/distributed_c10d.py", 2500, "all_reduce", "work.wait()"]]
     assert describe_stack(stack) == "waiting in all_reduce called at lab.py:42 (dist.all_reduce(x))"
 
 
