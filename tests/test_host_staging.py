@@ -1,7 +1,7 @@
 """gloo on CUDA tensors (one GPU, several ranks) has no all_gather, reduce_scatter or all_to_all: the runtime
 sends those through host copies (``workers.runtime.host_staged``). CPU CI forces that path on gloo ranks
 and checks the results are still exact: the tensor-parallel mappings bit for bit against the reference, and
-ZeRO-1 (reduce_scatter + all_gather) against the unsharded optimizer."""
+ZeRO-1 (reduce_scatter + all_gather) bit for bit against the same run without host copies."""
 import pytest
 
 import course_utils as cu
