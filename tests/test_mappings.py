@@ -92,6 +92,7 @@ def test_mappings_stay_inside_their_process_group():
     assert all(r["exact"] for r in rows), [r for r in rows if not r["exact"]]
     assert not torch.equal(res[0]["records"]["copy_to_tensor_model_parallel_region"]["input"],
                            res[2]["records"]["copy_to_tensor_model_parallel_region"]["input"])
+    assert {e["group_size"] for e in res[0]["communication"]} == {2}  # the ledger knows who took part
 
 
 @pytest.mark.ranks

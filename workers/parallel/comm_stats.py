@@ -94,7 +94,7 @@ class CommLedger:
                     scope, kind, n = "(outside any layer)", ACTIVATION, None
                 else:
                     scope, kind, n = s, k, size
-            n = n or dist.get_world_size()
+            n = entry.get("group_size") or n or dist.get_world_size()  # the mapping saw the group it ran in
             msg = message_bytes(entry["collective"], entry["bytes"], n)
             out.append({**entry, "scope": scope, "kind": kind, "group_size": n, "message_bytes": msg,
                         "wire_bytes": wire_factor(entry["collective"], n) * msg})

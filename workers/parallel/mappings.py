@@ -46,8 +46,9 @@ _recorders: list[list[dict]] = []  # active ``record_communication`` blocks (emp
 def record_communication():
     """``with record_communication() as log:`` lists every collective the mappings run, forward and backward.
 
-    Each entry: ``{"mapping", "collective", "pass", "shape", "bytes"}`` where ``bytes`` is the size of the
-    tensor each rank contributes. Only calls made through this module are seen.
+    Each entry: ``{"mapping", "collective", "pass", "group_size", "shape", "bytes"}`` where ``bytes`` is the
+    size of the tensor each rank contributes (``group_size`` ranks take part: with ``comm_stats.wire_factor``
+    that gives the bytes each rank sends). Only calls made through this module are seen.
     """
     log: list[dict] = []
     _recorders.append(log)
@@ -57,9 +58,9 @@ def record_communication():
         _recorders.remove(log)
 
 
-def _note(mapping: str, collective: str, pass_: str, tensor: torch.Tensor) -> None:
+def _note(mapping: str, collective: str, pass_: str, tensor: torch.Tensor, group) -> None:
     for log in _recorders:
-        log.append({"mapping": mapping, "collective": collective, "pass": pass_,
+        log.append({"mapping": mapping, "collective": collective, "pass": pass_, "group_size": get_world_size(group),
                     "shape": list(tensor.shape), "bytes": tensor.numel() * tensor.element_size()})
 
 
@@ -85,7 +86,7 @@ def _reduce(input_: torch.Tensor, group, mapping: str, pass_: str) -> torch.Tens
     if get_world_size(group) == 1:
         return input_
     output = input_.clone(memory_format=torch.contiguous_format)
-    _note(mapping, "all_reduce", pass_, output)
+    _note(mapping, "all_reduce", pass_, output, group)
     dist.all_reduce(output, group=group)
     return output
 
@@ -117,7 +118,7 @@ def _gather_along_first_dim(input_: torch.Tensor, group, mapping: str, pass_: st
         return input_
     input_ = input_.contiguous()
     output = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))  # [n*s, ...]
-    _note(mapping, "all_gather", pass_, input_)
+    _note(mapping, "all_gather", pass_, input_, group)
     return host_staged("all_gather", all_gather_single, output, input_, group)
 
 
@@ -138,7 +139,7 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor, group, mapping: str, p
     rows = _divisible(input_.shape[0], world_size, "first")
     input_ = input_.contiguous()
     output = input_.new_empty((rows, *input_.shape[1:]))  # [s/n, ...]
-    _note(mapping, "reduce_scatter", pass_, input_)
+    _note(mapping, "reduce_scatter", pass_, input_, group)
     return host_staged("reduce_scatter", reduce_scatter_single, output, input_, group)
 
 
@@ -156,7 +157,7 @@ def _all_to_all(input_: torch.Tensor, output_split_sizes, input_split_sizes, gro
                          f"({world_size}) summing to the first dimension ({input_.shape[0]})")
     rows = input_.shape[0] if output_split_sizes is None else sum(output_split_sizes)
     output = input_.new_empty((rows, *input_.shape[1:]))
-    _note(mapping, "all_to_all", pass_, input_)
+    _note(mapping, "all_to_all", pass_, input_, group)
     return host_staged("all_to_all", dist.all_to_all_single, output, input_, group,
                        output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes)
 
