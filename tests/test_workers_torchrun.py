@@ -1,8 +1,13 @@
-"""Every worker runs unchanged under a plain ``torchrun`` from a terminal (no notebook, no results socket).
+"""Every worker is a real program: it runs unchanged under a plain ``torchrun`` from a terminal (no notebook,
+no results socket), and its ``main`` runs with its defaults on real ranks.
 
-That is the promise to learners with a real cluster: the scripts in workers/ are real programs.
+That is the promise to learners with a real cluster. The glue that makes a worker a torchrun script is one
+function, ``runtime.entrypoint`` (command line from ``main``'s signature, process group, printed results),
+so plain torchrun is exercised on a few workers, and every worker's command line is parsed and its
+defaults run on two warm ranks (a cold torchrun per worker would cost ten seconds each on this machine).
 """
 import ast
+import importlib
 import os
 import re
 import subprocess
@@ -11,10 +16,14 @@ from pathlib import Path
 
 import pytest
 
+import course_utils as cu
+from workers.runtime import _cli_params
+
 pytestmark = pytest.mark.ranks
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = sorted(p for p in (ROOT / "workers").glob("*.py")
                  if "entrypoint(main)" in p.read_text() and p.name != "runtime.py")
+UNDER_PLAIN_TORCHRUN = ["ch03_mappings.py", "ch11_zero1.py"]  # groups; a model, an optimizer, broadcast
 
 
 def torchrun(script: Path, nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -23,6 +32,12 @@ def torchrun(script: Path, nproc: int, *args: str, timeout: float = 180) -> subp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def example_args(script: Path) -> list[str]:
+    """A worker whose defaults are a GPU-sized run declares a CPU-sized example command line instead."""
+    match = re.search(r"^CPU_EXAMPLE_ARGS = (\[.*\])$", script.read_text(), re.M)
+    return ast.literal_eval(match.group(1)) if match else []
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
@@ -35,13 +50,20 @@ def test_hello_under_plain_torchrun(nproc):
         assert f"[rank {rank}] sum = {expected:.6g}" in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("script", WORKERS, ids=lambda p: p.name)
-def test_every_worker_runs_with_its_defaults_at_world_2(script):
-    # A worker whose defaults are a GPU-sized run declares a CPU-sized example command line instead.
-    match = re.search(r"^CPU_EXAMPLE_ARGS = (\[.*\])$", script.read_text(), re.M)
-    args = ast.literal_eval(match.group(1)) if match else []
-    out = torchrun(script, 2, *args)
+@pytest.mark.parametrize("name", UNDER_PLAIN_TORCHRUN)
+def test_chapter_workers_under_plain_torchrun(name):
+    script = ROOT / "workers" / name
+    out = torchrun(script, 2, *example_args(script))
     assert out.returncode == 0, (out.stdout[-1500:], out.stderr[-3000:])
+    assert "[rank 1]" in out.stdout, out.stdout[-1500:]  # results printed by every rank
+
+
+@pytest.mark.parametrize("script", WORKERS, ids=lambda p: p.name)
+def test_every_worker_parses_its_command_line_and_runs_its_defaults_at_world_2(script):
+    module = importlib.import_module(f"workers.{script.stem}")
+    params = _cli_params(module.main, example_args(script))  # what `torchrun script.py` would pass to main
+    res = cu.run(f"workers.{script.stem}", world_size=2, timeout=180, **params)
+    assert len(res.ranks) == 2
 
 
 def test_a_failing_rank_fails_torchrun_with_its_traceback():
