@@ -79,7 +79,9 @@ def select_placement(local_rank: int, local_world_size: int) -> Placement:
     backend = os.environ.get("COURSE_BACKEND")
     device = os.environ.get("COURSE_DEVICE")
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend is None:
+    if backend is None and device is not None and not device.startswith("cuda"):
+        backend, why = "gloo", f"COURSE_DEVICE={device} set by the user: gloo"
+    elif backend is None:
         if n_gpus >= local_world_size and n_gpus > 0 and dist.is_nccl_available():
             backend, why = "nccl", f"{n_gpus} GPU(s) for {local_world_size} local rank(s): one GPU per rank, NCCL"
         elif n_gpus > 0:
@@ -92,8 +94,11 @@ def select_placement(local_rank: int, local_world_size: int) -> Placement:
         why = f"COURSE_BACKEND={backend} set by the user"
     if device is None:
         device = f"cuda:{local_rank % n_gpus}" if n_gpus > 0 else "cpu"
-    elif "COURSE_BACKEND" not in os.environ:
+    elif "COURSE_BACKEND" not in os.environ and "COURSE_DEVICE" not in why:
         why += f"; COURSE_DEVICE={device} set by the user"
+    if backend == "nccl" and not device.startswith("cuda"):
+        raise RuntimeError(f"COURSE_BACKEND=nccl needs a GPU for every rank, but this rank would run on {device} "
+                           f"({n_gpus} GPU(s) visible): unset COURSE_BACKEND to let the course use gloo")
     return Placement(backend, device, why)
 
 

@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PY:-.venv/bin/python}"
-[ -x "$PY" ] || PY=python
+[ -x "$PY" ] || PY=python3
 mkdir -p data/gpu
 "$PY" - <<'PYEOF'
 import datetime
