@@ -16,8 +16,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml tools/setup_env.sh
 	bash tools/setup_env.sh
 
+# LAB_ARGS: extra options for the server, e.g. LAB_ARGS="--no-browser --port=8890" on a remote machine.
+# Containers often run as root, which Jupyter refuses unless told: say so only when it is the case.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)
-	$(PY) -m jupyter lab --notebook-dir=. notebooks/00_overview.ipynb 2>/dev/null || $(PY) -m jupyter lab --notebook-dir=.
+	$(PY) -m jupyter lab --notebook-dir=. $(ALLOW_ROOT) $(LAB_ARGS) notebooks/00_overview.ipynb
 
 doctor: $(STAMP)
 	$(PY) -m course_utils.doctor
