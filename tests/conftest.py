@@ -16,3 +16,14 @@ def _stop_warm_ranks():
     from course_utils import shutdown_pools
 
     shutdown_pools()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensor ops on a shared 2-core machine: a second OpenMP thread mostly waits on the first."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,15 +19,7 @@ from course_utils import attention_io as io  # noqa: E402
 from course_utils import ch07  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small tensor ops on a shared 2-core machine: a second OpenMP thread mostly waits on the first.
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def close_all():

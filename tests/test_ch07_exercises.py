@@ -8,15 +8,7 @@ from tests.exercise_sources import solutions
 CHAPTER = "07"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small tensor ops on a shared 2-core machine: a second OpenMP thread mostly waits on the first.
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_three_local_exercises():
