@@ -26,11 +26,12 @@ doctor: $(STAMP)
 	$(PY) -m course_utils.doctor
 
 # Unit tests, rank tests under torchrun, grading self-test; then every notebook headless (papermill) and nbval.
+# nbval: a cell may take 600 s (cold-starting ranks on a loaded machine); pytest-timeout backs it up at 660.
 test: $(STAMP)
 	$(PYTEST) -q
 	$(PY) -m course_utils.notebooks check
 	$(PY) -m course_utils.notebooks execute --out $(NB_OUT) --timeout 600
-	$(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env --nbval-cell-timeout=600 \
+	$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
 
 test-unit: $(STAMP)

@@ -65,7 +65,7 @@ def partition_table(model: str = "70B", *, tp: int = 8, cp: int = 2, pp: int = 4
     b, s, h = micro_batch, seq, m.hidden
     local_params = m.n_params / (tp * pp)
     layer_params = m.params_per_layer / tp
-    act = b * s * h * 2  # one [b, s, h] bf16 activation
+    act = b * (s // cp) * h * 2  # one [b, s/cp, h] bf16 activation: a CP rank holds s/cp of the tokens
     tpc = tp_comm_bytes_per_layer(b, s // cp, h, tp)
     kv = 2 * b * s * m.kv_dim / tp * 2  # K and V of the whole sequence, this TP rank's heads
     rows = [

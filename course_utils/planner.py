@@ -418,7 +418,7 @@ def plan(
     ``inter_node`` swaps the between-node tier (a ``NETWORK_TIERS`` key such as "ethernet100");
     ``gpu_memory_bytes`` overrides the GPU's memory. ``compute_efficiency`` is the fraction of peak
     the matmuls reach before any communication or bubble; 0.6 is about what one H200 gave for a
-    whole bf16 transformer block (605-638 TFLOP/s, shared/reference/h200_block_fp8_baseline.json,
+    whole bf16 transformer block (605-638 TFLOP/s, data/reference/h200_block_fp8_baseline.json,
     against a 989 TFLOP/s peak). Hardware FLOPs add, per token, 4 L H Q T for selective
     recomputation (the attention matmuls' forward again) or 2N + 4 L H Q T for full recomputation.
     ZeRO traffic is counted once per step (stage 3: parameters gathered again for every

@@ -32,6 +32,11 @@ def test_partition_table_covers_every_parallelism_with_the_ledgers_message_sizes
     dp_row = next(r for r in table.rows if r[0].startswith("DP"))
     # DDP all-reduces the bf16 gradients of the model slice a GPU holds: 2 bytes x n_params / (tp x pp).
     assert dp_row[4] == f"{2 * model_shape('70B').n_params / 32 / 2**20:,.0f} MiB"
+    # PP sends one micro-batch's activation, the CP rank's s/cp tokens, 1/tp of it with scatter/gather:
+    # 1 x 4096 x 8192 x 2 / 8 = 8 MiB; EP's all_to_all carries top-2 copies of those tokens: 128 MiB.
+    pp_row = next(r for r in table.rows if r[0] == "PP")
+    ep_row = next(r for r in table.rows if r[0].startswith("EP"))
+    assert pp_row[4].startswith("8 MiB") and ep_row[4] == "128 MiB", (pp_row[4], ep_row[4])
     text, html = str(table), table._repr_html_()
     assert "all_reduce of activations" in text and "<table>" in html and "all_to_all" in html
 

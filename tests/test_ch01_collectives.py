@@ -11,11 +11,12 @@ import time
 
 import psutil
 import pytest
+import torch
 
 import course_utils as cu
 from course_utils import ch01
 from course_utils.ledger import bus_bandwidth_factor
-from workers.ch01_collectives import COLLECTIVES, OPS, REDUCING, ROOTED, reference
+from workers.ch01_collectives import BITWISE, COLLECTIVES, OPS, REDUCING, ROOTED, reference
 
 pytestmark = pytest.mark.ranks
 RUN = dict(timeout=30)  # same pool key as the exercise checks: the warm ranks are shared
@@ -97,17 +98,25 @@ def test_reference_by_hand_at_world_2():
     on_root = reference("reduce", 2, "product", root=1)
     assert on_root[0] is None and on_root[1].tolist() == [200, 231]  # 10*20, 11*21 on the root only
     assert reference("all_reduce", 2, "avg")[0].tolist() == [15, 16]
+    # bitwise, by hand: 10 = 0b01010, 20 = 0b10100; 11 = 0b01011, 21 = 0b10101
+    assert reference("all_reduce", 2, "band")[0].tolist() == [0, 1]
+    assert reference("all_reduce", 2, "bor")[0].tolist() == [30, 31]
+    assert reference("all_reduce", 2, "bxor")[0].tolist() == [30, 30]
 
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_collective_matches_single_process_reference(collective, n):
-    ops = OPS[:-1] if collective in REDUCING else ("sum",)  # band is refused on floats (next test)
+    # every operator on the reducing collectives: arithmetic on float32, bitwise on int64 (refused on floats)
+    ops = [(op, "int64" if op in BITWISE else "float32") for op in OPS] if collective in REDUCING else [("sum", "float32")]
     root = n - 1 if collective in ROOTED else 0  # a root other than 0 catches src/dst mix-ups
-    for op in ops:
-        res = cu.run("workers.ch01_collectives", world_size=n, collective=collective, op=op, root=root, **RUN)
+    for op, dtype in ops:
+        res = cu.run("workers.ch01_collectives", world_size=n, collective=collective, op=op, root=root, dtype=dtype,
+                     **RUN)
         ok, err = ch01.compare_with_reference(res, collective, op=op, root=root)
         assert ok, (collective, op, n, err, [d.get("after") for d in res.ranks])
+        if collective != "barrier" and res[root].get("defined", True):
+            assert res[root]["after"].dtype == {"int64": torch.int64, "float32": torch.float32}[dtype]
     if collective in ("reduce", "gather"):
         # only the root's result is defined
         assert res.gather("defined") == [r == root for r in range(n)]
@@ -129,9 +138,10 @@ def test_comparison_catches_a_wrong_result():
     assert not ok and err > 1e-3
 
 
-def test_bitwise_op_on_floats_is_reported_not_crashed():
-    res = cu.run("workers.ch01_collectives", world_size=2, collective="all_reduce", op="band", **RUN)
-    assert "Cannot use ReduceOp.BAND" in res[0]["unsupported"]
+@pytest.mark.parametrize("op", BITWISE)
+def test_bitwise_op_on_floats_is_reported_not_crashed(op):
+    res = cu.run("workers.ch01_collectives", world_size=2, collective="all_reduce", op=op, **RUN)
+    assert f"Cannot use ReduceOp.{op.upper()}" in res[0]["unsupported"]
     # the group is still usable afterwards (the refusal happened before any byte was sent)
     again = cu.run("workers.ch01_collectives", world_size=2, collective="all_reduce", **RUN)
     assert again.launch == "warm" and ch01.compare_with_reference(again, "all_reduce")[0]
@@ -142,6 +152,8 @@ def test_bitwise_op_on_floats_is_reported_not_crashed():
     ({"op": "mean"}, "not a reduction"),
     ({"root": 2}, "use 0 to 1"),
     ({"chunk": 0}, "too few"),
+    ({"dtype": "float16"}, "not one this chapter runs"),
+    ({"op": "avg", "dtype": "int64"}, "would have to round"),
 ])
 def test_collectives_bad_parameters_are_refused_in_one_sentence(params, fragment):
     with pytest.raises(cu.InvalidParameter) as info:

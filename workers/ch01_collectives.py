@@ -20,16 +20,22 @@ from workers.runtime import entrypoint
 
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                "scatter", "gather", "barrier")
-OPS = ("sum", "product", "min", "max", "avg", "band")  # band: bitwise AND, defined for integers only
+OPS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor")
+BITWISE = ("band", "bor", "bxor")  # bitwise AND, OR, XOR: defined for integer tensors only
+DTYPES = {"float32": torch.float32, "int64": torch.int64}
 REDUCING = ("reduce", "all_reduce", "reduce_scatter")
 ROOTED = ("broadcast", "reduce", "scatter", "gather")
 
 
-def check_params(world_size, collective, op, chunk, root, **_):
+def check_params(world_size, collective, op, chunk, root, dtype="float32", **_):
     if collective not in COLLECTIVES:
         return f"collective={collective!r} is not one of {', '.join(COLLECTIVES)}"
     if op not in OPS:
         return f"op={op!r} is not a reduction this chapter runs: choose one of {', '.join(OPS)}"
+    if dtype not in DTYPES:
+        return f"dtype={dtype!r} is not one this chapter runs: choose one of {', '.join(DTYPES)}"
+    if dtype == "int64" and op == "avg" and collective in REDUCING:
+        return "op=avg on int64 tensors would have to round: use dtype=float32 for an average"
     if chunk < 1:
         return f"chunk={chunk} elements per rank per block is too few: use 1 or more"
     if not 0 <= root < world_size:
@@ -37,12 +43,15 @@ def check_params(world_size, collective, op, chunk, root, **_):
     return None
 
 
-def rank_input(collective: str, rank: int, world_size: int, chunk: int = 1) -> torch.Tensor | None:
-    """What rank ``rank`` holds before the collective (float32); None for a barrier, which moves no data."""
+def rank_input(collective: str, rank: int, world_size: int, chunk: int = 1, dtype: str = "float32"):
+    """What rank ``rank`` holds before the collective; None for a barrier, which moves no data.
+
+    Whole numbers in float32 (or int64, for the bitwise operators), so every result can be read exactly.
+    """
     if collective == "barrier":
         return None
     length = chunk if collective in ("all_gather", "gather") else world_size * chunk
-    return 10.0 * (rank + 1) + torch.arange(length, dtype=torch.float32)
+    return (10 * (rank + 1) + torch.arange(length)).to(DTYPES[dtype])
 
 
 def _reduce(stack: torch.Tensor, op: str) -> torch.Tensor:
@@ -56,10 +65,11 @@ def _reduce(stack: torch.Tensor, op: str) -> torch.Tensor:
         return stack.max(0).values
     if op == "avg":
         return stack.mean(0)
-    if op == "band":
+    if op in BITWISE:
+        combine = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
         out = stack[0].long()
         for row in stack[1:]:
-            out = out & row.long()
+            out = combine(out, row.long())
         return out.to(stack.dtype)
     raise ValueError(f"unknown op {op!r}")
 
@@ -95,10 +105,10 @@ def reference(collective: str, world_size: int, op: str = "sum", chunk: int = 1,
     raise ValueError(f"unknown collective {collective!r}")
 
 
-def _input_for(collective: str, rank: int, world_size: int, chunk: int, root: int) -> torch.Tensor | None:
+def _input_for(collective: str, rank: int, world_size: int, chunk: int, root: int, dtype: str = "float32"):
     if collective == "scatter":  # the root holds the list to scatter, whoever the root is
-        return rank_input(collective, rank, world_size, chunk) if rank == root else None
-    return rank_input(collective, rank, world_size, chunk)
+        return rank_input(collective, rank, world_size, chunk, dtype) if rank == root else None
+    return rank_input(collective, rank, world_size, chunk, dtype)
 
 
 def _op(op: str):
@@ -123,12 +133,13 @@ def _barrier_demo(ctx) -> dict:
             "units": "ms: how late this rank arrived (before), how long it waited inside the barrier (after)"}
 
 
-def main(ctx, collective: str = "all_reduce", op: str = "sum", chunk: int = 1, root: int = 0):
+def main(ctx, collective: str = "all_reduce", op: str = "sum", chunk: int = 1, root: int = 0, dtype: str = "float32"):
     """Run one collective on inputs whose values name their source rank and position."""
     n, r, dev = ctx.world_size, ctx.rank, ctx.comm_device(collective)
     if collective == "barrier":
         return _barrier_demo(ctx)
-    x_in = _input_for(collective, r, n, chunk, root)
+    x_in = _input_for(collective, r, n, chunk, root, dtype)
+    like = {"device": dev, "dtype": DTYPES[dtype]}  # outputs of the gathering collectives
     before = None if x_in is None else x_in.to(dev)
     defined = True
     opname = f"ReduceOp.{op.upper()}"
@@ -147,24 +158,24 @@ def main(ctx, collective: str = "all_reduce", op: str = "sum", chunk: int = 1, r
             dist.all_reduce(after, op=_op(op))
             call = f"dist.all_reduce(x, op={opname})"
         elif collective == "all_gather":
-            after = torch.empty(n * chunk, device=dev)
+            after = torch.empty(n * chunk, **like)
             dist.all_gather(list(after.split(chunk)), before)
             call = "dist.all_gather(outs, x)"
         elif collective == "gather":
-            after = torch.empty(n * chunk, device=dev) if r == root else None
+            after = torch.empty(n * chunk, **like) if r == root else None
             dist.gather(before, list(after.split(chunk)) if r == root else None, dst=root)
             defined = r == root
             call = f"dist.gather(x, outs if rank == {root} else None, dst={root})"
         elif collective == "reduce_scatter":
-            after = torch.empty(chunk, device=dev)
+            after = torch.empty(chunk, **like)
             dist.reduce_scatter(after, list(before.split(chunk)), op=_op(op))
             call = f"dist.reduce_scatter(out, chunks, op={opname})"
         elif collective == "scatter":
-            after = torch.empty(chunk, device=dev)
+            after = torch.empty(chunk, **like)
             dist.scatter(after, list(before.split(chunk)) if r == root else None, src=root)
             call = f"dist.scatter(out, chunks if rank == {root} else None, src={root})"
         elif collective == "all_to_all":
-            after = torch.empty(n * chunk, device=dev)
+            after = torch.empty(n * chunk, **like)
             dist.all_to_all(list(after.split(chunk)), list(before.split(chunk)))
             call = "dist.all_to_all(out_chunks, chunks)"
         else:

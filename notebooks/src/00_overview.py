@@ -205,6 +205,12 @@ fig.tight_layout()
 plots.savefig(fig, "00_typical_configs");
 
 # %% [markdown]
+# Left, memory per GPU by kind against the 80 GB line; right, one step's time split into compute, pipeline
+# bubble and exposed communication. Each row uses the planner's default of m = 4 pp micro-batches per data-
+# parallel replica (1 without PP), so the global batches differ: 8, 32 and 512 sequences of 4096 tokens.
+# The 1024-GPU table below fixes the global batch at 2048 sequences, which is why its 405B steps are longer.
+
+# %% [markdown]
 # ### A 1024-GPU run
 # With 1024 GPUs fixed, the planner can enumerate every (tp, pp, dp) that keeps TP inside a node and
 # dividing the KV heads, for a global batch of 2048 sequences (8M tokens), fitting layouts first and fastest

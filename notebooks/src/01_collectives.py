@@ -152,7 +152,7 @@ print(ch01.device_table(two_nodes))
 # After `reduce` to rank 0, what is in rank 2's buffer?
 
 # %%
-from workers.ch01_collectives import COLLECTIVES, OPS
+from workers.ch01_collectives import BITWISE, COLLECTIVES, OPS
 
 WORLD = 4
 collective_runs = {c: cu.run("workers.ch01_collectives", world_size=WORLD, collective=c, **RUN) for c in COLLECTIVES}
@@ -190,18 +190,22 @@ plots.savefig(fig, "01_collectives_grid");
 # `PREMUL_SUM`, which only NCCL implements). Which does gloo support? Do not trust a table: ask it.
 
 # %%
-op_runs = {op: cu.run("workers.ch01_collectives", world_size=WORLD, collective="all_reduce", op=op, **RUN) for op in OPS}
-for op, res in op_runs.items():
+op_runs = {(op, dtype): cu.run("workers.ch01_collectives", world_size=WORLD, collective="all_reduce", op=op,
+                               dtype=dtype, **RUN)
+           for dtype in ("float32", "int64") for op in (OPS if dtype == "float32" else BITWISE)}
+for (op, dtype), res in op_runs.items():
     if "unsupported" in res[0]:
-        print(f"{op:8s} refused by {res[0]['backend']}: {res[0]['unsupported']}")
+        print(f"{op:7s} {dtype:8s} refused by {res[0]['backend']}: {res[0]['unsupported']}")
         continue
     ok, err = ch01.compare_with_reference(res, "all_reduce", op=op)
-    print(f"{op:8s} rank 0 holds {res[0]['after'].tolist()}  reference: {ok} (max rel. error {err:.0e})")
+    print(f"{op:7s} {dtype:8s} rank 0 holds {res[0]['after'].tolist()}  reference: {ok} (max rel. error {err:.0e})")
 
 # %% [markdown]
 # With this PyTorch, gloo computes `AVG` (added to gloo in 2025, pytorch/pytorch#149781; before that it
-# raised "Cannot use ReduceOp.AVG with Gloo"), and refuses bitwise ops on floating point tensors (they are
-# defined for integers). `PRODUCT` at world 4 reaches 4·10⁵; at world 8 it reaches 2·10¹³, past float32's
+# raised "Cannot use ReduceOp.AVG with Gloo"), and refuses bitwise ops on floating point tensors: they are
+# defined for integers, and on int64 tensors all three run (the values are whole numbers, so the bit
+# patterns are easy to check: 10 = 0b01010 and 20 = 0b10100 share no bit, so `BAND` gives 0).
+# `PREMUL_SUM` (scale each rank's tensor, then sum) is NCCL-only and is not run here. `PRODUCT` at world 4 reaches 4·10⁵; at world 8 it reaches 2·10¹³, past float32's
 # exact integers (2²⁴ ≈ 1.7·10⁷), hence the relative tolerance. `AVG` deserves suspicion in general: a 2025 bug report
 # (pytorch/pytorch#162338) found gloo's `reduce_scatter` silently *summing* when asked to average. Check the
 # operators your code relies on the same way, on the version you run:

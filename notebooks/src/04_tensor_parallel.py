@@ -83,6 +83,15 @@ print(rep_col.verdict())
 # process, in float64. "Equal" means every entry of the output, the input gradient and each parameter
 # gradient is within $10^{-5} + 10^{-5}|x|$: float32 on the ranks, summed in a different order.
 #
+# The column-parallel output stays split, which is what the next (row-parallel) layer wants. When the
+# whole output is needed on every rank instead (a final projection, say), `gather_output=True` adds an
+# all-gather along the last dimension, and its backward keeps only this rank's slice of the gradient:
+
+# %%
+res_gather, rep_gather = run_layer(4, module="column", gather_output=True)
+print(f"output on rank 0: {tuple(res_gather[0]['output']['value'].shape)} (the whole [4, 2, 64]); {rep_gather.verdict()}")
+print("communication of rank 0:", [(r["collective"], r["pass"], r["calls"]) for r in tp_check.comm_rows(res_gather)])
+#
 # Now the row-parallel layer `Linear(64, 16)`: its input arrives already split (it is the output of a
 # column-parallel layer, `input_is_parallel=True`), and its bias is **replicated**, whole on every rank.
 
@@ -149,8 +158,8 @@ plots.savefig(tp_figures.equivalence_figure({f"TP {t}": rep for t, (_, rep) in m
               "04_equivalence");
 
 # %% [markdown]
-# All errors sit around $10^{-7}$ to $10^{-6}$: float32 rounding against a float64 reference, two orders
-# of magnitude inside the tolerance. (TP 1 is not zero either: the ranks compute in float32.)
+# All errors sit around $10^{-7}$ to $10^{-6}$: float32 rounding against a float64 reference, one to two
+# orders of magnitude inside the tolerance. (TP 1 is not zero either: the ranks compute in float32.)
 #
 # ## 3. Counting bytes
 #
@@ -180,7 +189,7 @@ plots.savefig(tp_figures.comm_bytes_figure(dict(sorted(measured.items())), messa
 # %% [markdown]
 # The bytes per rank *grow* with t and approach twice the message: tensor parallelism does not reduce
 # the traffic per rank, it adds it, and it sits on the critical path of every layer. That is why TP stays
-# inside one node, on NVLink (chapter 10), and why the next chapters count it so carefully.
+# inside one node, on NVLink (chapter 00's bandwidth tiers), and why the next chapters count it so carefully.
 #
 # ## 4. The check catches a broken collective
 #

@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 import course_utils as cu
-from course_utils import plots, tp_check, tp_figures
+from course_utils import plots, reference_data, tp_check, tp_figures
 from course_utils.ledger import activation_bytes_per_layer, tp_comm_bytes_per_layer
 
 plots.style()
@@ -78,6 +78,11 @@ plots.savefig(tp_figures.equivalence_figure({f"TP {t}{' SP' if sp else ''}": rep
                                             "Megatron block vs dense block: every tensor"), "06_equivalence");
 
 # %% [markdown]
+# Every tensor of the block (output, input gradient, the gradient of every weight, bias and LayerNorm
+# parameter) at TP 2 and 4, with and without SP: all errors are float32 rounding against the float64 dense
+# block, well inside the tolerance.
+
+# %% [markdown]
 # The replicated parameters (both LayerNorms, the two output-projection biases) must end with the same
 # gradient on every rank. Without SP that is automatic: they act on the replicated tensor. With SP each
 # rank sees only its own rows, so each gradient is a partial sum; the block routes these parameters
@@ -114,7 +119,7 @@ print(f"formula: {expected.all_reduces} all-reduces x 2(t-1)/t x b*s*h*4 B = {ex
 
 # %% [markdown]
 # Four all-reduces without SP; with SP, two all-gathers and two reduce-scatters in each direction, each
-# moving the same 3/4 of a `b*s*h` message as half an all-reduce: the same 6144 bytes in total. What SP
+# moving 3/4 of a `b*s*h` message, half of what one all-reduce sends: the same 12288 bytes in total. What SP
 # buys is memory. Korthikanti et al.'s count of the activations one layer keeps for backward (Table 2,
 # 16-bit activations) for GPT-3 175B's layer (h = 12288, 96 heads, s = 2048, b = 1) at t = 8:
 
@@ -145,6 +150,10 @@ print("dense losses:", [round(v, 5) for v in dense_losses])
 
 # %% tags=["nbval-ignore-output"]
 plots.savefig(tp_figures.training_figure(dense_losses, training), "06_training");
+
+# %% [markdown]
+# The loss curves of the dense block and of every TP layout lie on top of each other: after several SGD
+# steps the parallel block is still the same model, not just the same function at initialisation.
 
 # %% [markdown]
 # ## 4. Where the time goes
@@ -194,7 +203,7 @@ plots.savefig(tp_figures.attention_share_figure(SEQS, [p["forward_share"]["atten
 # kernels, not the arithmetic: on this CPU the small attention matmuls and the softmax run at a different
 # efficiency from the big MLP matmuls. At TP 2 the communication bar is large: two processes on two
 # shared cores, with gloo over the loopback, is the worst case for communication; on NVLink the same
-# bytes take microseconds. Chapter 10 measures that.
+# bytes take microseconds (chapter 00's bandwidth tiers; chapter 10, NCCL tuning, is planned to measure it).
 #
 # ## 5. On a GPU
 #
@@ -209,9 +218,11 @@ if gpu_runs:
 else:
     print("Not measured on a GPU yet: no data/gpu/tp_block_*.json in this repository. A session with an H200 runs\n"
           "  python tools/gpu/tp_block_bench.py --profile --out data/gpu/tp_block_h200.json\n"
-          "and commits the file; this cell then shows it. For orientation only (not this block): the course authors'\n"
-          "earlier H200 run measured the plain block at 605-638 TFLOP/s forward+backward, 85-89% of that run's\n"
-          "bf16 matmul, with FLOPs counted as 3 x (24bsh^2 + 2bs^2h).")
+          "and commits the file; this cell then shows it.\n")
+    ref = reference_data.load("h200_block_fp8_baseline")
+    print("For orientation only, a plain PyTorch block (not the course's), one earlier run on "
+          + reference_data.label(ref, "h200_block_fp8_baseline") + ":")
+    print(reference_data.block_baseline_table(ref))
 
 # %% [markdown]
 # ## 6. Exercises

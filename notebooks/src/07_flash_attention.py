@@ -481,7 +481,7 @@ print("Triton kernel on the strided view == on the contiguous copy:", torch.equa
 # What does the copy cost? On this CPU (one thread), measured: three copies in and one out, against the SDPA
 # forward.
 # On the H200, modelled from its measured numbers: four tensors read and written at the measured 4.27 TB/s
-# (that rate counts reads plus writes: half of it would exceed the H200's 4.8 TB/s), against the measured
+# (bytes read plus bytes written, counted the way the H200's 4.8 TB/s peak is), against the measured
 # SDPA flash forward.
 #
 # **Predict**: on which machine does the copy matter more, and at short or long sequences?

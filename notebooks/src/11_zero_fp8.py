@@ -20,7 +20,7 @@ import torch
 from IPython.display import display
 
 import course_utils as cu
-from course_utils import ch11, plots
+from course_utils import ch11, plots, reference_data
 from course_utils.ch00 import Table
 from course_utils.exercises import check
 from course_utils.fp8 import E4M3, E5M2
@@ -319,8 +319,8 @@ for g, values in errors.items():
           + " / ".join(f"{v:.2f}" for v in values))
 
 # %% [markdown]
-# Up to about 1e3 the granularity makes no difference: the relative error is E4M3's rounding (2^-4 step,
-# about 2.6% rms). Beyond 1e4 the per-tensor scale pushes the ordinary channels into subnormals and then to
+# Up to about 1e3 the granularity makes no difference: the relative error is E4M3's rounding (steps of 2^-3
+# of the leading bit, so at most 2^-4 off; about 2.6% rms). Beyond 1e4 the per-tensor scale pushes the ordinary channels into subnormals and then to
 # zero; tiles and blocks keep the damage to the groups that contain an outlier. E5M2's 32 binades of range
 # never reach that point here, at twice the rounding error.
 #
@@ -365,8 +365,9 @@ elif gemm is not None and gemm.get("available"):
 else:
     print("No GPU here and no committed data/gpu/ch11_fp8_gemm_*.json: the FP8 GEMM has not been timed yet "
           "(tools/gpu/ch11_memory.sh does it).")
-    print("For scale, a previous run on one H200 (torch 2.11, 2026-11-29, shared/reference/h200_block_fp8_baseline.json):"
-          " an 8192^3 matmul at 715 TFLOP/s in bf16 and 1274 TFLOP/s with torch._scaled_mm in E4M3, 1.78x.")
+    ref = reference_data.load("h200_block_fp8_baseline")
+    print(f"For scale, a previous run on {reference_data.label(ref, 'h200_block_fp8_baseline')}: "
+          + reference_data.fp8_gemm_summary(ref) + ".")
 
 # %% [markdown]
 # ### What FP8 changes in the ledger, and what it does not

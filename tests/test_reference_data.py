@@ -1,0 +1,30 @@
+"""Reference data copied into data/reference/: unchanged from its source, with provenance, and shown as such."""
+import hashlib
+import json
+
+import pytest
+
+from course_utils import reference_data
+
+
+def test_block_baseline_is_the_shared_file_unchanged():
+    ref = reference_data.load("h200_block_fp8_baseline")
+    prov = ref.pop("provenance")
+    # The shared file's bytes are json.dumps(data, indent=1): the hash proves every number was copied as is.
+    assert hashlib.sha256(json.dumps(ref, indent=1).encode()).hexdigest() == prov["source_sha256"]
+    assert prov["date"] == "2026-11-29" and "H200" in prov["device"]
+    assert "NOT the course's" in prov["block"]
+
+
+def test_block_baseline_table_and_fp8_summary_quote_the_file():
+    ref = reference_data.load("h200_block_fp8_baseline")
+    table = reference_data.block_baseline_table(ref)
+    assert len(table.splitlines()) == len(ref["block"]) + 2
+    assert "620" in table and "87%" in table  # s=1024 eager: 620.08 TFLOP/s, 86.7% of the matmul
+    assert reference_data.fp8_gemm_summary(ref).endswith("1.78x")
+    assert "data/reference/h200_block_fp8_baseline.json" in reference_data.label(ref, "h200_block_fp8_baseline")
+
+
+def test_unknown_reference_names_the_known_ones():
+    with pytest.raises(FileNotFoundError, match="h200_attention_baseline"):
+        reference_data.load("no_such_file")
