@@ -64,14 +64,23 @@ def bench_widget(changes: int = 10) -> dict:
 
     control = slider("value", 0, 0, 100)
     live = LiveRun("workers.hello", {"value": control}, draw, params={"world_size": 4}, auto_start=True)
-    live.wait()
+
+    def settled(what: str):
+        if not live.wait(600):
+            raise RuntimeError(f"LiveRun {what} did not finish within 600 s: {live.status.value}")
+        outcome = live.history[-1][1]
+        if isinstance(outcome, BaseException):
+            raise RuntimeError(f"LiveRun {what} failed: {outcome}")
+        return outcome
+
+    settled("start")
     times = []
     for i in range(1, changes + 1):
         t0 = time.perf_counter()
         control.value = i
-        live.wait()
+        result = settled(f"rerun {i}")
         times.append(time.perf_counter() - t0)
-        assert live.history[-1][1].gather("sum")[0] == i * 4 + 6
+        assert result.gather("sum")[0] == i * 4 + 6
     print(f"LiveRun, world 4: slider change -> figure drawn, median {statistics.median(times) * 1e3:.0f} ms, "
           f"max {max(times) * 1e3:.0f} ms", flush=True)
     import course_utils as cu

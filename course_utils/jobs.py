@@ -12,6 +12,7 @@ import collections
 import itertools
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -79,6 +80,7 @@ class RankJob:
         self.started_at = time.time()
         self.startup_seconds = 0.0
         self._send_lock = threading.Lock()
+        self._register_lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self._env = env or {}
@@ -116,7 +118,7 @@ class RankJob:
                                      preexec_fn=reaper.die_with_parent)
             self.agents.append(agent)
             threading.Thread(target=self._read_agent, args=(node, agent), daemon=True).start()
-        reaper.register(self.id, [a.pid for a in self.agents])
+        self._register()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _read_agent(self, node: int, agent: subprocess.Popen) -> None:
@@ -151,15 +153,28 @@ class RankJob:
                 frame = protocol.recv_frame(conn)
                 rank = frame["rank"]
                 if frame["kind"] == "hello":
-                    self.conns[rank] = conn
-                    self.hello[rank] = frame["data"]
-                    reaper.register(self.id, [a.pid for a in self.agents] + [h["pid"] for h in self.hello.values()])
+                    self._register(hello=(rank, conn, frame["data"]))
                 self.frames.put(("frame", rank, frame))
         except (protocol.ConnectionClosed, OSError):
             self.frames.put(("eof", rank, None))
         except Exception as exc:  # a frame we cannot read: report it as that rank's failure
             self.frames.put(("frame", rank, {"kind": "error", "task": None, "data": {
                 "type": type(exc).__name__, "message": f"unreadable results frame: {exc}", "traceback": ""}}))
+
+    def _register(self, hello: tuple | None = None) -> None:
+        """Note a rank's hello and update the reaper's entry for this job. Ranks say hello at the same moment,
+        from one reader thread each: the lock keeps their updates whole and in order, and a registry that
+        cannot be written (a full disk, a read-only cache) costs only the crash-cleanup record, never the
+        rank's results stream."""
+        with self._register_lock:
+            if hello is not None:
+                rank, conn, data = hello
+                self.conns[rank] = conn
+                self.hello[rank] = data
+            try:
+                reaper.register(self.id, self.pids())
+            except OSError as exc:
+                self.output.append(f"[course] could not update the job registry: {exc}")
 
     def wait_ready(self, cancelled: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -182,6 +197,8 @@ class RankJob:
                 self._fail_startup(f"rank {rank} failed while starting", errors)
             elif kind == "agent_exit":
                 self._fail_startup(f"torchrun (node {rank}) exited with code {payload} while starting", errors)
+            elif kind == "eof" and rank is not None and rank not in self.ready:
+                self._fail_startup(f"rank {rank} closed its connection while starting", errors)
         self.startup_seconds = time.perf_counter() - self._t0
 
     def _startup_diagnosis(self) -> str:
@@ -197,9 +214,28 @@ class RankJob:
             stacks = self._collect_stacks(joining)
             where = ", ".join(f"rank {r} {describe_stack(stacks.get(r, []))}" for r in joining)
             parts.append(f"ranks {joining} connected but did not join the process group ({where})")
+            mute = [r for r in joining if r not in stacks]
+            if mute:
+                parts.append(self._native_stacks(mute))
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         parts.append(f"load average {load:.1f} on {os.cpu_count()} cores; COURSE_STARTUP_TIMEOUT raises the limit")
         return "; ".join(parts)
+
+    def _native_stacks(self, ranks: list[int]) -> str:
+        """Stacks of ranks that cannot answer (stuck in native code holding the GIL): faulthandler prints
+        them on SIGUSR1 (``workers/pool.py``); they arrive in the output as ``[rank r]`` lines."""
+        before = len(self.output)
+        for r in ranks:
+            try:
+                os.kill(self.hello[r]["pid"], signal.SIGUSR1)
+            except (OSError, KeyError):
+                pass
+        time.sleep(1.0)
+        lines = [l for l in list(self.output)[before:] if any(l.startswith(f"[rank {r}]") for r in ranks)]
+        frames = [l for l in lines if 'File "' in l]
+        return ("stacks of the silent ranks, innermost first: " + " <- ".join(f.split("]", 1)[1].strip()
+                                                                             for f in frames[:6])
+                if frames else "the silent ranks printed no stack")
 
     def _collect_stacks(self, ranks: list[int], wait_s: float = 5.0) -> dict[int, list]:
         """Ask every connected rank for its main thread's stack; a loaded machine answers slowly."""
@@ -354,7 +390,7 @@ class RankJob:
 
     # -- stopping --------------------------------------------------------------------------------
     def pids(self) -> list[int]:
-        return [a.pid for a in self.agents] + [h["pid"] for h in self.hello.values()]
+        return [a.pid for a in self.agents] + [h["pid"] for h in list(self.hello.values())]  # a snapshot: hellos arrive on other threads
 
     def alive(self) -> bool:
         return not self.closed and all(a.poll() is None for a in self.agents)

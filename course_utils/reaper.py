@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import psutil
@@ -50,10 +51,12 @@ def _alive(ident: list) -> bool:
 
 
 def register(job_id: str, pids: list[int]) -> None:
+    """Record (or update) a job's processes. Safe to call from several threads and processes at once: each
+    call writes its own temporary file and renames it over the entry (the last rename wins, whole)."""
     owner = _identity(os.getpid())
     idents = [i for i in (_identity(p) for p in pids) if i]
     path = registry_dir() / f"{job_id}.json"
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{job_id}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps({"owner": owner, "pids": idents}))
     os.replace(tmp, path)
 

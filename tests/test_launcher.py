@@ -218,6 +218,33 @@ def test_startup_timeout_says_which_ranks_never_connected_and_leaves_nothing():
     assert _gone(agents)
 
 
+def test_registry_updates_from_many_threads_at_once_never_fail(tmp_path, monkeypatch):
+    # Ranks say hello at the same moment and each reader thread updates the job's entry. With one shared
+    # temporary file, one thread's rename stole another's file, and the FileNotFoundError killed that rank's
+    # results stream: the rank looked "connected but never ready" until the startup timeout.
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    errors = []
+
+    def hammer():
+        try:
+            for _ in range(50):
+                reaper.register("busy", [os.getpid()])
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    import json
+
+    entry = json.loads((reaper.registry_dir() / "busy.json").read_text())
+    assert entry["pids"][0][0] == os.getpid()
+    assert not list(reaper.registry_dir().glob("*.tmp")) and not list(reaper.registry_dir().glob(".*.tmp"))
+
+
 def test_describe_stack_names_the_collective():
     stack = [["/w/workers/pool.py", 10, "run_task", "module.main(ctx)"],
              ["/w/workers/lab.py", 42, "main", "dist.all_reduce(x)"],

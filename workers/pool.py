@@ -12,10 +12,12 @@ which is how the notebook names the collective a stuck rank is waiting in.
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import importlib.util
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -110,6 +112,9 @@ def run_task(ctx: runtime.Context, task: dict) -> None:
 
 
 def serve() -> None:
+    # A rank stuck in native code holding the GIL cannot answer dump_stacks from its reader thread; SIGUSR1
+    # still prints every thread's Python stack to stderr (which torchrun tees to the notebook).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     addr = os.environ["COURSE_RESULTS_ADDR"]
     sock = socket.create_connection(protocol.parse_addr(addr), timeout=30)
     sock.settimeout(None)
