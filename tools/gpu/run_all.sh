@@ -8,7 +8,8 @@
 # call while the machine is still warm, then give_back. One command may run 10 minutes at most and a session
 # has 15 minutes of device time, so the four stages are split in two calls and each stage has its own limit:
 #
-#   spine      tools/gpu/spine_check.py: chapter 01-03 workers at world 1 (NCCL) and 2 (gloo on CUDA)  (issue 2)
+#   spine      tools/gpu/spine_check.py: chapter 01-06 workers at world 1 (NCCL) and 2 (gloo on CUDA)  (issue 2;
+#              04-06 also exercise the host-staged all_gather/reduce_scatter of the one-GPU path)
 #   tp         tools/gpu/tp_block_bench.py --profile: Megatron block vs plain block, memory       (issue 5)
 #   attention  workers.bench_attention --quick --no-autotune: the Triton kernels vs SDPA            (issue 3)
 #   ch11       tools/gpu/ch11_memory.sh: ZeRO memory at four moments, FP8 GEMM                      (issue 4)
@@ -40,7 +41,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null;
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$LOG"
 
-stage spine 240 "$PY" tools/gpu/spine_check.py --out "$OUT/spine_h200.json"
+stage spine 240 "$PY" tools/gpu/spine_check.py --chapters 01,02,03,04,05,06 --out "$OUT/spine_h200.json"
 stage tp 240 "$PY" tools/gpu/tp_block_bench.py --profile --out "$OUT/tp_block_h200.json"
 stage attention 270 "$PY" -m workers.bench_attention --quick --no-autotune --out "$OUT/attention_h200.json"
 if stage ch11 270 bash tools/gpu/ch11_memory.sh; then
