@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_PATH = ROOT / "data" / "reference" / "h200_attention_baseline.json"
 BENCH_GLOB = str(ROOT / "data" / "attention" / "h200_*.json")
 
 # One name, label and colour per implementation, whichever file it comes from.
@@ -226,9 +225,11 @@ def tile_walk_widget(n_keys: int = 24, block: int = 4, seed: int = 0):
 # 2. Measured data: the committed H200 reference, and the course's benchmark files
 # ----------------------------------------------------------------------------------------------------------
 
-def load_reference(path: str | Path = REFERENCE_PATH) -> dict:
-    with open(path) as f:
-        return json.load(f)
+def load_reference() -> dict:
+    """The committed H200 attention run, with its provenance (``course_utils.reference_data``)."""
+    from course_utils import reference_data
+
+    return reference_data.load("h200_attention_baseline")
 
 
 def reference_caption(ref: dict) -> str:

@@ -222,20 +222,15 @@ class RankJob:
         return "; ".join(parts)
 
     def _native_stacks(self, ranks: list[int]) -> str:
-        """Stacks of ranks that cannot answer (stuck in native code holding the GIL): faulthandler prints
-        them on SIGUSR1 (``workers/pool.py``); they arrive in the output as ``[rank r]`` lines."""
-        before = len(self.output)
+        """Ranks that cannot answer (stuck in native code, holding the GIL) print every thread's Python stack
+        on SIGUSR1 (faulthandler, ``workers/pool.py``); the lines reach ``self.output``, shown with the error."""
         for r in ranks:
             try:
                 os.kill(self.hello[r]["pid"], signal.SIGUSR1)
             except (OSError, KeyError):
                 pass
-        time.sleep(1.0)
-        lines = [l for l in list(self.output)[before:] if any(l.startswith(f"[rank {r}]") for r in ranks)]
-        frames = [l for l in lines if 'File "' in l]
-        return ("stacks of the silent ranks, innermost first: " + " <- ".join(f.split("]", 1)[1].strip()
-                                                                             for f in frames[:6])
-                if frames else "the silent ranks printed no stack")
+        time.sleep(1.0)  # let torchrun's tee pass the dump on
+        return f"ranks {ranks} did not answer: their stacks (faulthandler) are in the last output below"
 
     def _collect_stacks(self, ranks: list[int], wait_s: float = 5.0) -> dict[int, list]:
         """Ask every connected rank for its main thread's stack; a loaded machine answers slowly."""
@@ -256,7 +251,7 @@ class RankJob:
         self.close()
         first = min(errors) if errors else None
         tb = errors[first]["traceback"] if errors else ""
-        raise WorkerFailed(summary + (f": {errors[first]['message']}" if errors else "") + self._output_tail(),
+        raise WorkerFailed(summary + (f": {errors[first]['message']}" if errors else "") + self._output_tail(40),
                            rank=first, rank_traceback=tb, errors=errors, logs=list(self.output))
 
     # -- running ---------------------------------------------------------------------------------
@@ -390,7 +385,8 @@ class RankJob:
 
     # -- stopping --------------------------------------------------------------------------------
     def pids(self) -> list[int]:
-        return [a.pid for a in self.agents] + [h["pid"] for h in list(self.hello.values())]  # a snapshot: hellos arrive on other threads
+        # list(...) takes a snapshot: hellos arrive on reader threads
+        return [a.pid for a in self.agents] + [h["pid"] for h in list(self.hello.values())]
 
     def alive(self) -> bool:
         return not self.closed and all(a.poll() is None for a in self.agents)

@@ -114,3 +114,11 @@ def test_notebook_claims_about_the_70b_layouts():
     assert base.fits and none.fits and full.fits
     assert 1.2 < full.step_time_s / base.step_time_s < 1.45
     assert 60e9 < none.memory["activations"] < 70e9
+
+
+def test_notebook_claims_about_the_typical_configurations():
+    # Section 7's prose: with the planner's default m = 4 pp micro-batches per replica (1 without PP), the
+    # three typical layouts train on 8, 32 and 512 sequences per step, fewer than the 1024-GPU table's 2048.
+    typical = [plan("7B", Layout(zero_stage=1), 8), plan("70B", Layout(tp=8, pp=4, zero_stage=1), 64),
+               plan("405B", Layout(tp=8, pp=16, zero_stage=1), 1024)]
+    assert [p.tokens_per_step // p.layout.seq for p in typical] == [8, 32, 512]

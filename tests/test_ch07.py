@@ -4,7 +4,6 @@ The walk is checked against the softmax computed in one go (it must end exactly 
 obey the update rule); the byte counts against the closed forms N^2 and N(d + 1) per head; the reference
 copy against the hash of the shared file it came from.
 """
-import hashlib
 import json
 import math
 
@@ -120,11 +119,9 @@ def test_saved_bytes_rows_match_the_closed_forms():
 
 # -- the reference data and the figures drawn from it ----------------------------------------------------
 
-def test_reference_copy_is_the_shared_file_unchanged():
-    ref = ch07.load_reference()
-    prov = ref.pop("provenance")
-    # The shared file's bytes are json.dumps(data, indent=1): the hash proves every number was copied as is.
-    assert hashlib.sha256(json.dumps(ref, indent=1).encode()).hexdigest() == prov["source_sha256"]
+def test_reference_says_what_it_measured():
+    # (that every number is the shared file's, unchanged, is checked for all reference data in test_reference_data.py)
+    prov = ch07.load_reference()["provenance"]
     assert prov["date"] == "2026-11-29" and "H200" in prov["device"]
     assert "NOT the course's kernel" in prov["triton_course"]
 

@@ -4,6 +4,7 @@ Every test here would fail if the property it names were missing: a crash must e
 the rank's own traceback; a stuck rank must end at the timeout with the stuck collective named; a cancel
 must leave no process behind; two jobs at once must not collide; bad input must be refused before launch.
 """
+import json
 import os
 import subprocess
 import sys
@@ -168,7 +169,6 @@ def test_stale_jobs_of_a_dead_owner_are_reaped(tmp_path, monkeypatch):
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     kept = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        import json
         created = psutil.Process(orphan.pid).create_time()
         (reaper.registry_dir() / "stale.json").write_text(json.dumps(
             {"owner": [dead_owner.pid, 1.0], "pids": [[orphan.pid, created]]}))
@@ -189,7 +189,6 @@ def test_reaper_spares_a_process_that_reused_a_recorded_pid(tmp_path, monkeypatc
     monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        import json
         created = psutil.Process(bystander.pid).create_time()
         (reaper.registry_dir() / "old.json").write_text(json.dumps(
             {"owner": [bystander.pid, created - 3600.0], "pids": [[bystander.pid, created - 3600.0]]}))
@@ -223,23 +222,15 @@ def test_registry_updates_from_many_threads_at_once_never_fail(tmp_path, monkeyp
     # temporary file, one thread's rename stole another's file, and the FileNotFoundError killed that rank's
     # results stream: the rank looked "connected but never ready" until the startup timeout.
     monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
-    errors = []
+    from concurrent.futures import ThreadPoolExecutor
 
-    def hammer():
-        try:
-            for _ in range(50):
-                reaper.register("busy", [os.getpid()])
-        except Exception as exc:  # noqa: BLE001 - collected and asserted below
-            errors.append(exc)
+    def hammer(_):
+        for _ in range(50):
+            reaper.register("busy", [os.getpid()])
 
-    threads = [threading.Thread(target=hammer) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[:3]
-    import json
-
+    with ThreadPoolExecutor(8) as pool:
+        for done in [pool.submit(hammer, i) for i in range(8)]:
+            done.result()  # re-raises a thread's FileNotFoundError here
     entry = json.loads((reaper.registry_dir() / "busy.json").read_text())
     assert entry["pids"][0][0] == os.getpid()
     assert not list(reaper.registry_dir().glob("*.tmp")) and not list(reaper.registry_dir().glob(".*.tmp"))

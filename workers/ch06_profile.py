@@ -128,8 +128,6 @@ def profile_one(ctx, cfg: BlockConfig, seq: int, batch: int, *, sequence_paralle
                 continue
             comm_attn, comm_mlp = ledger.seconds("attention"), ledger.seconds("mlp")
             comm = ledger.seconds()
-            if tp == 1:  # no collective runs in a group of one: the regions' few microseconds are bookkeeping
-                comm_attn = comm_mlp = comm = {"forward": 0.0, "backward": 0.0}
             steps.append({"forward_s": t1 - t0, "backward_s": t2 - t1, **{f"{k}_s": v for k, v in segments.items()},
                           "comm_forward_s": comm["forward"], "comm_backward_s": comm["backward"],
                           "comm_attention_forward_s": comm_attn["forward"], "comm_mlp_forward_s": comm_mlp["forward"]})
@@ -152,8 +150,7 @@ def profile_one(ctx, cfg: BlockConfig, seq: int, batch: int, *, sequence_paralle
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     # The shares of one typical step (the one whose stages took the median total), so they add up to 100%;
     # a step slowed down by another process on the shared cores is then left out rather than mixed in.
-    totals = [sum(s[f"{k}_s"] for k in STAGES) for s in steps]
-    typical = steps[sorted(range(len(steps)), key=totals.__getitem__)[len(steps) // 2]]
+    typical = sorted(steps, key=lambda s: sum(s[f"{k}_s"] for k in STAGES))[len(steps) // 2]
     share = _shares(typical)
     return {"seq": seq, "batch": batch, **med, "forward_share": share, "repeats": repeats, "trace": trace,
             "device": str(ctx.device) if ctx.device.type == "cpu" else torch.cuda.get_device_name(ctx.device)}

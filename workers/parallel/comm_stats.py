@@ -125,14 +125,19 @@ class CommLedger:
         return [{"scope": s, "kind": k, "collective": c, "pass": p, **v} for (s, k, c, p), v in rows.items()]
 
     def intervals(self) -> list[tuple[str, str, float]]:
-        """(scope, pass, seconds) of every region's communication, in order (``timed=True`` only)."""
+        """(scope, pass, seconds) of every region's communication, in order (``timed=True`` only).
+
+        Only regions that ran a collective count: in a group of one the mappings return their input, and the
+        microseconds between the markers are bookkeeping, not communication.
+        """
         out, open_at = [], {}
-        for _, scope, _, _, pass_, t in self.marks:
+        for index, scope, _, _, pass_, t in self.marks:
             if scope is not None:
-                open_at[pass_] = (scope, t)
+                open_at[pass_] = (scope, t, index)
             elif pass_ in open_at:
-                name, start = open_at.pop(pass_)
-                out.append((name, pass_, t - start))
+                name, start, first = open_at.pop(pass_)
+                if index > first:  # entries were recorded between the two markers
+                    out.append((name, pass_, t - start))
         return out
 
     def seconds(self, scope: str | None = None) -> dict[str, float]:
