@@ -14,6 +14,8 @@
 #   attention  workers.bench_attention --quick --no-autotune: the Triton kernels vs SDPA            (issue 3)
 #   ch11       tools/gpu/ch11_memory.sh: ZeRO memory at four moments, FP8 GEMM                      (issue 4)
 #
+# Rehearse first on the CPU, under the device image's versions: bash tools/gpu/compat_check.sh.
+#
 # Results go to $OUT (the device tool's folder; build/gpu elsewhere), at most 8 files, as JSON with device,
 # versions, date and command, plus run_all_<stages>.log. Copy them into data/gpu/ (attention results into
 # data/attention/) and commit; the notebooks plot them from there. A failing stage is logged and the next runs.

@@ -27,10 +27,14 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=ROOT / "data" / "gpu" / "spine_h200.json")
     p.add_argument("--chapters", default="01,02,03")
+    p.add_argument("--expect", choices=("gpu", "cpu"), default="gpu",
+                   help="cpu: a rehearsal on a machine with no GPU (tools/gpu/compat_check.sh), every rank on gloo/cpu")
     a = p.parse_args()
     workers = sorted(f"workers.{q.stem}" for ch in a.chapters.split(",") for q in (ROOT / "workers").glob(f"ch{ch}_*.py")
                      if "entrypoint(main)" in q.read_text())
     expected = {1: ("nccl", ["cuda:0"]), 2: ("gloo", ["cuda:0", "cuda:0"])}
+    if a.expect == "cpu":
+        expected = {1: ("gloo", ["cpu"]), 2: ("gloo", ["cpu", "cpu"])}
     runs, ok = [], True
     for world, (backend, devices) in expected.items():
         for worker in workers:
