@@ -1,6 +1,7 @@
 # Distributed Training: Parallel Engineering for LLMs
 #   make lab        create the environment if needed, open JupyterLab on the course
 #   make test       create the environment if needed, run the whole test suite (what CI runs)
+#   make test-browser  chapter 05 used in the real JupyterLab through headless Chromium (CI runs it too)
 SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
@@ -10,7 +11,7 @@ NB_OUT := build/executed
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: setup lab test test-unit test-notebooks nbval notebooks grade bench doctor clean
+.PHONY: setup lab test test-browser test-unit test-notebooks nbval notebooks grade bench doctor clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml tools/setup_env.sh
@@ -33,6 +34,12 @@ test: $(STAMP)
 	$(PY) -m course_utils.notebooks execute --out $(NB_OUT) --timeout 600
 	$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
+
+# A learner's session in a real browser: make lab, chapter 05 run from the menu, its widget used, a kernel
+# restart. Needs Chromium (Debian: apt-get install chromium; or CHROMIUM=/path); .ci/run installs it.
+test-browser: $(STAMP)
+	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "playwright>=1.40"
+	$(PYTEST) -q -s -p no:cacheprovider -m browser tests/browser
 
 test-unit: $(STAMP)
 	$(PYTEST) -q

@@ -1,0 +1,159 @@
+"""A learner's session, in a real browser on the real ``make lab``: chapter 05 run from the menu, its widget used.
+
+Headless Chromium (driven by Playwright) opens ``notebooks/05_attention_tp.ipynb`` in JupyterLab, runs every
+cell with Run > Run All Cells, and then uses the head-count widget, which reruns real ranks:
+
+* every code cell ran, none printed an error, and the widget's first run came back from 4 ranks;
+* moving "heads" from 8 to 7 (not divisible by TP 4) shows the launcher's one-sentence message, no traceback,
+  and nothing is launched; moving it back reruns the ranks and draws a new figure;
+* Kernel > Restart Kernel leaves none of the ranks behind;
+* the chapter file is unchanged (autosave is off in this session's private lab settings).
+
+The slider-to-result latencies seen by the browser are printed and written to build/browser_check.json.
+Run with ``make test-browser`` (needs Chromium; CI installs Debian's). Not part of ``make test``, which must
+run on a learner's machine without a browser.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+
+import psutil
+import pytest
+
+from tests.lab_server import ROOT, make_lab
+
+pytestmark = pytest.mark.browser
+CHAPTER = "notebooks/05_attention_tp.ipynb"
+SETTINGS = {
+    "@jupyterlab/docmanager-extension:plugin": {"autosave": False},
+    # every cell in the DOM, so the test can read each one's prompt and outputs
+    "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+}
+# The widget box of the chapter's LiveRun: the one with a Cancel button and a "heads" slider.
+LIVE_BOX = ".widget-vbox:has(> .widget-hbox button:has-text('Cancel')):has(.widget-label:text-is('heads'))"
+
+
+def chromium_path() -> str:
+    for candidate in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    pytest.fail("no Chromium found: install it (Debian: apt-get install chromium) or set CHROMIUM=/path/to/chrome")
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def status_text(box) -> str:
+    return box.locator(".widget-html-content").first.inner_text()
+
+
+def wait_status(page, box, predicate_js: str, timeout_s: float) -> float:
+    """Seconds until the LiveRun's status line satisfies ``predicate_js`` (a JS expression over ``t``)."""
+    t0 = time.perf_counter()
+    handle = box.element_handle()
+    page.wait_for_function(
+        f"(box) => {{ const t = box.querySelector('.widget-html-content').innerText; return {predicate_js}; }}",
+        arg=handle, timeout=timeout_s * 1000)
+    return time.perf_counter() - t0
+
+
+def lab_ranks(lab_pid: int) -> list[psutil.Process]:
+    """Processes under the lab server that are course ranks (started by a kernel through torchrun)."""
+    out = []
+    for p in psutil.Process(lab_pid).children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "workers.pool" in cmd or "torchrun" in cmd or "torch.distributed.run" in cmd:
+            out.append(p)
+    return out
+
+
+def test_chapter_05_in_jupyterlab(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    chapter = ROOT / CHAPTER
+    before = sha256(chapter)
+    timings = {}
+    with make_lab(tmp_path, SETTINGS) as lab, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path(),
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(lab.url(f"lab/tree/{CHAPTER}"))
+            page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=90_000)
+            t0 = time.perf_counter()
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
+            # The kernel goes idle between cells; the run is over when no cell waits ("[*]") and the last ran.
+            page.wait_for_function(
+                """() => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
+                                       .map(e => e.innerText.trim());
+                           return p.length > 0 && !p.includes('[*]:') && /^\\[\\d+\\]:$/.test(p[p.length - 1]); }""",
+                timeout=600_000)
+            timings["run_all_s"] = time.perf_counter() - t0
+
+            prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+            assert prompts and all(p.strip().startswith("[") and p.strip()[1:-2].isdigit() for p in prompts), (
+                f"not every code cell ran: {[p for p in prompts if not p.strip()[1:-2].isdigit()]}")
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] "
+                                  ":text('Traceback')").count()
+            assert errors == 0, "a cell printed a traceback"
+
+            box = page.locator(LIVE_BOX)
+            assert box.count() == 1, "the chapter's head-count widget did not render"
+            first = status_text(box)
+            assert "world 4" in first and "gloo" in first, first
+            image = box.locator(".jp-OutputArea-output img").first
+            figure_tp4 = image.get_attribute("src")
+
+            heads = box.locator(".widget-hslider:has(.widget-label:text-is('heads')) .noUi-handle")
+            heads.focus()
+            page.keyboard.press("ArrowLeft")  # 8 -> 7 heads at TP 4
+            timings["refusal_s"] = wait_status(page, box, "t.includes('n_heads=7')", 30)
+            refusal = status_text(box)
+            assert "divisible" in refusal and "Traceback" not in refusal, refusal
+            assert len(refusal.rstrip(".").split(". ")) == 1, f"the refusal should be one sentence: {refusal!r}"
+
+            page.keyboard.press("ArrowRight")  # back to 8: a new run on the warm ranks (same picture, new run)
+            timings["rerun_s"] = wait_status(page, box, "t.includes('world 4') && t.includes('ran in')", 60)
+            assert "warm ranks" in status_text(box)
+
+            tp = box.locator(".widget-hslider:has(.widget-label:text-is('TP')) .noUi-handle")
+            tp.focus()
+            marker = status_text(box)
+            page.keyboard.press("ArrowLeft")  # TP 4 -> 3: 8 heads do not split over 3 ranks
+            wait_status(page, box, "t.includes('tp_size=3') || t.includes('n_heads=8')", 30)
+            page.keyboard.press("ArrowLeft")  # TP 2: valid, a different sharding and a different figure
+            timings["rerun_tp2_s"] = wait_status(page, box, f"t.includes('ran in') && t !== {json.dumps(marker)}", 60)
+            image.wait_for(timeout=10_000)
+            assert image.get_attribute("src") != figure_tp4, "TP 2 drew the same figure as TP 4"
+
+            ranks = lab_ranks(lab.proc.pid)
+            assert len(ranks) >= 4, f"expected the warm ranks of world 4 under the kernel, found {len(ranks)}"
+            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+            page.locator(".lm-Menu-itemLabel:text-is('Restart Kernel…')").click()
+            page.locator(".jp-Dialog-button.jp-mod-accept").click()
+            page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=90_000)
+            _, alive = psutil.wait_procs(ranks, timeout=30)
+            for p in alive:  # a failing test must not leave them behind either
+                p.kill()
+            assert not alive, f"ranks left after a kernel restart: {[p.pid for p in alive]}"
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"))
+            print(f"screenshot: {tmp_path / 'failure.png'}\nlab log:\n{lab.log_tail()}")
+            raise
+        finally:
+            browser.close()
+    assert sha256(chapter) == before, f"{CHAPTER} was changed by the session"
+    print(json.dumps(timings))
+    out = ROOT / "build" / "browser_check.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"chapter": CHAPTER, **timings}, indent=1))
