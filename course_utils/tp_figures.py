@@ -72,7 +72,7 @@ def fault_table(verdicts: dict) -> str:
 SEGMENTS = ("ln1", "attention", "residual1", "ln2", "mlp", "residual2")
 
 
-def profile_figure(profile: dict, predicted: dict, title: str = ""):
+def profile_figure(profile: dict, predicted: dict, title: str = "", device_note: str | None = None):
     """Measured share of the forward time per segment (comm split out) next to the FLOPs-predicted share."""
     import matplotlib.pyplot as plt
 
@@ -94,8 +94,9 @@ def profile_figure(profile: dict, predicted: dict, title: str = ""):
     ax.set_ylabel("ms per step (median)")
     ax.set_title(f"backward / forward = {bwd / fwd:.2f}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.text(0.5, -0.02, CPU_NOTE if profile.get("device", "cpu") == "cpu" else profile.get("device", ""),
-             ha="center", fontsize=8, style="italic")
+    if device_note is None:
+        device_note = CPU_NOTE if profile.get("device", "cpu") == "cpu" else profile.get("device", "")
+    fig.text(0.5, -0.02, device_note, ha="center", fontsize=8, style="italic")
     fig.tight_layout()
     return fig
 
@@ -198,10 +199,31 @@ def training_figure(dense_losses: list[float], runs: dict):
     return fig
 
 
+def gpu_label(result: dict) -> str:
+    """Where a committed GPU run came from: device, versions, date, file."""
+    return (f"{result['device']}, torch {result['torch']}, CUDA {result.get('cuda')}, {result['date']} "
+            f"({result.get('file', 'not committed')})")
+
+
+def gpu_profile_figures(result: dict) -> list:
+    """The ``--profile`` part of a committed GPU run: one measured-vs-FLOPs figure per shape (CUDA events)."""
+    from course_utils.tp_check import layer_forward_flops
+
+    figures = []
+    for prof in result.get("profile", []):
+        hidden = next((row["hidden"] for row in result["shapes"] if row["seq"] == prof["seq"]), None)
+        if hidden is None:
+            continue
+        flops = layer_forward_flops(prof["seq"], hidden, prof["batch"])
+        predicted = {"attention": flops["attention"] / flops["total"], "mlp": flops["mlp"] / flops["total"]}
+        title = f"TP 1, h={hidden}, s={prof['seq']}, b={prof['batch']}, {result.get('dtype', '')}"
+        figures.append(profile_figure(prof, predicted, title, device_note=gpu_label(result)))
+    return figures
+
+
 def gpu_table(result: dict) -> str:
     """The committed H200 run as text: course block, plain block and matmul, and activation memory."""
-    lines = [f"{result['device']}, torch {result['torch']}, CUDA {result.get('cuda')}, {result['date']} "
-             f"({result['file']})", f"command: {result['command']}",
+    lines = [gpu_label(result), f"command: {result['command']}",
              f"bf16 matmul {result['matmul']['n']}^3: {result['matmul']['tflops']:.0f} TFLOP/s"]
     for row in result["shapes"]:
         c, p = row["course_block"], row["plain_block"]

@@ -34,11 +34,11 @@ def test_plain_block_loads_the_course_weights_and_matches_the_dense_block():
     assert torch.allclose(plain(x), dense(x.transpose(0, 1)).transpose(0, 1), atol=1e-5)
 
 
-def test_runs_end_to_end_on_a_cpu(tmp_path):
-    out = tmp_path / "bench.json"
+def test_runs_end_to_end_on_a_cpu_and_chapter_06_reads_its_output(tmp_path, monkeypatch):
+    out = tmp_path / "tp_block_cpu.json"
     cmd = [sys.executable, str(ROOT / "tools" / "gpu" / "tp_block_bench.py"), "--device", "cpu", "--dtype", "float32",
            "--hidden", "32", "--heads", "4", "--shapes", "16x2,32x1", "--matmul", "64", "--iters", "2",
-           "--warmup", "1", "--out", str(out)]
+           "--warmup", "1", "--profile", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -50,3 +50,17 @@ def test_runs_end_to_end_on_a_cpu(tmp_path):
         assert row["max_abs_diff_course_vs_plain"] < 1e-4
         assert row["course_block"]["median_s"] > 0 and row["plain_block"]["tflops"] > 0
         assert row["activation_memory"]["measured_bytes"] is None  # CUDA allocator only
+    assert [p["seq"] for p in data["profile"]] == [16, 32]
+    # Chapter 06's GPU cell reads whatever tools/gpu/run_all.sh commits: the same file format, from the same script.
+    from course_utils import tp_figures
+
+    monkeypatch.setattr(tp_figures, "GPU_DATA", tmp_path)
+    monkeypatch.setattr(tp_figures, "ROOT", tmp_path)
+    (run,) = tp_figures.gpu_results("tp_block_*.json")
+    table = tp_figures.gpu_table(run)
+    assert "cpu (no GPU)" in table and "tp_block_cpu.json" in table and "s=   16 b=2" in table
+    figures = tp_figures.gpu_profile_figures(run)
+    assert len(figures) == 2 and "tp_block_cpu.json" in figures[0].texts[-1].get_text()
+    import matplotlib.pyplot as plt
+
+    plt.close("all")

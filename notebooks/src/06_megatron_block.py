@@ -215,6 +215,8 @@ plots.savefig(tp_figures.attention_share_figure(SEQS, [p["forward_share"]["atten
 gpu_runs = tp_figures.gpu_results()
 if gpu_runs:
     print(tp_figures.gpu_table(gpu_runs[0]))
+    for i, fig in enumerate(tp_figures.gpu_profile_figures(gpu_runs[0])):  # CUDA events, same segments as above
+        plots.savefig(fig, f"06_profile_gpu_{i}")
 else:
     print("Not measured on a GPU yet: no data/gpu/tp_block_*.json in this repository. A session with an H200 runs\n"
           "  python tools/gpu/tp_block_bench.py --profile --out data/gpu/tp_block_h200.json\n"

@@ -16,17 +16,25 @@
 #
 # Rehearse first on the CPU, under the device image's versions: bash tools/gpu/compat_check.sh.
 #
-# Results go to $OUT (the device tool's folder; build/gpu elsewhere), at most 8 files, as JSON with device,
-# versions, date and command, plus run_all_<stages>.log. Copy them into data/gpu/ (attention results into
-# data/attention/) and commit; the notebooks plot them from there. A failing stage is logged and the next runs.
+# Results go to $OUT (the device tool's folder; build/gpu elsewhere) laid out as in the repository, so that
+#   cp -r "$OUT"/data/. data/
+# puts each file where its notebook reads it: data/gpu/spine_h200.json, data/gpu/tp_block_h200.json,
+# data/gpu/ch11_memory_h200.json, data/gpu/ch11_fp8_gemm_h200.json, data/attention/h200_<date>.json; each JSON
+# carries device, versions, date and command; run_all_<stages>.log sits beside data/. Then re-execute chapters
+# 06, 07 and 11 and commit. A failing stage is logged and the next runs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 STAGES="${1:-spine,tp,attention,ch11}"
 OUT="${OUT:-build/gpu}"
-mkdir -p "$OUT"
 PY="${PY:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3  # the device image's python3 holds torch; the course package is used from the tree
 export PY PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "run_all: no GPU visible to $PY; these files would be named for the H200, so nothing is run." \
+         "To rehearse on a CPU, use bash tools/gpu/compat_check.sh" >&2
+    exit 2
+fi
+mkdir -p "$OUT/data/gpu" "$OUT/data/attention"
 LOG="$OUT/run_all_${STAGES//,/_}.log"
 
 stage() {  # stage NAME LIMIT_S COMMAND...
@@ -43,10 +51,10 @@ stage() {  # stage NAME LIMIT_S COMMAND...
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null;
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$LOG"
 
-stage spine 240 "$PY" tools/gpu/spine_check.py --chapters 01,02,03,04,05,06 --out "$OUT/spine_h200.json"
-stage tp 240 "$PY" tools/gpu/tp_block_bench.py --profile --out "$OUT/tp_block_h200.json"
-stage attention 270 "$PY" -m workers.bench_attention --quick --no-autotune --out "$OUT/attention_h200.json"
+stage spine 240 "$PY" tools/gpu/spine_check.py --chapters 01,02,03,04,05,06 --out "$OUT/data/gpu/spine_h200.json"
+stage tp 240 "$PY" tools/gpu/tp_block_bench.py --profile --out "$OUT/data/gpu/tp_block_h200.json"
+stage attention 270 "$PY" -m workers.bench_attention --quick --no-autotune --out "$OUT/data/attention/h200_$(date -u +%F).json"
 if stage ch11 270 bash tools/gpu/ch11_memory.sh; then
-    case ",$STAGES," in *",ch11,"*) cp data/gpu/ch11_memory_*.json data/gpu/ch11_fp8_gemm_*.json "$OUT"/ 2>/dev/null ;; esac
+    case ",$STAGES," in *",ch11,"*) cp data/gpu/ch11_memory_*.json data/gpu/ch11_fp8_gemm_*.json "$OUT/data/gpu/" 2>/dev/null ;; esac
 fi
-ls -l "$OUT" | tee -a "$LOG"
+ls -lR "$OUT/data" | tee -a "$LOG"
