@@ -63,3 +63,39 @@ def test_kernels_compile_for_hopper():
         assert r["wgmma"] >= 4, (name, r)
         # loads pipelined through shared memory (cp.async), which needs the 16-byte alignment hints
         assert r["async_copies"] > 0, (name, r)
+
+
+DEFAULTS_SCRIPT = """
+import json
+from workers.attention import triton_kernels as tk
+rows = []
+for name, configs in tk.GPU_CONFIGS.items():
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            ck = tk.compile_for_gpu(name, configs[0], head_dim=head_dim, causal=causal, arch=90)
+            rows.append({"kernel": name, "head_dim": head_dim, "causal": causal, **tk.resource_usage(ck)})
+bad = tk.compile_for_gpu("dkdv", tk._cfg(32, 128, 4, 5), head_dim=128, causal=True, arch=90)
+print(json.dumps({"defaults": rows, "tutorial_dkdv_d128": tk.resource_usage(bad)}))
+"""
+
+
+def test_default_configs_do_not_spill_registers():
+    """``--no-autotune`` (the short GPU lease's first run) uses each kernel's first config: none may spill.
+
+    The check is the cubin's stack frame (``resource_usage``); the 4-warp 32x128 dK/dV tile, which spills about
+    3 KB a thread at d = 128, is compiled too, so a reader that always says zero would fail here.
+    """
+    from triton.backends import backends
+    if "nvidia" not in backends:
+        pytest.skip("this triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", DEFAULTS_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report["defaults"]) == 12
+    for row in report["defaults"]:
+        assert row["spill_stack_bytes"] == 0 and row["registers"] <= 255, row
+        assert 0 < row["shared_bytes"] <= HOPPER_SHARED_MEMORY, row
+    assert report["tutorial_dkdv_d128"]["spill_stack_bytes"] > 500, report["tutorial_dkdv_d128"]
