@@ -36,7 +36,8 @@ test: $(STAMP)
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
 
 # A learner's session in a real browser: make lab, chapter 05 run from the menu, its widget used, a kernel
-# restart. Needs Chromium (Debian: apt-get install chromium; or CHROMIUM=/path); .ci/run installs it.
+# restart; Cancel, interrupt and a crashed rank. Needs Chromium (Debian: apt-get install chromium; or
+# CHROMIUM=/path); .ci/run installs it.
 test-browser: $(STAMP)
 	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "playwright>=1.40"
 	$(PYTEST) -q -s -p no:cacheprovider -m browser tests/browser

@@ -26,6 +26,13 @@ def get(url: str) -> tuple[int, str]:
         return r.status, r.read().decode()
 
 
+def request(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.status, r.read().decode()
+
+
 class Lab:
     def __init__(self, proc: subprocess.Popen, base: str, token: str, log: Path):
         self.proc, self.base, self.token, self.log = proc, base, token, log

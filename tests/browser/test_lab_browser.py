@@ -1,13 +1,17 @@
-"""A learner's session, in a real browser on the real ``make lab``: chapter 05 run from the menu, its widget used.
+"""A learner's session, in a real browser on the real ``make lab`` (headless Chromium driven by Playwright).
 
-Headless Chromium (driven by Playwright) opens ``notebooks/05_attention_tp.ipynb`` in JupyterLab, runs every
-cell with Run > Run All Cells, and then uses the head-count widget, which reruns real ranks:
+``test_chapter_05_in_jupyterlab`` opens ``notebooks/05_attention_tp.ipynb``, runs every cell with
+Run > Run All Cells, and uses the head-count widget, which reruns real ranks:
 
 * every code cell ran, none printed an error, and the widget's first run came back from 4 ranks;
 * moving "heads" from 8 to 7 (not divisible by TP 4) shows the launcher's one-sentence message, no traceback,
-  and nothing is launched; moving it back reruns the ranks and draws a new figure;
+  and nothing is launched; moving it back reruns the ranks; TP 2 draws a different figure;
 * Kernel > Restart Kernel leaves none of the ranks behind;
 * the chapter file is unchanged (autosave is off in this session's private lab settings).
+
+``test_cancel_interrupt_and_a_crashed_rank_in_jupyterlab`` uses a scratch notebook under build/: the widget's
+Cancel button stops a two-minute run and its ranks, Kernel > Interrupt Kernel stops a blocking ``cu.run`` and
+its ranks, and a rank's exception is shown in the cell with that rank's traceback.
 
 The slider-to-result latencies seen by the browser are printed and written to build/browser_check.json.
 Run with ``make test-browser`` (needs Chromium; CI installs Debian's). Not part of ``make test``, which must
@@ -24,7 +28,7 @@ import time
 import psutil
 import pytest
 
-from tests.lab_server import ROOT, make_lab
+from tests.lab_server import ROOT, get, make_lab, request
 
 pytestmark = pytest.mark.browser
 CHAPTER = "notebooks/05_attention_tp.ipynb"
@@ -76,84 +80,205 @@ def lab_ranks(lab_pid: int) -> list[psutil.Process]:
     return out
 
 
-def test_chapter_05_in_jupyterlab(tmp_path):
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    with make_lab(tmp_path_factory.mktemp("lab"), SETTINGS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def browser():
     from playwright.sync_api import sync_playwright
 
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=chromium_path(),
+                                      args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield chromium
+        chromium.close()
+
+
+def open_page(browser, lab, path: str):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(lab.url(f"lab/tree/{path}?reset"))  # ?reset: a fresh workspace, not the previous test's tabs
+    page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=90_000)
+    return page
+
+
+def shut_down_kernels(lab) -> None:
+    """Close this test's kernels through the server's API, as closing the tab and choosing Shut Down would."""
+    for kernel in json.loads(get(lab.url("api/kernels"))[1]):
+        request(lab.url(f"api/kernels/{kernel['id']}"), method="DELETE")
+
+
+def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
     chapter = ROOT / CHAPTER
     before = sha256(chapter)
     timings = {}
-    with make_lab(tmp_path, SETTINGS) as lab, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path(),
-                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(lab.url(f"lab/tree/{CHAPTER}"))
-            page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=90_000)
-            t0 = time.perf_counter()
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
-            # The kernel goes idle between cells; the run is over when no cell waits ("[*]") and the last ran.
-            page.wait_for_function(
-                """() => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
-                                       .map(e => e.innerText.trim());
-                           return p.length > 0 && !p.includes('[*]:') && /^\\[\\d+\\]:$/.test(p[p.length - 1]); }""",
-                timeout=600_000)
-            timings["run_all_s"] = time.perf_counter() - t0
+    page = open_page(browser, lab, CHAPTER)
+    try:
+        t0 = time.perf_counter()
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
+        # The kernel goes idle between cells; the run is over when no cell waits ("[*]") and the last ran.
+        page.wait_for_function(
+            """() => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
+                                   .map(e => e.innerText.trim());
+                       return p.length > 0 && !p.includes('[*]:') && /^\\[\\d+\\]:$/.test(p[p.length - 1]); }""",
+            timeout=600_000)
+        timings["run_all_s"] = time.perf_counter() - t0
 
-            prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
-            assert prompts and all(p.strip().startswith("[") and p.strip()[1:-2].isdigit() for p in prompts), (
-                f"not every code cell ran: {[p for p in prompts if not p.strip()[1:-2].isdigit()]}")
-            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] "
-                                  ":text('Traceback')").count()
-            assert errors == 0, "a cell printed a traceback"
+        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+        assert prompts and all(p.strip().startswith("[") and p.strip()[1:-2].isdigit() for p in prompts), (
+            f"not every code cell ran: {[p for p in prompts if not p.strip()[1:-2].isdigit()]}")
+        errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] "
+                              ":text('Traceback')").count()
+        assert errors == 0, "a cell printed a traceback"
 
-            box = page.locator(LIVE_BOX)
-            assert box.count() == 1, "the chapter's head-count widget did not render"
-            first = status_text(box)
-            assert "world 4" in first and "gloo" in first, first
-            image = box.locator(".jp-OutputArea-output img").first
-            figure_tp4 = image.get_attribute("src")
+        box = page.locator(LIVE_BOX)
+        assert box.count() == 1, "the chapter's head-count widget did not render"
+        first = status_text(box)
+        assert "world 4" in first and "gloo" in first, first
+        image = box.locator(".jp-OutputArea-output img").first
+        figure_tp4 = image.get_attribute("src")
 
-            heads = box.locator(".widget-hslider:has(.widget-label:text-is('heads')) .noUi-handle")
-            heads.focus()
-            page.keyboard.press("ArrowLeft")  # 8 -> 7 heads at TP 4
-            timings["refusal_s"] = wait_status(page, box, "t.includes('n_heads=7')", 30)
-            refusal = status_text(box)
-            assert "divisible" in refusal and "Traceback" not in refusal, refusal
-            assert len(refusal.rstrip(".").split(". ")) == 1, f"the refusal should be one sentence: {refusal!r}"
+        heads = box.locator(".widget-hslider:has(.widget-label:text-is('heads')) .noUi-handle")
+        heads.focus()
+        page.keyboard.press("ArrowLeft")  # 8 -> 7 heads at TP 4
+        timings["refusal_s"] = wait_status(page, box, "t.includes('n_heads=7')", 30)
+        refusal = status_text(box)
+        assert "divisible" in refusal and "Traceback" not in refusal, refusal
+        assert len(refusal.rstrip(".").split(". ")) == 1, f"the refusal should be one sentence: {refusal!r}"
 
-            page.keyboard.press("ArrowRight")  # back to 8: a new run on the warm ranks (same picture, new run)
-            timings["rerun_s"] = wait_status(page, box, "t.includes('world 4') && t.includes('ran in')", 60)
-            assert "warm ranks" in status_text(box)
+        page.keyboard.press("ArrowRight")  # back to 8: a new run on the warm ranks (same picture, new run)
+        timings["rerun_s"] = wait_status(page, box, "t.includes('world 4') && t.includes('ran in')", 60)
+        assert "warm ranks" in status_text(box)
 
-            tp = box.locator(".widget-hslider:has(.widget-label:text-is('TP')) .noUi-handle")
-            tp.focus()
-            marker = status_text(box)
-            page.keyboard.press("ArrowLeft")  # TP 4 -> 3: 8 heads do not split over 3 ranks
-            wait_status(page, box, "t.includes('tp_size=3') || t.includes('n_heads=8')", 30)
-            page.keyboard.press("ArrowLeft")  # TP 2: valid, a different sharding and a different figure
-            timings["rerun_tp2_s"] = wait_status(page, box, f"t.includes('ran in') && t !== {json.dumps(marker)}", 60)
-            image.wait_for(timeout=10_000)
-            assert image.get_attribute("src") != figure_tp4, "TP 2 drew the same figure as TP 4"
+        tp = box.locator(".widget-hslider:has(.widget-label:text-is('TP')) .noUi-handle")
+        tp.focus()
+        marker = status_text(box)
+        page.keyboard.press("ArrowLeft")  # TP 4 -> 3: 8 heads do not split over 3 ranks
+        wait_status(page, box, "t.includes('tp_size=3') || t.includes('n_heads=8')", 30)
+        page.keyboard.press("ArrowLeft")  # TP 2: valid, a different sharding and a different figure
+        timings["rerun_tp2_s"] = wait_status(page, box, f"t.includes('ran in') && t !== {json.dumps(marker)}", 60)
+        image.wait_for(timeout=10_000)
+        assert image.get_attribute("src") != figure_tp4, "TP 2 drew the same figure as TP 4"
 
-            ranks = lab_ranks(lab.proc.pid)
-            assert len(ranks) >= 4, f"expected the warm ranks of world 4 under the kernel, found {len(ranks)}"
-            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
-            page.locator(".lm-Menu-itemLabel:text-is('Restart Kernel…')").click()
-            page.locator(".jp-Dialog-button.jp-mod-accept").click()
-            page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=90_000)
-            _, alive = psutil.wait_procs(ranks, timeout=30)
-            for p in alive:  # a failing test must not leave them behind either
-                p.kill()
-            assert not alive, f"ranks left after a kernel restart: {[p.pid for p in alive]}"
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"))
-            print(f"screenshot: {tmp_path / 'failure.png'}\nlab log:\n{lab.log_tail()}")
-            raise
-        finally:
-            browser.close()
+        ranks = lab_ranks(lab.proc.pid)
+        assert len(ranks) >= 4, f"expected the warm ranks of world 4 under the kernel, found {len(ranks)}"
+        page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+        page.locator(".lm-Menu-itemLabel:text-is('Restart Kernel…')").click()
+        page.locator(".jp-Dialog-button.jp-mod-accept").click()
+        page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=90_000)
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+        for p in alive:  # a failing test must not leave them behind either
+            p.kill()
+        assert not alive, f"ranks left after a kernel restart: {[p.pid for p in alive]}"
+    except Exception:
+        page.screenshot(path=str(tmp_path / "failure.png"))
+        print(f"screenshot: {tmp_path / 'failure.png'}\nlab log:\n{lab.log_tail()}")
+        raise
+    finally:
+        page.close()
+        shut_down_kernels(lab)
     assert sha256(chapter) == before, f"{CHAPTER} was changed by the session"
     print(json.dumps(timings))
     out = ROOT / "build" / "browser_check.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"chapter": CHAPTER, **timings}, indent=1))
+
+
+SCRATCH_CELLS = [
+    # 0: a LiveRun on the drills worker: "sleep" keeps both ranks busy for two minutes
+    "import ipywidgets as W\nimport course_utils as cu\nfrom course_utils.widgets import LiveRun\n"
+    "live = LiveRun('workers.drills', {'mode': W.Dropdown(options=['ok', 'sleep'], value='ok', description='mode')},\n"
+    "               lambda result, params: f'{len(result.ranks)} ranks answered', params={'world_size': 2, 'seconds': 120},\n"
+    "               timeout=300)\nlive",
+    # 1: a blocking run that the learner interrupts with the stop button
+    "cu.run('workers.drills', world_size=2, mode='sleep', seconds=120, timeout=300)",
+    # 2: a rank that raises
+    "cu.run('workers.drills', world_size=2, mode='raise', bad_rank=1, timeout=120)",
+]
+
+
+def scratch_notebook(lab, cells: list[str]) -> str:
+    """Create build/<name>.ipynb through the server (the repository's build/ is ignored by git)."""
+    path = f"build/browser_scratch_{os.getpid()}.ipynb"
+    nb = {"cells": [{"cell_type": "code", "metadata": {}, "source": c, "outputs": [], "execution_count": None}
+                    for c in cells],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3 (course)", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    (ROOT / "build").mkdir(exist_ok=True)
+    request(lab.url(f"api/contents/{path}"), method="PUT", body={"type": "notebook", "format": "json", "content": nb})
+    return path
+
+
+def code_cell(page, index: int):
+    return page.locator(".jp-NotebookPanel:visible .jp-CodeCell").nth(index)
+
+
+def run_cell(page, index: int) -> None:
+    code_cell(page, index).locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def wait_for_ranks(lab, timeout_s: float = 60) -> list[psutil.Process]:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        ranks = [p for p in lab_ranks(lab.proc.pid) if "workers.pool" in " ".join(p.cmdline())]
+        if len(ranks) >= 2:
+            return ranks
+        time.sleep(0.2)
+    raise AssertionError(f"no ranks appeared under the lab within {timeout_s} s")
+
+
+def gone(ranks: list[psutil.Process], timeout_s: float = 30) -> list[int]:
+    _, alive = psutil.wait_procs(ranks, timeout=timeout_s)
+    for p in alive:
+        p.kill()
+    return [p.pid for p in alive]
+
+
+def test_cancel_interrupt_and_a_crashed_rank_in_jupyterlab(lab, browser, tmp_path):
+    """The widget's Cancel button, the toolbar's interrupt and a rank's exception, each through the real UI."""
+    path = scratch_notebook(lab, SCRATCH_CELLS)
+    page = open_page(browser, lab, path)
+    try:
+        run_cell(page, 0)
+        box = page.locator(".widget-vbox:has(> .widget-hbox button:has-text('Cancel'))")
+        box.wait_for(timeout=60_000)
+        wait_status(page, box, "t.includes('world 2') && t.includes('ran in')", 120)
+        assert "2 ranks answered" in box.locator(".jp-OutputArea-output").first.inner_text()
+
+        box.locator("select").select_option("sleep")  # a run that would take two minutes
+        wait_status(page, box, "t.includes('running on real ranks')", 30)
+        ranks = wait_for_ranks(lab)
+        cancel = box.locator("button:has-text('Cancel')")
+        cancel.click()
+        wait_status(page, box, "t.includes('cancelled')", 30)
+        assert status_text(box) == "cancelled: the ranks were stopped"
+        assert not gone(ranks), "the Cancel button left ranks running"
+        assert cancel.is_disabled()
+
+        run_cell(page, 1)
+        ranks = wait_for_ranks(lab)
+        page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+        page.locator(".lm-Menu-itemLabel:text-is('Interrupt Kernel')").click()
+        cell = code_cell(page, 1)
+        cell.locator(".jp-OutputArea-output:has-text('KeyboardInterrupt')").wait_for(timeout=60_000)
+        assert not gone(ranks), "interrupting the kernel left ranks running"
+
+        run_cell(page, 2)
+        cell = code_cell(page, 2)
+        error = cell.locator(".jp-OutputArea-output:has-text('was told to fail')")
+        error.wait_for(timeout=120_000)
+        text = error.inner_text()
+        assert "rank 1" in text and "ValueError: rank 1 was told to fail" in text and "drills.py" in text, text[-2000:]
+        page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=30_000)  # the kernel survived
+    except Exception:
+        page.screenshot(path=str(tmp_path / "failure.png"))
+        print(f"screenshot: {tmp_path / 'failure.png'}\nlab log:\n{lab.log_tail()}")
+        raise
+    finally:
+        page.close()
+        shut_down_kernels(lab)
+        request(lab.url(f"api/contents/{path}"), method="DELETE")
