@@ -107,8 +107,28 @@ def bench_notebooks(names: list[str] | None = None) -> dict:
     return out
 
 
+def gpu_slug(name: str) -> str:
+    """File-name tag of a GPU: "h200" for an H200 (what the chapters look for first), else its name in lower case."""
+    import re
+
+    return "h200" if "H200" in name else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def gpu_commands(slug: str, day: str) -> dict[str, list[str]]:
+    """The GPU measurements and where each writes: the files chapters 06, 07 and 11 read."""
+    import sys
+
+    return {"attention": [sys.executable, "-m", "workers.bench_attention", "--quick",
+                          "--out", str(ROOT / "data" / "attention" / f"{slug}_{day}.json")],
+            "tp_block": [sys.executable, str(ROOT / "tools" / "gpu" / "tp_block_bench.py"), "--profile",
+                         "--out", str(ROOT / "data" / "gpu" / f"tp_block_{slug}_{day}.json")],
+            "ch11_memory": ["bash", str(ROOT / "tools" / "gpu" / "ch11_memory.sh")]}
+
+
 def bench_gpu() -> dict:
-    """On a machine with a GPU: the GPU benchmarks of the chapters, each writing its JSON under data/."""
+    """On a machine with a GPU: the GPU measurements of chapters 06, 07 and 11, each writing its JSON where the
+    chapter reads it (data/attention/<gpu>_<date>.json, data/gpu/tp_block_<gpu>_<date>.json,
+    data/gpu/ch11_*_<gpu>.json). About 10 minutes on an H200 (tools/gpu/run_all.sh is the same, in stages)."""
     import subprocess
     import sys
 
@@ -118,15 +138,10 @@ def bench_gpu() -> dict:
         print("no GPU here: the GPU benchmarks (attention, TP block, memory) are skipped; "
               "the notebooks plot their committed results", flush=True)
         return {}
-    day = time.strftime("%Y-%m-%d")
-    runs = {"attention": [sys.executable, "-m", "workers.bench_attention", "--quick",
-                          "--out", str(ROOT / "data" / "attention" / f"gpu_{day}.json")],
-            "tp_block": [sys.executable, str(ROOT / "tools" / "gpu" / "tp_block_bench.py"), "--profile",
-                         "--out", str(ROOT / "data" / "gpu" / f"tp_block_{day}.json")]}
     out = {}
-    for name, cmd in runs.items():
+    for name, cmd in gpu_commands(gpu_slug(torch.cuda.get_device_name(0)), time.strftime("%Y-%m-%d")).items():
         t0 = time.perf_counter()
-        rc = subprocess.call(cmd, cwd=ROOT)
+        rc = subprocess.call(cmd, cwd=ROOT, env=dict(os.environ, PY=sys.executable))
         out[name] = {"returncode": rc, "seconds": time.perf_counter() - t0, "command": " ".join(cmd[1:])}
         print(f"GPU bench {name}: exit {rc} in {out[name]['seconds']:.0f} s", flush=True)
     return out

@@ -20,17 +20,17 @@ mkdir -p data/gpu
 "$PY" - <<'PYEOF'
 import datetime
 import json
-import re
 import subprocess
 
 import torch
 
 import course_utils as cu
+from course_utils.bench import gpu_slug
 
 if not torch.cuda.is_available():
     raise SystemExit("no GPU visible: run this script on a machine with a GPU")
 name = torch.cuda.get_device_name(0)
-slug = "h200" if "H200" in name else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+slug = gpu_slug(name)  # "h200" on an H200: the name chapter 11 looks for first
 try:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 except OSError:
