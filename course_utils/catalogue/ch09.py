@@ -1,0 +1,89 @@
+"""Chapter 09's graded exercises: the cross-rank checksum (on ranks), the first divergence of two traces and
+the z-loss term (in the notebook process)."""
+from __future__ import annotations
+
+import math
+
+from course_utils.exercises import FAIL, PASS, Exercise, register
+
+# (trace_a, trace_b, rtol, expected, what a wrong answer would say instead)
+DIVERGENCE_CASES = [
+    ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], 0.0, None),
+    ([3.2, 2.9, 2.7, 2.6, 2.5], [3.2, 2.9, 2.7 * (1 + 1e-9), 2.6, 2.9], 1e-6, 4),  # rounding at 2, divergence at 4
+    ([4.0, 3.0, 2.0, 1.5], [4.0, 3.1, 2.0, 9.0], 0.0, 1),  # the first difference, not the largest
+    ([1.0, 2.0, 3.0], [1.0, 2.0], 0.0, 2),  # a replay that stopped early diverges where it stops
+    ([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, float("nan"), 4.0], 1e-3, 2),  # NaN is never close to anything
+    ([1e4, 2e4, 3e4], [1e4 + 1e-3, 2e4 + 1e-3, 3e4 * 1.01], 1e-6, 2),  # rtol is relative: 1e-3 on 1e4 is rounding
+]
+
+
+def _why(case, got) -> str:
+    a, b, rtol, want = case
+    if want == 4 and got == 2:
+        return ("step 2 differs by 1e-9 relative, within rtol=1e-6: that is rounding, not divergence; compare "
+                "|a - b| <= rtol * max(|a|, |b|)")
+    if want == 1 and got == 3:
+        return "you returned the step with the largest difference: return the first step that differs"
+    if want == 2 and len(b) < len(a) and got is None:
+        return "trace_b stops after 2 steps: a trace that ends early diverges where it ends (zip stops silently)"
+    if want == 2 and got is None and any(x != x for x in b):
+        return ("a NaN at step 2 went unnoticed: NaN > tol is False; write the test as not (|a - b| <= tol) so that "
+                "NaN counts as a divergence")
+    if want == 2 and got == 0 and a[0] == 1e4:
+        return "you compared |a - b| with rtol itself: rtol is relative, so scale it by max(|a|, |b|)"
+    return ""
+
+
+def check_first_divergence(answer) -> tuple[str, str]:
+    for case in DIVERGENCE_CASES:
+        a, b, rtol, want = case
+        got = answer(list(a), list(b), rtol)
+        if got != want or (want is not None and isinstance(got, bool)):
+            hint = _why(case, got)
+            return FAIL, (f"first_divergence({a}, {b}, rtol={rtol:g}) returned {got!r}, expected {want!r}"
+                          + (f": {hint}" if hint else ""))
+    return PASS, "correct: first index beyond a relative tolerance, NaN and early ends included"
+
+
+def _z_loss_reference(logits, coeff):
+    import torch
+
+    return coeff * (torch.logsumexp(logits.float(), dim=-1) ** 2).mean()
+
+
+def check_z_loss(answer) -> tuple[str, str]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for shape, coeff, shift in (((2, 5, 11), 1e-4, 0.0), ((3, 7), 0.5, 4.0), ((1, 4, 6), 1e-2, -3.0)):
+        logits = (torch.randn(*shape, generator=g) * 2 + shift).requires_grad_()
+        got = answer(logits, coeff)
+        want = _z_loss_reference(logits.detach(), coeff)
+        if not isinstance(got, torch.Tensor) or got.dim() != 0:
+            return FAIL, f"return a scalar tensor (a loss term to add before backward), got {got!r}"
+        if not got.requires_grad:
+            return FAIL, "the z-loss has no gradient: compute it from the logits with torch ops, not .item()"
+        if math.isclose(got.item(), want.item(), rel_tol=1e-5, abs_tol=1e-8):
+            continue
+        lse = torch.logsumexp(logits.detach(), dim=-1)
+        where = f"shape {tuple(shape)}, coeff {coeff:g}"
+        if math.isclose(got.item(), (coeff * lse.mean()).item(), rel_tol=1e-5):
+            return FAIL, f"{where}: you did not square log Z: the z-loss is coeff * mean(log Z ** 2)"
+        if math.isclose(got.item(), (coeff * lse.mean() ** 2).item(), rel_tol=1e-5):
+            return FAIL, f"{where}: you squared the mean of log Z; square each position's log Z, then average"
+        if math.isclose(got.item(), (coeff * (logits.detach().amax(-1) ** 2).mean()).item(), rel_tol=1e-5):
+            return FAIL, f"{where}: log Z is the logsumexp over the vocabulary, not the largest logit"
+        if math.isclose(got.item(), (coeff * (lse ** 2).sum()).item(), rel_tol=1e-5):
+            return FAIL, f"{where}: you summed over positions: average, so the term does not grow with the batch"
+        return FAIL, f"{where}: got {got.item():.6g}, expected {want.item():.6g}"
+    return PASS, "correct: coeff * mean over positions of logsumexp(logits)^2, with a gradient"
+
+
+register(Exercise("cross_rank_checksum", "09", "cross_rank_checksum",
+                  "Cross-rank checksum: every rank's bitwise checksum of its parameters, gathered on every rank",
+                  worker="workers.exercises.ch09", world_sizes=(2, 4), timeout_s=60.0))
+register(Exercise("first_divergence", "09", "first_divergence",
+                  "Replay: the first step where two traces differ beyond a relative tolerance",
+                  local=check_first_divergence))
+register(Exercise("z_loss", "09", "z_loss", "The PaLM z-loss: coeff * mean(log Z^2) of the output logits",
+                  local=check_z_loss))

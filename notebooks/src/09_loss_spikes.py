@@ -1,0 +1,410 @@
+# %% [markdown]
+# # 09 · Loss spike debugging
+#
+# A large run's loss curve is the only thing most people look at, and one morning it has a spike in it.
+# Maybe the run recovers by itself; maybe it diverges; maybe nothing shows at all and the model is quietly
+# worse. The cause can sit in any of four layers, and each layer has its own first check:
+#
+# | layer | what goes wrong | the fault injected here |
+# |---|---|---|
+# | **data** | a bad batch: a corrupted shard, a broken tokenizer run | `garbage_batch` |
+# | **numeric** | the arithmetic itself: logits that grow without bound, gradients that round to zero | `high_lr`, `fp16_underflow` |
+# | **communication** | ranks that stop agreeing: a reduction that sums instead of averages | `sum_not_average` |
+# | **hardware** | a flipped bit: silent data corruption in one GPU | `bit_flip` |
+#
+# You cannot debug what you did not measure. So the chapter trains a tiny GPT (`workers/gpt/`, 106k
+# parameters, a seeded Markov chain as data: it learns in a hundred steps on one CPU core) on real ranks, and
+# every step the ranks stream **telemetry**: the loss, the global and per-layer gradient norms, the
+# update/parameter ratio, the largest attention logit, the output log Z, the loss scale and the sample ids of
+# the batch. Then we break it, one layer at a time, and look at what each fault does to the telemetry:
+# its *signature*. Detection and recovery are real code: a loss-spike detector with rewind-and-skip, a
+# cross-rank checksum, and deterministic replay.
+#
+# Everything runs on this machine's CPU with gloo (world 1 and 2); the faults and their signatures are the
+# same on GPUs, only the timings differ.
+
+# %%
+import math
+
+import torch
+
+import course_utils as cu
+from course_utils import ch09, ch09_tables, plots
+from workers.gpt.config import GPTConfig, TrainConfig
+from workers.gpt.data import MarkovDataset, entropy_rate
+from workers.gpt.model import make_model
+
+plots.style()
+TRAIN = "workers.ch09_train"
+LIMITS = {"timeout": 120}
+cfg, run_cfg = GPTConfig(), TrainConfig()
+floor = entropy_rate(MarkovDataset(cfg.vocab, cfg.seq, 1, run_cfg.data_seed).table)
+print(cfg)
+print("parameters:", sum(p.numel() for p in make_model(cfg).parameters()))
+print(f"loss at uniform guessing log V = {math.log(cfg.vocab):.3f}; the chain's entropy rate (the floor) = {floor:.3f}")
+
+# %% [markdown]
+# ## 1. A healthy run and its telemetry
+#
+# The defaults: AdamW at learning rate $3\cdot10^{-3}$ after 20 warm-up steps, 120 steps of 16 samples of
+# 32 tokens. What the telemetry means:
+#
+# - **global grad norm** $\lVert g\rVert = \sqrt{\sum_i g_i^2}$ over every parameter: the number
+#   `torch.nn.utils.clip_grad_norm_` returns and clips with (the tests check that they agree);
+# - **update/param ratio** $\lVert\theta_{t+1}-\theta_t\rVert / \lVert\theta_t\rVert$: how far one step
+#   moves the weights, relative to their size. Adam's update is about `lr` per element whatever the
+#   gradient, so this sits on a plateau in a healthy run and jumps when a step is unusual;
+# - **max attention logit** $\max q\cdot k/\sqrt{d}$, over layers, heads and positions;
+# - **output log Z** $=\log\sum_v e^{z_v}$, the softmax normaliser of the output logits, averaged over positions.
+#
+# **Predict**: after warm-up, does the global grad norm fall with the loss, stay flat, or grow?
+
+# %% tags=["nbval-ignore-output"]
+clean = cu.run(TRAIN, world_size=1, **LIMITS)
+print(clean.describe())
+tel = ch09.telemetry(clean)
+print(f"loss: {tel['loss'][0]:.2f} -> {sum(tel['loss'][-10:]) / 10:.2f} (mean of the last 10 steps)")
+
+# %%
+print("the loss falls below 1.2 x the floor within the run:", sum(tel["loss"][-10:]) / 10 < 1.2 * floor)
+print("the detector sees no spike in the healthy run:", ch09.spike_steps(tel) == [])
+
+# %% tags=["nbval-ignore-output"]
+fig = ch09.draw_high_lr({"healthy run": tel}, run_cfg.lr, cfg.vocab)
+fig.suptitle(f"A healthy run's telemetry (lr {run_cfg.lr:g}); {ch09.cpu_label(clean)}", y=1.03, fontsize=9)
+plots.savefig(fig, "09_healthy");
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch09.draw_layer_grad_norms(tel, title="healthy run: grad norm per layer group"), "09_layer_norms");
+
+# %% [markdown]
+# The grad norm falls with the loss, but it does not go to zero and it is noisy from step to step: near the
+# floor, the gradient of a 16-sample batch is mostly sampling noise. So an absolute grad-norm threshold is a
+# poor alarm and a *relative* one (against the recent median) a good one; the same goes for the loss. The
+# layer groups sit at different levels (block 1's gradient is about 3x smaller than the others'): compare
+# each with its own history, and a spike confined to one group points at that layer.
+#
+# ## 2. Data: a garbage batch
+#
+# At step 65 the batch's 16 samples are random tokens (the dataset itself is corrupted at those sample ids,
+# as a bad shard would be). **Predict**: how high does the loss jump, compared with $\log V = 3.47$? Does
+# the run come back by itself, and how fast?
+
+# %% tags=["nbval-ignore-output"]
+garbage = cu.run(TRAIN, world_size=1, **LIMITS, fault="garbage_batch")
+bad = ch09.telemetry(garbage)
+at = run_cfg.at_step
+print(f"loss at step {at}: {bad['loss'][at]:.2f} (clean run: {tel['loss'][at]:.2f}); grad norm {bad['grad_norm'][at]:.2f} "
+      f"(clean {tel['grad_norm'][at]:.2f})")
+
+# %%
+print("spikes the detector finds:", ch09.spike_steps(bad))
+print(f"sample ids of batch {at}: {bad['sample_ids'][at][0]}..{bad['sample_ids'][at][-1]}, "
+      f"garbage among them: {bad['garbage_samples'][at]} of {len(bad['sample_ids'][at])}")
+print("identical to the clean run before the bad batch:", bad["loss"][:at] == tel["loss"][:at])
+
+# %% [markdown]
+# The loss spike is larger than $\log V$: a trained model is *confidently* wrong about random tokens, which
+# costs more than guessing. The batch pushes the weights far (grad norm and update ratio jump), and the run
+# takes a few steps to forget it. Here the damage is small; at scale a bad batch at a high learning rate
+# can start a divergence. Logging **sample ids per batch** is what turns "a spike at step 65" into "these
+# 16 samples".
+#
+# **Rewind and skip.** The training loop keeps an in-memory snapshot (weights, optimizer state, loss scale,
+# data cursor) every 10 steps. When a loss exceeds 1.5x the median of the last 10, it restores the last
+# snapshot, adds the spiking batch's sample ids to a skip list, and trains on. The criterion for a correct
+# recovery is strict: the recovered run must be **bit for bit** the run that never saw those samples.
+
+# %% tags=["nbval-ignore-output"]
+recovered = cu.run(TRAIN, world_size=1, **LIMITS, fault="garbage_batch", recover=True)
+rewinds = recovered[0]["rewinds"]
+never_saw = cu.run(TRAIN, world_size=1, **LIMITS, skip_ids=rewinds[0]["skipped_ids"])
+print(recovered.describe())
+
+# %%
+rec = ch09.telemetry(recovered)
+ref = ch09.telemetry(never_saw)
+for rw in rewinds:
+    print(f"spike at step {rw['spike_step']}: rewound to the snapshot of step {rw['rewound_to']}, "
+          f"skipped sample ids {rw['skipped_ids'][0]}..{rw['skipped_ids'][-1]}")
+print("steps executed:", len(recovered[0]["executed"]["step"]), "for", len(rec["step"]), "committed")
+print("recovered == the run that never saw those samples, loss for loss:", rec["loss"] == ref["loss"])
+print("... and final weights bit for bit:", rec["param_checksum"][-1] == ref["param_checksum"][-1])
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch09.draw_garbage_batch(tel, bad, at, rec, recovered[0]["executed"], rewinds), "09_garbage_batch");
+
+# %% [markdown]
+# ## 3. Numeric: a learning rate too high, qk-layernorm and z-loss
+#
+# Now the learning rate is 0.2 (the `high_lr` fault). Wortsman et al. 2023, *Small-scale proxies for
+# large-scale Transformer training instabilities* (sec. 3.1), reproduce in small models what
+# Dehghani et al. 2023, *Scaling Vision Transformers to 22B parameters* (sec. 3.1), saw at scale: the
+# attention logits $q\cdot k/\sqrt d$ grow without bound, the softmax collapses onto one position
+# (attention entropy collapse), and the loss stops improving or diverges. Their fix is **qk-layernorm**: a
+# LayerNorm on $q$ and $k$ per head before the dot product, which bounds the logits by the LayerNorm gains.
+# The second instability is the output softmax: cross-entropy does not care where $\log Z$ sits, so it
+# drifts. PaLM (Chowdhery et al. 2022, sec. 5) adds the **z-loss** $10^{-4}\cdot\log^2 Z$ to pull it to 0.
+#
+# Four runs at lr 0.2: plain, qk-layernorm, z-loss, both. Our z-loss coefficient is $10^{-2}$, not
+# PaLM's $10^{-4}$: our $\log Z$ is about 5, not hundreds, and the run is 120 steps long, so the pull
+# $2c\log Z$ must be stronger to act within it.
+#
+# **Predict**: which of the four runs' max attention logit passes 1,000? Which runs' loss ends lowest?
+
+# %% tags=["nbval-ignore-output"]
+HIGH = {"plain": {}, "qk-layernorm": {"qk_layernorm": True}, "z-loss 1e-2": {"z_loss": 1e-2},
+        "qk-layernorm + z-loss": {"qk_layernorm": True, "z_loss": 1e-2}}
+high = {label: ch09.telemetry(cu.run(TRAIN, world_size=1, **LIMITS, fault="high_lr", **kw)) for label, kw in HIGH.items()}
+for label, t in high.items():
+    print(f"{label:>22}: max attention logit {max(t['max_attn_logit']):>10.1f}, final loss "
+          f"{sum(t['loss'][-10:]) / 10:.2f}, final mean log Z {t['log_z_mean'][-1]:.2f}")
+
+# %%
+final = {label: sum(t["loss"][-10:]) / 10 for label, t in high.items()}
+print("plain: max attention logit above 1,000:", max(high["plain"]["max_attn_logit"]) > 1e3)
+print("qk-layernorm: max attention logit stays below 100:",
+      all(max(high[k]["max_attn_logit"]) < 100 for k in ("qk-layernorm", "qk-layernorm + z-loss")))
+print("plain: final loss above 2.5 (it stopped learning; log V = 3.47):", final["plain"] > 2.5)
+print("qk-layernorm: final loss below 2.0:", final["qk-layernorm"] < 2.0)
+print("z-loss: |mean log Z| ends below 1.5, plain above 3:",
+      abs(high["z-loss 1e-2"]["log_z_mean"][-1]) < 1.5 and high["plain"]["log_z_mean"][-1] > 3)
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch09.draw_high_lr(high, run_cfg.high_lr, cfg.vocab), "09_high_lr");
+
+# %% [markdown]
+# Without qk-layernorm the max attention logit climbs from 0.1 to about $10^5$ and the loss stalls near 3,
+# barely below $\log V$; with it the logits stay in the tens and the run trains at a learning rate about 70x
+# the default. z-loss alone does nothing for the attention logits (it acts on the output softmax only), but
+# it holds $\log Z$ near 0 where it otherwise drifts to 4-7. All four runs spike around step 5, while
+# warm-up is still raising the learning rate: a longer warm-up is the other classic mitigation.
+#
+# Explore: learning rate, qk-layernorm and z-loss (every change is a new run on a real rank).
+
+# %% tags=["nbval-ignore-output"]
+import ipywidgets as W
+
+from course_utils.widgets import LiveRun
+
+
+def draw_lr(res, params):
+    t = ch09.telemetry(res)
+    label = f"qk-LN {'on' if params['qk_layernorm'] else 'off'}, z-loss {params['z_loss']:g}"
+    return ch09.draw_high_lr({label: t}, params["high_lr"], cfg.vocab)
+
+
+lr_live = LiveRun(TRAIN, {"high_lr": W.FloatLogSlider(value=0.2, base=10, min=-3, max=0, step=0.25,
+                                                       description="lr", continuous_update=False),
+                          "qk_layernorm": W.Checkbox(value=False, description="qk-layernorm"),
+                          "z_loss": W.Dropdown(options=[0.0, 1e-4, 1e-2], value=0.0, description="z-loss")},
+                  draw_lr, params={"world_size": 1, "fault": "high_lr"}, timeout=120,
+                  progress_total=lambda p: run_cfg.steps)
+lr_live.wait(120)
+lr_live
+
+# %% [markdown]
+# ## 4. Numeric: fp16 underflow
+#
+# fp16 has 5 exponent bits: its smallest subnormal is $2^{-24}\approx 6\cdot10^{-8}$, and any gradient below
+# it becomes exactly 0. Our tiny model's gradients (median about $6\cdot10^{-4}$) are far from that floor; a
+# large model's, averaged over millions of tokens and wide layers, are not. So the `fp16_underflow` fault
+# multiplies the loss by $2^{-14}$ before an fp16 backward (and divides the fp32 gradients by it after), which
+# moves our gradients where a big model's sit. In fp32 that multiplier is exact and changes nothing. The
+# mitigation is dynamic **loss scaling** (Micikevicius et al. 2018, *Mixed Precision Training*, sec. 3.2):
+# multiply the loss by $S=2^{16}$, divide the gradients by $S$ in fp32, halve $S$ on an overflow, double it
+# after 50 clean steps.
+#
+# **Predict**: what fraction of gradient elements is exactly zero without loss scaling? Does the loss still fall?
+
+# %% tags=["nbval-ignore-output"]
+FP16 = {"fp32, same multiplier": {"dtype": "float32"}, "fp16, no loss scaling": {},
+        "fp16, dynamic loss scaling": {"loss_scaling": True}}
+fp16 = {label: ch09.telemetry(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", steps=60, **kw))
+        for label, kw in FP16.items()}
+for label, t in fp16.items():
+    print(f"{label:>27}: zero gradient elements {100 * sum(t['zero_grad_frac']) / len(t['step']):5.1f}% on average, "
+          f"loss after 60 steps {t['loss'][-1]:.2f}, final loss scale {t['loss_scale'][-1]:g}")
+
+# %%
+zeros = {label: sum(t["zero_grad_frac"]) / len(t["step"]) for label, t in fp16.items()}
+print("without loss scaling, more than 90% of gradient elements are exactly 0:", zeros["fp16, no loss scaling"] > 0.9)
+print("with loss scaling, fewer than 1%:", zeros["fp16, dynamic loss scaling"] < 0.01)
+print("the multiplier is exact in fp32: fp32 run equals the healthy run's first 60 losses:",
+      fp16["fp32, same multiplier"]["loss"] == tel["loss"][:60])
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch09.draw_fp16(fp16), "09_fp16_underflow");
+
+# %% [markdown]
+# Without loss scaling nearly every gradient element is 0 and the loss falls only because Adam divides by
+# the size of the few gradients that survive: the run learns, slowly, from a small fraction of its
+# parameters. (The fp32 curve lies exactly under the loss-scaled fp16 one.) Note that there is no spike
+# at all: this numeric fault shows as a loss that is *too slow*, and the first check is the zero-gradient
+# counter, not the loss.
+#
+# ## 5. Communication: a rank that sums instead of averages
+#
+# Two ranks, gradients averaged by hand (a flat buffer, `all_reduce`, divide by the world size). From
+# step 65 on, rank 1 forgets the division: its gradient is twice everyone else's. Nothing raises. Every
+# step, each rank computes a **bitwise checksum** of its parameters (every bit and every position counts,
+# see the exercise) and the ranks all-gather them; and because summation is linear, each rank also checks
+# that the sum of its reduced gradient equals the mean of the ranks' local sums.
+#
+# **Predict**: at which step do the checksums first differ, and can two ranks tell which of them is wrong?
+
+# %% tags=["nbval-ignore-output"]
+summed = cu.run(TRAIN, world_size=2, **LIMITS, fault="sum_not_average", fault_rank=1, steps=80)
+print(summed.describe())
+
+# %%
+alarm = summed[0]["checksum_alarm"]
+print(f"first step whose checksums disagree: {alarm['step']}; culprit: rank {alarm['culprits']} "
+      f"(found by the {alarm['by']})")
+print("the ranks agree bit for bit before that step:",
+      summed[0]["telemetry"]["param_checksum"][:alarm["step"]] == summed[1]["telemetry"]["param_checksum"][:alarm["step"]])
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch09.draw_checksums(summed, "rank 1 sums instead of averaging from step 65 (world 2, CPU)"),
+              "09_sum_not_average");
+
+# %% [markdown]
+# The checksum fires at the first step, exact to the step, long before the losses drift visibly apart.
+# With two ranks a checksum alone cannot say who is wrong (one against one); the reduction check can,
+# because the faulty rank's reduced gradient is not the mean of the local ones. With more ranks, the
+# odd one out of the majority is the suspect.
+#
+# ## 6. Hardware: a flipped bit
+#
+# Silent data corruption: at step 65 one bit of one element flips on rank 1 (bit 20, a mantissa bit:
+# the value changes by 6 to 12.5%). First in rank 1's **gradient before the all-reduce**. **Predict**: does the
+# cross-rank checksum catch it?
+
+# %% tags=["nbval-ignore-output"]
+flipped = cu.run(TRAIN, world_size=2, **LIMITS, fault="bit_flip", fault_rank=1, steps=80, replay=True)
+print(flipped.describe())
+
+# %%
+print("cross-rank checksum alarm:", flipped[0]["checksum_alarm"])
+rep = flipped[0]["replay"]
+print(f"replay from step 0: first differing step {rep['first_step']}, on rank(s) {rep['ranks']}, in the {rep['where']}")
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch09.draw_replay(flipped, "a bit flips in rank 1's gradient at step 65 (world 2, CPU)"), "09_bit_flip");
+
+# %% [markdown]
+# The checksum sees nothing: the all-reduce averaged the corrupted gradient into *every* rank, so the ranks
+# agree perfectly, on the wrong weights. The loss does not show it either. What finds it is **deterministic
+# replay**: restore a snapshot and run the same steps again, with the same data, comparing a per-step
+# fingerprint (checksums of each rank's local gradient before the all-reduce and of its parameters after
+# the step). On deterministic kernels a replay reproduces every bit, so the first fingerprint that differs is
+# the corrupted step; the rank whose *local gradient* differs first is the faulty one. A fault that a replay
+# does **not** reproduce is hardware; one that it does is software or data.
+#
+# The same flip in rank 1's **parameters after the step** is different: now the ranks disagree, and the
+# checksum fires at once, but two ranks cannot vote. The replay says who.
+
+# %%
+flipped_param = cu.run(TRAIN, world_size=2, **LIMITS, fault="bit_flip", fault_rank=1, flip_target="param",
+                       steps=80, replay=True)
+alarm = flipped_param[0]["checksum_alarm"]
+rep = flipped_param[0]["replay"]
+print(f"checksum: ranks disagree from step {alarm['step']}; culprit by the checksum alone: {alarm['culprits']} "
+      f"({alarm['by']})")
+print(f"replay: first differing step {rep['first_step']}, rank(s) {rep['ranks']}, in the {rep['where']}")
+
+# %% [markdown]
+# ## 7. Triage: symptom, first check, tool, mitigation
+#
+# What the five experiments add up to, as data (`course_utils.ch09_tables.TRIAGE`):
+
+# %%
+print(ch09_tables.triage_table())
+
+# %% [markdown]
+# How often does each layer strike at scale? Meta published the root causes of the 419 unexpected
+# interruptions in a 54-day snapshot of Llama 3 405B pre-training on 16,384 H100 GPUs (Dubey et al. 2024,
+# *The Llama 3 Herd of Models*, arXiv:2407.21783, section 3.3.4, Table 5). The counts, as published:
+
+# %%
+print(ch09_tables.interruption_table())
+rows = ch09_tables.LLAMA3_INTERRUPTIONS
+print("counts add up to the published total of 419:", sum(r[2] for r in rows) == ch09_tables.LLAMA3_TOTAL_UNEXPECTED)
+print("rows whose published % is not count/419:",
+      [r[0] for r in rows if round(ch09_tables.percent_of_total(r[2]), 1) != r[3]])
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch09.draw_interruptions(), "09_llama3_interruptions");
+
+# %% [markdown]
+# Check a table before you use it: the counts add up, the printed percentages do not (94.9%), because the
+# first row says 30.1% where 148/419 is 35.3%. GPUs and their memory are 64% of the interruptions by count;
+# "Silent Data Corruption" is only 6 of them, but those are the six that no error message reports, and
+# the ones that replay exists for. Every row of this table stopped the job (a restart from the last
+# checkpoint); the loss spikes of this chapter are the failures that do *not* stop it, and silent data
+# corruption is where the two meet.
+#
+# ## 8. Exercises
+#
+# ### Exercise 1: a cross-rank checksum
+#
+# Write `cross_rank_checksum(params)`: return a list, on **every** rank, with every rank's checksum of its
+# list of parameter tensors, in rank order. It is graded on real ranks (world 2, then 4) where one rank has
+# the lowest mantissa bit of one element flipped, and another has two elements swapped: both must change
+# that rank's checksum. Hints: `t.view(torch.int32)` reinterprets the bits; weight each element by its
+# position; keep the arithmetic in Python ints or split words into 16-bit halves so int64 cannot
+# overflow; `dist.all_gather_object(out, value)` gathers one Python object per rank.
+
+# %% tags=["exercise"]
+def cross_rank_checksum(params):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+from course_utils.exercises import check
+
+check("cross_rank_checksum", cross_rank_checksum)
+
+# %% [markdown]
+# ### Exercise 2: where did two runs part?
+#
+# Write `first_divergence(trace_a, trace_b, rtol)`: the first index at which two per-step traces (losses,
+# say) differ by more than `rtol` relative to the larger of the two values, or `None` if they never do.
+# A trace that ends early diverges where it ends; a NaN is never close to anything.
+
+# %% tags=["exercise"]
+def first_divergence(trace_a, trace_b, rtol):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("first_divergence", first_divergence)
+
+# %% [markdown]
+# ### Exercise 3: the z-loss
+#
+# Write `z_loss(logits, coeff)`: for logits of shape `[..., V]`, return the scalar tensor
+# `coeff * mean over positions of (log Z)^2`, with `log Z = logsumexp` over the last dimension
+# (PaLM, sec. 5). It is added to the cross-entropy before `backward()`, so it must carry a gradient.
+
+# %% tags=["exercise"]
+def z_loss(logits, coeff):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("z_loss", z_loss)
+
+# %% [markdown]
+# ## Summary
+#
+# - Measure before you need it: loss, grad norms (global and per layer), update/param ratio, max attention
+#   logit, log Z, loss scale, sample ids; every step.
+# - **Data**: a spike tied to a batch. Rewind to a snapshot and skip the sample ids; done right, the run is
+#   bit for bit the run that never saw them.
+# - **Numeric**: at a high learning rate the attention logits grow without bound (qk-layernorm bounds
+#   them) and log Z drifts (z-loss pins it); in fp16 small gradients become 0 (loss scaling).
+# - **Communication**: a cross-rank bitwise checksum finds the first step at which ranks disagree; a
+#   linear invariant (reduced sum = mean of local sums) names the rank.
+# - **Hardware**: corruption before an all-reduce leaves the ranks in agreement; only deterministic
+#   replay finds the step and the rank, and tells hardware (not reproduced) from software (reproduced).

@@ -1,0 +1,195 @@
+"""Chapter 09 on real ranks (gloo, CPU): every fault shows its signature, and every detector finds it.
+
+Each test states its criterion next to the assertion. The runs are short (tens of steps) wherever the
+signature allows; the high-learning-rate comparison needs the full 120 steps for the plain run to fall apart.
+"""
+import math
+
+import pytest
+import torch
+
+import course_utils as cu
+from workers.gpt.config import GPTConfig, TrainConfig
+from workers.gpt.data import Loader, MarkovDataset, rank_rows
+from workers.gpt.model import make_model, token_loss
+
+pytestmark = pytest.mark.ranks
+TRAIN = "workers.ch09_train"
+LIMITS = {"timeout": 120}
+
+
+def _tel(res, rank=0):
+    return res[rank]["telemetry"]
+
+
+def _mean_last(values, n=10):
+    return sum(values[-n:]) / n
+
+
+# -- telemetry against an independent single-process loop ---------------------------------------------------
+
+def _reference_steps(steps: int, global_batch: int = 16):
+    """The same training written out plainly: no Trainer, torch's own clip_grad_norm_ for the norm."""
+    cfg, tcfg = GPTConfig(), TrainConfig(steps=steps, global_batch=global_batch)
+    model = make_model(cfg, seed=tcfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr_at(0), betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    data = MarkovDataset(cfg.vocab, cfg.seq, 2 * (steps + 4) * global_batch, tcfg.data_seed)
+    loader = Loader(len(data), global_batch)
+    losses, norms = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = tcfg.lr_at(step)
+        tokens = data.batch(loader.next_ids())
+        opt.zero_grad()
+        loss, _ = token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        losses.append(loss.item())
+        opt.step()
+    return losses, norms
+
+
+def test_telemetry_at_world_1_and_2_matches_a_single_process_loop():
+    losses, norms = _reference_steps(5)
+    for world in (1, 2):
+        res = cu.run(TRAIN, world_size=world, **LIMITS, steps=5)
+        tel = _tel(res)
+        # world 1 runs the same kernels in the same order: the loss agrees to fp32 rounding of the global mean;
+        # world 2 averages two means of 8 samples (a different order of additions): agreement to ~1e-6
+        assert tel["loss"] == pytest.approx(losses, rel=1e-5), world
+        # the telemetry's global grad norm (float64 sum of squares after the all-reduce) is the norm that
+        # clip_grad_norm_ reports on the whole-batch gradient
+        assert tel["grad_norm"] == pytest.approx(norms, rel=1e-4), world
+        # each step's record carries the global batch's sample ids: 16 consecutive ids per step here
+        assert tel["sample_ids"][2] == list(range(32, 48))
+        if world == 2:  # hand-rolled averaging keeps the ranks bit-identical, and each rank read its own half
+            assert tel["param_checksum"] == _tel(res, 1)["param_checksum"]
+            assert tel["local_loss"] != _tel(res, 1)["local_loss"]
+            assert rank_rows(list(range(16)), 1, 2) == list(range(8, 16))
+            assert res[0]["checksum_alarm"] is None
+
+
+def test_metrics_stream_every_step():
+    res = cu.run(TRAIN, world_size=1, **LIMITS, steps=4)
+    streamed = res.metrics[0]
+    assert [m["step"] for m in streamed] == [0, 1, 2, 3]
+    for key in ("loss", "grad_norm", "update_ratio", "max_attn_logit", "log_z_mean", "loss_scale", "sample_ids"):
+        assert key in streamed[0], key
+
+
+# -- data: the garbage batch -----------------------------------------------------------------------------------
+
+def test_garbage_batch_spikes_at_its_step_and_rewind_plus_skip_equals_never_seeing_it():
+    at, steps = 65, 80
+    clean = _tel(cu.run(TRAIN, world_size=1, **LIMITS, steps=steps))
+    bad = _tel(cu.run(TRAIN, world_size=1, **LIMITS, steps=steps, fault="garbage_batch", at_step=at))
+    # identical until the bad batch: the fault is in the data of step 65 only
+    assert bad["loss"][:at] == clean["loss"][:at]
+    # the signature: the loss jumps above log V (a trained model is confidently wrong about random tokens),
+    # and the grad norm more than doubles, at that step and no other
+    assert bad["loss"][at] > math.log(32) > 2 * clean["loss"][at]
+    assert bad["grad_norm"][at] > 2 * clean["grad_norm"][at]
+    assert bad["garbage_samples"][at] == 16 and sum(bad["garbage_samples"]) == 16
+
+    rec_res = cu.run(TRAIN, world_size=1, **LIMITS, steps=steps, fault="garbage_batch", at_step=at, recover=True)
+    rewinds = rec_res[0]["rewinds"]
+    # detected at the bad step, rewound to the last snapshot (every 10 steps: step 60), the 16 ids skipped
+    assert [(r["spike_step"], r["rewound_to"]) for r in rewinds] == [(65, 60)]
+    assert rewinds[0]["skipped_ids"] == list(range(65 * 16, 66 * 16))
+    assert len(rec_res[0]["executed"]["step"]) == steps + (65 - 60 + 1)  # steps 60..65 ran twice
+    rec = _tel(rec_res)
+    # Criterion 1 (exact): the recovered run IS the run that never saw those samples, bit for bit
+    never = _tel(cu.run(TRAIN, world_size=1, **LIMITS, steps=steps, skip_ids=rewinds[0]["skipped_ids"]))
+    assert rec["loss"] == never["loss"] and rec["param_checksum"] == never["param_checksum"]
+    assert max(rec["loss"]) < 3.6  # the spike is gone from the committed trajectory (only the first steps are high)
+    # Criterion 2 (statistical): it ends where the clean run ends; the data differs by one batch from step 65,
+    # so per-step losses differ by batch noise, the 10-step means by less than 0.05
+    assert abs(_mean_last(rec["loss"]) - _mean_last(clean["loss"])) < 0.05
+
+
+# -- numeric: high learning rate -------------------------------------------------------------------------------
+
+def test_high_lr_grows_attention_logits_unless_qk_layernorm_and_z_loss_pins_log_z():
+    runs = {name: _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="high_lr", **kw)) for name, kw in {
+        "plain": {}, "qk": {"qk_layernorm": True}, "z": {"z_loss": 1e-2}}.items()}
+    # Without qk-layernorm, at lr 0.2 the max attention logit grows past 1e3 (it reaches ~1e5) and the loss
+    # ends near log V = 3.47 (it stopped learning); the healthy run ends near 1.5.
+    assert max(runs["plain"]["max_attn_logit"]) > 1e3
+    assert _mean_last(runs["plain"]["loss"]) > 2.5
+    # With qk-layernorm the logits stay bounded (< 100; sqrt(d) times the LayerNorm gains) and the run trains.
+    assert max(runs["qk"]["max_attn_logit"]) < 100
+    assert _mean_last(runs["qk"]["loss"]) < 2.0
+    # z-loss does not touch the attention logits but pins the output log Z near 0 (plain drifts above 3).
+    assert abs(runs["z"]["log_z_mean"][-1]) < 1.5 < 3 < runs["plain"]["log_z_mean"][-1]
+    assert max(runs["z"]["max_attn_logit"]) > 1e3
+
+
+# -- numeric: fp16 underflow -----------------------------------------------------------------------------------
+
+def test_fp16_without_loss_scaling_zeroes_the_gradients_and_loss_scaling_restores_them():
+    plain = _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", steps=12))
+    scaled = _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", steps=12, loss_scaling=True))
+    # gradients moved to a large model's range (x 2^-14) fall below fp16's 2^-24 floor: >90% exact zeros
+    assert min(plain["zero_grad_frac"]) > 0.9
+    assert plain["loss_scale"] == [1.0] * 12
+    # a loss scale of 2^16 lifts them back into range: (almost) no exact zeros, no overflow at this scale
+    assert max(scaled["zero_grad_frac"]) < 0.01
+    assert scaled["loss_scale"][0] == 2.0 ** 16 and not any(scaled["skipped_step"])
+    assert scaled["loss"][-1] < plain["loss"][-1]
+
+
+# -- communication: a rank that sums ---------------------------------------------------------------------------
+
+def test_cross_rank_checksum_names_the_summing_rank_at_its_step():
+    res = cu.run(TRAIN, world_size=2, **LIMITS, fault="sum_not_average", fault_rank=1, at_step=12, steps=16)
+    alarm = res[0]["checksum_alarm"]
+    # the checksums are taken after each step: step 12's update is the first that differs between ranks
+    assert alarm["step"] == 12 and alarm["disagreeing_ranks"] == [0, 1]
+    # two ranks cannot vote; the reduction check (reduced sum != mean of local sums) names rank 1
+    assert alarm["culprits"] == [1] and alarm["by"] == "reduction check"
+    assert res[1]["checksum_alarm"] == alarm  # every rank reaches the same verdict
+    assert _tel(res)["param_checksum"][:12] == _tel(res, 1)["param_checksum"][:12]
+
+
+# -- hardware: a flipped bit -----------------------------------------------------------------------------------
+
+def test_bit_flip_before_the_all_reduce_escapes_the_checksum_and_replay_finds_it():
+    res = cu.run(TRAIN, world_size=2, **LIMITS, fault="bit_flip", fault_rank=1, at_step=12, steps=16, replay=True)
+    # the all-reduce spreads the corrupted gradient to both ranks: they agree, on the wrong weights
+    assert res[0]["checksum_alarm"] is None
+    rep = res[0]["replay"]
+    # the replay (faults off: a transient fault does not recur) differs first at step 12, in rank 1's own gradient
+    assert rep["diverged"] and rep["first_step"] == 12 and rep["ranks"] == [1]
+    assert rep["where"] == "local gradient, before the all-reduce"
+    assert rep["event_by_rank"] == [2 * 12 + 1, 2 * 12]  # rank 0 first differs in its parameters after the step
+
+
+def test_bit_flip_in_the_parameters_trips_the_checksum_and_replay_names_the_rank():
+    res = cu.run(TRAIN, world_size=2, **LIMITS, fault="bit_flip", fault_rank=1, flip_target="param", at_step=12,
+                 steps=16, replay=True)
+    alarm = res[0]["checksum_alarm"]
+    assert alarm["step"] == 12 and alarm["culprits"] == []  # one against one: the checksum cannot say who
+    rep = res[0]["replay"]
+    assert rep["first_step"] == 12 and rep["ranks"] == [1] and rep["where"] == "parameters, after the step"
+
+
+def test_replay_of_a_clean_run_reproduces_every_bit():
+    # no false alarms: on deterministic CPU kernels (and gloo's fixed reduction order) a replay is exact
+    res = cu.run(TRAIN, world_size=2, **LIMITS, steps=12, replay=True, replay_from=0)
+    assert res[0]["replay"]["diverged"] is False and res[1]["replay"]["event_by_rank"] == [None, None]
+
+
+# -- parameters a learner can get wrong ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world, params, fragment", [
+    (1, {"fault": "bit-flip"}, "is not one of"),
+    (1, {"fault": "garbage_batch", "at_step": 500}, "inject the fault during the run"),
+    (1, {"fault": "sum_not_average"}, "needs at least 2 ranks"),
+    (2, {"global_batch": 15}, "choose a multiple of 2"),
+    (2, {"fault": "bit_flip", "fault_rank": 2}, "use 0..1"),
+    (1, {"replay_from": 5}, "has no snapshot"),
+    (1, {"flip_bit": 32}, "use 0 (lowest mantissa bit) to 31"),
+])
+def test_bad_parameters_are_refused_in_one_sentence(world, params, fragment):
+    with pytest.raises(cu.InvalidParameter, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        cu.run(TRAIN, world_size=world, **params)

@@ -1,0 +1,109 @@
+"""Plausible wrong answers for chapter 09, each with a fragment of the message the check must give."""
+
+
+def checksum_float_sum(params):
+    # The first idea: add the parameters up. A float32 sum rounds a one-ulp change away and ignores order.
+    import torch.distributed as dist
+
+    total = float(sum(p.detach().float().sum() for p in params))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, total)
+    return everyone
+
+
+def checksum_bits_without_positions(params):
+    # Integer bits catch the flipped bit, but a plain sum of them cannot see two elements trade places.
+    import torch
+    import torch.distributed as dist
+
+    total = sum(int((p.detach().reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF).sum()) for p in params)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, total)
+    return everyone
+
+
+def checksum_only_mine(params):
+    # A good checksum, but never exchanged: each rank sees only itself and can compare with nobody.
+    import torch
+
+    total, offset = 0, 0
+    for p in params:
+        bits = p.detach().reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        weights = torch.arange(offset + 1, offset + bits.numel() + 1, dtype=torch.int64)
+        total += int(((bits & 0xFFFF) * weights).sum()) + 65536 * int(((bits >> 16) * weights).sum())
+        offset += bits.numel()
+    return [total]
+
+
+def divergence_exact(trace_a, trace_b, rtol):
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if a != b:  # rtol ignored: rounding counts as divergence
+            return i
+    return None if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
+
+
+def divergence_largest(trace_a, trace_b, rtol):
+    diffs = [abs(a - b) for a, b in zip(trace_a, trace_b)]
+    if len(trace_a) != len(trace_b):
+        return min(len(trace_a), len(trace_b))
+    big = [i for i, d in enumerate(diffs) if d > rtol * max(abs(trace_a[i]), abs(trace_b[i]))]
+    return max(big, key=lambda i: diffs[i]) if big else None
+
+
+def divergence_zip_only(trace_a, trace_b, rtol):
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if abs(a - b) > rtol * max(abs(a), abs(b)):
+            return i
+    return None  # a shorter trace is never noticed
+
+
+def divergence_blind_to_nan(trace_a, trace_b, rtol):
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if abs(a - b) > rtol * max(abs(a), abs(b)):  # NaN > x is False: a NaN step passes
+            return i
+    return None if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
+
+
+def divergence_absolute(trace_a, trace_b, rtol):
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if not abs(a - b) <= rtol:  # rtol used as an absolute tolerance
+            return i
+    return None if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
+
+
+def z_loss_not_squared(logits, coeff):
+    import torch
+
+    return coeff * torch.logsumexp(logits.float(), dim=-1).mean()
+
+
+def z_loss_max_logit(logits, coeff):
+    return coeff * (logits.float().amax(dim=-1) ** 2).mean()
+
+
+def z_loss_summed(logits, coeff):
+    import torch
+
+    return coeff * (torch.logsumexp(logits.float(), dim=-1) ** 2).sum()
+
+
+def z_loss_square_of_mean(logits, coeff):
+    import torch
+
+    return coeff * torch.logsumexp(logits.float(), dim=-1).mean() ** 2
+
+
+WRONG = [
+    ("cross_rank_checksum", checksum_float_sum, "a float sum rounds such a change away"),
+    ("cross_rank_checksum", checksum_bits_without_positions, "Weight each element by its position"),
+    ("cross_rank_checksum", checksum_only_mine, "not only your own"),
+    ("first_divergence", divergence_exact, "that is rounding, not divergence"),
+    ("first_divergence", divergence_largest, "return the first step that differs"),
+    ("first_divergence", divergence_zip_only, "zip stops silently"),
+    ("first_divergence", divergence_blind_to_nan, "so that NaN counts as a divergence"),
+    ("first_divergence", divergence_absolute, "rtol is relative"),
+    ("z_loss", z_loss_not_squared, "you did not square log Z"),
+    ("z_loss", z_loss_max_logit, "not the largest logit"),
+    ("z_loss", z_loss_summed, "you summed over positions"),
+    ("z_loss", z_loss_square_of_mean, "you squared the mean of log Z"),
+]

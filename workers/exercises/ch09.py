@@ -1,0 +1,108 @@
+"""Rank-side check for chapter 09's cross-rank checksum exercise, on real ranks.
+
+The learner writes ``cross_rank_checksum(params) -> list``: every rank's checksum of its parameters, by rank,
+the same list on every rank. Every rank builds the same tiny GPT (``workers/gpt``), then the check runs the
+learner's function on four situations: all ranks equal; the last rank with the lowest mantissa bit of one
+element flipped (what a plain float sum rounds away); rank 0 with two elements swapped (what any
+order-blind sum misses); and a second call on unchanged weights (a checksum must be deterministic). Ranks
+agree on a verdict before anyone raises (``agree``), so a wrong answer never turns into a hang.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.exercise_support import Wrong, agree, run_exercise
+from workers.gpt.config import GPTConfig
+from workers.gpt.model import make_model
+from workers.gpt.reduce import gather_objects
+from workers.gpt.telemetry import flat_params, flip_bit_
+
+CFG = GPTConfig(vocab=16, seq=8, d_model=32, heads=2, layers=1)
+FLIP_AT = (4, 5)  # (parameter index, element) whose lowest mantissa bit the last rank flips
+SWAP_IN = 4  # parameter whose first two (different) elements rank 0 swaps
+
+
+def _params():
+    return list(make_model(CFG, seed=0).parameters())
+
+
+def _call(answer, params, where: str) -> list:
+    before = flat_params(params)
+    got = answer(params)
+    after = flat_params(params)
+    everyone = gather_objects(got if isinstance(got, (list, tuple)) else repr(got))
+
+    def shape_right():
+        n = len(everyone)
+        if not isinstance(got, (list, tuple)):
+            raise Wrong(f"{where}: return a list with one checksum per rank (dist.all_gather_object), "
+                        f"not a {type(got).__name__}")
+        if len(got) != n:
+            raise Wrong(f"{where}: the list has {len(got)} entries at world size {n}: return one checksum per rank "
+                        "(dist.all_gather_object), not only your own")
+        if any(list(e) != list(got) for e in everyone):
+            raise Wrong(f"{where}: the ranks returned different lists: every rank must return every rank's "
+                        "checksum, in rank order")
+        if not torch.equal(before, after):
+            raise Wrong(f"{where}: the parameters changed during the call: a checksum must only read them")
+
+    agree(shape_right)
+    return list(got)
+
+
+def check_cross_rank_checksum(ctx, answer) -> None:
+    n, last = ctx.world_size, ctx.world_size - 1
+    params = _params()
+    equal = _call(answer, params, "all ranks equal")
+
+    def equal_right():
+        if len(set(map(repr, equal))) != 1:
+            raise Wrong(f"all ranks hold the same parameters but the checksums differ ({equal}): the checksum must "
+                        "depend only on the values, never on the rank")
+
+    agree(equal_right)
+
+    again = _call(answer, params, "the same parameters, a second time")
+
+    def deterministic():
+        if again != equal:
+            raise Wrong("two calls on unchanged parameters gave different checksums: use no randomness and no "
+                        "ids of objects, only the values")
+
+    agree(deterministic)
+
+    flipped = _params()
+    if ctx.rank == last:
+        flip_bit_(flipped[FLIP_AT[0]].data, FLIP_AT[1], 0)  # the lowest mantissa bit: a change of ~1e-8 relative
+    after_flip = _call(answer, flipped, f"rank {last} with one low bit flipped")
+
+    def flip_seen():
+        if after_flip[last] == after_flip[0] and n > 1:
+            raise Wrong(f"rank {last} has one element whose lowest mantissa bit flipped, and its checksum still equals "
+                        "rank 0's: a float sum rounds such a change away. Checksum the bits "
+                        "(t.view(torch.int32)), in integer arithmetic")
+        others = [c for r, c in enumerate(after_flip) if r != last]
+        if len(set(map(repr, others))) > 1:
+            raise Wrong("only the last rank changed, but the other ranks' checksums now differ from each other")
+
+    agree(flip_seen)
+
+    swapped = _params()
+    if ctx.rank == 0:
+        w = swapped[SWAP_IN].data.view(-1)
+        w[0], w[1] = w[1].clone(), w[0].clone()
+    after_swap = _call(answer, swapped, "rank 0 with two elements swapped")
+
+    def swap_seen():
+        if after_swap[0] == after_swap[-1] and n > 1:
+            raise Wrong("rank 0 swapped two elements of one parameter and its checksum did not change: a sum of the "
+                        "bits ignores positions. Weight each element by its position (sum of bits_i * (i + 1))")
+
+    agree(swap_seen)
+
+
+CHECKS = {"cross_rank_checksum": check_cross_rank_checksum}
+
+
+def main(ctx, exercise: str = "", answer=None):
+    return run_exercise(ctx, CHECKS, exercise, answer)
