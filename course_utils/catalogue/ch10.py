@@ -1,0 +1,94 @@
+"""Chapter 10's graded exercises, checked in the notebook (pure Python, against the course's own models).
+
+- ``ring_allreduce_time``: the alpha-beta time of a ring all-reduce, 2(n-1) alpha + 2(n-1)/n S/B
+  (``course_utils.ledger.collective_time``);
+- ``fix_nccl_env``: turn a debugging NCCL/PyTorch environment into one fit for production, judged by
+  ``course_utils.nccl_env.validate_env``.
+"""
+from __future__ import annotations
+
+from course_utils.exercises import FAIL, PASS, Exercise, register
+
+# -- 1. the ring all-reduce time -----------------------------------------------------------------------------
+
+RING_CASES = [  # (n, size_bytes, alpha seconds, bandwidth bytes/s)
+    (8, 1 << 30, 5e-6, 50e9),
+    (256, 1 << 20, 5e-6, 50e9),  # 32 nodes of 8: latency dominates
+    (2, 4096, 1e-5, 1e9),
+    (8192, 64 << 20, 2e-6, 400e9),  # 1024 nodes of 8
+    (1, 1 << 20, 5e-6, 50e9),  # one rank communicates nothing
+]
+
+
+def check_ring_allreduce_time(answer) -> tuple[str, str]:
+    from course_utils.ledger import collective_time
+
+    for n, size, alpha, bw in RING_CASES:
+        got = answer(n, size, alpha, bw)
+        want = collective_time("all_reduce", size, n, bw, alpha)
+        case = f"n={n}, size={size}, alpha={alpha:g}, bandwidth={bw:g}"
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            return FAIL, f"return a number of seconds, got {got!r} for {case}"
+        if abs(got - want) <= 1e-9 * max(want, 1e-12):
+            continue
+        if n == 1:
+            return FAIL, f"for {case} you returned {got:g}: one rank has nobody to talk to, so the time is 0"
+        lat, bwt = 2 * (n - 1) * alpha, 2 * (n - 1) / n * size / bw
+        if abs(got - ((n - 1) * alpha + bwt)) <= 1e-9 * want:
+            hint = "the latency term counts n-1 steps; a ring all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps"
+        elif abs(got - (lat + (n - 1) / n * size / bw)) <= 1e-9 * want:
+            hint = "the bandwidth term is missing its factor 2: each byte crosses 2(n-1)/n links' worth, not (n-1)/n"
+        elif abs(got - (lat + 2 * size / bw)) <= 1e-9 * want:
+            hint = "the bandwidth term is 2(n-1)/n x S/B, not 2 S/B: each rank sends 2(n-1) chunks of S/n"
+        elif abs(got - (lat + 2 * (n - 1) * size / bw)) <= 1e-9 * want:
+            hint = "each of the 2(n-1) steps moves a chunk of S/n, not the whole S"
+        elif abs(got - bwt) <= 1e-9 * want:
+            hint = "the latency term 2(n-1) x alpha is missing"
+        else:
+            hint = f"expected 2(n-1) alpha + 2(n-1)/n S/B = {want:.6g} s"
+        return FAIL, f"for {case} you returned {got:.6g} s: {hint}"
+    return PASS, "correct: 2(n-1) alpha + 2(n-1)/n x S/B, the ledger's collective_time"
+
+
+# -- 2. fix a debugging environment ----------------------------------------------------------------------------
+
+BAD_ENV = {
+    "NCCL_DEBUG": "INFO",
+    "NCCL_ALGO": "Tree",
+    "NCCL_SOCKET_IFNAME": "=eth0",
+    "NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
+    "NCCL_IB_QPS_PER_CONECTION": "4",
+    "NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+MUST_KEEP = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")  # the system configuration: without it NCCL picks the wrong ports
+
+
+def check_fix_nccl_env(answer) -> tuple[str, str]:
+    from course_utils.nccl_env import validate_env
+
+    got = answer(dict(BAD_ENV))
+    if not isinstance(got, dict):
+        return FAIL, f"return the corrected environment as a dict of name -> value, got {type(got).__name__}"
+    for name in MUST_KEEP:
+        if got.get(name) != BAD_ENV[name]:
+            return FAIL, (f"keep {name}={BAD_ENV[name]}: it is system configuration (which ports to use), "
+                          "not a debugging setting")
+    if "NCCL_ASYNC_ERROR_HANDLING" in got and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in got:
+        return FAIL, "NCCL_ASYNC_ERROR_HANDLING is PyTorch's deprecated name: rename it to TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in got:
+        return FAIL, ("NCCL_ASYNC_ERROR_HANDLING's intent (tear down on errors) is lost: rename it to "
+                      "TORCH_NCCL_ASYNC_ERROR_HANDLING rather than deleting it")
+    if "NCCL_IB_QPS_PER_CONNECTION" not in got and "NCCL_IB_QPS_PER_CONECTION" not in got:
+        return FAIL, ("the misspelt NCCL_IB_QPS_PER_CONECTION was meant as NCCL_IB_QPS_PER_CONNECTION=4 (measured "
+                      "earlier, say): fix the spelling rather than dropping it")
+    findings = validate_env(got)
+    if findings:
+        return FAIL, f"{len(findings)} problem(s) left; the first: {findings[0]}"
+    return PASS, "correct: debug settings removed, the typo and the deprecated name fixed, the dump given its buffer"
+
+
+register(Exercise("ring_allreduce_time", "10", "ring_allreduce_time",
+                  "The alpha-beta time of a ring all-reduce", local=check_ring_allreduce_time))
+register(Exercise("fix_nccl_env", "10", "fix_nccl_env",
+                  "Turn a debugging NCCL environment into a production one", local=check_fix_nccl_env))

@@ -1,0 +1,270 @@
+# %% [markdown]
+# # 10 · NCCL tuning in practice
+#
+# Chapter 01 measured bandwidth the way NVIDIA's `nccl-tests` does. This chapter is about using those
+# numbers on a real cluster: reading an `nccl-tests` table, knowing which `NCCL_*` variables belong in a job
+# script and which are for one debugging run, predicting how ring and tree all-reduce scale to 32 and 1024
+# nodes, why hash collisions in the fabric cost bandwidth, and the order in which to triage a slow 32-node job.
+#
+# **Honest labelling.** This machine has no GPU and no fabric. Every multi-node number below is either
+# *published* (a real run, with its source) or *modelled* (an alpha-beta formula with stated parameters);
+# the only measurement is this machine's CPU ranks talking through gloo, and it is labelled so.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+import course_utils as cu
+from course_utils import ch01, collective_models as cm, ecmp, nccl_env, nccl_tests, plots, runbook
+from course_utils.exercises import check
+from course_utils.ledger import bus_bandwidth_factor
+
+plots.style()
+
+# %% [markdown]
+# ## 1. What nccl-tests measures: time, algbw, busbw
+#
+# `all_reduce_perf -b 8 -e 8G -f 2 -g 8` times an all-reduce at every size from 8 bytes to 8 GB, doubling.
+# Each row gives the time per call in microseconds, **algbw = S / t**, and **busbw = algbw × factor**
+# (NVIDIA/nccl-tests, `doc/PERFORMANCE.md`). The factor converts "bytes of message per second" into "bytes each
+# rank moves per second", which can be compared with a link's bandwidth whatever the rank count: a
+# bandwidth-optimal all-reduce must move 2(n−1)/n bytes per byte of message through each rank.
+# The course's ledger holds the factors:
+
+# %%
+print(ch01.text_table([[c] + [f"{bus_bandwidth_factor(c, n):.4f}" for n in (2, 8, 256, 8192)]
+                       for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")],
+                      ["collective", "n=2", "n=8", "n=256", "n=8192"]))
+
+# %% [markdown]
+# The parser (`course_utils.nccl_tests.parse`) reads the tables nccl-tests prints, column variants included.
+# Here is the published 8×H200 sweep from chapter 01, written out in nccl-tests' format and read back:
+# the time column is S / algbw, and the parsed busbw must equal algbw × 1.75 (n = 8) to the printed rounding.
+
+# %%
+published, header = ch01.load_published()
+pub_rows = [nccl_tests.NcclTestsRow(size_bytes=r["bytes"], count=r["bytes"] // 4, dtype="float", redop="sum", root=None,
+                                    out_of_place=nccl_tests.Measurement(r["bytes"] / r["algbw"] * 1e6, r["algbw"] / 1e9,
+                                                                        r["busbw"] / 1e9, 0)) for r in published]
+table = nccl_tests.format_table(pub_rows, comments=("PUBLISHED: " + header[0], header[1]))
+print("\n".join(table.splitlines()[:9] + ["..."] + table.splitlines()[-4:]))
+report = nccl_tests.parse(table)
+ratio = [m.out_of_place.busbw_GBps / m.out_of_place.algbw_GBps for m in report.rows]
+print(f"parsed {len(report.rows)} rows; busbw/algbw from {min(ratio):.3f} to {max(ratio):.3f}, "
+      f"ledger factor {bus_bandwidth_factor('all_reduce', 8)}")
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots()
+ax.plot([r.size_bytes for r in report.rows], [r.out_of_place.busbw_GBps for r in report.rows], "s-", color="black",
+        label="8xH200 NVLink, NCCL (published: stas00/ml-engineering), parsed back")
+ax.set_xscale("log", base=2)
+ax.set_xlabel("message size S (bytes)")
+ax.set_ylabel("busbw (GB/s)")
+ax.set_title("published all_reduce busbw, read through course_utils.nccl_tests")
+ax.legend(fontsize=8)
+plots.savefig(fig, "10_published_busbw");
+
+# %% [markdown]
+# ## 2. The course's own benchmark, in nccl-tests' format
+#
+# `workers/ch01_bandwidth.py` is the course's small nccl-tests. **Predict**: at 16 MB, will the CPU ranks' busbw
+# be closer to 0.5 GB/s, 5 GB/s or 50 GB/s? Then measure (4 ranks, gloo, this machine's CPU):
+
+# %% tags=["nbval-ignore-output"]
+SIZES = [4096, 65536, 1 << 20, 16 << 20]
+res = cu.run("workers.ch01_bandwidth", world_size=4, collective="all_reduce", sizes=SIZES, timeout=60)
+gloo_rows = nccl_tests.rows_from_timings("all_reduce", res[0]["bytes"], res[0]["seconds"], n_ranks=4)
+print(nccl_tests.format_table(gloo_rows, comments=("CPU/gloo on this machine, 4 ranks: NOT GPU numbers",)))
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots()
+ax.plot([r.size_bytes for r in gloo_rows], [r.out_of_place.busbw_GBps for r in gloo_rows], "o-",
+        label="CPU, gloo, this machine, 4 ranks")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("message size S (bytes)")
+ax.set_ylabel("busbw (GB/s)")
+ax.set_title(f"all_reduce busbw: {plots.CPU_NOTE}", fontsize=9)
+ax.legend(fontsize=8)
+plots.savefig(fig, "10_gloo_busbw");
+
+# %% [markdown]
+# The parser reads our own table back, so the same tooling works on a real cluster's logs:
+
+# %% tags=["nbval-ignore-output"]
+back = nccl_tests.parse(nccl_tests.format_table(gloo_rows))
+print([r.size_bytes for r in back.rows] == SIZES, f"{back.avg_busbw_GBps:.3f} GB/s average busbw")
+
+# %% [markdown]
+# ## 3. NCCL_* and TORCH_NCCL_* variables
+#
+# NCCL's documentation splits its variables in two: **system configuration** (which interfaces and adapters,
+# GPUDirect distance: keep them in the job script) and **debugging** ("should not be used in production nor
+# retained in scripts"). The course adds **tuning: measure first** (the default is usually right) and
+# **deprecated** (PyTorch's old names). Each row cites the page it was checked against
+# (`course_utils.nccl_env.VARIABLES[i].source`).
+
+# %%
+for kind in nccl_env.KINDS:
+    print(f"== {kind}")
+    print(ch01.text_table([[v["variable"], v["what it does"]] for v in nccl_env.table_rows(kind)]))
+
+# %% [markdown]
+# `validate_env` reads a proposed environment and says what to change. **Predict** which lines of this
+# (realistic) script it objects to, then run it:
+
+# %%
+from course_utils.catalogue.ch10 import BAD_ENV
+
+for name, value in BAD_ENV.items():
+    print(f"export {name}={value}")
+print()
+for finding in nccl_env.validate_env(BAD_ENV):
+    print(finding)
+
+# %% [markdown]
+# ### Exercise 1: a production environment
+# Write `fix_nccl_env(env)` returning a corrected copy of that environment: keep the system configuration, drop
+# what is only for debugging, fix the typo and the deprecated name, and make the flight-recorder dump work.
+# The check runs `validate_env` on your answer.
+
+# %% tags=["exercise"]
+def fix_nccl_env(env):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("fix_nccl_env", fix_nccl_env)
+
+# %% [markdown]
+# ## 4. Ring vs tree at 32 and 1024 nodes (modelled)
+#
+# A ring all-reduce over N ranks takes 2(N−1) sequential steps, so its latency grows linearly with N; NCCL 2.4
+# added double binary trees (NVIDIA developer blog, "Massively Scale Your Deep Learning Training with NCCL
+# 2.4"), whose latency grows with log2 of the node count. The ring's bandwidth term is slightly better.
+# `course_utils.collective_models` states its parameters (all assumptions, not measurements):
+
+# %%
+print(cm.ModelParams())
+print(ch01.text_table(cm.scaling_table()))
+
+# %% [markdown]
+# **Predict** before the figure: at 1024 nodes (8192 GPUs), how many milliseconds does the ring's latency alone
+# cost per all-reduce, and does that matter for a 64 MB gradient bucket?
+
+# %% tags=["nbval-ignore-output"]
+sizes = np.geomspace(2**10, 2**34, 49)
+fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+for ax, nodes in zip(axes, (32, 1024)):
+    for algo in ("ring", "tree"):
+        ax.plot(sizes, [cm.busbw(algo, s, nodes) / 1e9 for s in sizes], label=algo)
+    cross = cm.crossover_bytes(nodes)
+    if cross:
+        ax.axvline(cross, color="grey", ls=":", label="crossover")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_title(f"MODELLED: {nodes} nodes x 8 GPUs", fontsize=9)
+    ax.legend(fontsize=8)
+axes[0].set_ylabel("modelled busbw (GB/s)")
+plots.savefig(fig, "10_ring_vs_tree_model");
+
+# %% [markdown]
+# ### Exercise 2: the ring's time
+# Write `ring_allreduce_time(n, size_bytes, alpha, bandwidth)`: the alpha-beta time of a ring all-reduce on n
+# ranks, alpha seconds per step, bandwidth B bytes/s per rank (the model's ring term, and the ledger's).
+
+# %% tags=["exercise"]
+def ring_allreduce_time(n, size_bytes, alpha, bandwidth):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("ring_allreduce_time", ring_allreduce_time)
+
+# %% [markdown]
+# Explore: nodes (as a power of two) and message size; the model prints both times and the winner.
+
+# %% tags=["nbval-ignore-output"]
+import ipywidgets as W
+
+from course_utils.widgets import slider
+
+nodes_exp, size_exp = slider("log2(nodes)", 5, 1, 10), slider("log2(message bytes)", 26, 10, 34)
+out = W.Output()
+
+
+def show_model(change=None):
+    nodes, size = 2 ** nodes_exp.value, 2 ** size_exp.value
+    out.clear_output()
+    with out:
+        r, t = cm.allreduce_time("ring", size, nodes), cm.allreduce_time("tree", size, nodes)
+        print(f"MODELLED {nodes} nodes, {size} bytes: ring {r * 1e3:.3f} ms, tree {t * 1e3:.3f} ms -> "
+              f"{cm.winner(size, nodes)}")
+
+
+for w in (nodes_exp, size_exp):
+    w.observe(show_model, names="value")
+show_model()
+W.VBox([nodes_exp, size_exp, out])
+
+# %% [markdown]
+# ## 5. ECMP hash collisions and QPs (simulated)
+#
+# Between leaf and spine switches there are several equal-cost paths; ECMP picks one per flow by hashing its
+# header. Hashing is blind to load, so two big flows can share one uplink while another idles, and a collective
+# runs at the pace of its slowest flow. This is *balls into bins*: F flows on L links; the fullest link carries
+# max_load flows. `NCCL_IB_QPS_PER_CONNECTION=q` splits each connection over q queue pairs (q flows of 1/q of
+# the data each), so the loads average out. Exact expectation next to a seeded simulation, 16 connections on
+# 16 uplinks:
+
+# %%
+rows = ecmp.qp_sweep(pairs=16, links=16)
+print(ch01.text_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]))
+
+# %% tags=["nbval-ignore-output"]
+loads = {q: ecmp.simulate_link_loads(16 * q, 16, trials=4000).max(axis=1) / q for q in (1, 4, 8)}
+fig, ax = plt.subplots()
+for q, m in loads.items():
+    ax.hist(m, bins=np.arange(0.5, 8, 0.25), alpha=0.5, label=f"{q} QP(s) per connection")
+ax.set_xlabel("busiest uplink's load, in connections' worth of data (1 = perfect spread)")
+ax.set_ylabel("trials")
+ax.set_title("SIMULATED: 16 connections hashed onto 16 uplinks", fontsize=9)
+ax.legend(fontsize=8)
+plots.savefig(fig, "10_ecmp_collisions");
+
+# %% [markdown]
+# More QPs help slowly (the spread shrinks like 1/sqrt(q)); fabrics that avoid the lottery altogether use
+# adaptive routing or rail-optimised designs. Whether q = 4 is worth it on *your* fabric is a measurement,
+# which is why the table calls it "tuning: measure first".
+#
+# ## 6. PFC and ECN, in words
+#
+# RDMA over Converged Ethernet assumes a network that does not drop packets, because RoCE's recovery from loss
+# is slow. **PFC** (priority flow control, IEEE 802.1Qbb) gets there by back-pressure: when a switch queue for
+# one traffic class fills past a threshold, the switch sends the upstream port a **pause frame** for that class,
+# and the upstream stops sending it until the pause expires or is lifted. Pauses propagate hop by hop. The cost
+# is **head-of-line blocking**: a paused port stops *every* flow of that class, including flows headed to
+# uncongested destinations, and in bad cases pause storms spread across the fabric (or deadlock it).
+#
+# **ECN** (explicit congestion notification) acts earlier and end to end: a switch whose queue is building
+# *marks* packets instead of dropping or pausing; the receiver's NIC returns a congestion notification packet
+# (CNP) to the sender, and **DCQCN**, the congestion control of RoCE NICs, cuts that sender's rate and then
+# recovers it gradually. Well tuned, ECN keeps queues short so that PFC rarely fires and remains a safety net.
+# The symptoms in the runbook follow from this: many pauses with few ECN marks mean the thresholds are wrong.
+# This notebook shows no PFC/ECN numbers: there is no fabric here to measure and none is modelled.
+#
+# ## 7. The 32-node triage runbook
+#
+# Smallest unit first: one node, then pairs, then everyone; read what NCCL chose before changing it; the fabric
+# after the nodes; bisection for stragglers. (`course_utils.runbook.RUNBOOK`, as data.)
+
+# %%
+print(runbook.render())
+
+# %% [markdown]
+# ## Summary
+# - busbw = algbw × 2(n−1)/n for all-reduce: compare it with the link, not algbw.
+# - Keep system configuration in scripts; remove debug variables (NCCL_DEBUG=INFO, forced NCCL_ALGO/PROTO) after use.
+# - Ring latency grows with N, tree latency with log2(nodes): at 1024 nodes the tree wins every practical size (modelled).
+# - ECMP hashing leaves the busiest uplink with several flows; more QPs even the load, slowly (simulated).
+# - Triage from one node outwards; change NCCL settings last, and only after a measurement.

@@ -1,0 +1,67 @@
+"""Plausible wrong answers for chapter 10, each with a fragment of the message the check must give."""
+
+
+def ring_time_n_minus_1_steps(n, size_bytes, alpha, bandwidth):
+    if n == 1:
+        return 0.0
+    return (n - 1) * alpha + 2 * (n - 1) / n * size_bytes / bandwidth  # counted only the reduce-scatter's steps
+
+
+def ring_time_no_factor_two(n, size_bytes, alpha, bandwidth):
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + (n - 1) / n * size_bytes / bandwidth  # an all-gather's bandwidth term
+
+
+def ring_time_whole_buffer_per_step(n, size_bytes, alpha, bandwidth):
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) * size_bytes / bandwidth
+
+
+def ring_time_no_latency(n, size_bytes, alpha, bandwidth):
+    return 2 * (n - 1) / n * size_bytes / bandwidth
+
+
+def ring_time_one_rank_pays(n, size_bytes, alpha, bandwidth):
+    return 2 * max(n - 1, 1) * alpha + 2 * (n - 1) / n * size_bytes / bandwidth  # n=1 still pays latency
+
+
+def fix_env_only_debug(env):
+    fixed = dict(env)
+    fixed["NCCL_DEBUG"] = "WARN"
+    fixed.pop("NCCL_ALGO", None)
+    return fixed  # the typo, the deprecated name and the dump's missing buffer remain
+
+
+def fix_env_drops_everything(env):
+    return {}  # throws away the system configuration with the debugging
+
+
+def fix_env_keeps_algo(env):
+    fixed = dict(env)
+    fixed.pop("NCCL_DEBUG", None)
+    fixed["NCCL_IB_QPS_PER_CONNECTION"] = fixed.pop("NCCL_IB_QPS_PER_CONECTION")
+    fixed["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = fixed.pop("NCCL_ASYNC_ERROR_HANDLING")
+    fixed["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    return fixed  # NCCL_ALGO=Tree still forced
+
+
+def fix_env_deletes_async(env):
+    fixed = {k: v for k, v in env.items() if k not in ("NCCL_DEBUG", "NCCL_ALGO", "NCCL_ASYNC_ERROR_HANDLING")}
+    fixed["NCCL_IB_QPS_PER_CONNECTION"] = fixed.pop("NCCL_IB_QPS_PER_CONECTION")
+    fixed["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    return fixed
+
+
+WRONG = [
+    ("ring_allreduce_time", ring_time_n_minus_1_steps, "2(n-1) steps"),
+    ("ring_allreduce_time", ring_time_no_factor_two, "missing its factor 2"),
+    ("ring_allreduce_time", ring_time_whole_buffer_per_step, "not the whole S"),
+    ("ring_allreduce_time", ring_time_no_latency, "latency term 2(n-1) x alpha is missing"),
+    ("ring_allreduce_time", ring_time_one_rank_pays, "the time is 0"),
+    ("fix_nccl_env", fix_env_only_debug, "rename it to TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+    ("fix_nccl_env", fix_env_drops_everything, "it is system configuration"),
+    ("fix_nccl_env", fix_env_keeps_algo, "NCCL_ALGO"),
+    ("fix_nccl_env", fix_env_deletes_async, "rename it to TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+]
