@@ -188,6 +188,9 @@ import ipywidgets as W
 from course_utils.widgets import LiveRun
 
 
+WIDGET_STEPS = 60  # half the run: the logits have grown 1000x by then, and a change answers in about a second
+
+
 def draw_lr(res, params):
     t = ch09.telemetry(res)
     label = f"qk-LN {'on' if params['qk_layernorm'] else 'off'}, z-loss {params['z_loss']:g}"
@@ -198,8 +201,8 @@ lr_live = LiveRun(TRAIN, {"high_lr": W.FloatLogSlider(value=0.2, base=10, min=-3
                                                        description="lr", continuous_update=False),
                           "qk_layernorm": W.Checkbox(value=False, description="qk-layernorm"),
                           "z_loss": W.Dropdown(options=[0.0, 1e-4, 1e-2], value=0.0, description="z-loss")},
-                  draw_lr, params={"world_size": 1, "fault": "high_lr"}, timeout=120,
-                  progress_total=lambda p: run_cfg.steps)
+                  draw_lr, params={"world_size": 1, "fault": "high_lr", "steps": WIDGET_STEPS}, timeout=120,
+                  progress_total=lambda p: WIDGET_STEPS)
 lr_live.wait(120)
 lr_live
 
