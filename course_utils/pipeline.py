@@ -1,0 +1,132 @@
+"""Chapter 13, notebook side: check pipeline runs against the single-process reference, measure the bubble
+from the ranks' timelines, draw the schedule as a Gantt chart.
+
+Everything here reads a ``RunResult`` of ``workers/ch13_pipeline.py``; the ground truth is
+``workers/pipeline/reference.py``; the formulas are the ledger's ``pipeline_bubble_fraction``.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from course_utils.ledger import pipeline_bubble_fraction
+from course_utils.plots import CPU_NOTE
+from workers.pipeline.model import FP32_TOL, PipelineConfig
+from workers.pipeline.reference import reference_step
+
+
+def pipeline_ranks(res, pipeline: int = 0) -> list[dict]:
+    """The rank dicts of one pipeline, in stage order."""
+    rows = [d for d in res.ranks if d["pipeline"] == pipeline]
+    return sorted(rows, key=lambda d: d["stage"])
+
+
+def merged(res, key: str, pipeline: int = 0) -> dict[str, torch.Tensor]:
+    """``grads`` or ``weights`` of all stages of one pipeline, under the whole model's names."""
+    out = {}
+    for d in pipeline_ranks(res, pipeline):
+        out.update(d[key])
+    return out
+
+
+def compare_to_reference(res, steps: int = 1, lr: float = 0.1) -> dict:
+    """Every parameter's gradient (last step) and weight (after ``steps`` SGD steps), and every step's loss,
+    against the single-process reference on the same global batch; every pipeline copy checked."""
+    first = res[0]
+    cfg = PipelineConfig(**first["config"])
+    ref = reference_step(cfg, steps=steps, lr=lr)
+    n_pipes = len(res.ranks) // first["num_stages"]
+    report = {"grad_max_abs": 0.0, "weight_max_abs": 0.0, "loss_max_abs": 0.0, "within_tol": True,
+              "parameters": len(ref["grads"])}
+    for pipe in range(n_pipes):
+        for key, what in (("grads", "grad_max_abs"), ("weights", "weight_max_abs")):
+            got = merged(res, key, pipe)
+            if sorted(got) != sorted(ref[key]):  # a missing parameter is a failure, not a smaller error
+                report["within_tol"] = False
+                continue
+            for name, want in ref[key].items():
+                report[what] = max(report[what], (got[name] - want).abs().max().item())
+                report["within_tol"] &= torch.allclose(got[name].double(), want.double(), **FP32_TOL)
+        losses = pipeline_ranks(res, pipe)[-1]["losses"]
+        report["loss_max_abs"] = max(report["loss_max_abs"], float(np.max(np.abs(np.subtract(losses, ref["losses"])))))
+    report["within_tol"] &= report["loss_max_abs"] < FP32_TOL["atol"]
+    report["reference_losses"] = ref["losses"]
+    return report
+
+
+def idle_fractions(res, pipeline: int = 0) -> list[float]:
+    """Per stage: 1 - (time inside F and B boxes) / (first start to last end over the whole pipeline).
+
+    This is idle / total, the quantity (p-1)/(m+p-1) predicts (the ledger's ``denominator="total"``).
+    """
+    rows = pipeline_ranks(res, pipeline)
+    t_start = min(e["start"] for d in rows for e in d["timeline"])
+    t_end = max(e["end"] for d in rows for e in d["timeline"])
+    return [1 - sum(e["end"] - e["start"] for e in d["timeline"]) / (t_end - t_start) for d in rows]
+
+
+def measured_bubble(res, pipeline: int = 0) -> float:
+    """The pipeline's idle / total, averaged over its stages (all stages idle the same time in theory)."""
+    return float(np.mean(idle_fractions(res, pipeline)))
+
+
+def bubble_formulas(p: int, m: int) -> dict:
+    """Both conventions of Narayanan et al. 2021 section 2.2.1, from the ledger: idle/total and bubble/ideal."""
+    return {"idle/total (p-1)/(m+p-1)": pipeline_bubble_fraction(p, m, denominator="total"),
+            "bubble/ideal (p-1)/m": pipeline_bubble_fraction(p, m, denominator="ideal")}
+
+
+def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
+    """One row per stage; F boxes (light) and B boxes (dark) coloured by micro-batch; white is idle."""
+    rows = pipeline_ranks(res, pipeline)
+    m = rows[0]["config"]["micro_batches"]
+    cmap = plt.get_cmap("tab10" if m <= 10 else "tab20")
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.4))
+    for d in rows:
+        y = d["stage"]
+        for e in d["timeline"]:
+            colour = cmap(e["micro"] % cmap.N)
+            light = e["kind"] == "F"
+            ax.barh(y, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, height=0.8, color=colour,
+                    alpha=0.45 if light else 1.0, edgecolor="k", lw=0.4)
+            if (e["end"] - e["start"]) * 1e3 > 2.5:
+                ax.text((e["start"] + e["end"]) / 2 * 1e3, y, f"{e['kind']}{e['micro']}", ha="center", va="center",
+                        fontsize=7)
+    ax.set_yticks([d["stage"] for d in rows], [f"stage {d['stage']}\n(rank {i + pipeline * len(rows)})"
+                                               for i, d in enumerate(rows)])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time since the barrier (ms); {CPU_NOTE}")
+    idle = idle_fractions(res, pipeline)
+    ax.set_title(title or f"{rows[0]['schedule']}, p={len(rows)}, m={m}: measured idle {np.mean(idle):.0%} "
+                          f"(formula {pipeline_bubble_fraction(len(rows), m, denominator='total'):.0%}); "
+                          "F light, B dark, white = idle", fontsize=9)
+    ax.grid(axis="y", visible=False)
+    return fig if fig is not None else ax.figure
+
+
+def bubble_figure(sweep: dict, p: int):
+    """``sweep[schedule] = [(m, measured idle/total)]``: points on the two formula curves."""
+    fig, ax = plt.subplots()
+    ms = sorted({m for rows in sweep.values() for m, _ in rows})
+    grid = np.arange(1, max(ms) + 1)
+    ax.plot(grid, [pipeline_bubble_fraction(p, int(m), denominator="total") for m in grid], "k-",
+            label="(p-1)/(m+p-1): idle / total")
+    ax.plot(grid, [min(pipeline_bubble_fraction(p, int(m)), 1.2) for m in grid], "k:",
+            label="(p-1)/m: bubble / ideal time (clipped)")
+    for (name, rows), marker in zip(sweep.items(), ("o", "s", "^")):
+        ax.plot([m for m, _ in rows], [v for _, v in rows], marker, ms=7, label=f"{name}, measured")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble fraction")
+    ax.set_title(f"Pipeline bubble at p={p}: {CPU_NOTE}", fontsize=9)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def schedule_text(actions_per_stage: list[list]) -> str:
+    """The per-stage action lists as lines: ``stage 0: F0 F1 F2 B0 ...``."""
+    return "\n".join(f"stage {s}: " + " ".join(f"{k}{i}" for k, i in a) for s, a in enumerate(actions_per_stage))

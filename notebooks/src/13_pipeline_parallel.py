@@ -1,0 +1,235 @@
+# %% [markdown]
+# # 13 · Pipeline parallelism: GPipe and 1F1B on real send/recv
+#
+# Tensor parallelism (chapters 04-06) splits every layer across ranks and pays two all-reduces per layer in
+# each direction. **Pipeline parallelism** splits the model the other way: by *depth*. Rank s holds a
+# contiguous block of layers (a *stage*); a micro-batch's activation goes from stage to stage forward, and
+# its gradient comes back the same way. Nothing else crosses a stage boundary: no weights, no all-reduce.
+#
+# The price is the **bubble**. Stage 3 cannot start before stages 0-2 have each run the first micro-batch,
+# and stage 0 waits at the end for the last gradient to come back. With p stages and m micro-batches per
+# step, each rank idles $(p-1)(t_F + t_B)$ of a step that lasts $(m + p - 1)(t_F + t_B)$ (Narayanan et
+# al. 2021, *Efficient Large-Scale Language Model Training on GPU Clusters*,
+# [arXiv:2104.04473](https://arxiv.org/abs/2104.04473), section 2.2.1). Two ways to write that down:
+#
+# * **idle / total** $= \frac{p-1}{m+p-1}$: the share of the step a rank is idle (what a timeline shows);
+# * **bubble / ideal** $= \frac{p-1}{m}$: the paper's "bubble time fraction", the bubble over the bubble-free
+#   time; it can exceed 1.
+#
+# Both shrink only with more micro-batches. **GPipe** (Huang et al. 2019) runs all m forwards, then all m
+# backwards, so every stage holds m micro-batches' activations at the turn. **1F1B** (PipeDream-Flush,
+# Narayanan et al. 2021 section 2.2.1, Figure 4) starts each stage's backwards as early as possible: p - s - 1
+# warm-up forwards, then one forward and one backward in turn, then the remaining backwards. Same bubble,
+# but at most p - s micro-batches in flight. **1F1B saves memory, not time.**
+#
+# We build both as data (`workers/pipeline/schedules.py`), run them on 4 real ranks with
+# `isend`/`irecv` (`workers/pipeline/p2p.py`, `executor.py`), prove the pipeline computes the unsplit model's
+# gradients exactly, then measure the bubble and the stash from the ranks' own timelines.
+
+# %%
+import course_utils as cu
+from course_utils import pipeline as pp
+from course_utils import plots
+from course_utils.ledger import pipeline_bubble_fraction, tp_comm_bytes_per_layer
+from workers.pipeline.model import PipelineConfig, partition_table
+from workers.pipeline.schedules import all_stages, ideal_bubble, peak_stash
+
+plots.style()
+LIMITS = {"timeout": 60}  # per run; 4 warm ranks serve every run (p = 1 and 2 run as copies inside them)
+WORKER, WORLD = "workers.ch13_pipeline", 4
+CFG = PipelineConfig()
+TIMED = {"forward_ms": 20.0, "backward_ms": 40.0}  # calibrated waits: t_B = 2 t_F, as for a transformer layer
+
+
+def run(**params):
+    return cu.run(WORKER, world_size=WORLD, **LIMITS, **params)
+
+
+# %% [markdown]
+# ## 1. The split, and what crosses it
+#
+# The model is a stack of Linear + tanh layers; the partition table gives each stage a contiguous range.
+
+# %%
+print(f"{CFG.n_layers} layers, hidden {CFG.hidden}, micro-batch {CFG.micro_batch_size} rows, m = {CFG.micro_batches}")
+for p in (1, 2, 4):
+    print(f"p = {p}: stages own layers", partition_table(CFG.n_layers, p))
+
+# %% [markdown]
+# **Predict** for a GPT-3-sized layer (h = 12288, s = 2048, micro-batch 1, bf16): how many bytes does one
+# stage boundary carry per micro-batch, and how does that compare with what tensor parallelism over 8 GPUs
+# sends for *one* layer?
+
+# %%
+h, s, b, bytes_bf16, layers_per_stage = 12288, 2048, 1, 2, 12
+boundary = b * s * h * bytes_bf16  # one [b, s, h] activation forward, its gradient backward
+tp = tp_comm_bytes_per_layer(b, s, h, 8, bytes_per_element=bytes_bf16)
+print(f"pipeline: {boundary / 2**20:.0f} MiB forward + {boundary / 2**20:.0f} MiB backward per micro-batch per boundary")
+print(f"tensor parallel (t=8): {tp.all_reduces} all-reduces, {tp.total_wire_bytes / 2**20:.0f} MiB sent per GPU per layer, "
+      f"{layers_per_stage * tp.total_wire_bytes / 2**20:.0f} MiB for {layers_per_stage} layers")
+
+# %% [markdown]
+# A stage boundary carries two activations per micro-batch, point to point, between two neighbours; TP
+# all-reduces several per layer among all t ranks. That is why PP is what crosses *nodes* (slow links,
+# small volume) while TP stays inside an NVLink domain: PP beats TP when the link is slow and the model
+# is deep, as long as m is large enough to hide the bubble.
+#
+# ## 2. The schedules, as data
+#
+# Each rank's step is a list of actions. Printed for p = 4, m = 8 (`F3` is the forward of micro-batch 3):
+
+# %%
+P, M = 4, 8
+for name in ("gpipe", "1f1b"):
+    print(f"{name}:\n{pp.schedule_text(all_stages(name, P, M))}\n")
+
+# %% [markdown]
+# **Predict**: the most micro-batches each stage holds at once under each schedule; and the idle share
+# of each in ideal time ($t_B = 2 t_F$, free messages). `schedules.simulate` replays the lists with the
+# cross-stage dependencies (F(i) on s after F(i) on s - 1; B(i) on s after B(i) on s + 1):
+
+# %%
+for name in ("gpipe", "1f1b"):
+    sched = all_stages(name, P, M)
+    print(f"{name}: peak stash per stage {[peak_stash(a) for a in sched]}, ideal idle/total {ideal_bubble(sched):.4f}")
+print(f"formula (p-1)/(m+p-1) = {pipeline_bubble_fraction(P, M, denominator='total'):.4f}")
+
+# %% [markdown]
+# ## 3. The pipeline is the unsplit model
+#
+# Each micro-batch's loss is divided by m (as Megatron does), so the gradients accumulated over the m
+# micro-batches are those of the mean loss over the whole global batch. The reference
+# (`workers/pipeline/reference.py`) trains the same model unsplit in this process. Three SGD steps at
+# p = 1, 2 and 4 (p = 1 and 2 run as 4 and 2 identical pipelines on the 4 ranks; every copy is checked):
+
+# %%
+STEPS = 3
+for name in ("gpipe", "1f1b"):
+    for p in (1, 2, 4):
+        c = pp.compare_to_reference(run(schedule=name, stages=p, steps=STEPS), steps=STEPS)
+        print(f"{name:>5}, p = {p}: losses, all {c['parameters']} gradients and weights within 1e-6 of one "
+              f"process after {STEPS} steps: {c['within_tol']}")
+
+# %% [markdown]
+# ## 4. The schedule on a timeline
+#
+# The math of this small MLP takes microseconds, far below the scheduling noise of a shared CPU. So each
+# action is **padded to a fixed wall time with a calibrated wait** (`time.sleep` after the real math, to
+# the `TIMED` durations printed below, B twice F), standing in for a stage large enough to pipeline. The messages are real: every
+# `recv` blocks until the neighbour's `isend` arrives, and that waiting is the white space. Each rank
+# times its actions from a barrier. **Predict** where the white is, for each schedule.
+
+# %%
+print("each action padded to", TIMED, "(a calibrated wait, not compute)")
+timed = {name: run(schedule=name, micro_batches=M, **TIMED) for name in ("gpipe", "1f1b")}
+for name, res in timed.items():
+    print(f"{name}: peak stashed micro-batches per stage, measured {[d['peak_stash'] for d in pp.pipeline_ranks(res)]}; "
+          f"actions per stage {[len(d['timeline']) for d in pp.pipeline_ranks(res)]}")
+
+# %% tags=["nbval-ignore-output"]
+for name, res in timed.items():
+    plots.savefig(pp.gantt_figure(res), f"13_gantt_{name}")
+
+# %% [markdown]
+# The same white triangles at the start and the end: the same bubble. What differs is the middle: GPipe
+# runs every forward before any backward (m activations stored on every stage), 1F1B interleaves them as
+# soon as the last stage can start (p - s stored on stage s).
+#
+# ## 5. The bubble against m
+#
+# **Predict** the idle share at p = 4 for m = 1, 2, 4, 8, 16, in both conventions.
+
+# %% tags=["nbval-ignore-output"]
+sweep = {}
+for name in ("gpipe", "1f1b"):
+    sweep[name] = [(m, pp.measured_bubble(run(schedule=name, micro_batches=m, **TIMED))) for m in (1, 2, 4, 8, 16)]
+print(f"{'m':>3} {'gpipe':>7} {'1f1b':>7} {'(p-1)/(m+p-1)':>14} {'(p-1)/m':>8}")
+for (m, g), (_, o) in zip(sweep["gpipe"], sweep["1f1b"]):
+    f = pp.bubble_formulas(P, m)
+    print(f"{m:>3} {g:>7.3f} {o:>7.3f} {f['idle/total (p-1)/(m+p-1)']:>14.3f} {f['bubble/ideal (p-1)/m']:>8.3f}")
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(pp.bubble_figure(sweep, P), "13_bubble_vs_m");
+
+# %% [markdown]
+# The measured idle share is idle / total, and follows $(p-1)/(m+p-1)$; $(p-1)/m$ is the same bubble
+# measured against the bubble-free time, so it lies above and passes 1 for m < p - 1. The measurement sits
+# a little above the formula: each real message's latency (gloo over the loopback, on a busy CPU) delays
+# every action that waits for it. On NVLink that latency is microseconds against milliseconds of compute.
+#
+# ## 6. Memory, not time
+#
+# **Predict** each stage's peak stash at m = 4, 8, 16 for both schedules. Measured by the executor:
+
+# %%
+for m in (4, 8, 16):
+    for name in ("gpipe", "1f1b"):
+        peaks = [d["peak_stash"] for d in pp.pipeline_ranks(run(schedule=name, micro_batches=m))]
+        print(f"m = {m:>2}, {name:>5}: peak stashed micro-batches per stage {peaks}")
+
+# %% [markdown]
+# GPipe's stash grows with m: the very thing that shrinks the bubble costs activation memory linearly.
+# 1F1B's is capped at p - s whatever m is, so m can grow until the bubble is small.
+#
+# ## 7. Exercises
+#
+# **Exercise 1: the 1F1B schedule.** Return stage `stage`'s action list, `[("F", 0), ("F", 1), ..., ("B", 0), ...]`,
+# for p stages and m micro-batches: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+# The check replays all stages together: every micro-batch once, no deadlock, at most p - stage stashed,
+# and no bigger bubble than GPipe's.
+
+# %% tags=["exercise"]
+def one_f_one_b_schedule(p, m, stage):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("one_f_one_b_schedule", one_f_one_b_schedule)
+
+# %% [markdown]
+# **Exercise 2: one stage, one micro-batch, real messages.** `stage` is this rank's `nn.Module`; `comm`
+# has `is_first`, `is_last`, `input()` (the micro-batch, first stage), `loss(output)` (last stage; already
+# divided by m), `recv_forward()`, `send_forward(t)`, `recv_backward()`, `send_backward(t)`. A received
+# tensor is plain data: autograd knows nothing of the stage it came from. Run the forward, and the
+# backward so that every stage's weights get their gradients. The check runs it on 2 and 4 real ranks
+# for 3 micro-batches and compares every gradient with one process.
+
+# %% tags=["exercise"]
+def stage_step(stage, comm):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("stage_step", stage_step)
+
+# %% [markdown]
+# ## 8. Explore on real ranks
+#
+# Schedule, micro-batches and stages: each change reruns the step on the warm ranks and redraws the Gantt
+# chart from their timelines (padded actions as above; fewer stages run as copies).
+
+# %% tags=["nbval-ignore-output"]
+import ipywidgets as W
+
+from course_utils.widgets import LiveRun, slider
+
+
+def draw_gantt(res, params):
+    return pp.gantt_figure(res)
+
+
+gantt_live = LiveRun(WORKER, {"schedule": W.ToggleButtons(options=["1f1b", "gpipe"], value="1f1b"),
+                              "micro_batches": slider("micro-batches m", 8, 1, 16),
+                              "stages": W.Dropdown(options=[1, 2, 4], value=4, description="stages p")},
+                     draw_gantt, params={"world_size": WORLD, **TIMED}, timeout=60)
+gantt_live.wait(60)
+gantt_live
+
+# %% [markdown]
+# ## Summary
+#
+# * A pipeline stage sends one activation forward and receives one gradient back per micro-batch, point to
+#   point: little volume, one neighbour. That is why it spans nodes.
+# * Split correctly (received activations as leaves that require grad, each micro-batch's loss over m), the
+#   pipeline computes exactly the unsplit model's gradients.
+# * Both GPipe and 1F1B idle $(p-1)/(m+p-1)$ of the step ($(p-1)/m$ of the ideal time): only more
+#   micro-batches shrink the bubble.
+# * 1F1B keeps at most p - s micro-batches' activations on stage s, GPipe m: 1F1B saves memory, not time.

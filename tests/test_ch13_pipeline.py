@@ -1,0 +1,69 @@
+"""Chapter 13 on real ranks (gloo, CPU): the pipeline is the unsplit model, its memory is the schedule's,
+and its measured bubble is (p-1)/(m+p-1).
+
+Ground truth: ``workers/pipeline/reference.py`` (the same model and global batch in one process), with the
+fp32 tolerance of ``workers/pipeline/model.FP32_TOL`` (atol 1e-6, rtol 1e-5). All runs use one world of 4
+warm ranks; p = 1 and 2 run as 4 and 2 identical pipelines inside it (each copy is checked).
+"""
+import pytest
+
+import course_utils as cu
+from course_utils import pipeline as pp
+from course_utils.ledger import pipeline_bubble_fraction
+from course_utils.results import InvalidParameter
+
+WORKER, WORLD, LIMITS = "workers.ch13_pipeline", 4, {"timeout": 60}
+pytestmark = pytest.mark.ranks
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_pipeline_equals_single_process_over_optimizer_steps(schedule, p):
+    steps = 3
+    res = cu.run(WORKER, world_size=WORLD, stages=p, schedule=schedule, micro_batches=8, steps=steps, **LIMITS)
+    c = pp.compare_to_reference(res, steps=steps)
+    # Loss of each micro-batch / m, summed over m equal micro-batches, is the mean over the global batch; the
+    # gradients each stage accumulates are the slices of the whole model's: only the order of additions differs.
+    assert c["within_tol"], c
+    assert c["parameters"] == 16  # 8 layers x (weight, bias): every parameter was compared, on some stage
+    # A stage that forgot to send the input gradient back (or dropped a micro-batch) would be off by far more:
+    assert c["grad_max_abs"] < 1e-6 and c["weight_max_abs"] < 1e-6
+    # and training moved the weights, so "equal weights" says something
+    assert abs(c["reference_losses"][-1] - c["reference_losses"][0]) > 1e-3
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 2), (2, 5)])
+def test_peak_stash_measured_by_the_executor(p, m):
+    # GPipe stashes every micro-batch before its first backward; 1F1B at most p - stage (its warm-up + 1).
+    for schedule, want in (("gpipe", lambda s: m), ("1f1b", lambda s: min(p - s, m))):
+        res = cu.run(WORKER, world_size=WORLD, stages=p, schedule=schedule, micro_batches=m, **LIMITS)
+        assert [d["peak_stash"] for d in pp.pipeline_ranks(res)] == [want(s) for s in range(p)], schedule
+        rows = pp.pipeline_ranks(res)
+        # p2p volume: one [micro_batch, hidden] fp32 activation per micro-batch forward, one gradient back
+        assert rows[0]["sent_bytes"] == {"forward": m * 4 * 16 * 4 if p > 1 else 0, "backward": 0}
+        assert rows[-1]["sent_bytes"] == {"forward": 0, "backward": m * 4 * 16 * 4 if p > 1 else 0}
+
+
+def test_measured_bubble_follows_the_formula_and_shrinks_with_m():
+    # Each F is padded to 20 ms and each B to 40 ms (a calibrated wait, so a loaded CPU cannot change the
+    # compute time); the real messages add their latency to every action, so the measurement may exceed the
+    # formula a little but never undercut it by more than timer noise.
+    p, measured = 4, {}
+    for m in (1, 4, 16):
+        res = cu.run(WORKER, world_size=WORLD, schedule="1f1b", micro_batches=m, forward_ms=20.0, backward_ms=40.0,
+                     **LIMITS)
+        measured[m] = pp.measured_bubble(res)
+        want = pipeline_bubble_fraction(p, m, denominator="total")
+        assert want - 0.02 < measured[m] < want + 0.10, (m, measured[m], want)
+    assert measured[1] > measured[4] > measured[16]  # more micro-batches, smaller bubble
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({"n_layers": 6}, "n_layers=6 does not split into 4 equal stages"),
+    ({"stages": 3}, "stages=3 does not divide world_size=4"),
+    ({"schedule": "zb"}, "schedule='zb' is not known"),
+    ({"micro_batches": 0}, "must be >= 1"),
+])
+def test_invalid_input_is_refused_before_launch(params, fragment):
+    with pytest.raises(InvalidParameter, match=fragment):
+        cu.run(WORKER, world_size=WORLD, **params, **LIMITS)

@@ -1,0 +1,72 @@
+"""Chapter 13's schedules as data (no ranks): what GPipe and 1F1B must be, checked by hand and by simulation.
+
+A schedule is one list of ("F", i) / ("B", i) per stage. It is valid when each micro-batch is forwarded and
+backwarded exactly once per stage, every F before its B, and the stages can run their lists in order with
+F(i) on stage s after F(i) on s-1 and B(i) on s after B(i) on s+1 (``simulate`` finds no deadlock).
+"""
+import pytest
+
+from course_utils.ledger import pipeline_bubble_fraction
+from workers.pipeline.model import partition_table
+from workers.pipeline.schedules import (all_stages, gpipe_schedule, ideal_bubble, num_warmup_microbatches,
+                                        one_f_one_b_schedule, peak_stash, simulate, validate, with_p2p)
+
+SHAPES = [(1, 1), (1, 4), (2, 1), (2, 3), (4, 1), (4, 2), (4, 8), (8, 16)]
+
+
+def test_one_f_one_b_by_hand():
+    # Narayanan et al. 2021 Figure 4 (p=4, m=8), stage 0: 3 warm-up forwards, then F/B pairs, then 3 backwards.
+    got = one_f_one_b_schedule(4, 8, 0)
+    assert got[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)] and got[4] == ("B", 0)
+    assert got[-3:] == [("B", 5), ("B", 6), ("B", 7)]
+    assert one_f_one_b_schedule(4, 8, 3)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]  # last stage: no warm-up
+    assert [num_warmup_microbatches(4, 8, s) for s in range(4)] == [3, 2, 1, 0]
+    assert num_warmup_microbatches(4, 2, 0) == 2  # never more warm-up forwards than micro-batches
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", SHAPES)
+def test_schedules_are_valid_and_run_to_the_end(name, p, m):
+    schedules = all_stages(name, p, m)
+    assert validate(schedules, m) is None
+    for actions in schedules:  # each micro-batch once forward, once backward, F before B
+        assert sorted(i for k, i in actions if k == "F") == list(range(m))
+        assert sorted(i for k, i in actions if k == "B") == list(range(m))
+        assert all(actions.index(("F", i)) < actions.index(("B", i)) for i in range(m))
+
+
+@pytest.mark.parametrize("p, m", SHAPES)
+def test_memory_bound_gpipe_m_and_1f1b_p_minus_stage(p, m):
+    # GPipe keeps every micro-batch until the turn; 1F1B never more than its warm-up + 1 = p - stage.
+    assert [peak_stash(a) for a in all_stages("gpipe", p, m)] == [m] * p
+    assert [peak_stash(a) for a in all_stages("1f1b", p, m)] == [min(p - s, m) for s in range(p)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", SHAPES)
+def test_ideal_bubble_is_the_formula_for_both(name, p, m):
+    # With t_B = 2 t_F and free messages, both schedules idle (p-1)(t_F + t_B) per rank: 1F1B saves memory,
+    # not time. The ledger's "total" convention is exactly that share of the step.
+    assert ideal_bubble(all_stages(name, p, m)) == pytest.approx(pipeline_bubble_fraction(p, m, denominator="total"))
+    assert simulate(all_stages(name, p, m))["makespan"] == pytest.approx((m + p - 1) * 3.0)
+
+
+def test_validator_names_each_mistake():
+    assert "B(0) comes before F(0)" in validate([[("B", 0), ("F", 0)]], 1)
+    assert "exactly one F" in validate([[("F", 0), ("F", 0), ("B", 0)]], 1)
+    # Last stage doing both forwards before any backward while stage 0 waits for B(0) first is fine, but a
+    # stage 1 that wants B(1) before stage 0 can send F(1) after B(0) deadlocks:
+    dead = [[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 1), ("B", 0)]]
+    assert "wait on each other" in validate(dead, 2)
+
+
+def test_p2p_actions_surround_compute():
+    assert with_p2p([("F", 0), ("B", 0)], 3, 1) == [("recv_forward", 0), ("F", 0), ("send_forward", 0),
+                                                   ("recv_backward", 0), ("B", 0), ("send_backward", 0)]
+    assert with_p2p([("F", 0), ("B", 0)], 1, 0) == [("F", 0), ("B", 0)]  # one stage: no messages
+
+
+def test_partition_table_is_contiguous_and_rejects_uneven_splits():
+    assert partition_table(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError):
+        partition_table(6, 4)

@@ -1,0 +1,61 @@
+"""Point-to-point messages between consecutive stages (Megatron's ``p2p_communication.py`` names).
+
+What crosses a stage boundary is one activation per micro-batch forward, ``[micro_batch, hidden]``, and its
+gradient, the same shape, backward: nothing else (the weights never move, unlike data or tensor parallelism).
+
+Sends are ``isend``: the sender goes on computing and waits for its sends only at the end of the step
+(``P2P.finish``), so the only blocking calls are receives, and a schedule that runs in ``schedules.simulate``
+cannot deadlock here. (Gloo may hold a send until the receiver posts its receive, so waiting on each send at
+once would serialise the stages.) Receives land in a tensor on ``comm_device``: gloo has no CUDA send/recv,
+so on a one-GPU machine the bytes travel through host memory (``runtime.comm_device``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+FORWARD_TAG, BACKWARD_TAG = 0, 1  # two directions on one link: activations go up, gradients come down
+
+
+class P2P:
+    """This rank's links: ``prev_rank`` (None on the first stage) and ``next_rank`` (None on the last)."""
+
+    def __init__(self, prev_rank: int | None, next_rank: int | None, shape: tuple, device: torch.device,
+                 comm_device: torch.device, dtype=torch.float32):
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.shape, self.device, self.comm_device, self.dtype = tuple(shape), device, comm_device, dtype
+        self.pending: list = []  # (work, tensor): a send's buffer must live until the send completes
+        self.sent_bytes = {"forward": 0, "backward": 0}
+        self.messages = {"forward": 0, "backward": 0}
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, direction: str) -> None:
+        buf = tensor.detach().to(self.comm_device, self.dtype).contiguous()  # data only: autograd stops here
+        self.pending.append((dist.isend(buf, dst=dst, tag=tag), buf))
+        self.sent_bytes[direction] += buf.numel() * buf.element_size()
+        self.messages[direction] += 1
+
+    def _recv(self, src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(self.shape, device=self.comm_device, dtype=self.dtype)  # [micro_batch, hidden]
+        dist.irecv(buf, src=src, tag=tag).wait()
+        return buf.to(self.device)
+
+    def send_forward(self, output: torch.Tensor) -> None:
+        self._send(output, self.next_rank, FORWARD_TAG, "forward")  # [micro_batch, hidden] to stage + 1
+
+    def recv_forward(self) -> torch.Tensor:
+        """The previous stage's output, as a leaf that requires grad: its .grad is what we send back."""
+        return self._recv(self.prev_rank, FORWARD_TAG).requires_grad_()  # [micro_batch, hidden]
+
+    def send_backward(self, input_grad: torch.Tensor) -> None:
+        self._send(input_grad, self.prev_rank, BACKWARD_TAG, "backward")  # [micro_batch, hidden] to stage - 1
+
+    def recv_backward(self) -> torch.Tensor:
+        return self._recv(self.next_rank, BACKWARD_TAG)  # d loss / d output, [micro_batch, hidden]
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+    def stats(self) -> dict:
+        return {"sent_bytes": dict(self.sent_bytes), "messages": dict(self.messages)}
