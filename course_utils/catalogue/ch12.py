@@ -1,0 +1,137 @@
+"""Chapter 12's graded exercises, all checked in the notebook process (pure tensor functions):
+
+- ``lora_merge``: fold a LoRA adapter into its base weight, W0 + (alpha / r) B A (Hu et al. 2021, sec. 4.1);
+- ``dpo_loss``: the DPO loss from sequence log-probs (Rafailov et al. 2023, eq. 7);
+- ``grpo_advantages``: group-relative advantages (Shao et al. 2024, DeepSeekMath, sec. 4.1.2).
+"""
+from __future__ import annotations
+
+from course_utils.exercises import FAIL, PASS, Exercise, register
+
+
+def _close(got, want, tol=1e-6) -> bool:
+    import torch
+
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(
+        got.double(), want.double(), rtol=tol, atol=tol, equal_nan=False)
+
+
+# -- 1. LoRA merge --------------------------------------------------------------------------------------
+
+MERGE_CASES = [(6, 5, 2, 4.0), (8, 3, 1, 1.0), (4, 7, 4, 16.0)]  # (d, k, r, alpha): alpha = r once, on purpose
+
+
+def check_lora_merge(answer) -> tuple[str, str]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for d, k, r, alpha in MERGE_CASES:
+        W, A, B = (torch.randn(d, k, generator=g), torch.randn(r, k, generator=g), torch.randn(d, r, generator=g))
+        W_before = W.clone()
+        got = answer(W, A, B, alpha, r)
+        want = W_before + (alpha / r) * B @ A
+        where = f"d={d}, k={k}, r={r}, alpha={alpha:g}"
+        if not torch.equal(W, W_before):
+            return FAIL, f"{where}: you changed W in place: return a new merged matrix and leave the base weight alone"
+        if not isinstance(got, torch.Tensor) or got.shape != (d, k):
+            return FAIL, f"{where}: return a [d, k] = [{d}, {k}] tensor (W's shape), got {getattr(got, 'shape', got)}"
+        if _close(got, want):
+            continue
+        if _close(got, W_before + B @ A) and alpha != r:
+            return FAIL, f"{where}: you forgot the scale alpha / r: W = W0 + (alpha / r) * B @ A"
+        if _close(got, W_before + alpha * B @ A):
+            return FAIL, f"{where}: you scaled by alpha instead of alpha / r"
+        if _close(got, W_before + r / alpha * B @ A):
+            return FAIL, f"{where}: the scale is upside down: alpha / r, not r / alpha"
+        if _close(got, (alpha / r) * B @ A):
+            return FAIL, f"{where}: you returned only the update: add it to the frozen W0"
+        return FAIL, f"{where}: wrong merged weight; W0 is [d, k], B is [d, r], A is [r, k]: W0 + (alpha/r) B @ A"
+    return PASS, "correct: W0 + (alpha / r) B A, the same output as the adapted layer, at no extra inference cost"
+
+
+# -- 2. DPO loss ----------------------------------------------------------------------------------------
+
+def _dpo_reference(pc, pr, rc, rr, beta):
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(beta * ((pc - rc) - (pr - rr))).mean()
+
+
+def check_dpo_loss(answer) -> tuple[str, str]:
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    for n, beta in ((5, 0.1), (3, 0.5), (4, 2.0)):
+        pc, pr, rc, rr = (torch.randn(n, generator=g) * 3 - 5 for _ in range(4))
+        pc.requires_grad_()
+        got = answer(pc, pr, rc, rr, beta)
+        want = _dpo_reference(pc.detach(), pr, rc, rr, beta)
+        where = f"n={n}, beta={beta:g}"
+        if not isinstance(got, torch.Tensor) or got.dim() != 0:
+            return FAIL, f"{where}: return a scalar tensor (the mean loss over pairs), got {got!r}"
+        if not got.requires_grad:
+            return FAIL, f"{where}: the loss has no gradient: compute it with torch ops from the log-probs"
+        if _close(got.detach(), want, 1e-5):
+            continue
+        v = got.detach()
+        alt = {
+            "the sign is flipped: the loss must fall as the chosen answer gains on the rejected one, "
+            "-log sigmoid(beta * (chosen log-ratio - rejected log-ratio))":
+                -F.logsigmoid(-beta * ((pc - rc) - (pr - rr))).mean(),
+            "beta is missing: the margin is beta * (log-ratio of chosen - log-ratio of rejected)":
+                -F.logsigmoid((pc - rc) - (pr - rr)).mean(),
+            "the reference is not subtracted: DPO compares log(pi / pi_ref), not log pi alone":
+                -F.logsigmoid(beta * (pc - pr)).mean(),
+            "you summed over pairs: average, so the loss does not grow with the batch":
+                -F.logsigmoid(beta * ((pc - rc) - (pr - rr))).sum(),
+        }
+        for why, value in alt.items():
+            if _close(v, value.detach(), 1e-5):
+                return FAIL, f"{where}: {why}"
+        return FAIL, f"{where}: got {v.item():.6g}, expected {want.item():.6g}"
+    return PASS, "correct: -mean log sigmoid(beta * [(log pi_w - log ref_w) - (log pi_l - log ref_l)])"
+
+
+# -- 3. GRPO advantages ---------------------------------------------------------------------------------
+
+def _adv_reference(rewards, group_size, unbiased=True):
+    groups = rewards.double().view(-1, group_size)
+    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True, unbiased=unbiased) + 1e-4)).view(-1)
+
+
+def check_grpo_advantages(answer) -> tuple[str, str]:
+    import torch
+
+    cases = [  # (rewards, group_size): groups on different scales, and one group whose rewards all agree
+        (torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]), 4),
+        (torch.tensor([0.0, 1.0, 1.0, 1.0, 10.0, 12.0, 8.0, 10.0]), 4),
+        (torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0]), 3),
+        (torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]), 4),
+    ]
+    for rewards, G in cases:
+        got = answer(rewards.clone(), G)
+        where = f"rewards={rewards.tolist()}, group_size={G}"
+        if not isinstance(got, torch.Tensor) or got.shape != rewards.shape:
+            return FAIL, f"{where}: return one advantage per reward, a tensor of shape {tuple(rewards.shape)}"
+        if torch.isnan(got).any():
+            return FAIL, (f"{where}: NaN advantages: a group whose rewards are all equal has std 0: add a small eps "
+                          "(1e-4) to the denominator so its advantages are 0")
+        if any(_close(got, _adv_reference(rewards, G, u), 1e-3) for u in (True, False)):
+            continue
+        flat = rewards.double()
+        if torch.allclose(got.double(), (flat - flat.mean()) / (flat.std() + 1e-4), atol=1e-3):
+            return FAIL, f"{where}: you normalised over the whole batch: normalise within each group of {G} answers"
+        centred = (flat.view(-1, G) - flat.view(-1, G).mean(1, keepdim=True)).view(-1)
+        if torch.allclose(got.double(), centred, atol=1e-3):
+            return FAIL, f"{where}: you subtracted the group mean but did not divide by the group's std"
+        return FAIL, f"{where}: got {got.tolist()}, expected (r - group mean) / (group std + eps) per group"
+    return PASS, "correct: (r - mean) / (std + eps) within each group; a group with equal rewards gets 0"
+
+
+register(Exercise("lora_merge", "12", "lora_merge", "LoRA merge: fold B A, scaled by alpha / r, into W0",
+                  local=check_lora_merge))
+register(Exercise("dpo_loss", "12", "dpo_loss", "The DPO loss from policy and reference log-probs (eq. 7)",
+                  local=check_dpo_loss))
+register(Exercise("grpo_advantages", "12", "grpo_advantages",
+                  "GRPO's group-relative advantages: normalise rewards within each group", local=check_grpo_advantages))

@@ -1,0 +1,334 @@
+# %% [markdown]
+# # 12 · Post-training ledger: SFT, LoRA and RL
+#
+# Pretraining makes a model that continues text; post-training makes one that answers. The recipe has a
+# few standard parts, and each has a cost you can write down before you start:
+#
+# | step | what it learns from | what it holds in memory |
+# |---|---|---|
+# | **SFT** (supervised fine-tuning) | prompts with written answers | the model + its optimizer state |
+# | **LoRA / QLoRA** | the same data, through a small adapter | a frozen base + a small trained adapter |
+# | **DPO** | pairs of answers, one preferred | the policy + a frozen reference |
+# | **GRPO** (or PPO) | rewards of sampled answers | the policy + a reference (+ value and reward models for PPO) |
+#
+# The chapter does all of it for real, on a tiny GPT (`workers/gpt/`, reused from chapter 09) and a task
+# whose reward a program can check: **"a+b=" followed by the two digits of the sum** (`workers/posttrain/task.py`).
+# Each run takes a few seconds on one CPU core, on real ranks (world 1 and 2). The memory ledger for 7B
+# and 70B models is computed from the same formulas as chapter 00's. At the end, three **evaluation gates**
+# decide whether a run may ship.
+
+# %%
+import torch
+
+import course_utils as cu
+from course_utils import ch12, plots
+from course_utils import posttrain_gates as gates
+from course_utils import posttrain_ledger as ledger
+from course_utils.posttrain_methods import render_methods
+from workers.posttrain import task
+from workers.posttrain.lora import LoRALinear, apply_lora, lora_param_count, trainable_params
+from workers.posttrain.train import TOY, make_policy
+
+plots.style()
+LIMITS = {"timeout": 120}
+print(TOY)
+print("tiny GPT parameters:", sum(p.numel() for p in make_policy(0).parameters()))
+train_pairs, held_out = task.split_pairs()
+print("vocabulary:", task.CHARS, "| a sample:", task.decode(task.sequences([(7, 5)])[0]))
+print("train prompts:", len(train_pairs), "| held-out prompts:", len(held_out))
+
+# %% [markdown]
+# ## 1. LoRA: a rank-r update to a frozen matrix
+#
+# Full fine-tuning updates every weight $W_0$ ($d\times k$). LoRA (Hu et al. 2021, sec. 4.1) freezes $W_0$
+# and learns $\Delta W = \tfrac{\alpha}{r} B A$ with $B$ ($d\times r$) and $A$ ($r\times k$): $r(d+k)$
+# numbers instead of $dk$. $B$ starts at **zero**, so at step 0 the adapted layer *is* the base layer.
+# After training, $W_0 + \tfrac{\alpha}{r}BA$ is one $d\times k$ matrix again: the **merge** costs nothing
+# at inference.
+#
+# **Predict**: for a $4096\times4096$ projection at $r=16$, what fraction of its weights does LoRA train?
+
+# %%
+d = k = 4096
+print(f"r=16 on a {d}x{k} matrix: {lora_param_count(d, k, 16):,} trainable of {d * k:,} "
+      f"({100 * lora_param_count(d, k, 16) / (d * k):.2f}%)")
+torch.manual_seed(0)
+layer = LoRALinear(torch.nn.Linear(5, 6), r=2, alpha=4.0)
+x = torch.randn(3, 5)
+print("at init, adapted layer == base layer, bit for bit:", torch.equal(layer(x), layer.base(x)))
+with torch.no_grad():
+    layer.lora_B.normal_()  # pretend it trained
+print("after training, merged nn.Linear == adapted layer (fp32, atol 1e-6):",
+      torch.allclose(layer.merge()(x), layer(x), atol=1e-6))
+
+# %% [markdown]
+# On the tiny GPT: adapters on every Linear inside the blocks (attention `qkv`, `proj`; MLP `fc`, `out`).
+# The count from the real module must equal $\sum r(d+k)$.
+
+# %%
+model = make_policy(0)
+wrapped = apply_lora(model, ("qkv", "proj", "fc", "out"), r=4)
+D = TOY.d_model
+by_formula = TOY.layers * sum(lora_param_count(dd, kk, 4) for dd, kk in ((3 * D, D), (D, D), (4 * D, D), (D, 4 * D)))
+print("wrapped:", wrapped)
+print("trainable from the module:", trainable_params(model), "| from r(d+k):", by_formula,
+      "| equal:", trainable_params(model) == by_formula)
+
+# %% [markdown]
+# The LoRA paper's own example (sec. 7.1, Table 5): on GPT-3 175B, a budget of "18M" trainable
+# parameters is $r=8$ on one attention matrix type, $r=4$ on two, or $r=2$ on all four, in all 96 layers.
+
+# %%
+for r, targets in ((8, ("q",)), (4, ("q", "v")), (2, ("q", "k", "v", "o"))):
+    print(f"GPT-3 175B, r={r} on {'+'.join(targets)}: {ledger.lora_params('175B', r, targets):,}")
+
+# %% [markdown]
+# ## 2. The memory ledger: full fine-tuning vs LoRA vs QLoRA
+#
+# Per GPU, model states only (no sharding; activations depend on batch and sequence):
+#
+# - **full**: 16 bytes per parameter, mixed-precision Adam (ZeRO, sec. 3.1);
+# - **LoRA**: the frozen base in bf16 (2 bytes, no gradient, no optimizer state) + adapters at 16 bytes each;
+# - **QLoRA** (Dettmers et al. 2023, sec. 3): the base in 4-bit NF4, plus one quantisation constant per
+#   block of 64 weights, itself quantised to 8 bits ("double quantization").
+#
+# **Predict**: which of the six fits on one 80 GB GPU?
+
+# %%
+print(f"NF4 bits per weight, constants included: {ledger.nf4_bits_per_param(double_quant=False):.3f} "
+      f"plain, {ledger.nf4_bits_per_param():.3f} with double quantization")
+rows = ledger.ledger_table(("7B", "70B"), r=16)
+print("LoRA r=16 on every linear layer (q, k, v, o, gate, up, down):")
+print(ledger.render_ledger(rows))
+
+# %%
+GPU_GB = 80
+print(f"fits one {GPU_GB} GB GPU (model states):",
+      [f"{r['model']} {r['method']}" for r in rows if r["total"] < GPU_GB])
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch12.draw_ledger(rows, limit_gb=GPU_GB), "12_ledger");
+
+# %% [markdown]
+# Full fine-tuning of 70B needs more than a terabyte
+# of model states: that is chapter 00's ZeRO/FSDP territory. Adam's 12 bytes per trained parameter are
+# what LoRA removes; the base's 2 bytes per parameter are what QLoRA cuts to about half a byte.
+#
+# The QLoRA paper's headline: 65B finetuning "from >780GB of GPU memory to <48GB". Our ledger, with the
+# Guanaco setting (r = 64 on every linear layer of LLaMA 65B):
+
+# %%
+for method in ledger.METHODS:
+    m = ledger.finetune_memory(ledger.LLAMA_65B, method, r=64)
+    print(f"LLaMA 65B, {method:>5}: {m.total / 1e9:7.1f} GB of model states")
+
+# %% [markdown]
+# Explore: LoRA rank and model size (pure arithmetic, no ranks).
+
+# %% tags=["nbval-ignore-output"]
+import ipywidgets as W
+from IPython.display import display
+
+from course_utils.widgets import figure_png, slider
+
+rank_slider = slider("LoRA rank r", 16, 1, 256)
+model_pick = W.Dropdown(options=["7B", "8B", "70B", "405B"], value="70B", description="model")
+ledger_out = W.Image()
+
+
+def _draw_ledger(change=None):
+    rows_now = ledger.ledger_table((model_pick.value,), r=rank_slider.value)
+    ledger_out.value = figure_png(ch12.draw_ledger(rows_now))
+
+
+rank_slider.observe(_draw_ledger, "value")
+model_pick.observe(_draw_ledger, "value")
+_draw_ledger()
+display(W.VBox([W.HBox([rank_slider, model_pick]), ledger_out]))
+
+# %% [markdown]
+# ## 3. SFT: mask the prompt
+#
+# An SFT example is a prompt and an answer. The prompt is *given*; the model should learn to produce the
+# answer. With the loss on every token, half of each example here is the prompt's random digits, which no
+# model can predict: the loss pays for them and the gradient chases them. **Prompt masking** averages the
+# cross-entropy over answer tokens only.
+#
+# **Predict**: which run reaches a lower loss *on the answer tokens*?
+
+# %% tags=["nbval-ignore-output"]
+masked = cu.run("workers.ch12_sft", world_size=1, **LIMITS, mask_prompt=True)
+unmasked = cu.run("workers.ch12_sft", world_size=1, **LIMITS, mask_prompt=False)
+print(masked.describe())
+
+# %%
+answer_end = {name: sum(h["answer_loss"] for h in r[0]["history"][-10:]) / 10
+              for name, r in (("masked", masked), ("unmasked", unmasked))}
+import math
+
+# of the 5 predicted tokens, one (b, after "a+") is a uniform digit no model can predict: log 10 nats
+print(f"floor of the every-token loss from the digit b alone: log(10) / {task.SEQ_LEN - 1} = "
+      f"{math.log(10) / (task.SEQ_LEN - 1):.3f}")
+print("masked run ends with the lower answer-token loss:", answer_end["masked"] < answer_end["unmasked"])
+print("masked run: held-out accuracy rose from", masked[0]["before"]["accuracy"], "to",
+      masked[0]["after"]["accuracy"])
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch12.draw_sft_masking(masked[0]["history"], unmasked[0]["history"]), "12_sft_masking");
+
+# %% [markdown]
+# The every-token run's loss has a floor set by a prompt digit it can never predict, and part of its
+# gradient chases that digit: its answer-token loss lags.
+#
+# ## 4. DPO: preferences without a reward model
+#
+# DPO (Rafailov et al. 2023, eq. 7) trains on pairs (prompt, chosen, rejected). Here chosen is the right
+# sum and rejected a near miss (off by 1 or 2). With $\pi_\text{ref}$ the SFT model, frozen:
+#
+# $$\mathcal L = -\log\sigma\Big(\beta\log\tfrac{\pi(y_w|x)}{\pi_\text{ref}(y_w|x)} - \beta\log\tfrac{\pi(y_l|x)}{\pi_\text{ref}(y_l|x)}\Big)$$
+#
+# $\beta\log(\pi/\pi_\text{ref})$ is the **implicit reward**. At step 0 policy = reference: margin 0, loss $\log 2$.
+# **Predict**: does the chosen answer's implicit reward rise, or does the rejected one's mostly fall?
+
+# %% tags=["nbval-ignore-output"]
+dpo_run = cu.run("workers.ch12_dpo", world_size=1, **LIMITS)
+dpo_hist = dpo_run[0]["history"]
+print(dpo_run.describe())
+
+# %%
+print("step 0 margin is 0 (policy = reference):", abs(dpo_hist[0]["margin"]) < 1e-6)
+print("margin over the last 10 steps > 0.1:", sum(h["margin"] for h in dpo_hist[-10:]) / 10 > 0.1)
+print("chosen implicit reward ends above 0:", dpo_hist[-1]["chosen_reward"] > 0,
+      "| rejected ends below 0:", dpo_hist[-1]["rejected_reward"] < 0)
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch12.draw_dpo(dpo_hist, beta=0.1), "12_dpo");
+
+# %% [markdown]
+# DPO only sees the *margin*: it is free to push both log-probabilities down as long as the rejected one
+# falls faster, a known failure mode on small pair sets; the line above says whether this run did.
+# Watch both curves, not just the margin.
+#
+# ## 5. GRPO: reinforcement learning with a verifiable reward
+#
+# GRPO (Shao et al. 2024, DeepSeekMath, sec. 4.1) samples $G$ answers per prompt, scores them (here by
+# program: right or wrong), and uses the **group** as the baseline: advantage
+# $= (r - \text{mean}_\text{group})/\text{std}_\text{group}$. No value model. The policy gradient is PPO's
+# clipped surrogate, plus a KL penalty to the SFT reference. The worker first runs SFT (so some sampled
+# answers are right: RL needs signal), then GRPO. At world 2 each rank samples its own prompts; gradients
+# are averaged and rewards all-gathered.
+#
+# **Predict**: at world 2 with half the prompts per rank, are the reward curves the same as at world 1?
+
+# %% tags=["nbval-ignore-output"]
+grpo_1 = cu.run("workers.ch12_grpo", world_size=1, **LIMITS)
+grpo_2 = cu.run("workers.ch12_grpo", world_size=2, **LIMITS, prompts_per_rank=8)
+print(grpo_1.describe())
+print(grpo_2.describe())
+
+# %%
+def rise(res):
+    r = [h["reward"] for h in res[0]["history"]]
+    return sum(r[-10:]) / 10 - sum(r[:5]) / 5
+
+
+print("world 1: mean reward rose by more than 0.08:", rise(grpo_1) > 0.08)
+print("world 2: both ranks log the same global rewards:",
+      [h["reward"] for h in grpo_2[0]["history"]] == [h["reward"] for h in grpo_2[1]["history"]])
+print("world 2: samples per step:", grpo_2[0]["history"][0]["samples"])
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch12.draw_grpo({"world 1, 16 prompts x 8": grpo_1[0]["history"],
+                              "world 2, 2 x 8 prompts x 8": grpo_2[0]["history"]}), "12_grpo");
+
+# %% [markdown]
+# The two curves differ (different samples) but have the same global batch and the same trend. The KL to
+# the reference grows as the policy moves: the KL coefficient is the leash.
+#
+# ## 6. PPO, DPO and GRPO side by side
+
+# %%
+print(render_methods())
+
+# %% [markdown]
+# ## 7. Three evaluation gates
+#
+# Before a post-trained model ships: **(1) training health** (finite loss, bounded grad norm, KL to the
+# reference below a limit), **(2) regression** (the held-out loss of what it could already do, here the SFT
+# answers, may not rise by more than a margin), **(3) target and safety** (accuracy above a floor, forbidden
+# outputs, non-digit answers, below a ceiling). The thresholds are data:
+
+# %%
+print(gates.Thresholds())
+for g in gates.run_gates(grpo_1[0]):
+    print(g)
+print("verdict:", gates.verdict(gates.run_gates(grpo_1[0])))
+
+# %% [markdown]
+# **Predict**: the same GRPO run at a learning rate 30x the default. Which gates fail?
+
+# %% tags=["nbval-ignore-output"]
+BROKEN_LR = 3e-2
+broken = cu.run("workers.ch12_grpo", world_size=1, **LIMITS, lr=BROKEN_LR)
+
+# %%
+broken_gates = gates.run_gates(broken[0])
+print(f"lr {BROKEN_LR:g}, failed gates:", [g.name for g in broken_gates if not g.passed])
+for g in broken_gates:
+    print(" ", g.name, "PASS" if g.passed else "FAIL")
+
+# %% [markdown]
+# ## Exercises
+#
+# ### Exercise 1: merge a LoRA adapter
+#
+# Write `lora_merge(W, A, B, alpha, r)`: `W` is the frozen $d\times k$ weight, `B` is $d\times r$, `A` is
+# $r\times k$. Return the merged weight (a new tensor; leave `W` unchanged).
+
+# %% tags=["exercise"]
+def lora_merge(W, A, B, alpha, r):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+from course_utils.exercises import check
+
+check("lora_merge", lora_merge)
+
+# %% [markdown]
+# ### Exercise 2: the DPO loss
+#
+# Write `dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)`: each argument but
+# `beta` is a tensor `[n]` of sequence log-probs. Return the mean DPO loss (eq. 7), a scalar with a gradient.
+
+# %% tags=["exercise"]
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("dpo_loss", dpo_loss)
+
+# %% [markdown]
+# ### Exercise 3: group-relative advantages
+#
+# Write `grpo_advantages(rewards, group_size)`: `rewards` is `[n_prompts * group_size]`, each prompt's
+# answers consecutive. Return `(r - group mean) / (group std + 1e-4)`, one per reward.
+
+# %% tags=["exercise"]
+def grpo_advantages(rewards, group_size):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("grpo_advantages", grpo_advantages)
+
+# %% [markdown]
+# ## Summary
+#
+# - LoRA trains $r(d+k)$ numbers per matrix, starts exactly at the base model ($B=0$), and merges back into
+#   one matrix. QLoRA keeps the frozen base in 4-bit NF4: with both, 70B fits on one GPU, full FT does not.
+# - SFT: mask the prompt, so the loss and its gradient are about the answer.
+# - DPO: a classification loss on the implicit-reward margin against a frozen reference; no sampling.
+# - GRPO: the group of sampled answers is the baseline; no value model; KL to the reference is the leash.
+# - Gates turn "the loss went down" into a decision: health, regression, target and safety.

@@ -1,0 +1,59 @@
+"""Plausible wrong answers for chapter 12, each with a fragment of the message the check must give."""
+
+
+def merge_without_scale(W, A, B, alpha, r):
+    return W + B @ A  # the alpha / r scale forgotten
+
+
+def merge_scaled_by_alpha(W, A, B, alpha, r):
+    return W + alpha * B @ A
+
+
+def merge_in_place(W, A, B, alpha, r):
+    W += (alpha / r) * B @ A  # right value, but the frozen base weight is overwritten
+    return W
+
+
+def dpo_sign_flipped(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(beta * ((policy_rejected - ref_rejected) - (policy_chosen - ref_chosen))).mean()
+
+
+def dpo_without_beta(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
+    import torch.nn.functional as F
+
+    return -F.logsigmoid((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)).mean()
+
+
+def dpo_without_reference(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(beta * (policy_chosen - policy_rejected)).mean()
+
+
+def advantages_global(rewards, group_size):
+    return (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+
+
+def advantages_no_std(rewards, group_size):
+    groups = rewards.view(-1, group_size)
+    return (groups - groups.mean(1, keepdim=True)).view(-1)
+
+
+def advantages_no_eps(rewards, group_size):
+    groups = rewards.view(-1, group_size)
+    return ((groups - groups.mean(1, keepdim=True)) / groups.std(1, keepdim=True)).view(-1)
+
+
+WRONG = [
+    ("lora_merge", merge_without_scale, "you forgot the scale alpha / r"),
+    ("lora_merge", merge_scaled_by_alpha, "you scaled by alpha instead of alpha / r"),
+    ("lora_merge", merge_in_place, "you changed W in place"),
+    ("dpo_loss", dpo_sign_flipped, "the sign is flipped"),
+    ("dpo_loss", dpo_without_beta, "beta is missing"),
+    ("dpo_loss", dpo_without_reference, "the reference is not subtracted"),
+    ("grpo_advantages", advantages_global, "you normalised over the whole batch"),
+    ("grpo_advantages", advantages_no_std, "did not divide by the group's std"),
+    ("grpo_advantages", advantages_no_eps, "add a small eps"),
+]
