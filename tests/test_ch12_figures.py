@@ -1,12 +1,9 @@
 """Chapter 12's figures draw what they are given: one panel per model / quantity, the right bars and curves."""
-import matplotlib
+import matplotlib.pyplot as plt
+import pytest
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-
-from course_utils import ch12  # noqa: E402
-from course_utils.posttrain_ledger import ledger_table  # noqa: E402
+from course_utils import ch12
+from course_utils.posttrain_ledger import ledger_table
 
 
 def test_moving_average_is_a_trailing_mean():

@@ -57,8 +57,10 @@ def test_without_failures_the_only_waste_is_the_checkpoint_write():
 def test_waste_curve_has_its_minimum_at_daly_and_rises_on_both_sides():
     delta, mtbf = 2 * MIN, 3 * HOUR
     best = ci.daly_interval(delta, mtbf)
-    w = lambda t: float(ci.waste_fraction(t, delta, mtbf, 10 * MIN))  # noqa: E731
-    assert w(best) < w(best / 3) and w(best) < w(best * 3)
+    def waste(tau):
+        return float(ci.waste_fraction(tau, delta, mtbf, 10 * MIN))
+
+    assert waste(best) < waste(best / 3) and waste(best) < waste(best * 3)
 
 
 def test_llama3_interruptions_give_a_job_mtbf_of_about_three_hours():
