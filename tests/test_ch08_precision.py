@@ -8,6 +8,7 @@ the comment says where it comes from.
 """
 import math
 
+import matplotlib.figure
 import pytest
 import torch
 
