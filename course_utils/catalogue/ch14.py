@@ -1,0 +1,79 @@
+"""Chapter 14's graded exercises, both checked here in one process: the zigzag split (which tokens a rank
+holds) and the causal block rule of ring attention (which blocks a rank computes, masks, or skips)."""
+from course_utils.exercises import FAIL, PASS, Exercise, register
+
+SPLIT_SHAPES = ((8, 2), (16, 4), (48, 4), (32, 8), (4, 1))  # (seq, cp)
+
+
+def _ranges(got) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in got]
+
+
+def check_zigzag_chunks(answer) -> tuple[str, str]:
+    """``answer(seq, cp, rank)`` = [(start, stop), (start, stop)]: chunk rank and chunk 2cp-1-rank of 2cp."""
+    from workers.context_parallel.blocks import work_per_rank
+    from workers.context_parallel.split import chunk_ranges
+
+    for seq, cp in SPLIT_SHAPES:
+        size = seq // (2 * cp)
+        for rank in range(cp):
+            where = f"at seq={seq}, cp={cp}, rank={rank}"
+            try:
+                got = _ranges(answer(seq, cp, rank))
+            except (TypeError, ValueError):
+                return FAIL, f"{where}: return a list of two (start, stop) pairs, like [(0, 2), (6, 8)]"
+            want = chunk_ranges(seq, cp, rank, "zigzag")
+            if got == want:
+                continue
+            per = seq // cp
+            if got == [(rank * per, (rank + 1) * per)] or got == [(rank * per, rank * per + size),
+                                                                    (rank * per + size, (rank + 1) * per)]:
+                work = [w["score_entries"] for w in work_per_rank(seq, cp, "contiguous", True)]
+                return FAIL, (f"{where}: that is the contiguous split (one block of seq/cp tokens): with a causal "
+                              f"mask rank {cp - 1} computes {work[-1] // work[0]}x rank 0's work; cut the sequence "
+                              f"into 2*cp chunks and give rank r chunk r and chunk 2*cp-1-r")
+            if len(got) == 2 and got[0] == want[0] and got[1] == ((cp + rank) * size, (cp + rank + 1) * size):
+                return FAIL, (f"{where}: you pair chunk r with chunk cp + r, a shift, not a mirror: the late chunks "
+                              f"still grow with r; the second chunk is 2*cp-1-r, counted from the end")
+            return FAIL, f"{where}: got {got}, expected chunks of {size} tokens, chunk r and chunk 2*cp-1-r: {want}"
+    return PASS, f"chunk r and its mirror 2*cp-1-r for every rank at (seq, cp) in {list(SPLIT_SHAPES)}"
+
+
+def check_block_kind(answer) -> tuple[str, str]:
+    """``answer(q_chunk, k_chunk)`` is "full" / "diagonal" / "skip" for causal attention at chunk granularity."""
+    from workers.attention.reference import attention_reference, relative_error
+    from workers.context_parallel.blocks import block_kind
+    from workers.context_parallel.inputs import make_inputs
+    from workers.context_parallel.simulate import one_process_ring
+
+    for qc in range(6):
+        for kc in range(6):
+            got, want = answer(qc, kc), block_kind(qc, kc)
+            if got == want:
+                continue
+            where = f"block (q_chunk={qc}, k_chunk={kc})"
+            if got not in ("full", "diagonal", "skip"):
+                return FAIL, f"{where}: return one of 'full', 'diagonal', 'skip', not {got!r}"
+            q, k, v, _ = make_inputs(1, 1, 16, 8, seed=3)
+            out, _ = one_process_ring(q, k, v, cp=4, split="contiguous", rule=answer)
+            err = relative_error(out, attention_reference(q, k, v, causal=True)[0])
+            off = f" (ring attention with your rule is off by {err:.2g} relative to full causal attention)"
+            if qc == kc and got == "skip":
+                return FAIL, (f"{where}: you skipped the diagonal block, masking it fully: but its queries must see "
+                              f"the keys at and before them in their own chunk (the first query sees only itself); "
+                              f"compute it with the causal mask inside: 'diagonal'{off}")
+            if qc == kc:
+                return FAIL, (f"{where}: the diagonal block needs the causal mask inside it, or each query sees the "
+                              f"later keys of its own chunk: 'diagonal'{off}")
+            if qc < kc:
+                return FAIL, (f"{where}: every key here is later than every query, so a causal query sees none of "
+                              f"them: skip future blocks ('skip'), do not compute them{off}")
+            return FAIL, (f"{where}: every key here is earlier than every query: the whole block is visible, "
+                          f"'full'{off}")
+    return PASS, "full below the diagonal, masked on it, skipped above it, for chunks 0..5"
+
+
+register(Exercise("zigzag_chunks", "14", "zigzag_chunks",
+                  "The load-balanced zigzag split: chunk r and its mirror 2cp-1-r", local=check_zigzag_chunks))
+register(Exercise("block_kind", "14", "block_kind",
+                  "Ring attention's causal block rule: full, diagonal (masked) or skip", local=check_block_kind))

@@ -1,0 +1,114 @@
+"""Chapter 14, notebook side: check ring-attention runs against one-process attention, draw which blocks
+each rank computes at each ring step, the work per rank, and a small memory-vs-communication model.
+
+Everything here reads a ``RunResult`` of ``workers/ch14_ring_attention.py``; the ground truth is
+``workers/attention/reference.attention_reference_grads`` (float64) on the whole sequence.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from workers.attention.reference import LSE_TOLERANCE, RELATIVE_TOLERANCE, attention_reference_grads, relative_error
+from workers.context_parallel.blocks import work_per_rank
+from workers.context_parallel.inputs import DTYPES, make_inputs
+from workers.context_parallel.split import chunk_ids, num_chunks
+
+GRADS = ("dq", "dk", "dv")
+
+
+def ring_ranks(res, ring: int = 0) -> list[dict]:
+    """The rank dicts of one ring, in ring order."""
+    return sorted((d for d in res.ranks if d["ring"] == ring), key=lambda d: d["ring_index"])
+
+
+def assemble(rows: list[dict], key: str, seq: int) -> torch.Tensor:
+    """Put each rank's rows of ``key`` back at their global positions: ``[b, h, seq(, d)]``."""
+    first = rows[0][key]
+    full = torch.empty((*first.shape[:2], seq, *first.shape[3:]), dtype=first.dtype)
+    for d in rows:
+        full[:, :, d["positions"]] = d[key]
+    return full
+
+
+def compare_to_reference(res) -> dict:
+    """Largest error of out, lse (and dq, dk, dv) of every ring copy against float64 one-process attention."""
+    cfg = res[0]["config"]
+    q, k, v, dout = make_inputs(cfg["batch"], cfg["heads"], cfg["seq"], cfg["head_dim"], cfg["seed"], cfg["dtype"])
+    ref = dict(zip(("out", "lse", *GRADS), attention_reference_grads(q, k, v, dout, causal=cfg["causal"])))
+    tol, lse_tol = RELATIVE_TOLERANCE[DTYPES[cfg["dtype"]]], LSE_TOLERANCE[DTYPES[cfg["dtype"]]]
+    report = {"tolerance": tol, "lse_tolerance": lse_tol, "errors": {}}
+    keys = [name for name in ("out", *GRADS) if name in res[0]]
+    for ring in range(len(res.ranks) // res[0]["cp"]):
+        rows = ring_ranks(res, ring)
+        for name in keys:
+            err = relative_error(assemble(rows, name, cfg["seq"]), ref[name])
+            report["errors"][name] = max(report["errors"].get(name, 0.0), err)
+        lse_err = (assemble(rows, "lse", cfg["seq"]) - ref["lse"]).abs().max().item()
+        report["errors"]["lse"] = max(report["errors"].get("lse", 0.0), lse_err)
+    report["within_tol"] = all(e <= (lse_tol if n == "lse" else tol) for n, e in report["errors"].items())
+    report["max_error"] = max(report["errors"].values())
+    return report
+
+
+def work_table(res) -> list[dict]:
+    """Blocks and score entries each rank of ring 0 computed, as the ranks counted them."""
+    return [{"rank": d["ring_index"], "chunks": chunk_ids(d["cp"], d["ring_index"], d["config"]["split"]),
+             "blocks": d["work_blocks"], "diagonal": d["work_diagonal"], "score_entries": d["score_entries"]}
+            for d in ring_ranks(res)]
+
+
+def block_grid_figure(res, title: str | None = None):
+    """The (query chunk, key chunk) grid: each computed block coloured by the rank that computed it, labelled
+    with the ring step; skipped blocks blank; diagonal blocks hatched (masked inside)."""
+    rows = ring_ranks(res)
+    cp, split = rows[0]["cp"], rows[0]["config"]["split"]
+    n = num_chunks(cp, split)
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(4.2, 4.2))
+    for d in rows:
+        for step, qc, kc, kind in d["blocks"]:
+            if kind == "skip":
+                continue
+            ax.add_patch(plt.Rectangle((kc, qc), 1, 1, facecolor=colors(d["ring_index"]), alpha=0.75,
+                                       hatch="//" if kind == "diagonal" else None, edgecolor="white"))
+            ax.text(kc + 0.5, qc + 0.5, f"r{d['ring_index']}\ns{step}", ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, n), ax.set_ylim(n, 0), ax.set_aspect("equal")
+    ax.set_xticks(np.arange(n) + 0.5, range(n)), ax.set_yticks(np.arange(n) + 0.5, range(n))
+    ax.set_xlabel("key chunk"), ax.set_ylabel("query chunk"), ax.grid(False)
+    causal = rows[0]["config"]["causal"]
+    ax.set_title(title or f"cp = {cp}, {split}, {'causal' if causal else 'no mask'}: rank r, ring step s", fontsize=9)
+    return fig
+
+
+def work_bars_figure(results: dict):
+    """Score entries computed per rank for each split (``results``: split -> RunResult), from the ranks' counts."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    width = 0.8 / len(results)
+    for i, (split, res) in enumerate(results.items()):
+        table = work_table(res)
+        ax.bar(np.arange(len(table)) + i * width, [t["score_entries"] for t in table], width, label=split)
+    ax.set_xticks(np.arange(len(table)) + width * (len(results) - 1) / 2, [f"rank {t['rank']}" for t in table])
+    ax.set_ylabel("score entries computed"), ax.legend(), ax.set_title("causal attention: work per rank", fontsize=9)
+    return fig
+
+
+def planned_work(seq: int, cp: int, split: str, causal: bool) -> list[dict]:
+    """The same counts, from the block rule alone (no run): ``workers.context_parallel.blocks.work_per_rank``."""
+    return work_per_rank(seq, cp, split, causal)
+
+
+def memory_vs_communication(seq: int, cp: int, hidden_kv: int, bytes_per_element: int = 2) -> dict:
+    """Per rank, per attention layer: K/V bytes held (seq/cp tokens) and sent in forward (2*(cp-1) chunks).
+
+    ``hidden_kv``: heads_kv x head_dim. The activations a rank keeps scale as seq/cp; what it sends does not
+    shrink with cp (the whole sequence's K/V, less its own, passes through every rank).
+    """
+    tokens = seq // cp
+    chunk = tokens * hidden_kv * bytes_per_element  # one of K or V for seq/cp tokens
+    # One ring step, non-causal: Q K^T and P V for [seq/cp] queries x [seq/cp] keys, 2 FLOPs per multiply-add.
+    step_flops = 2 * 2 * tokens * tokens * hidden_kv
+    return {"cp": cp, "tokens_per_rank": tokens, "kv_held_bytes": 2 * chunk, "kv_sent_bytes": 2 * (cp - 1) * chunk,
+            "kv_chunks_sent": 2 * (cp - 1), "step_flops": step_flops, "step_bytes": 2 * chunk,
+            "flops_per_byte": step_flops / (2 * chunk)}

@@ -1,0 +1,245 @@
+# %% [markdown]
+# # 14 · Context parallelism: ring attention
+#
+# Every parallelism so far splits the *model* (tensor, pipeline) or the *batch* (data). None of them helps
+# when one sequence is too long: a transformer layer's activations grow with the sequence length $s$, so at
+# 128k tokens one sequence's activations no longer fit on a GPU, whatever the model split. FlashAttention
+# (chapter 07) already removed the $s \times s$ score matrix; what remains is linear in $s$, and still too much.
+#
+# **Context parallelism (CP)** splits the sequence. Each of cp ranks holds $s/\mathrm{cp}$ tokens: their
+# queries, keys, values and every activation. Everything in a transformer layer except attention works token
+# by token, so it needs nothing from the other ranks. Attention does: each query must see the keys of the
+# whole sequence (or, causal, all earlier ones).
+#
+# **Ring attention** (Liu, Zaharia and Abbeel 2023, [arXiv:2310.01889](https://arxiv.org/abs/2310.01889);
+# Megatron-Core's context parallelism) keeps each rank's queries at home and passes the K/V chunks around a
+# ring: at each of cp steps every rank computes attention of its queries against the chunk it holds, sends
+# that chunk to rank + 1 and receives the next from rank - 1. Each step's result is normalised on its own;
+# chapter 07's **online-softmax merge** combines them exactly, using one log-sum-exp per row. After cp steps
+# every query has met every key chunk: full attention, with no rank ever holding more than two K/V chunks.
+#
+# Two complications make up the rest of the chapter. With a **causal** mask, the last rank's queries see the
+# whole sequence and the first rank's only their own chunk, so a plain split leaves the ranks idle in turn;
+# the **zigzag** split fixes that. And the ring **sends** the whole sequence's K/V through every rank at every
+# layer; it pays off because the transfer of one chunk overlaps the compute on another.
+#
+# Built here: `workers/context_parallel/` (the split, the block rule, the ring's `isend`/`irecv` links, the
+# forward and a hand-written ring backward), the worker `workers/ch14_ring_attention.py`, and checks
+# against the float64 single-process attention of `workers/attention/reference.py`.
+
+# %%
+import torch
+
+import course_utils as cu
+from course_utils import context_parallel as cpx
+from course_utils import plots
+from workers.attention import attention_reference, online_softmax_merge
+from workers.attention.reference import RELATIVE_TOLERANCE, relative_error
+from workers.context_parallel.blocks import block_plan, work_per_rank
+from workers.context_parallel.inputs import make_inputs
+from workers.context_parallel.split import chunk_ids, chunk_ranges
+
+plots.style()
+WORKER, WORLD = "workers.ch14_ring_attention", 4
+LIMITS = {"timeout": 60}  # per run; 4 warm ranks serve every run (cp = 1 and 2 run as 4 and 2 copies inside them)
+SEQ = 32
+
+
+def run(**params):
+    return cu.run(WORKER, world_size=WORLD, seq=SEQ, **LIMITS, **params)
+
+
+# %% [markdown]
+# ## 1. What each rank holds
+#
+# **Contiguous**: cut the sequence into cp chunks, rank r holds chunk r. **Zigzag**: cut it into 2cp chunks,
+# rank r holds chunk r *and* chunk 2cp-1-r, an early chunk and its mirror from the end. This is the split of
+# Megatron-LM (`get_batch_on_this_cp_rank`: "Assuming CP=2, we then get 4 chunks, chunk_0 and chunk_3 are
+# assigned to GPU0, chunk_1 and chunk_2 are assigned to GPU1"). The token ranges at cp = 4:
+
+# %%
+CP = 4
+for split in ("contiguous", "zigzag"):
+    print(f"{split}, seq = {SEQ}, cp = {CP}:")
+    for rank in range(CP):
+        print(f"  rank {rank}: chunks {chunk_ids(CP, rank, split)}, tokens {chunk_ranges(SEQ, CP, rank, split)}")
+
+# %% [markdown]
+# ## 2. Why a merge of pieces is full attention
+#
+# A query's attention over keys split into parts a and b: each part gives its own normalised output
+# $o_x = \sum_{j \in x} e^{s_j - \ell_x} v_j$ and log-sum-exp $\ell_x = \log \sum_{j\in x} e^{s_j}$. Over the
+# union, $\ell = \log(e^{\ell_a} + e^{\ell_b})$ and $o = e^{\ell_a - \ell} o_a + e^{\ell_b - \ell} o_b$: each
+# part reweighted by its share of the softmax mass (`online_softmax_merge`, chapter 07). The merge is
+# associative and commutative, so the order in which the ring delivers the chunks does not matter.
+# **Predict** the error of merging four key chunks, one at a time, against attention over all of them:
+
+# %%
+q, k, v, _ = make_inputs(1, 2, SEQ, 16, seed=1)
+out, lse = torch.zeros(q.shape, dtype=torch.float64), torch.full(q.shape[:-1], float("-inf"), dtype=torch.float64)
+for part in torch.arange(SEQ).chunk(4):
+    o_part, l_part = attention_reference(q, k[:, :, part], v[:, :, part])  # [b, h, s, d], [b, h, s]
+    out, lse = online_softmax_merge(out, lse, o_part, l_part)
+full, full_lse = attention_reference(q, k, v)
+print(f"merge of 4 key chunks vs full attention: relative error {relative_error(out, full):.1e}, "
+      f"lse error {(lse - full_lse).abs().max().item():.1e}")
+naive = sum(attention_reference(q, k[:, :, p], v[:, :, p])[0] for p in torch.arange(SEQ).chunk(4)) / 4
+print(f"averaging the 4 outputs instead (no rescale): relative error {relative_error(naive, full):.2f}")
+
+# %% [markdown]
+# ## 3. The ring on real ranks
+#
+# At step t rank r holds the K/V chunk of rank r - t. It posts the `isend` of that chunk to rank + 1 and the
+# `irecv` of the next from rank - 1 *before* computing on it (`workers/context_parallel/ring.py`), merges
+# the block into its running (out, lse), then waits for the transfer. Backward is written by hand
+# (`attention.py`): each block's gradients come from FlashAttention-2's backward with the *final* out and lse,
+# dQ stays home, and each chunk's dK/dV accumulator travels the ring with its K/V, collecting every rank's
+# contribution, then takes one last hop home.
+#
+# **Predict**: which of the 12 settings below (cp, split, causal) is furthest from one-process attention?
+# The ranks run in float64, like the reference, so the bound is the float64 one:
+
+# %%
+TOL = RELATIVE_TOLERANCE[torch.float64]
+print(f"tolerance (relative, float64): {TOL:g}")
+for cp in (1, 2, 4):
+    for split in ("contiguous", "zigzag"):
+        for causal in (True, False):
+            c = cpx.compare_to_reference(run(cp=cp, split=split, causal=causal))
+            print(f"cp = {cp}, {split:>10}, causal = {causal!s:>5}: out, lse, dq, dk, dv equal to one process within "
+                  f"tolerance: {c['within_tol']} (max error below 1e-13: {c['max_error'] < 1e-13})")
+
+# %% [markdown]
+# All equal, to float64 rounding. Every block is computed once, by the rank that owns its queries, and
+# merged with the exact rescale; a ring that sent to the wrong neighbour, a merge without the rescale or a
+# wrong mask would be off by far more (`tests/test_ch14_ring_attention.py` holds those cases).
+#
+# ## 4. Causal attention: which blocks, on which rank
+#
+# Cut queries and keys at the same chunk boundaries. A block (query chunk i, key chunk j) is **full** when
+# i > j (every key earlier than every query), **diagonal** when i = j (the causal mask inside it), and
+# **skipped** when i < j (every key in the future: no work, nothing to merge). **Predict** how many blocks
+# each rank computes at cp = 4 under each split. The ranks count what their loops did:
+
+# %%
+causal_runs = {split: run(cp=CP, split=split, causal=True, backward=False) for split in ("contiguous", "zigzag")}
+for split, res in causal_runs.items():
+    for row in cpx.work_table(res):
+        print(f"{split:>10} rank {row['rank']}: chunks {row['chunks']}, blocks computed {row['blocks']} "
+              f"({row['diagonal']} diagonal), score entries {row['score_entries']}")
+
+# %% [markdown]
+# Each computed block in the grid is coloured by its rank and labelled with the ring step (hatched: the
+# diagonal, masked inside); blank blocks were skipped.
+
+# %% tags=["nbval-ignore-output"]
+for split, res in causal_runs.items():
+    plots.savefig(cpx.block_grid_figure(res), f"14_blocks_{split}")
+
+# %% [markdown]
+# Contiguous: rank r computes r full blocks and its diagonal, so the last rank works cp times as long as
+# the first, and a step of the ring lasts as long as its slowest rank. Zigzag: the early chunk r sees r + 1
+# chunks and its mirror 2cp-1-r sees 2cp - r, the same sum on every rank.
+
+# %%
+for split in ("contiguous", "zigzag"):
+    entries = [w["score_entries"] for w in work_per_rank(SEQ, CP, split, True)]
+    print(f"{split:>10}: score entries per rank {entries}, slowest / fastest rank = {max(entries) / min(entries):g}")
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(cpx.work_bars_figure(causal_runs), "14_work_per_rank");
+
+# %% [markdown]
+# ## 5. What crosses the wire, and why it is hidden
+#
+# **Predict** the bytes each rank sends in forward at cp = 1, 2, 4 (K and V of seq/cp tokens, float64 here):
+
+# %%
+for cp in (1, 2, 4):
+    d = run(cp=cp)[0]
+    chunks_fwd = d["sent_bytes"]["forward"] / d["kv_chunk_bytes"]
+    chunks_bwd = d["sent_bytes"]["backward"] / d["kv_chunk_bytes"]
+    print(f"cp = {cp}: one K (or V) chunk = {d['kv_chunk_bytes']} bytes; sent per rank: forward {chunks_fwd:g} chunks "
+          f"(2*(cp-1) = {2 * (cp - 1)}), backward {chunks_bwd:g} chunks (K/V again, plus dK/dV at every step)")
+
+# %% [markdown]
+# The activations a rank keeps shrink as seq/cp; what it sends per layer does not shrink (the whole
+# sequence's K/V, less its own chunk). It is hidden because a ring step *computes* on a chunk while the next
+# one travels, and the compute of a step grows with the square of the chunk, the transfer only linearly.
+# A small model for one attention layer at a long-context size (8 KV heads of 128, bf16, no causal skipping):
+
+# %%
+LONG_SEQ, HIDDEN_KV = 131072, 8 * 128
+print(f"seq = {LONG_SEQ}, K/V width {HIDDEN_KV}, bf16, per rank and layer:")
+for cp in (1, 2, 4, 8, 16, 32):
+    m = cpx.memory_vs_communication(LONG_SEQ, cp, HIDDEN_KV)
+    print(f"  cp = {cp:>2}: {m['tokens_per_rank']:>6} tokens, K/V held {m['kv_held_bytes'] / 2**20:>5.0f} MiB, "
+          f"sent {m['kv_sent_bytes'] / 2**20:>5.0f} MiB ({m['kv_chunks_sent']} chunks), "
+          f"FLOPs per byte of a step {m['flops_per_byte']:>6.0f}")
+
+# %% [markdown]
+# A step does $4 (s/\mathrm{cp})^2 d$ FLOPs on $2 (s/\mathrm{cp}) d$ elements it receives, so its FLOPs per
+# byte fall as $s/\mathrm{cp}$: the ring hides the transfer while each rank's chunk is long enough to make
+# its compute outlast the link: while it stays above the GPU's peak FLOP/s divided by the link's bytes/s
+# (higher across nodes than over NVLink). That sets the largest useful cp for a given sequence.
+#
+# ## 6. Exercises
+#
+# **Exercise 1: the zigzag split.** Return rank `rank`'s two token ranges `[(start, stop), (start, stop)]`:
+# the sequence is cut into 2cp equal chunks, and the rank holds chunk `rank` and its mirror from the end.
+
+# %% tags=["exercise"]
+def zigzag_chunks(seq, cp, rank):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("zigzag_chunks", zigzag_chunks)
+
+# %% [markdown]
+# **Exercise 2: the causal block rule.** Queries and keys are cut at the same chunk boundaries. Return
+# `"full"`, `"diagonal"` or `"skip"` for the block of query chunk `q_chunk` against key chunk `k_chunk` under
+# a causal mask. The check also runs ring attention in one process with your rule and reports its error.
+
+# %% tags=["exercise"]
+def block_kind(q_chunk, k_chunk):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("block_kind", block_kind)
+
+# %% [markdown]
+# ## 7. Explore on real ranks
+#
+# Ring size, split and mask: each change reruns forward and backward on the warm ranks and redraws the
+# block grid from what they computed (smaller rings run as copies on the 4 ranks).
+
+# %% tags=["nbval-ignore-output"]
+import ipywidgets as W
+
+from course_utils.widgets import LiveRun
+
+
+def draw_blocks(res, params):
+    c = cpx.compare_to_reference(res)
+    return cpx.block_grid_figure(res, title=f"cp = {params['cp']}, {params['split']}, causal = {params['causal']}: "
+                                            f"equal to one process: {c['within_tol']}")
+
+
+blocks_live = LiveRun(WORKER, {"cp": W.Dropdown(options=[1, 2, 4], value=4, description="cp"),
+                               "split": W.ToggleButtons(options=["zigzag", "contiguous"], value="zigzag"),
+                               "causal": W.Checkbox(value=True, description="causal")},
+                      draw_blocks, params={"world_size": WORLD, "seq": SEQ}, timeout=60)
+blocks_live.wait(60)
+blocks_live
+
+# %% [markdown]
+# ## Summary
+#
+# * Context parallelism splits the sequence: each rank holds seq/cp tokens' activations, and only attention
+#   needs the other ranks.
+# * Ring attention keeps the queries home and passes K/V chunks to rank + 1; the online-softmax merge makes
+#   the pieces exactly full attention, forward and (with dK/dV travelling with their K/V) backward.
+# * With a causal mask, future blocks are skipped and diagonal blocks masked: a contiguous split gives the
+#   last rank cp times the first rank's work; the zigzag split (chunk r and 2cp-1-r) equalises it.
+# * Each rank sends 2(cp-1) K/V chunks per layer in forward, whatever cp; it is hidden behind a step's
+#   compute while seq/cp is long enough.

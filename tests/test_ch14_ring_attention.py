@@ -1,0 +1,80 @@
+"""Chapter 14 on real ranks (gloo, CPU): ring attention is full attention, forward and backward; the ranks
+do the work the block rule says; and each sends 2*(cp-1) K/V chunks in forward.
+
+Ground truth: ``workers/attention/reference.attention_reference_grads`` in float64 on the whole sequence.
+The ranks run in float64 too (every block is the float64 reference, merged in float64), so the bound is the
+reference's own float64 tolerance, ``RELATIVE_TOLERANCE[float64]`` = 1e-10 (measured ~1e-15): a dropped
+rescale in the merge, a wrong mask or a missing block is off by 1e-2 or more. One world of 4 warm ranks;
+cp = 1 and 2 run as 4 and 2 identical rings inside it (every copy is checked).
+"""
+import pytest
+import torch
+
+import course_utils as cu
+from course_utils import context_parallel as cpu
+from course_utils.results import InvalidParameter
+from workers.attention.reference import RELATIVE_TOLERANCE
+from workers.context_parallel.blocks import work_per_rank
+
+WORKER, WORLD, LIMITS = "workers.ch14_ring_attention", 4, {"timeout": 60}
+pytestmark = pytest.mark.ranks
+TOL = RELATIVE_TOLERANCE[torch.float64]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("split", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ring_attention_equals_full_attention(cp, split, causal):
+    seed = 100 + 10 * cp + 2 * (split == "zigzag") + causal  # fresh random inputs for every case
+    res = cu.run(WORKER, world_size=WORLD, cp=cp, split=split, causal=causal, seq=32, seed=seed, **LIMITS)
+    c = cpu.compare_to_reference(res)
+    # The online-softmax merge is exact: out and lse over the union of key chunks are those of full attention,
+    # and the ring backward (P rebuilt from the final lse, dK/dV carried home) gives the same gradients.
+    assert set(c["errors"]) == {"out", "lse", "dq", "dk", "dv"}
+    assert c["within_tol"] and c["max_error"] < TOL, c
+    # the rows really are split: each rank returned seq/cp of them
+    assert {d["out"].shape[-2] for d in res.ranks} == {32 // cp}
+
+
+def test_float32_inputs_meet_the_float32_tolerance():
+    res = cu.run(WORKER, world_size=WORLD, cp=4, dtype="float32", seed=7, **LIMITS)
+    c = cpu.compare_to_reference(res)
+    assert c["tolerance"] == RELATIVE_TOLERANCE[torch.float32] and c["within_tol"], c
+
+
+@pytest.mark.parametrize("split", ["contiguous", "zigzag"])
+def test_ranks_compute_the_blocks_the_rule_allows(split):
+    res = cu.run(WORKER, world_size=WORLD, cp=4, split=split, causal=True, seq=64, backward=False, **LIMITS)
+    measured = [d["score_entries"] for d in cpu.ring_ranks(res)]
+    # what the ranks counted in their loops is what the block rule predicts ...
+    assert measured == [w["score_entries"] for w in work_per_rank(64, 4, split, True)]
+    if split == "contiguous":  # ... rank cp-1 does cp times rank 0's work,
+        assert measured[-1] == 4 * measured[0] and measured == sorted(measured)
+    else:  # ... while zigzag gives every rank the same
+        assert len(set(measured)) == 1
+    # and no rank meets a (q, k) chunk pair twice, nor misses one: every rank saw every chunk's K/V
+    for d in res.ranks:
+        assert len({(qc, kc) for _, qc, kc, _ in d["blocks"]}) == len(d["blocks"])
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_each_rank_sends_two_kv_chunks_per_ring_step(cp):
+    res = cu.run(WORKER, world_size=WORLD, cp=cp, seq=32, **LIMITS)
+    for d in res.ranks:
+        chunk = d["kv_chunk_bytes"]  # one of K or V: [b, h, seq/cp, d] float64
+        assert chunk == 1 * 2 * (32 // cp) * 16 * 8
+        # forward: K and V passed on at each of the cp-1 steps (the last chunk is used, not forwarded)
+        assert d["sent_bytes"]["forward"] == 2 * (cp - 1) * chunk
+        # backward: K/V again for cp-1 steps, plus a dK/dV accumulator at each of the cp steps (the last hop home)
+        assert d["sent_bytes"]["backward"] == (2 * (cp - 1) + 2 * cp * (cp > 1)) * chunk
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({"seq": 36, "split": "zigzag"}, "choose seq divisible by 8"),  # zigzag at cp 4 needs 2*4 chunks
+    ({"seq": 30, "split": "contiguous"}, "choose seq divisible by 4"),
+    ({"cp": 3}, "does not divide world_size=4"),
+    ({"split": "striped"}, "choose one of contiguous, zigzag"),
+])
+def test_invalid_input_is_refused_before_launching(params, fragment):
+    with pytest.raises(InvalidParameter, match=fragment):
+        cu.run(WORKER, world_size=WORLD, **params, **LIMITS)

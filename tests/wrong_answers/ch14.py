@@ -1,0 +1,32 @@
+"""Plausible wrong answers for chapter 14, each with a fragment of the message the check must give."""
+
+
+def zigzag_contiguous(seq, cp, rank):
+    per = seq // cp
+    return [(rank * per, (rank + 1) * per)]  # the plain split: causal work grows with the rank
+
+
+def zigzag_shifted_pairing(seq, cp, rank):
+    size = seq // (2 * cp)
+    return [(rank * size, (rank + 1) * size), ((cp + rank) * size, (cp + rank + 1) * size)]  # shift, not mirror
+
+
+def block_kind_diagonal_skipped(q_chunk, k_chunk):
+    return "full" if q_chunk > k_chunk else "skip"  # the diagonal masked fully: no query sees its own chunk
+
+
+def block_kind_diagonal_unmasked(q_chunk, k_chunk):
+    return "full" if q_chunk >= k_chunk else "skip"  # the diagonal computed without its mask
+
+
+def block_kind_no_future_skip(q_chunk, k_chunk):
+    return "diagonal" if q_chunk == k_chunk else "full"  # future blocks computed: queries see later keys
+
+
+WRONG = [
+    ("zigzag_chunks", zigzag_contiguous, "that is the contiguous split"),
+    ("zigzag_chunks", zigzag_shifted_pairing, "a shift, not a mirror"),
+    ("block_kind", block_kind_diagonal_skipped, "you skipped the diagonal block"),
+    ("block_kind", block_kind_diagonal_unmasked, "the diagonal block needs the causal mask inside it"),
+    ("block_kind", block_kind_no_future_skip, "skip future blocks"),
+]

@@ -1,0 +1,69 @@
+"""Ring attention on real ranks (context parallelism): forward and backward over isend/irecv.
+
+    torchrun --nproc-per-node 4 workers/ch14_ring_attention.py --seq 64 --split zigzag --causal true
+    torchrun --nproc-per-node 4 workers/ch14_ring_attention.py --cp 2 --split contiguous
+
+Every rank derives the same whole-sequence q, k, v and upstream gradient dout from ``seed``
+(``workers/context_parallel/inputs.py``) and keeps only its rows (``split``: "contiguous" or "zigzag").
+``cp`` (0: the whole world) is the ring size; a world larger than cp runs world / cp identical rings side
+by side (ranks 0..cp-1, cp..2cp-1, ...), so cp = 1, 2 and 4 all run on one set of 4 warm ranks.
+Each rank returns its output rows, lse, dq, dk, dv (with the global positions of those rows), the blocks
+it computed at each ring step, its work and the bytes it sent. Ground truth:
+``workers/attention/reference.attention_reference_grads`` on the whole sequence in one process.
+"""
+import torch
+
+from workers.context_parallel.attention import ring_attention_backward, ring_attention_forward
+from workers.context_parallel.inputs import DTYPES, make_inputs
+from workers.context_parallel.ring import Ring
+from workers.context_parallel.split import SPLITS, local_positions, split_problem, take_local
+from workers.runtime import entrypoint
+
+
+def check_params(world_size, seq=64, heads=2, head_dim=16, batch=1, causal=True, split="zigzag", cp=0,
+                 dtype="float64", **_):
+    ring = cp or world_size
+    if ring < 1 or world_size % ring:
+        return f"cp={cp} does not divide world_size={world_size}: choose a divisor of {world_size} (0: all ranks)"
+    if split not in SPLITS:
+        return f"split={split!r} is not known: choose one of {', '.join(SPLITS)}"
+    problem = split_problem(seq, ring, split)
+    if problem:
+        return problem
+    if min(heads, head_dim, batch) < 1:
+        return f"heads={heads}, head_dim={head_dim} and batch={batch} must all be >= 1"
+    if dtype not in DTYPES:
+        return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
+    return None
+
+
+def main(ctx, seq: int = 64, heads: int = 2, head_dim: int = 16, batch: int = 1, causal: bool = True,
+         split: str = "zigzag", cp: int = 0, seed: int = 0, dtype: str = "float64", backward: bool = True):
+    """One ring-attention forward (and backward) of a [batch, heads, seq, head_dim] problem over cp ranks."""
+    ring_size = cp or ctx.world_size
+    index, base = ctx.rank % ring_size, ctx.rank - ctx.rank % ring_size
+    ring = Ring(index, ring_size, base, ctx.device, ctx.comm_device("send"))
+    q, k, v, dout = make_inputs(batch, heads, seq, head_dim, seed, dtype)  # [b, h, s, d] each, whole sequence
+    q, k, v, dout = (take_local(t, seq, ring_size, index, split).to(ctx.device) for t in (q, k, v, dout))  # [b, h, s/cp, d]
+    with ctx.timer("forward"):
+        out, lse, log = ring_attention_forward(q, k, v, ring, split, causal)  # [b, h, s/cp, d], [b, h, s/cp]
+    result = {"out": out.cpu(), "lse": lse.cpu()}
+    if backward:
+        with ctx.timer("backward"):
+            dq, dk, dv = ring_attention_backward(q, k, v, out, lse, dout, ring, split, causal)
+        result.update(dq=dq.cpu(), dk=dk.cpu(), dv=dv.cpu())
+    chunk_bytes = k.numel() * k.element_size()  # one rank's K (or V) chunk: [b, h, s/cp, d]
+    computed = [b for b in log if b[3] != "skip"]
+    chunk_len = q.shape[-2] // (2 if split == "zigzag" else 1)  # tokens per chunk
+    return {**result, "positions": local_positions(seq, ring_size, index, split),
+            "blocks": [list(b) for b in log], "work_blocks": len(computed),
+            "work_diagonal": sum(b[3] == "diagonal" for b in computed),
+            "score_entries": len(computed) * chunk_len ** 2,  # FLOPs are proportional to this
+            "sent_bytes": dict(ring.sent_bytes), "messages": dict(ring.messages), "kv_chunk_bytes": chunk_bytes,
+            "ring_index": index, "ring": ctx.rank // ring_size, "cp": ring_size,
+            "config": {"seq": seq, "heads": heads, "head_dim": head_dim, "batch": batch, "causal": causal,
+                       "split": split, "seed": seed, "dtype": dtype}}
+
+
+if __name__ == "__main__":
+    entrypoint(main)

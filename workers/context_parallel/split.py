@@ -1,0 +1,58 @@
+"""Which tokens each context-parallel rank holds.
+
+``contiguous``: the sequence cut into cp equal chunks, rank r holds chunk r. With a causal mask the last
+rank's queries see the whole sequence and the first rank's only their own chunk: rank cp-1 does about cp
+times the work of rank 0.
+
+``zigzag``: the sequence cut into 2*cp chunks, rank r holds chunk r and chunk 2*cp-1-r (an early chunk and
+its mirror from the end), so every rank has the same number of visible (query, key) pairs. This is the split
+of Megatron-LM's ``get_batch_on_this_cp_rank`` ("we split sequence into 2*CP ranks. Assuming CP=2, we then
+get 4 chunks, chunk_0 and chunk_3 are assigned to GPU0, chunk_1 and chunk_2 are assigned to GPU1").
+"""
+from __future__ import annotations
+
+import torch
+
+SPLITS = ("contiguous", "zigzag")
+
+
+def num_chunks(cp: int, split: str) -> int:
+    """How many equal chunks the sequence is cut into."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return 2 * cp if split == "zigzag" else cp
+
+
+def chunk_ids(cp: int, rank: int, split: str) -> list[int]:
+    """The global chunk indices rank ``rank`` holds, in the order its local tensors store them."""
+    if split == "zigzag":
+        return [rank, 2 * cp - 1 - rank]  # an early chunk and its mirror: little causal work + much causal work
+    num_chunks(cp, split)  # validates the name
+    return [rank]
+
+
+def chunk_ranges(seq: int, cp: int, rank: int, split: str) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` token ranges of this rank's chunks, in local storage order."""
+    size = seq // num_chunks(cp, split)
+    return [(c * size, (c + 1) * size) for c in chunk_ids(cp, rank, split)]
+
+
+def local_positions(seq: int, cp: int, rank: int, split: str) -> torch.Tensor:
+    """Global token index of every local row, ``[seq/cp]``: how to put the ranks' outputs back in order."""
+    return torch.cat([torch.arange(a, b) for a, b in chunk_ranges(seq, cp, rank, split)])
+
+
+def take_local(x: torch.Tensor, seq: int, cp: int, rank: int, split: str) -> torch.Tensor:
+    """This rank's rows of ``x`` [b, h, seq, d] along the sequence dim: ``[b, h, seq/cp, d]``."""
+    return x[:, :, local_positions(seq, cp, rank, split).to(x.device)].contiguous()  # [b, h, s/cp, d]
+
+
+def split_problem(seq: int, cp: int, split: str) -> str | None:
+    """One sentence saying what to change when ``seq`` cannot be split, else None."""
+    if split not in SPLITS:
+        return f"split={split!r} is not known: choose one of {', '.join(SPLITS)}"
+    n = num_chunks(cp, split)
+    if seq < n or seq % n:
+        why = f"2*cp = {n} chunks (zigzag)" if split == "zigzag" else f"cp = {n} chunks"
+        return f"seq={seq} does not split into {why}: choose seq divisible by {n}"
+    return None
