@@ -23,13 +23,12 @@
 # few optimizer steps, count its communication, and look at where its time goes.
 
 # %%
-import tempfile
-
 import torch
 
 import course_utils as cu
 from course_utils import plots, reference_data, tp_check, tp_figures
 from course_utils.ledger import activation_bytes_per_layer, tp_comm_bytes_per_layer
+from course_utils.scratch import scratch_dir
 
 plots.style()
 LIMITS = {"timeout": 90}  # per run; the ranks stay warm between runs (and the exercise checks reuse them)
@@ -174,7 +173,7 @@ plots.savefig(tp_figures.training_figure(dense_losses, training), "06_training")
 
 # %% tags=["nbval-ignore-output"]
 SEQS, PROF_HIDDEN = [64, 256, 1024], 128
-trace_dir = tempfile.mkdtemp(prefix="tp_block_traces_")
+trace_dir = str(scratch_dir("06_traces"))  # build/scratch/06_traces: this run's trace files only
 # 2 ranks, one per core: at TP 1 each rank runs its own block, at TP 2 they share one
 profiles = {t: cu.run("workers.ch06_profile", world_size=2, tp_size=t, hidden=PROF_HIDDEN, n_heads=8, seqs=SEQS,
                       batch=2, repeats=5, warmup=2, trace_dir=trace_dir if t == 2 else "", **LIMITS)[0]["profiles"]

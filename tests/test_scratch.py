@@ -1,0 +1,33 @@
+"""Notebook scratch folders: one run's files at most, under build/, never in /tmp."""
+import re
+from pathlib import Path
+
+import pytest
+
+from course_utils.scratch import SCRATCH, scratch_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_asking_again_empties_the_folder():
+    first = scratch_dir("test_scratch")
+    (first / "old.pt").write_bytes(b"x" * 10)
+    (first / "sub").mkdir()
+    second = scratch_dir("test_scratch")
+    assert second == first and second.is_dir() and not any(second.iterdir())
+    assert SCRATCH in second.parents and (ROOT / "build") in second.parents  # build/ is git-ignored
+    second.rmdir()
+
+
+@pytest.mark.parametrize("bad", ["", "..", "a/b", "../etc"])
+def test_names_cannot_escape_the_scratch_folder(bad):
+    with pytest.raises(ValueError, match="letters, digits"):
+        scratch_dir(bad)
+
+
+def test_no_notebook_writes_temporary_directories_that_outlive_its_kernel():
+    # A TemporaryDirectory or mkdtemp made in a notebook is left in /tmp when the kernel is stopped (Jupyter and
+    # papermill stop kernels without running finalizers): chapter 08 left 100 MB of checkpoints per run that way.
+    offenders = [src.name for src in sorted((ROOT / "notebooks" / "src").glob("*.py"))
+                 if re.search(r"\b(mkdtemp|TemporaryDirectory)\(", src.read_text())]
+    assert not offenders, f"use course_utils.scratch.scratch_dir in {offenders}"
