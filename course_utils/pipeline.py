@@ -14,6 +14,9 @@ from course_utils.ledger import pipeline_bubble_fraction
 from course_utils.plots import CPU_NOTE
 from workers.pipeline.model import FP32_TOL, PipelineConfig
 from workers.pipeline.reference import reference_step
+from workers.pipeline.schedules import ideal_bubble
+
+HATCHES = ("", "//", "xx", "..", "\\\\", "++")  # model chunk 0, 1, 2, ... of a rank (interleaved schedule)
 
 
 def pipeline_ranks(res, pipeline: int = 0) -> list[dict]:
@@ -77,22 +80,50 @@ def bubble_formulas(p: int, m: int) -> dict:
             "bubble/ideal (p-1)/m": pipeline_bubble_fraction(p, m, denominator="ideal")}
 
 
-def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
-    """One row per stage; F boxes (light) and B boxes (dark) coloured by micro-batch; white is idle."""
+def formula_bubble(res, pipeline: int = 0) -> float:
+    """What the ledger predicts for this run, idle / total: (p-1)/(v m + p-1)."""
     rows = pipeline_ranks(res, pipeline)
-    m = rows[0]["config"]["micro_batches"]
+    return pipeline_bubble_fraction(len(rows), rows[0]["config"]["micro_batches"], rows[0].get("chunks", 1),
+                                    denominator="total")
+
+
+def simulated_bubble(res, message_ms: float, pipeline: int = 0) -> float:
+    """The ranks' own action lists replayed in ideal time with their padded action times and a latency of
+    ``message_ms`` per message (``schedules.simulate``)."""
+    rows = pipeline_ranks(res, pipeline)
+    schedules = [[tuple(a) for a in d["actions"]] for d in rows]
+    return ideal_bubble(schedules, rows[0]["forward_ms"], rows[0]["backward_ms"], message_time=message_ms)
+
+
+def fit_message_time(runs: list, grid_ms=np.arange(0.0, 10.0001, 0.05)) -> dict:
+    """The one per-message latency (ms) that best explains the measured bubbles of ``runs`` (least squares
+    over a grid), with each run's measured, simulated-at-that-latency and formula bubble. A fit, not a
+    measurement of latency: it says how much per message the gap between formula and timeline amounts to."""
+    measured = np.array([measured_bubble(r) for r in runs])
+    errors = [float(np.sum((np.array([simulated_bubble(r, a) for r in runs]) - measured) ** 2)) for a in grid_ms]
+    best = float(grid_ms[int(np.argmin(errors))])
+    return {"message_ms": best, "measured": measured.tolist(),
+            "simulated": [simulated_bubble(r, best) for r in runs], "formula": [formula_bubble(r) for r in runs]}
+
+
+def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
+    """One row per stage; F boxes (light) and B boxes (dark) coloured by micro-batch, hatched by model chunk
+    (interleaved schedule); white is idle."""
+    rows = pipeline_ranks(res, pipeline)
+    m, v = rows[0]["config"]["micro_batches"], rows[0].get("chunks", 1)
     cmap = plt.get_cmap("tab10" if m <= 10 else "tab20")
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.4))
+    span = max(e["end"] for d in rows for e in d["timeline"]) - min(e["start"] for d in rows for e in d["timeline"])
     for d in rows:
         y = d["stage"]
         for e in d["timeline"]:
             colour = cmap(e["micro"] % cmap.N)
             light = e["kind"] == "F"
             ax.barh(y, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, height=0.8, color=colour,
-                    alpha=0.45 if light else 1.0, edgecolor="k", lw=0.4)
-            if (e["end"] - e["start"]) * 1e3 > 2.5:
+                    alpha=0.45 if light else 1.0, edgecolor="k", lw=0.4, hatch=HATCHES[e.get("chunk", 0) % len(HATCHES)])
+            if (e["end"] - e["start"]) > 0.025 * span:  # label only boxes wide enough to hold it
                 ax.text((e["start"] + e["end"]) / 2 * 1e3, y, f"{e['kind']}{e['micro']}", ha="center", va="center",
                         fontsize=7)
     ax.set_yticks([d["stage"] for d in rows], [f"stage {d['stage']}\n(rank {i + pipeline * len(rows)})"
@@ -100,9 +131,9 @@ def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
     ax.invert_yaxis()
     ax.set_xlabel(f"time since the barrier (ms); {CPU_NOTE}")
     idle = idle_fractions(res, pipeline)
-    ax.set_title(title or f"{rows[0]['schedule']}, p={len(rows)}, m={m}: measured idle {np.mean(idle):.0%} "
-                          f"(formula {pipeline_bubble_fraction(len(rows), m, denominator='total'):.0%}); "
-                          "F light, B dark, white = idle", fontsize=9)
+    chunks = f", v={v} (chunk 1+ hatched)" if v > 1 else ""
+    ax.set_title(title or f"{rows[0]['schedule']}, p={len(rows)}, m={m}{chunks}: measured idle {np.mean(idle):.0%} "
+                          f"(formula {formula_bubble(res, pipeline):.0%}); F light, B dark, white = idle", fontsize=9)
     ax.grid(axis="y", visible=False)
     return fig if fig is not None else ax.figure
 
@@ -128,5 +159,47 @@ def bubble_figure(sweep: dict, p: int):
 
 
 def schedule_text(actions_per_stage: list[list]) -> str:
-    """The per-stage action lists as lines: ``stage 0: F0 F1 F2 B0 ...``."""
-    return "\n".join(f"stage {s}: " + " ".join(f"{k}{i}" for k, i in a) for s, a in enumerate(actions_per_stage))
+    """The per-stage action lists as lines: ``stage 0: F0 F1 F2 B0 ...``; with chunks ``F0c1`` is micro-batch 0
+    through the rank's chunk 1."""
+    def label(a):
+        return f"{a[0]}{a[1]}" + (f"c{a[2]}" if len(a) > 2 else "")
+    return "\n".join(f"stage {s}: " + " ".join(label(a) for a in acts) for s, acts in enumerate(actions_per_stage))
+
+
+def chunks_crossover(p: int, m: int, v_low: int, v_high: int, forward: float = 1.0, backward: float = 2.0,
+                     step: float = 0.005) -> float:
+    """The smallest per-message latency (in units of ``forward``, a stage's forward) at which ``v_high``
+    chunks per rank idle more than ``v_low``: where more interleaving stops paying (replayed schedules)."""
+    from workers.pipeline.schedules import all_stages
+
+    def bubble(v, a):
+        return ideal_bubble(all_stages("1f1b" if v == 1 else "interleaved", p, m, v), forward, backward,
+                            message_time=a * forward)
+
+    a = 0.0
+    while bubble(v_high, a) <= bubble(v_low, a):
+        a += step
+        if a > 10:
+            raise ValueError(f"v={v_high} idles no more than v={v_low} for any latency up to 10 forwards")
+    return round(a, 6)
+
+
+def interleave_figure(runs: dict, message_ms: float, p: int, m: int, forward_ms: float, backward_ms: float):
+    """``runs[v]`` = a timed run with v chunks per rank (v = 1: plain 1F1B). Measured idle / total against the
+    formula (p-1)/(v m + p-1) and against the schedules replayed with ``message_ms`` per message."""
+    from workers.pipeline.schedules import all_stages
+
+    fig, ax = plt.subplots()
+    grid = [v for v in range(1, 9) if m % p == 0 or v == 1]
+    ax.plot(grid, [pipeline_bubble_fraction(p, m, v, denominator="total") for v in grid], "k-",
+            label="(p-1)/(v m + p-1): free messages")
+    sim = [ideal_bubble(all_stages("1f1b" if v == 1 else "interleaved", p, m, v), forward_ms, backward_ms,
+                        message_time=message_ms) for v in grid]
+    ax.plot(grid, sim, "C1--", label=f"schedules replayed, {message_ms:g} ms per message (fitted)")
+    ax.plot(sorted(runs), [measured_bubble(runs[v]) for v in sorted(runs)], "o", ms=8, color="C0",
+            label="measured on the ranks")
+    ax.set_xlabel("model chunks per rank v")
+    ax.set_ylabel("idle / total")
+    ax.set_title(f"Interleaved 1F1B at p={p}, m={m}: {CPU_NOTE}", fontsize=9)
+    ax.legend(fontsize=8)
+    return fig

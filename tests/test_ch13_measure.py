@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 def fake_result(name: str, p: int, m: int):
     sim = simulate(all_stages(name, p, m))
     ranks = [{"pipeline": 0, "stage": s, "schedule": name, "config": PipelineConfig(micro_batches=m).as_dict(),
-              "timeline": [{"kind": k, "micro": i, "start": a / 1e3, "end": b / 1e3} for k, i, a, b in sim["timeline"][s]]}
+              "chunks": 1, "timeline": [{**e, "start": e["start"] / 1e3, "end": e["end"] / 1e3} for e in sim["timeline"][s]]}
              for s in range(p)]
     return SimpleNamespace(ranks=ranks)
 
@@ -40,3 +40,32 @@ def test_gantt_draws_one_row_per_stage_and_one_box_per_action():
     ax = fig.axes[0]
     assert len(ax.patches) == 4 * 2 * 8  # every F and B of every stage, none invented
     assert len(ax.get_yticks()) == 4
+
+
+def test_chunks_crossover_is_where_the_replayed_bubbles_cross():
+    from workers.pipeline.schedules import ideal_bubble
+
+    def bubble(v, a):
+        return ideal_bubble(all_stages("interleaved", 4, 8, v), message_time=a)
+
+    a = pp.chunks_crossover(4, 8, 2, 4)
+    assert bubble(4, a) > bubble(2, a) and bubble(4, a - 0.005) <= bubble(2, a - 0.005)
+    assert 0 < a < pp.chunks_crossover(4, 8, 1, 2)  # the first split into chunks pays for longer
+
+
+def test_fit_message_time_recovers_the_latency_of_a_replayed_timeline():
+    # a timeline made by replaying with 0.3 units per message must be explained by 0.3, not by the formula
+    from workers.pipeline.schedules import simulate as sim
+
+    runs = []
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4)):
+        schedules = all_stages(name, 4, 8, v)
+        timeline = sim(schedules, 20.0, 40.0, message_time=0.3)["timeline"]
+        ranks = [{"pipeline": 0, "stage": s, "schedule": name, "chunks": v, "forward_ms": 20.0, "backward_ms": 40.0,
+                  "config": PipelineConfig(micro_batches=8).as_dict(), "actions": [list(a) for a in schedules[s]],
+                  "timeline": timeline[s]} for s in range(4)]
+        runs.append(SimpleNamespace(ranks=ranks))
+    fit = pp.fit_message_time(runs)
+    assert fit["message_ms"] == pytest.approx(0.3)
+    assert fit["simulated"] == pytest.approx(fit["measured"])
+    assert all(f < got for f, got in zip(fit["formula"], fit["measured"]))

@@ -58,6 +58,56 @@ def test_measured_bubble_follows_the_formula_and_shrinks_with_m():
     assert measured[1] > measured[4] > measured[16]  # more micro-batches, smaller bubble
 
 
+@pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (2, 4)])
+def test_interleaved_equals_single_process(p, v):
+    steps = 3
+    res = cu.run(WORKER, world_size=WORLD, stages=p, schedule="interleaved", chunks=v, micro_batches=8, steps=steps,
+                 **LIMITS)
+    c = pp.compare_to_reference(res, steps=steps)
+    assert c["within_tol"], c
+    assert c["parameters"] == 16  # every layer, cut into p * v chunks, was compared
+
+
+def test_interleaved_memory_and_messages_measured():
+    # p = 4, m = 8, v = 2 on 8 layers: one layer per chunk. Stash and bytes measured by the executor.
+    p, m, v, mb, h = 4, 8, 2, 4, 16
+    res = cu.run(WORKER, world_size=WORLD, schedule="interleaved", chunks=v, micro_batches=m, **LIMITS)
+    rows = pp.pipeline_ranks(res)
+    assert [d["peak_stash"] for d in rows] == [2 * (p - s - 1) + (v - 1) * p + 1 for s in range(p)] == [11, 9, 7, 5]
+    # each chunk-forward saves its input and one tensor per layer ([mb, h] fp32 each; parameters not counted)
+    per_chunk = (1 + 8 // (p * v)) * mb * h * 4
+    assert [d["peak_saved_bytes"] for d in rows] == [d["peak_stash"] * per_chunk for d in rows]
+    # v times as many forward messages; rank 0's chunk 1 also sends gradients back round to rank p-1
+    assert rows[1]["messages"] == {"forward": v * m, "backward": v * m}
+    assert rows[0]["messages"] == {"forward": v * m, "backward": (v - 1) * m}
+    assert rows[-1]["messages"] == {"forward": (v - 1) * m, "backward": v * m}
+    plain = pp.pipeline_ranks(cu.run(WORKER, world_size=WORLD, schedule="1f1b", micro_batches=m, **LIMITS))
+    per_stage = (1 + 8 // p) * mb * h * 4
+    assert [d["peak_saved_bytes"] for d in plain] == [min(p - s, m) * per_stage for s in range(p)]
+
+
+def test_interleaving_shrinks_the_measured_bubble():
+    # calibrated waits per stage (a chunk is padded to 1/v of them); 16 layers so v = 2 splits evenly
+    timed = {"micro_batches": 8, "n_layers": 16, "forward_ms": 20.0, "backward_ms": 40.0, **LIMITS}
+    plain = pp.measured_bubble(cu.run(WORKER, world_size=WORLD, schedule="1f1b", **timed))
+    inter = cu.run(WORKER, world_size=WORLD, schedule="interleaved", chunks=2, **timed)
+    want = pipeline_bubble_fraction(4, 8, 2, denominator="total")  # 3/19 against 1F1B's 3/11
+    assert want - 0.02 < pp.measured_bubble(inter) < want + 0.12
+    assert pp.measured_bubble(inter) < plain - 0.04
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({"schedule": "interleaved"}, "chunks=1 is plain 1F1B"),
+    ({"schedule": "interleaved", "chunks": 2, "stages": 1}, "needs at least 2 stages"),
+    ({"schedule": "interleaved", "chunks": 2, "micro_batches": 6}, "micro_batches=6 is not a multiple of the 4 stages"),
+    ({"schedule": "interleaved", "chunks": 4}, "n_layers=8 does not split into 16 equal chunks"),
+    ({"chunks": 2}, "only applies to schedule='interleaved'"),
+])
+def test_invalid_interleaving_is_refused_before_launch(params, fragment):
+    with pytest.raises(InvalidParameter, match=fragment):
+        cu.run(WORKER, world_size=WORLD, **params, **LIMITS)
+
+
 @pytest.mark.parametrize("params, fragment", [
     ({"n_layers": 6}, "n_layers=6 does not split into 4 equal stages"),
     ({"stages": 3}, "stages=3 does not divide world_size=4"),

@@ -8,7 +8,8 @@ import pytest
 
 from course_utils.ledger import pipeline_bubble_fraction
 from workers.pipeline.model import partition_table
-from workers.pipeline.schedules import (all_stages, gpipe_schedule, ideal_bubble, num_warmup_microbatches,
+from workers.pipeline.schedules import (all_stages, gpipe_schedule, ideal_bubble, interleaved_order,
+                                        interleaved_schedule, num_warmup_interleaved, num_warmup_microbatches,
                                         one_f_one_b_schedule, peak_stash, simulate, validate, with_p2p)
 
 SHAPES = [(1, 1), (1, 4), (2, 1), (2, 3), (4, 1), (4, 2), (4, 8), (8, 16)]
@@ -70,3 +71,63 @@ def test_partition_table_is_contiguous_and_rejects_uneven_splits():
     assert partition_table(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     with pytest.raises(ValueError):
         partition_table(6, 4)
+
+
+# --- interleaved 1F1B (Narayanan et al. 2021 section 2.2.2): v model chunks per rank -------------------------
+
+INTERLEAVED = [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3), (4, 16, 2), (2, 8, 4), (8, 16, 2)]
+
+
+def test_interleaved_order_by_hand():
+    # p = 2, v = 2: micro-batches in groups of p, each group through chunk 0 then chunk 1; backwards last chunk first
+    assert interleaved_order(2, 4, 2, forward=True) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert interleaved_order(2, 4, 2, forward=False) == [(0, 1), (1, 1), (0, 0), (1, 0), (2, 1), (3, 1), (2, 0), (3, 0)]
+    # Megatron's warm-up, (p - s - 1) * 2 + (v - 1) * p, capped at m * v
+    assert [num_warmup_interleaved(4, 8, s, 2) for s in range(4)] == [10, 8, 6, 4]
+    assert num_warmup_interleaved(4, 4, 0, 4) == 16
+    assert interleaved_schedule(2, 2, 1, 2)[:3] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1)]
+
+
+@pytest.mark.parametrize("p, m, v", INTERLEAVED)
+def test_interleaved_is_valid_and_its_bubble_is_the_formula_divided_by_v(p, m, v):
+    schedules = all_stages("interleaved", p, m, v)
+    assert validate(schedules, m) is None
+    # (p-1)/(v m + p - 1) of the step, exactly; the step is (m + (p-1)/v) (t_F + t_B)
+    assert ideal_bubble(schedules) == pytest.approx(pipeline_bubble_fraction(p, m, v, denominator="total"))
+    assert simulate(schedules)["makespan"] == pytest.approx((m + (p - 1) / v) * 3.0)
+    # what is in flight: the warm-up's chunk-forwards plus one, p + (p-1)/v micro-batches' worth on rank 0
+    assert [peak_stash(a) for a in schedules] == [min(2 * (p - s - 1) + (v - 1) * p + 1, m * v) for s in range(p)]
+
+
+def test_interleaved_needs_m_a_multiple_of_p():
+    with pytest.raises(ValueError, match="not a multiple of the 4 stages"):
+        interleaved_schedule(4, 6, 0, 2)
+
+
+def test_interleaved_messages_wrap_round_the_ranks():
+    # rank 0's chunk 1 is virtual stage p: it receives from rank p-1's chunk 0 and sends its gradient back there
+    assert with_p2p([("F", 0, 1), ("B", 0, 1)], 4, 0, 2) == [
+        ("recv_forward", 0, 1), ("F", 0, 1), ("send_forward", 0, 1),
+        ("recv_backward", 0, 1), ("B", 0, 1), ("send_backward", 0, 1)]
+    # virtual stage 0 has no predecessor; the last (rank p-1, chunk v-1) no successor
+    assert with_p2p([("F", 0, 0), ("B", 0, 0)], 4, 0, 2) == [("F", 0, 0), ("send_forward", 0, 0),
+                                                           ("recv_backward", 0, 0), ("B", 0, 0)]
+    assert with_p2p([("F", 0, 1), ("B", 0, 1)], 4, 3, 2) == [("recv_forward", 0, 1), ("F", 0, 1),
+                                                           ("B", 0, 1), ("send_backward", 0, 1)]
+
+
+def test_validator_names_a_missing_chunk():
+    schedules = all_stages("interleaved", 2, 2, 2)
+    schedules[1] = [a for a in schedules[1] if a[2] == 0]  # stage 1 forgot its second chunk
+    assert "needs exactly one F per chunk" in validate(schedules, 2)
+
+
+def test_message_latency_costs_interleaving_more():
+    # every dependency between ranks waits message_time; interleaving has v times as many on its critical path
+    plain, inter = all_stages("1f1b", 4, 8), all_stages("interleaved", 4, 8, 4)
+    assert ideal_bubble(inter, message_time=0.0) < ideal_bubble(plain, message_time=0.0)
+    extra_plain = ideal_bubble(plain, message_time=0.2) - ideal_bubble(plain)
+    extra_inter = ideal_bubble(inter, message_time=0.2) - ideal_bubble(inter)
+    assert extra_inter > 2 * extra_plain > 0
+    # one stage sends nothing: latency changes nothing
+    assert ideal_bubble(all_stages("1f1b", 1, 4), message_time=5.0) == 0.0

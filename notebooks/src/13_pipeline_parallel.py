@@ -22,9 +22,13 @@
 # warm-up forwards, then one forward and one backward in turn, then the remaining backwards. Same bubble,
 # but at most p - s micro-batches in flight. **1F1B saves memory, not time.**
 #
-# We build both as data (`workers/pipeline/schedules.py`), run them on 4 real ranks with
+# The **interleaved** schedule (section 2.2.2) is the one way to shrink the bubble without more
+# micro-batches: each rank holds v smaller model chunks, and the bubble falls by v, for v times the messages.
+#
+# We build all three as data (`workers/pipeline/schedules.py`), run them on 4 real ranks with
 # `isend`/`irecv` (`workers/pipeline/p2p.py`, `executor.py`), prove the pipeline computes the unsplit model's
-# gradients exactly, then measure the bubble and the stash from the ranks' own timelines.
+# gradients exactly, then measure the bubble, the stash and the saved activation bytes from the ranks' own
+# timelines and autograd's own bookkeeping.
 
 # %%
 import course_utils as cu
@@ -32,7 +36,7 @@ from course_utils import pipeline as pp
 from course_utils import plots
 from course_utils.ledger import pipeline_bubble_fraction, tp_comm_bytes_per_layer
 from workers.pipeline.model import PipelineConfig, partition_table
-from workers.pipeline.schedules import all_stages, ideal_bubble, peak_stash
+from workers.pipeline.schedules import all_stages, ideal_bubble, peak_stash, with_p2p
 
 plots.style()
 LIMITS = {"timeout": 60}  # per run; 4 warm ranks serve every run (p = 1 and 2 run as copies inside them)
@@ -171,7 +175,101 @@ for m in (4, 8, 16):
 # GPipe's stash grows with m: the very thing that shrinks the bubble costs activation memory linearly.
 # 1F1B's is capped at p - s whatever m is, so m can grow until the bubble is small.
 #
-# ## 7. Exercises
+# ## 7. Interleaving: v model chunks per rank
+#
+# More micro-batches shrink the bubble, but m is bounded by the global batch (m x micro-batch rows) that
+# the optimizer wants. The **interleaved 1F1B** schedule (Narayanan et al. 2021, section 2.2.2, Figure 4
+# bottom; Megatron's `forward_backward_pipelining_with_interleaving`) shrinks it another way. Cut the model
+# into p x v chunks instead of p stages and give rank s the chunks s, s + p, s + 2p, ...: chunk c of
+# rank s is **virtual stage** c p + s, so a micro-batch goes round the ranks v times. Each action is now
+# 1/v of a stage's work, so the fill and drain triangles are v times thinner: the bubble becomes
+# $\frac{1}{v}\frac{p-1}{m}$ of the ideal time ($\frac{p-1}{vm+p-1}$ of the step).
+#
+# The price: every micro-batch crosses v times as many boundaries, so **v times the messages**, and the
+# warm-up runs $2(p-s-1) + (v-1)p$ chunk-forwards before the first backward (Megatron's warm-up), so more
+# is in flight. Micro-batches go round in groups of p, so m must be a multiple of p (Megatron required it).
+# For p = 4, m = 8, v = 2 (`F3c1` is micro-batch 3 through the rank's chunk 1, its layers 4 + s apart):
+
+# %%
+print(pp.schedule_text(all_stages("interleaved", P, M, 2)))
+
+# %% [markdown]
+# **Predict**: in ideal time (free messages), the idle share for v = 1, 2, 4 at p = 4, m = 8; the messages
+# rank 1 sends per step; and the most activations rank 0 holds, counted in *micro-batches' worth of a
+# stage* (a stashed chunk holds 1/v of the rank's layers, so v stashed chunks are one micro-batch's worth).
+
+# %%
+for v in (1, 2, 4):
+    sched = all_stages("1f1b" if v == 1 else "interleaved", P, M, v)
+    sends = sum(1 for a in with_p2p(sched[1], P, 1, v) if a[0].startswith("send"))
+    print(f"v = {v}: ideal idle/total {ideal_bubble(sched):.4f} (formula "
+          f"{pipeline_bubble_fraction(P, M, v, denominator='total'):.4f}), rank 1 sends {sends} messages, "
+          f"rank 0 holds at most {peak_stash(sched[0])} chunk activations = {peak_stash(sched[0]) / v:g} "
+          "micro-batches' worth")
+
+# %% [markdown]
+# The bubble falls as $(p-1)/(vm+p-1)$, exactly; the messages grow as v; and rank 0 holds more: its peak,
+# $2(p-1) + (v-1)p + 1$ chunks of 1/v of a stage each, is $p + (p-1)/v$ micro-batches' worth against
+# 1F1B's p (5.5 and 4.75 against 4 here). Interleaving buys time with messages and some memory.
+#
+# The schedule on real ranks computes the same gradients as one process (three SGD steps, every copy checked):
+
+# %%
+for p, v in ((2, 2), (4, 2), (2, 4)):
+    c = pp.compare_to_reference(run(schedule="interleaved", stages=p, chunks=v, steps=STEPS), steps=STEPS)
+    print(f"interleaved, p = {p}, v = {v}: all {c['parameters']} gradients and weights within 1e-6 of one "
+          f"process after {STEPS} steps: {c['within_tol']}")
+
+# %% [markdown]
+# Now timed, with the same calibrated waits per *stage* (a chunk's action is padded to 1/v of them), on a
+# 16-layer model so v = 4 still has a layer per chunk. Autograd's saved tensors are counted in bytes by
+# the executor (`saved_tensors_hooks`), so the memory is measured, not inferred:
+
+# %%
+INTERLEAVED = {v: run(schedule="1f1b" if v == 1 else "interleaved", chunks=v, micro_batches=M, n_layers=16, **TIMED)
+               for v in (1, 2, 4)}
+for v, res in INTERLEAVED.items():
+    rows = pp.pipeline_ranks(res)
+    print(f"v = {v}: messages sent per rank {[sum(d['messages'].values()) for d in rows]}, peak bytes saved for "
+          f"backward per rank {[d['peak_saved_bytes'] for d in rows]}")
+
+# %% [markdown]
+# Each stashed chunk also keeps its own input (the tensor that arrived), so in this toy, whose layers
+# save one tensor each, the bytes grow faster than the layers' worth; in a transformer a layer saves
+# tens of activations of that size (chapter 06) and the boundary input is noise.
+#
+# **Predict** whether the measured bubbles land on the formula, and which v wins on this machine.
+
+# %% tags=["nbval-ignore-output"]
+fit = pp.fit_message_time(list(INTERLEAVED.values()))
+print(f"{'v':>2} {'measured':>9} {'formula':>8} {'replayed at ' + format(fit['message_ms'], 'g') + ' ms/message':>28}")
+for v, got, want, sim in zip(INTERLEAVED, fit["measured"], fit["formula"], fit["simulated"]):
+    print(f"{v:>2} {got:>9.3f} {want:>8.3f} {sim:>28.3f}")
+plots.savefig(pp.gantt_figure(INTERLEAVED[2]), "13_gantt_interleaved")
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(pp.interleave_figure(INTERLEAVED, fit["message_ms"], P, M, TIMED["forward_ms"], TIMED["backward_ms"]),
+              "13_bubble_vs_chunks");
+
+# %% [markdown]
+# The measurements sit above the formula, and more so the more chunks: every message's latency delays the
+# action waiting for it, and v = 4 sends four times as many. Replaying the ranks' own action lists with a
+# single per-message latency (fitted to these runs: milliseconds through gloo on a loaded 2-core CPU,
+# printed above) explains the gap. That latency is the knob: where it is small against a chunk's
+# compute (NVLink, microseconds against milliseconds), interleaving wins nearly its full factor v; where
+# it is not, more chunks stop paying. Where, in the replay (t_B = 2 t_F, p = 4, m = 8)?
+
+# %%
+for low, high in ((1, 2), (2, 4)):
+    a = pp.chunks_crossover(P, M, low, high)
+    print(f"v = {high} idles more than v = {low} once a message costs {a:.3f} of a stage's forward "
+          f"({a * TIMED['forward_ms']:.1f} ms at the padded {TIMED['forward_ms']:g} ms)")
+
+# %% [markdown]
+# Megatron overlaps these messages with compute (it posts the next receive before the current chunk's
+# work) to push that point back; our executor waits on each receive, so it shows the cost in full.
+#
+# ## 8. Exercises
 #
 # **Exercise 1: the 1F1B schedule.** Return stage `stage`'s action list, `[("F", 0), ("F", 1), ..., ("B", 0), ...]`,
 # for p stages and m micro-batches: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
@@ -201,10 +299,12 @@ def stage_step(stage, comm):
 cu.check("stage_step", stage_step)
 
 # %% [markdown]
-# ## 8. Explore on real ranks
+# ## 9. Explore on real ranks
 #
-# Schedule, micro-batches and stages: each change reruns the step on the warm ranks and redraws the Gantt
-# chart from their timelines (padded actions as above; fewer stages run as copies).
+# Schedule, micro-batches, stages and chunks: each change reruns the step on the warm ranks and redraws
+# the Gantt chart from their timelines (padded actions as above; fewer stages run as copies; a 16-layer
+# model, so every p x v up to 16 splits). A combination the interleaved schedule cannot run is refused
+# before launching, with what to change.
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W
@@ -216,10 +316,11 @@ def draw_gantt(res, params):
     return pp.gantt_figure(res)
 
 
-gantt_live = LiveRun(WORKER, {"schedule": W.ToggleButtons(options=["1f1b", "gpipe"], value="1f1b"),
+gantt_live = LiveRun(WORKER, {"schedule": W.ToggleButtons(options=["1f1b", "gpipe", "interleaved"], value="1f1b"),
                               "micro_batches": slider("micro-batches m", 8, 1, 16),
-                              "stages": W.Dropdown(options=[1, 2, 4], value=4, description="stages p")},
-                     draw_gantt, params={"world_size": WORLD, **TIMED}, timeout=60)
+                              "stages": W.Dropdown(options=[1, 2, 4], value=4, description="stages p"),
+                              "chunks": W.Dropdown(options=[1, 2, 4], value=1, description="chunks v")},
+                     draw_gantt, params={"world_size": WORLD, "n_layers": 16, **TIMED}, timeout=60)
 gantt_live.wait(60)
 gantt_live
 
@@ -233,3 +334,5 @@ gantt_live
 # * Both GPipe and 1F1B idle $(p-1)/(m+p-1)$ of the step ($(p-1)/m$ of the ideal time): only more
 #   micro-batches shrink the bubble.
 # * 1F1B keeps at most p - s micro-batches' activations on stage s, GPipe m: 1F1B saves memory, not time.
+# * Interleaving v chunks per rank cuts the bubble to $(p-1)/(vm+p-1)$ for v times the messages and a
+#   little more memory; it pays while a message's latency is small against a chunk's compute.

@@ -1,17 +1,21 @@
-"""Run one rank's schedule for real: its stage's forwards and backwards, the messages, a timeline.
+"""Run one rank's schedule for real: its stage's (or chunks') forwards and backwards, the messages, a timeline.
 
-Per micro-batch the stage keeps (input, output) from F until B: that is the activation stash, whose peak
-size is the memory a schedule costs. Gradients accumulate in ``.grad`` over the m micro-batches, each loss
-scaled by 1/m, so one optimizer step afterwards is the step on the whole global batch.
+Per micro-batch (and chunk) the rank keeps (input, output) from F until B: that is the activation stash,
+whose peak size is the memory a schedule costs. What autograd saved for backward in each forward is also
+measured, in bytes (``saved_tensors_hooks``; parameters excluded): the memory itself, not a count. Gradients
+accumulate in ``.grad`` over the m micro-batches, each loss scaled by 1/m, so one optimizer step afterwards
+is the step on the whole global batch.
 
 Timing. Every rank times against ``t0``, taken right after a barrier (so the clocks are aligned to the
 barrier's exit, within its skew). Only compute is inside an action's box: time spent blocked in a receive
 is idle, which is what the bubble is. ``forward_s`` / ``backward_s`` > 0 pad each action to that wall
 time with ``time.sleep`` after its real math: a *calibrated wait* standing in for a stage big enough to
-be worth pipelining, so the measured bubble is the schedule's, not the noise of a shared CPU.
+be worth pipelining, so the measured bubble is the schedule's, not the noise of a shared CPU. With v
+chunks per rank an action is one chunk, 1/v of the rank's layers, and is padded to 1/v of those times.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -19,7 +23,7 @@ import torch.distributed as dist
 
 from workers.pipeline.model import loss_fn
 from workers.pipeline.p2p import P2P
-from workers.pipeline.schedules import with_p2p
+from workers.pipeline.schedules import split_action, virtual_stage, with_p2p
 
 
 def pad_to(start: float, seconds: float) -> None:
@@ -29,50 +33,86 @@ def pad_to(start: float, seconds: float) -> None:
         time.sleep(left)
 
 
-def run_schedule(actions, module: torch.nn.Module, p2p: P2P, *, stage: int, num_stages: int, inputs, targets,
+@contextlib.contextmanager
+def saved_bytes(params, counter: list):
+    """Add to ``counter[0]`` the bytes of every distinct tensor autograd saves for backward inside the
+    block, parameters excluded (they are there anyway): the activation memory of that forward. (Tensor
+    bytes, not storage bytes: the first stage's micro-batch is a view of the whole batch, held anyway.)"""
+    skip = {p.data_ptr() for p in params}
+    seen = set()
+
+    def pack(t: torch.Tensor):
+        if t.data_ptr() not in skip and (t.data_ptr(), t.shape) not in seen:
+            seen.add((t.data_ptr(), t.shape))
+            counter[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def run_schedule(actions, modules, p2p: P2P, *, stage: int, num_stages: int, inputs, targets,
                  forward_s: float = 0.0, backward_s: float = 0.0) -> dict:
-    """Run ``actions`` (``("F", i)`` / ``("B", i)``) on this stage. ``inputs`` are the micro-batches on the
-    first stage, ``targets`` on the last. Returns the timeline, the micro-batch losses (last stage), the
-    peak number of stashed micro-batches and the p2p counts."""
-    first, last = stage == 0, stage == num_stages - 1
-    m = len(inputs) if first else len(targets) if last else len({i for _, i in actions})
-    stash: dict[int, tuple] = {}  # micro-batch -> (input, output or loss): kept alive for its backward
+    """Run ``actions`` (``("F", i)`` / ``("B", i)``, or ``("F", i, c)`` with chunks) on this rank.
+    ``modules`` is the stage's module, or one per chunk. ``inputs`` are the micro-batches (read by virtual
+    stage 0), ``targets`` too (read by the last). Returns the timeline, the micro-batch losses (last stage),
+    the peak number of stashed micro-batch-chunks, the peak bytes saved for backward and the p2p counts."""
+    modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    v = len(modules)
+    last_virtual = num_stages * v - 1
+    m = len({split_action(a)[1] for a in actions})
+    params = [q for mod in modules for q in mod.parameters()]
+    stash: dict[tuple, tuple] = {}  # (chunk, micro) -> (input, output or loss): kept alive for its backward
+    saved: dict[tuple, int] = {}  # (chunk, micro) -> bytes autograd saved in its forward
     received: dict[tuple, torch.Tensor] = {}
-    losses, timeline, peak = {}, [], 0
+    losses, timeline, peak, live_bytes, peak_bytes = {}, [], 0, 0, 0
     dist.barrier()
     t0 = time.perf_counter()
-    for kind, i in with_p2p(actions, num_stages, stage):
+    for action in with_p2p(actions, num_stages, stage, v):
+        kind, i, c = split_action(action)
+        vs = virtual_stage(stage, c, num_stages)
+        first, last = vs == 0, vs == last_virtual
+        # the message's name on its link: the boundary it crosses (the lower virtual stage of the two) and the
+        # micro-batch, the same on both sides (rank p-1's chunk 0 talks to rank 0's chunk 1)
+        lower = vs - 1 if kind in ("recv_forward", "send_backward") else vs
+        key = lower * m + i
         if kind == "recv_forward":
-            received[("x", i)] = p2p.recv_forward()  # [micro_batch, hidden], requires grad
+            received[("x", c, i)] = p2p.recv_forward(key)  # [micro_batch, hidden], requires grad
         elif kind == "recv_backward":
-            received[("g", i)] = p2p.recv_backward()  # [micro_batch, hidden]
+            received[("g", c, i)] = p2p.recv_backward(key)  # [micro_batch, hidden]
         elif kind == "send_forward":
-            p2p.send_forward(stash[i][1])
+            p2p.send_forward(stash[(c, i)][1], key)
         elif kind == "send_backward":
-            p2p.send_backward(stash.pop(i)[0].grad)
+            p2p.send_backward(stash.pop((c, i))[0].grad, key)
         elif kind == "F":
             start = time.perf_counter()
-            x = inputs[i] if first else received.pop(("x", i))
-            y = module(x)  # [micro_batch, hidden]
+            x = inputs[i] if first else received.pop(("x", c, i))
+            counter = [0]
+            with saved_bytes(params, counter):
+                y = modules[c](x)  # [micro_batch, hidden]
+                if last:
+                    y = loss_fn(y, targets[i]) / m  # Megatron divides each micro-batch's loss by m
             if last:
-                y = loss_fn(y, targets[i]) / m  # Megatron divides each micro-batch's loss by m
                 losses[i] = y.item() * m
-            stash[i] = (x, y)
-            peak = max(peak, len(stash))
-            pad_to(start, forward_s)
-            timeline.append({"kind": "F", "micro": i, "start": start - t0, "end": time.perf_counter() - t0})
+            stash[(c, i)], saved[(c, i)] = (x, y), counter[0]
+            live_bytes += counter[0]
+            peak, peak_bytes = max(peak, len(stash)), max(peak_bytes, live_bytes)
+            pad_to(start, forward_s / v)
+            timeline.append({"kind": "F", "micro": i, "chunk": c, "start": start - t0, "end": time.perf_counter() - t0})
         elif kind == "B":
             start = time.perf_counter()
-            x, y = stash[i]
+            x, y = stash[(c, i)]
             if last:
                 y.backward()
             else:
-                torch.autograd.backward(y, grad_tensors=received.pop(("g", i)))
+                torch.autograd.backward(y, grad_tensors=received.pop(("g", c, i)))
+            live_bytes -= saved.pop((c, i))  # backward has consumed (and freed) what this forward saved
             if first:
-                stash.pop(i)  # nothing to send back: free the stash here
-            pad_to(start, backward_s)
-            timeline.append({"kind": "B", "micro": i, "start": start - t0, "end": time.perf_counter() - t0})
+                stash.pop((c, i))  # nothing to send back: free the stash here
+            pad_to(start, backward_s / v)
+            timeline.append({"kind": "B", "micro": i, "chunk": c, "start": start - t0, "end": time.perf_counter() - t0})
     p2p.finish()
     if stash:  # every micro-batch's backward must have freed its activations
         raise RuntimeError(f"stage {stage} still holds micro-batches {sorted(stash)} after its schedule")
-    return {"timeline": timeline, "losses": [losses[i] for i in sorted(losses)], "peak_stash": peak, **p2p.stats()}
+    return {"timeline": timeline, "losses": [losses[i] for i in sorted(losses)], "peak_stash": peak,
+            "peak_saved_bytes": peak_bytes, **p2p.stats()}

@@ -17,8 +17,16 @@ import torch.distributed as dist
 FORWARD_TAG, BACKWARD_TAG = 0, 1  # two directions on one link: activations go up, gradients come down
 
 
+def tag(direction_tag: int, key: int) -> int:
+    """One tag per (direction, message): with model chunks a link carries several micro-batches' messages
+    in flight (rank p-1 also sends to rank 0, round the ring), and the tag says which is which."""
+    return 2 * key + direction_tag
+
+
 class P2P:
-    """This rank's links: ``prev_rank`` (None on the first stage) and ``next_rank`` (None on the last)."""
+    """This rank's links: ``prev_rank`` (None on the first stage) and ``next_rank`` (None on the last); with
+    model chunks they wrap round (rank 0's previous is rank p-1). ``key`` names the message on its link (the
+    executor passes chunk * m + micro; 0 is fine where messages on a link arrive in the order they are sent)."""
 
     def __init__(self, prev_rank: int | None, next_rank: int | None, shape: tuple, device: torch.device,
                  comm_device: torch.device, dtype=torch.float32):
@@ -39,18 +47,18 @@ class P2P:
         dist.irecv(buf, src=src, tag=tag).wait()
         return buf.to(self.device)
 
-    def send_forward(self, output: torch.Tensor) -> None:
-        self._send(output, self.next_rank, FORWARD_TAG, "forward")  # [micro_batch, hidden] to stage + 1
+    def send_forward(self, output: torch.Tensor, key: int = 0) -> None:
+        self._send(output, self.next_rank, tag(FORWARD_TAG, key), "forward")  # [micro_batch, hidden] to stage + 1
 
-    def recv_forward(self) -> torch.Tensor:
+    def recv_forward(self, key: int = 0) -> torch.Tensor:
         """The previous stage's output, as a leaf that requires grad: its .grad is what we send back."""
-        return self._recv(self.prev_rank, FORWARD_TAG).requires_grad_()  # [micro_batch, hidden]
+        return self._recv(self.prev_rank, tag(FORWARD_TAG, key)).requires_grad_()  # [micro_batch, hidden]
 
-    def send_backward(self, input_grad: torch.Tensor) -> None:
-        self._send(input_grad, self.prev_rank, BACKWARD_TAG, "backward")  # [micro_batch, hidden] to stage - 1
+    def send_backward(self, input_grad: torch.Tensor, key: int = 0) -> None:
+        self._send(input_grad, self.prev_rank, tag(BACKWARD_TAG, key), "backward")  # [micro_batch, hidden] to stage - 1
 
-    def recv_backward(self) -> torch.Tensor:
-        return self._recv(self.next_rank, BACKWARD_TAG)  # d loss / d output, [micro_batch, hidden]
+    def recv_backward(self, key: int = 0) -> torch.Tensor:
+        return self._recv(self.next_rank, tag(BACKWARD_TAG, key))  # d loss / d output, [micro_batch, hidden]
 
     def finish(self) -> None:
         for work, _ in self.pending:

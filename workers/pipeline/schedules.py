@@ -1,10 +1,11 @@
 """Pipeline schedules as data: for each rank, the ordered list of actions it runs in one optimizer step.
 
-An action is ``("F", i)`` (forward of micro-batch i on this stage) or ``("B", i)`` (its backward). The
-messages follow from the position of the stage: an F receives its input from the previous stage first
-(``recv_forward``) and sends its output on (``send_forward``); a B receives the output's gradient from the
-next stage (``recv_backward``) and sends the input's gradient back (``send_backward``). ``with_p2p`` spells
-those out, and the executor runs exactly that list.
+An action is ``("F", i)`` (forward of micro-batch i on this stage) or ``("B", i)`` (its backward); with
+model chunks (the interleaved schedule) it is ``("F", i, c)``: micro-batch i through this rank's chunk c.
+The messages follow from the position of the (virtual) stage: an F receives its input from the previous
+stage first (``recv_forward``) and sends its output on (``send_forward``); a B receives the output's
+gradient from the next stage (``recv_backward``) and sends the input's gradient back (``send_backward``).
+``with_p2p`` spells those out, and the executor runs exactly that list.
 
 * GPipe (Huang et al. 2019): all m forwards, then all m backwards. Every stage holds m micro-batches'
   activations at the turn.
@@ -12,12 +13,28 @@ those out, and the executor runs exactly that list.
   Clusters", section 2.2.1, Figure 4): stage s runs p - s - 1 warm-up forwards, then alternates one forward
   and one backward, then drains the remaining backwards. The same bubble as GPipe, but at most p - s
   micro-batches in flight (Megatron: ``forward_backward_pipelining_without_interleaving``).
+* Interleaved 1F1B (the same paper, section 2.2.2, Figure 4 bottom): each rank holds v model chunks, so the
+  model is cut into p * v virtual stages and chunk c of rank s is virtual stage c * p + s. Micro-batches go
+  round the ranks v times; each action is 1/v of a stage's work, so the warm-up and cool-down triangles,
+  and the bubble, shrink by v, for v times as many messages (Megatron:
+  ``forward_backward_pipelining_with_interleaving``).
 """
 from __future__ import annotations
 
-Action = tuple  # ("F", micro) | ("B", micro), or a p2p action from with_p2p
+Action = tuple  # ("F", micro) | ("B", micro) | ("F", micro, chunk) ..., or a p2p action from with_p2p
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def split_action(action: Action) -> tuple[str, int, int]:
+    """``(kind, micro, chunk)``; a pair is chunk 0 (one chunk per rank)."""
+    kind, micro, *rest = action
+    return kind, micro, rest[0] if rest else 0
+
+
+def num_chunks(schedules: list[list[Action]]) -> int:
+    """v: model chunks per rank, read off the actions (1 for GPipe and 1F1B)."""
+    return 1 + max((split_action(a)[2] for actions in schedules for a in actions), default=0)
 
 
 def gpipe_schedule(num_stages: int, micro_batches: int, stage: int) -> list[Action]:
@@ -41,68 +58,135 @@ def one_f_one_b_schedule(num_stages: int, micro_batches: int, stage: int) -> lis
     return actions
 
 
-def schedule(name: str, num_stages: int, micro_batches: int, stage: int) -> list[Action]:
+def interleaved_order(num_stages: int, micro_batches: int, chunks: int, forward: bool) -> list[tuple[int, int]]:
+    """The (micro, chunk) order a rank runs its m * v forwards (or backwards) in: micro-batches in groups of p,
+    each group through chunk 0, then chunk 1, ... (backwards: the last chunk first). Megatron's
+    ``get_model_chunk_id``; it is why m must be a multiple of p."""
+    p, v = num_stages, chunks
+    order = []
+    for k in range(micro_batches * v):
+        group, pos = divmod(k, p * v)  # the k-th action: which group of p micro-batches, where in its p * v
+        chunk = pos // p
+        order.append((group * p + pos % p, chunk if forward else v - 1 - chunk))
+    return order
+
+
+def num_warmup_interleaved(num_stages: int, micro_batches: int, stage: int, chunks: int) -> int:
+    """Megatron's warm-up for the interleaved schedule: (p - s - 1) * 2 + (v - 1) * p forwards (at most m v).
+
+    The (v - 1) * p lets the first group of micro-batches reach the last chunk; the 2 (p - s - 1), twice the
+    plain 1F1B warm-up, because a chunk's forward and backward are each half of a round trip to the last rank."""
+    return min((num_stages - stage - 1) * 2 + (chunks - 1) * num_stages, micro_batches * chunks)
+
+
+def interleaved_schedule(num_stages: int, micro_batches: int, stage: int, chunks: int = 2) -> list[Action]:
+    """Interleaved 1F1B with ``chunks`` (v) model chunks per rank: the 1F1B pattern over the m * v chunk-actions."""
+    if micro_batches % num_stages:
+        raise ValueError(f"micro_batches={micro_batches} is not a multiple of the {num_stages} stages: the "
+                         f"interleaved schedule sends micro-batches round in groups of p; choose a multiple of {num_stages}")
+    forwards = [("F", i, c) for i, c in interleaved_order(num_stages, micro_batches, chunks, forward=True)]
+    backwards = [("B", i, c) for i, c in interleaved_order(num_stages, micro_batches, chunks, forward=False)]
+    warmup = num_warmup_interleaved(num_stages, micro_batches, stage, chunks)
+    steady = len(forwards) - warmup
+    actions = forwards[:warmup]
+    for j in range(steady):
+        actions += [forwards[warmup + j], backwards[j]]
+    return actions + backwards[steady:]
+
+
+def schedule(name: str, num_stages: int, micro_batches: int, stage: int, chunks: int = 1) -> list[Action]:
     if name == "gpipe":
         return gpipe_schedule(num_stages, micro_batches, stage)
     if name == "1f1b":
         return one_f_one_b_schedule(num_stages, micro_batches, stage)
+    if name == "interleaved":
+        return interleaved_schedule(num_stages, micro_batches, stage, chunks)
     raise ValueError(f"schedule={name!r} is not known: choose one of {', '.join(SCHEDULES)}")
 
 
-def all_stages(name: str, num_stages: int, micro_batches: int) -> list[list[Action]]:
-    return [schedule(name, num_stages, micro_batches, s) for s in range(num_stages)]
+def all_stages(name: str, num_stages: int, micro_batches: int, chunks: int = 1) -> list[list[Action]]:
+    return [schedule(name, num_stages, micro_batches, s, chunks) for s in range(num_stages)]
 
 
-def with_p2p(actions: list[Action], num_stages: int, stage: int) -> list[Action]:
-    """The action list with its messages spelled out: recv before the compute that needs it, send after."""
-    first, last = stage == 0, stage == num_stages - 1
+def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
+    """Chunk c of rank s is virtual stage c * p + s: the model goes round the ranks once per chunk."""
+    return chunk * num_stages + stage
+
+
+def with_p2p(actions: list[Action], num_stages: int, stage: int, chunks: int = 1) -> list[Action]:
+    """The action list with its messages spelled out: recv before the compute that needs it, send after.
+    A p2p action carries the compute action's micro-batch (and chunk): ``("recv_forward", i[, c])``."""
+    last_virtual = num_stages * chunks - 1
     out = []
-    for kind, i in actions:
+    for action in actions:
+        kind, _, c = split_action(action)
+        where = action[1:]
+        vs = virtual_stage(stage, c, num_stages)
+        first, last = vs == 0, vs == last_virtual
         if kind == "F":
-            out += ([] if first else [("recv_forward", i)]) + [("F", i)] + ([] if last else [("send_forward", i)])
+            out += ([] if first else [("recv_forward", *where)]) + [action] + ([] if last else [("send_forward", *where)])
         else:
-            out += ([] if last else [("recv_backward", i)]) + [("B", i)] + ([] if first else [("send_backward", i)])
+            out += ([] if last else [("recv_backward", *where)]) + [action] + ([] if first else [("send_backward", *where)])
     return out
 
 
 def peak_stash(actions: list[Action]) -> int:
-    """Most micro-batches whose forward ran and whose backward has not: activations kept for backward."""
+    """Most (micro-batch, chunk) forwards whose backward has not run: activations kept for backward."""
     live = peak = 0
-    for kind, _ in actions:
-        live += 1 if kind == "F" else -1 if kind == "B" else 0
+    for action in actions:
+        live += 1 if action[0] == "F" else -1 if action[0] == "B" else 0
         peak = max(peak, live)
     return peak
 
 
-def check_stage(actions, micro_batches: int, stage: int) -> str | None:
-    """One sentence if one stage's list is malformed: not F/B pairs, a micro-batch missing or repeated, B before F."""
+def _name(kind: str, i: int, c: int, chunks: int) -> str:
+    return f"{kind}({i})" if chunks == 1 else f"{kind}({i}, chunk {c})"
+
+
+def check_stage(actions, micro_batches: int, stage: int, chunks: int = 1) -> str | None:
+    """One sentence if one stage's list is malformed: not F/B actions, a micro-batch (or chunk) missing or
+    repeated, B before F."""
     try:
-        pairs = [(str(k), int(i)) for k, i in actions]
-    except (TypeError, ValueError):
+        triples = [split_action((str(a[0]), *(int(x) for x in a[1:]))) for a in actions]
+        if any(len(a) not in (2, 3) for a in actions):
+            raise ValueError
+    except (TypeError, ValueError, IndexError):
         return f"stage {stage}: every action must be a pair like ('F', 0) or ('B', 0), got {actions!r:.80}"
     seen_f, seen_b = [], []
-    for kind, i in pairs:
-        if kind not in ("F", "B") or not 0 <= i < micro_batches:
-            return f"stage {stage}: {(kind, i)} is not an action: use ('F', i) or ('B', i) with 0 <= i < {micro_batches}"
-        if kind == "B" and i not in seen_f:
-            return f"stage {stage}: B({i}) comes before F({i}): a backward needs the activations its forward stored"
-        (seen_f if kind == "F" else seen_b).append(i)
+    for kind, i, c in triples:
+        if kind not in ("F", "B") or not 0 <= i < micro_batches or not 0 <= c < chunks:
+            return (f"stage {stage}: {(kind, i) if chunks == 1 else (kind, i, c)} is not an action: use ('F', i) or "
+                    f"('B', i) with 0 <= i < {micro_batches}" + ("" if chunks == 1 else f" and a chunk below {chunks}"))
+        if kind == "B" and (i, c) not in seen_f:
+            return (f"stage {stage}: {_name('B', i, c, chunks)} comes before {_name('F', i, c, chunks)}: a backward "
+                    "needs the activations its forward stored")
+        (seen_f if kind == "F" else seen_b).append((i, c))
+    want = sorted((i, c) for i in range(micro_batches) for c in range(chunks))
     for name, seen in (("F", seen_f), ("B", seen_b)):
-        if sorted(seen) != list(range(micro_batches)):
-            return (f"stage {stage}: the {name} actions cover micro-batches {sorted(seen)}; each of the "
-                    f"{micro_batches} micro-batches needs exactly one {name}")
+        if sorted(seen) != want:
+            if chunks == 1:
+                return (f"stage {stage}: the {name} actions cover micro-batches {sorted(i for i, _ in seen)}; each "
+                        f"of the {micro_batches} micro-batches needs exactly one {name}")
+            return (f"stage {stage}: the {name} actions cover (micro-batch, chunk) {sorted(seen)}; each of the "
+                    f"{micro_batches} micro-batches needs exactly one {name} per chunk")
     return None
 
 
-def simulate(schedules: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0) -> dict:
-    """Run the ranks' lists in ideal time (no communication cost) respecting the dependencies across stages:
-    F(i) on stage s after F(i) on s - 1, B(i) on s after B(i) on s + 1. Each rank runs its list in order.
+def simulate(schedules: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0,
+             message_time: float = 0.0) -> dict:
+    """Run the ranks' lists in ideal time (no communication cost) respecting the dependencies across
+    (virtual) stages: F(i) on stage s after F(i) on s - 1, B(i) on s after B(i) on s + 1. Each rank runs its
+    list in order. ``forward_time`` / ``backward_time`` are one micro-batch through a rank's whole share of
+    the model; with v chunks per rank an action is one chunk, 1/v of that. ``message_time`` delays every
+    dependency that crosses ranks (a message's latency): interleaving sends v times as many.
 
-    Returns ``{"timeline": [[(kind, i, start, end), ...] per rank], "makespan", "deadlock"}``; ``deadlock`` is
-    None or one sentence naming the ranks that wait on each other.
+    Returns ``{"timeline": [[{"kind", "micro", "chunk", "start", "end"}, ...] per rank], "makespan",
+    "deadlock"}`` (the executor's timeline format); ``deadlock`` is None or one sentence naming the ranks
+    that wait on each other.
     """
-    p = len(schedules)
-    done: dict[tuple, float] = {}  # (stage, kind, i) -> end time
+    p, v = len(schedules), num_chunks(schedules)
+    last = p * v - 1
+    done: dict[tuple, float] = {}  # (virtual stage, kind, i) -> end time
     pos, clock = [0] * p, [0.0] * p
     timeline = [[] for _ in range(p)]
     progressed = True
@@ -110,18 +194,19 @@ def simulate(schedules: list[list[Action]], forward_time: float = 1.0, backward_
         progressed = False
         for s in range(p):
             while pos[s] < len(schedules[s]):
-                kind, i = schedules[s][pos[s]]
-                dep = (s - 1, "F", i) if kind == "F" else (s + 1, "B", i)
-                if kind == "F" and s == 0 or kind == "B" and s == p - 1:
-                    ready = 0.0 if kind == "F" else done.get((s, "F", i), 0.0)
-                elif dep in done:
-                    ready = done[dep]
-                else:
+                kind, i, c = split_action(schedules[s][pos[s]])
+                vs = virtual_stage(s, c, p)
+                if kind == "F":
+                    dep = None if vs == 0 else (vs - 1, "F", i)
+                else:  # the last virtual stage's backward needs its own forward; the others the next stage's B
+                    dep = (vs, "F", i) if vs == last else (vs + 1, "B", i)
+                if dep is not None and dep not in done:
                     break
-                start = max(clock[s], ready)
-                end = start + (forward_time if kind == "F" else backward_time)
-                timeline[s].append((kind, i, start, end))
-                done[(s, kind, i)] = clock[s] = end
+                crosses = dep is not None and dep[0] % p != s  # virtual stage d lives on rank d % p
+                start = max(clock[s], done[dep] + (message_time if crosses else 0.0) if dep else 0.0)
+                end = start + (forward_time if kind == "F" else backward_time) / v
+                timeline[s].append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": end})
+                done[(vs, kind, i)] = clock[s] = end
                 pos[s] += 1
                 progressed = True
     stuck = [s for s in range(p) if pos[s] < len(schedules[s])]
@@ -134,16 +219,23 @@ def simulate(schedules: list[list[Action]], forward_time: float = 1.0, backward_
 
 def validate(schedules: list[list[Action]], micro_batches: int) -> str | None:
     """None if every stage's list is well formed and the whole pipeline can run to the end; else one sentence."""
+    try:  # v from the actions themselves: a stage that leaves out a chunk is then missing actions
+        chunks = num_chunks(schedules)
+    except (TypeError, ValueError):
+        chunks = 1  # malformed actions: check_stage names them
     for s, actions in enumerate(schedules):
-        problem = check_stage(actions, micro_batches, s)
+        problem = check_stage(actions, micro_batches, s, chunks)
         if problem:
             return problem
-    return simulate([[(str(k), int(i)) for k, i in a] for a in schedules])["deadlock"]
+    return simulate([[(str(a[0]), *(int(x) for x in a[1:])) for a in actions] for actions in schedules])["deadlock"]
 
 
-def ideal_bubble(schedules: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0) -> float:
-    """Idle share of the step (idle / total) per rank in ideal time: (p-1)/(m+p-1) for GPipe and 1F1B."""
-    p = len(schedules)
-    sim = simulate(schedules, forward_time, backward_time)
-    busy = sum(e - s for _, _, s, e in sim["timeline"][0])
-    return 1 - busy / sim["makespan"] if p else 0.0
+def ideal_bubble(schedules: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0,
+                 message_time: float = 0.0) -> float:
+    """Idle share of the step (idle / total) per rank in ideal time: (p-1)/(m+p-1) for GPipe and 1F1B,
+    (p-1)/(v m + p-1) for the interleaved schedule (free messages; ``message_time`` > 0 adds their latency)."""
+    if not schedules:
+        return 0.0
+    sim = simulate(schedules, forward_time, backward_time, message_time)
+    busy = sum(e["end"] - e["start"] for e in sim["timeline"][0])
+    return 1 - busy / sim["makespan"]
