@@ -200,3 +200,39 @@ def format_table(rows: list[NcclTestsRow], *, comments: tuple[str, ...] = ()) ->
 def decimals(token: str) -> int:
     """Digits after the point in a printed number: the table's rounding is half a unit of the last one."""
     return len(token.split(".")[1]) if "." in token else 0
+
+
+def parse_tuning_table(text: str) -> dict[str, dict[str, tuple[float, float]]]:
+    """Read the table NCCL prints with ``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING`` (NCCL 2.19 and later).
+
+    Returns ``{collective: {"Algorithm/Protocol": (latency us, algbw GB/s)}}`` from lines such as::
+
+        ... NCCL INFO   Algorithm   |        Tree        |        Ring        | ...
+        ... NCCL INFO   Protocol    |  LL | LL128 | Simple |  LL | LL128 | Simple | ...
+        ... NCCL INFO     AllReduce | 16.8/ 0.5 | 31.0/ 0.0 | 36.4/ 1.9 | 16.6/ 1.2 | ...
+
+    The table comes in blocks of three algorithms; each ``Algorithm`` line starts a block. These are the numbers
+    NCCL's cost model (``src/graph/tuning.cc``) computed for this communicator, not measurements.
+    """
+    table: dict[str, dict[str, tuple[float, float]]] = {}
+    columns: list[str] = []
+    algorithms: list[str] = []
+    for line in text.splitlines():
+        body = line.split("NCCL INFO", 1)[1] if "NCCL INFO" in line else line
+        if "|" not in body:
+            continue
+        name, *cells = [c.strip() for c in body.split("|")]
+        cells = [c for c in cells if c]
+        if name == "Algorithm":
+            algorithms = cells
+        elif name == "Protocol":
+            per_algo = len(cells) // max(len(algorithms), 1)
+            columns = [f"{a}/{q}" for i, a in enumerate(algorithms) for q in cells[i * per_algo:(i + 1) * per_algo]]
+        elif columns and cells and all("/" in c for c in cells):
+            row = table.setdefault(name, {})
+            for col, cell in zip(columns, cells):
+                lat, bw = (float(v) for v in cell.split("/"))
+                row[col] = (lat, bw)
+    if not table:
+        raise NcclTestsParseError("no NCCL tuning table found: run with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING")
+    return table

@@ -122,3 +122,14 @@ def test_published_8xh200_sweep_busbw_over_algbw_is_the_ledger_factor():
     rows, _ = load_published()
     for r in rows:
         assert r["busbw"] / r["algbw"] == pytest.approx(bus_bandwidth_factor("all_reduce", 8), abs=0.02)
+
+
+def test_tuning_table_is_read_per_collective_and_algorithm():
+    # A real NCCL 2.29.7 TUNING printout (see the fixture's header): nine columns, Algorithm/Protocol, per collective.
+    table = nccl_tests.parse_tuning_table((DATA / "nccl_2_29_7_tuning_2nodes_1gpu.txt").read_text())
+    assert set(table) == {"Broadcast", "Reduce", "AllGather", "ReduceScatter", "AllReduce"}  # not "Max NThreads"
+    assert list(table["AllReduce"])[:4] == ["Tree/LL", "Tree/LL128", "Tree/Simple", "Ring/LL"]
+    assert table["AllReduce"]["Tree/Simple"] == (36.4, 1.9) and table["Broadcast"]["Ring/Simple"] == (22.4, 2.4)
+    assert table["AllGather"]["CollNetDirect/Simple"] == (14.0, 0.0)
+    with pytest.raises(nccl_tests.NcclTestsParseError, match="NCCL_DEBUG_SUBSYS=TUNING"):
+        nccl_tests.parse_tuning_table("# nothing here\n")

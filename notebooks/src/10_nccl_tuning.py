@@ -7,7 +7,8 @@
 # nodes, why hash collisions in the fabric cost bandwidth, and the order in which to triage a slow 32-node job.
 #
 # **Honest labelling.** This machine has no GPU and no fabric. Every multi-node number below is either
-# *published* (a real run, with its source) or *modelled* (an alpha-beta formula with stated parameters);
+# *published* (a real run, with its source) or *modelled* (NCCL's own cost model with its published constants,
+# an alpha-beta formula, or a simulation, each with its assumptions stated);
 # the only measurement is this machine's CPU ranks talking through gloo, and it is labelled so.
 
 # %%
@@ -137,36 +138,113 @@ def fix_nccl_env(env):
 check("fix_nccl_env", fix_nccl_env)
 
 # %% [markdown]
-# ## 4. Ring vs tree at 32 and 1024 nodes (modelled)
+# ## 4. Ring vs tree at 32 and 1024 nodes (NCCL's own model)
 #
 # A ring all-reduce over N ranks takes 2(N−1) sequential steps, so its latency grows linearly with N; NCCL 2.4
-# added double binary trees (NVIDIA developer blog, "Massively Scale Your Deep Learning Training with NCCL
-# 2.4"), whose latency grows with log2 of the node count. The ring's bandwidth term is slightly better.
-# `course_utils.collective_models` states its parameters (all assumptions, not measurements):
+# added double binary trees (NVIDIA developer blog, "Massively Scale Your Deep Learning Training with NCCL 2.4"):
+# a reduce up a tree of nodes and a broadcast down, whose latency grows with log2 of the node count. Which one
+# NCCL runs is decided, call by call, by a cost model written in its source, `src/graph/tuning.cc`:
+# time = latency + S / bandwidth for every algorithm (Ring, Tree, ...) and protocol (LL, LL128, Simple), with
+# latencies and bandwidth factors that NVIDIA publishes as constants in that file.
+#
+# `course_utils.collective_models` re-implements that model for Ring and Tree all-reduce and takes every constant
+# from a published `tuning.cc`: **NCCL 2.28.3** (the default; `ncclTunerConstantsDefaults`, read from a copy of the
+# 2.28.3-1 source, `zhanglin496/nccl-2.28.3-1` at commit `850a18f`) and **NCCL 2.20.3** (`NVIDIA/nccl` at commit
+# `b647562`). What is *not* in NCCL's source is the machine, so `ModelParams` states it as assumptions: 8 GPUs and
+# 8 × 400 Gb/s NICs per node, NVLink bus bandwidth 450 GB/s (chapter 01's published sweep), 16 channels, an Intel
+# host CPU (NCCL charges 1 µs of network overhead per ring step on Intel, 2 µs on AMD, ×3 for Simple), and a
+# balanced tree.
 
 # %%
 print(cm.ModelParams())
+for c in (cm.NCCL_2_28_3, cm.NCCL_2_20_3):
+    print(f"\nNCCL {c.version}: {c.source}")
+    print(ch01.text_table(cm.constants_table(c)))
+
+# %% [markdown]
+# **Is the re-implementation NCCL's model?** NCCL prints its model's numbers with
+# `NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING`. Here is a table a real NCCL 2.29.7 printed for 2 ranks on 2 "nodes"
+# of one GPU each (a public log, `eunomia-bpf/nccl-eBPF`; the tests keep a copy), read by
+# `course_utils.nccl_tests.parse_tuning_table`, next to the model with each set of constants:
+
+# %%
+from pathlib import Path
+
+log = Path(cm.__file__).resolve().parents[1] / "tests" / "data" / "nccl_2_29_7_tuning_2nodes_1gpu.txt"
+printed = nccl_tests.parse_tuning_table(log.read_text())["AllReduce"]
+new, old = (cm.tuning_table(2, cm.ModelParams(gpus_per_node=1, nccl=c)) for c in (cm.NCCL_2_28_3, cm.NCCL_2_20_3))
+print(ch01.text_table([[col, f"{printed[col][0]:.1f}", f"{new[col][0]:.1f}", f"{old[col][0]:.1f}"] for col in new],
+                      ["AllReduce", "NCCL 2.29.7 printed (us)", "model, 2.28.3 constants", "model, 2.20.3 constants"]))
+
+# %% [markdown]
+# The 2.28.3 constants give all six latencies to the printed 0.1 µs; the 2.20.3 ones do not (their Tree/Simple
+# latency is 0 + 2 × 28 µs): the constants moved between releases, so a model's latencies belong to one release
+# (the sensitivity table below also prints the crossovers under 2.20.3). Now 8 GPUs per node, scaled out (the last
+# three columns are what the model would pick, algorithm/protocol, for a 1 MiB, 64 MiB and 1 GiB all-reduce):
+
+# %%
 print(ch01.text_table(cm.scaling_table()))
 
 # %% [markdown]
 # **Predict** before the figure: at 1024 nodes (8192 GPUs), how many milliseconds does the ring's latency alone
-# cost per all-reduce, and does that matter for a 64 MB gradient bucket?
+# cost per all-reduce (the table's LL column is its *smallest* latency), and does that matter for a 64 MB
+# gradient bucket?
 
 # %% tags=["nbval-ignore-output"]
-sizes = np.geomspace(2**10, 2**34, 49)
+sizes = np.geomspace(2**10, 2**36, 53)
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
 for ax, nodes in zip(axes, (32, 1024)):
     for algo in ("ring", "tree"):
-        ax.plot(sizes, [cm.busbw(algo, s, nodes) / 1e9 for s in sizes], label=algo)
+        ax.plot(sizes, [cm.busbw(algo, int(s), nodes) / 1e9 for s in sizes], label=f"{algo} (best protocol)")
     cross = cm.crossover_bytes(nodes)
-    if cross:
+    if cross and cross <= sizes[-1]:
         ax.axvline(cross, color="grey", ls=":", label="crossover")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size S (bytes)")
-    ax.set_title(f"MODELLED: {nodes} nodes x 8 GPUs", fontsize=9)
+    ax.set_title(f"MODELLED (NCCL {cm.ModelParams().nccl.version} constants): {nodes} nodes x 8 GPUs", fontsize=9)
     ax.legend(fontsize=8)
 axes[0].set_ylabel("modelled busbw (GB/s)")
 plots.savefig(fig, "10_ring_vs_tree_model");
+
+# %% [markdown]
+# ### What is still assumed, and how much it matters
+#
+# The crossover is where the ring's per-byte advantage pays back its extra latency. Both latencies are NCCL's
+# published constants; the per-byte advantage comes from the tree's bus bandwidth relative to the ring's, and that
+# ratio is where published sources disagree. NCCL's model uses **0.92** (and 0.92 × 0.85 ≈ 0.78 when its topology
+# search settles on a plain TREE pattern instead of a balanced one); one published measurement, NVIDIA/nccl issue
+# 1368 (5 nodes of 8 H100, 4 × 400 Gb/s RoCE, NCCL 2.20), reports 150 GB/s for the tree against 190 GB/s for the
+# ring: **0.79**. The model also **assumes** the tree's graph gets the ring's bandwidth, and leaves out NCCL's 2-node
+# special case (there the tree can exceed the NIC limit by putting more traffic on NVLink, NVIDIA/nccl issue 946,
+# so the table's 2-node row is the least trustworthy) and the NVLS/NVLSTree algorithms of NVSwitch nodes. The
+# crossover against that one ratio, everything else fixed:
+
+# %%
+ratios = [0.75, *sorted(cm.TREE_RING_RATIOS.values()), 0.92, 0.96, 0.99]
+ratios = sorted(set(round(r, 3) for r in ratios))
+rows = cm.crossover_sensitivity(ratios, nodes_list=(32, 1024))
+cell = lambda s: "tree up to 1 TiB" if s is None else cm.human_bytes(s)  # noqa: E731
+print(ch01.text_table([[r["tree/ring ratio"], cell(r[32]), cell(r[1024])] for r in rows],
+                      ["tree/ring bandwidth ratio", "crossover, 32 nodes", "crossover, 1024 nodes"]))
+for name, ratio in cm.TREE_RING_RATIOS.items():
+    print(f"{ratio:.3f}  {name}")
+print("\nsame model, NCCL 2.20.3 constants:",
+      {n: cm.human_bytes(cm.crossover_bytes(n, cm.ModelParams(nccl=cm.NCCL_2_20_3))) for n in (32, 1024)})
+
+# %% tags=["nbval-ignore-output"]
+grid = np.linspace(0.72, 0.99, 28)
+fig, ax = plt.subplots()
+for nodes in (32, 1024):
+    cross = [cm.crossover_bytes(nodes, cm.with_tree_bw_factor(float(f))) for f in grid]
+    ax.plot([f for f, c in zip(grid, cross) if c], [c for c in cross if c], "o-", ms=3, label=f"{nodes} nodes")
+for (name, ratio), ls in zip(cm.TREE_RING_RATIOS.items(), ("-", "--", ":")):
+    ax.axvline(ratio, color="grey", ls=ls, lw=1, label=name.split(":")[0])
+ax.set_yscale("log", base=2)
+ax.set_xlabel("tree/ring bus-bandwidth ratio (the model's one disputed input)")
+ax.set_ylabel("crossover: ring wins from (bytes)")
+ax.set_title("MODELLED: sensitivity of the ring/tree crossover", fontsize=9)
+ax.legend(fontsize=7)
+plots.savefig(fig, "10_crossover_sensitivity");
 
 # %% [markdown]
 # ### Exercise 2: the ring's time
@@ -182,7 +260,7 @@ def ring_allreduce_time(n, size_bytes, alpha, bandwidth):
 check("ring_allreduce_time", ring_allreduce_time)
 
 # %% [markdown]
-# Explore: nodes (as a power of two) and message size; the model prints both times and the winner.
+# Explore: nodes (as a power of two) and message size; the model prints both times and what NCCL's model would pick.
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W
@@ -198,8 +276,9 @@ def show_model(change=None):
     out.clear_output()
     with out:
         r, t = cm.allreduce_time("ring", size, nodes), cm.allreduce_time("tree", size, nodes)
+        algo, proto = cm.nccl_choice(size, nodes)
         print(f"MODELLED {nodes} nodes, {size} bytes: ring {r * 1e3:.3f} ms, tree {t * 1e3:.3f} ms -> "
-              f"{cm.winner(size, nodes)}")
+              f"{algo}/{proto}")
 
 
 for w in (nodes_exp, size_exp):
@@ -265,6 +344,8 @@ print(runbook.render())
 # ## Summary
 # - busbw = algbw × 2(n−1)/n for all-reduce: compare it with the link, not algbw.
 # - Keep system configuration in scripts; remove debug variables (NCCL_DEBUG=INFO, forced NCCL_ALGO/PROTO) after use.
-# - Ring latency grows with N, tree latency with log2(nodes): at 1024 nodes the tree wins every practical size (modelled).
+# - Ring latency grows with N, tree latency with log2(nodes): in NCCL's own cost model (its published constants) the
+#   tree wins every practical gradient bucket at 1024 nodes; where the ring takes over hangs on the tree/ring
+#   bandwidth ratio, which NCCL puts at 0.92 and one published measurement at 0.79.
 # - ECMP hashing leaves the busiest uplink with several flows; more QPs even the load, slowly (simulated).
 # - Triage from one node outwards; change NCCL settings last, and only after a measurement.
