@@ -98,3 +98,33 @@ def draw_grpo(runs: dict[str, list[dict]]):
     axes[0].legend(fontsize=8)
     fig.suptitle(f"GRPO on the toy task ({CPU_NOTE})", y=1.03, fontsize=9)
     return fig
+
+
+STATE_PARTS = (("frozen_weight_bytes", "frozen weights", "0.35"), ("trained_weight_bytes", "trained weights", "#e8a33d"),
+               ("grad_bytes", "gradients", "#3b75af"), ("optimizer_bytes", "AdamW state (m, v, step)", "crimson"))
+
+
+def draw_full_vs_lora(runs: dict[str, dict]):
+    """``runs``: label -> a ``workers.ch12_sft`` result. Left: answer-token loss per step. Right: the model
+    states each run held after its last step, as counted on the rank (``state_bytes``), stacked, in kB."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.3), gridspec_kw={"width_ratios": [1.6, 1]})
+    colours = ("0.45", "#3b75af", "#e8a33d", "#2a9d5b")
+    for (label, res), colour in zip(runs.items(), colours):
+        hist = res["history"]
+        axes[0].plot(column(hist, "step"), column(hist, "answer_loss"), color=colour, lw=1.1, label=label)
+    axes[0].set_title("loss on answer tokens (same data, same steps)")
+    axes[0].set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    labels = list(runs)
+    bottom = np.zeros(len(labels))
+    for key, name, colour in STATE_PARTS:
+        vals = np.array([runs[label]["state_bytes"][key] / 1e3 for label in labels])
+        axes[1].bar(labels, vals, bottom=bottom, color=colour, label=name)
+        bottom += vals
+    for i, total in enumerate(bottom):
+        axes[1].text(i, total, f"{total:.0f} kB", ha="center", va="bottom", fontsize=8)
+    axes[1].set_title("model states held, counted on the rank")
+    axes[1].set_ylabel("kB (1e3 bytes)")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the bars, not on them
+    fig.suptitle(f"Full fine-tuning vs LoRA on the tiny GPT (world 1; {CPU_NOTE})", y=1.03, fontsize=9)
+    return fig

@@ -12,13 +12,16 @@ Sources, cited again next to each number:
   64 weights adds 32/64 = 0.5 bits per weight; Double Quantization (8-bit constants, one fp32 constant per
   256 of them) brings that to 8/64 + 32/(64*256) = 0.127 bits. Abstract: 65B finetuning "on a single 48GB
   GPU"; "from >780GB of GPU memory to <48GB".
+- Precision is one assumption, ``BytesPerParam``: ``MIXED_BF16`` for the 7B/70B rows; ``FP32_ADAM`` (4 + 4 + 8
+  bytes, the fp32 weight being its own master copy) for the chapter's toy, whose ranks count the real tensors
+  (``workers/posttrain/state.py``) so that ``against_measured`` can check the ledger against them.
 - Shapes: ``course_utils.planner.MODEL_SHAPES`` (Llama 2 7B, Llama 3 70B, GPT-3 175B); LLaMA 65B is
   Touvron et al. 2023 ("LLaMA", Table 2: dimension 8192, 64 heads, 80 layers), ffn 22016 and vocabulary
   32,000 from the released configuration.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from course_utils.ledger import GB, model_state_bytes
 from course_utils.planner import ModelShape, model_shape
@@ -74,6 +77,36 @@ class FinetuneMemory:
         return {k: getattr(self, k) / GB for k in ("base_weights", "adapter_weights", "grads", "optimizer", "total")}
 
 
+@dataclass(frozen=True)
+class BytesPerParam:
+    """The ledger's whole assumption about precision: bytes per parameter, by role."""
+
+    weight: float  # a trained weight, as forward and backward read it
+    grad: float
+    optimizer: float  # Adam's m and v (4 + 4 in fp32), plus a fp32 master copy (4) when weights are 16-bit
+    frozen: float  # a frozen base weight: it has no gradient and no optimizer state at all
+
+
+MIXED_BF16 = BytesPerParam(weight=2, grad=2, optimizer=12, frozen=BF16_BYTES)  # ZeRO sec. 3.1; bf16 LoRA base
+# Plain fp32 AdamW (the toy): the fp32 weight is its own master copy, so Adam adds only m and v
+FP32_ADAM = BytesPerParam(weight=4, grad=4, optimizer=8, frozen=4)
+
+
+def memory_from_counts(method: str, trainable: int, frozen: int = 0, per: BytesPerParam = MIXED_BF16) -> FinetuneMemory:
+    """Model-state bytes of ``trainable`` parameters trained with Adam next to ``frozen`` ones, at ``per``
+    bytes each. For "full" the trained parameters are the model (``base_weights``); for LoRA / QLoRA they are
+    the adapters and ``frozen`` is the base."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}")
+    if method == "full" and frozen:
+        raise ValueError(f"full fine-tuning freezes nothing: frozen={frozen} must be 0")
+    s = model_state_bytes(trainable, weight_bytes=per.weight, grad_bytes=per.grad,
+                          optimizer_bytes_per_param=per.optimizer)
+    if method == "full":
+        return FinetuneMemory("full", s.params, 0.0, s.grads, s.optimizer, trainable)
+    return FinetuneMemory(method, frozen * per.frozen, s.params, s.grads, s.optimizer, trainable)
+
+
 def finetune_memory(shape: ModelShape | str, method: str, r: int = 16, targets=ALL_LINEAR) -> FinetuneMemory:
     """Model-state bytes on one GPU (no sharding; activations not counted: they depend on batch and sequence).
 
@@ -86,12 +119,37 @@ def finetune_memory(shape: ModelShape | str, method: str, r: int = 16, targets=A
     shape = model_shape(shape)
     n = shape.n_params
     if method == "full":
-        s = model_state_bytes(n)
-        return FinetuneMemory("full", s.params, 0.0, s.grads, s.optimizer, n)
-    adapters = lora_params(shape, r, targets)
-    s = model_state_bytes(adapters)  # the adapters train with mixed-precision Adam like any parameter
-    base = n * (BF16_BYTES if method == "lora" else nf4_bits_per_param() / 8)
-    return FinetuneMemory(method, base, s.params, s.grads, s.optimizer, adapters)
+        return memory_from_counts("full", n)
+    adapters = lora_params(shape, r, targets)  # the adapters train with mixed-precision Adam like any parameter
+    per = MIXED_BF16 if method == "lora" else replace(MIXED_BF16, frozen=nf4_bits_per_param() / 8)
+    return memory_from_counts(method, adapters, n, per)
+
+
+# -- the chapter's tiny GPT (``workers/gpt``), so that the ledger can be checked against what a rank holds --
+
+def toy_matrices(d_model: int, vocab: int) -> dict[str, tuple[int, int]]:
+    """(d_out, k_in) of each nn.Linear of the tiny GPT: fused qkv, proj, the GELU MLP's fc and out (per
+    layer), and the untied LM head (once)."""
+    d = d_model
+    return {"qkv": (3 * d, d), "proj": (d, d), "fc": (4 * d, d), "out": (d, 4 * d), "head": (vocab, d)}
+
+
+def toy_params(d_model: int, layers: int, vocab: int, seq: int) -> int:
+    """Every parameter of the tiny GPT. Unlike ``ModelShape.n_params`` it counts biases, LayerNorm biases
+    and the learned position table, which a 7B model's count can ignore and a 58k-parameter one cannot."""
+    d = d_model
+    linears = sum(dd * kk + dd for name, (dd, kk) in toy_matrices(d, vocab).items() if name != "head")  # W + bias
+    per_layer = linears + 2 * 2 * d  # + two LayerNorms, each a gain and a bias
+    return vocab * d + seq * d + layers * per_layer + 2 * d + vocab * d  # embed, pos, blocks, ln_f, head (no bias)
+
+
+def toy_lora_params(d_model: int, layers: int, vocab: int, r: int, targets) -> int:
+    """Trainable LoRA numbers on the tiny GPT: r (d + k) per adapted matrix, per layer except the head."""
+    mats = toy_matrices(d_model, vocab)
+    missing = [t for t in targets if t not in mats]
+    if missing:
+        raise ValueError(f"the tiny GPT has no Linear {missing}: choose from {', '.join(mats)}")
+    return sum(r * sum(mats[t]) * (1 if t == "head" else layers) for t in targets)
 
 
 def ledger_table(shapes=("7B", "70B"), r: int = 16, targets=ALL_LINEAR) -> list[dict]:
@@ -111,4 +169,29 @@ def render_ledger(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['model']:<14}{r['method']:<8}{r['trainable']:>14,.0f}{r['base_weights']:>10.1f}"
                      f"{r['adapter_weights']:>9.2f}{r['grads']:>9.1f}{r['optimizer']:>9.1f}{r['total']:>10.1f}")
+    return "\n".join(lines)
+
+
+def against_measured(memory: FinetuneMemory, state: dict) -> list[tuple[str, int, float]]:
+    """(quantity, counted on the rank, ledger) for each part the ledger prices. ``state`` is a
+    ``workers.posttrain.state.measured_state_bytes`` dict. Adam's ``step`` counters are left out: the ledger
+    counts bytes per parameter, and they are 4 bytes per parameter *tensor*."""
+    full = memory.method == "full"
+    return [
+        ("trainable parameters", state["trainable_params"], memory.trainable),
+        ("trained weights, bytes", state["trained_weight_bytes"], memory.base_weights if full else memory.adapter_weights),
+        ("frozen weights, bytes", state["frozen_weight_bytes"], 0.0 if full else memory.base_weights),
+        ("gradients, bytes", state["grad_bytes"], memory.grads),
+        ("Adam m + v, bytes", state["optimizer_moment_bytes"], memory.optimizer),
+    ]
+
+
+def render_against_measured(checks: dict[str, list[tuple[str, int, float]]]) -> str:
+    """``checks``: label -> ``against_measured`` rows; one pair of columns (rank, ledger) per label."""
+    labels = list(checks)
+    head = f"{'':<24}" + "".join(f"{label + ': rank':>18}{'ledger':>10}" for label in labels)
+    lines = [head, "-" * len(head)]
+    for i, (quantity, _, _) in enumerate(checks[labels[0]]):
+        lines.append(f"{quantity:<24}" + "".join(f"{checks[label][i][1]:>18,}{checks[label][i][2]:>10,.0f}"
+                                                 for label in labels))
     return "\n".join(lines)

@@ -33,3 +33,22 @@ def test_training_curves_have_their_panels():
         assert len(fig.axes) == n_axes
         assert all(ax.lines for ax in fig.axes)
         plt.close(fig)
+
+
+def test_full_vs_lora_bars_stack_to_the_measured_bytes():
+    def result(frozen, trained, loss0):
+        state = {"frozen_weight_bytes": frozen, "trained_weight_bytes": trained, "grad_bytes": trained,
+                 "optimizer_bytes": 2 * trained + 4}
+        return {"history": [{"step": i, "answer_loss": loss0 - i / 10} for i in range(5)], "state_bytes": state}
+
+    runs = {"full": result(0, 1000, 2.5), "LoRA": result(1000, 100, 2.5)}
+    fig = ch12.draw_full_vs_lora(runs)
+    loss_ax, bytes_ax = fig.axes
+    assert len(loss_ax.lines) == 2
+    tops = {}
+    for patch in bytes_ax.patches:
+        x = round(patch.get_x() + patch.get_width() / 2)
+        tops[x] = max(tops.get(x, 0.0), patch.get_y() + patch.get_height())
+    # in kB: full 0 + 1000 + 1000 + 2004 bytes, LoRA 1000 + 100 + 100 + 204 bytes
+    assert [tops[0], tops[1]] == pytest.approx([4.004, 1.404])
+    plt.close(fig)

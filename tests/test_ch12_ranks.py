@@ -61,8 +61,9 @@ def test_lora_sft_trains_only_the_adapters_and_learns():
     res = cu.run("workers.ch12_sft", world_size=1, **LIMITS, lora_rank=4)
     r = res[0]
     assert r["trainable_params"] < 0.2 * r["total_params"]
-    # our base is a random init, not a pretrained model, so a rank-4 adapter learns less than full
-    # fine-tuning would (seed 0: 2.52 -> 1.94); it must still learn: the answer loss falls by >= 15%
+    # our base is a random init, not a pretrained model: with adapters on every Linear, the LM head included,
+    # seed 0 goes 2.52 -> 0.42 (blocks only stalls near 1.9: a frozen random head caps the logits). Demand
+    # only that it learns: the answer loss falls by >= 15%
     assert r["history"][-1]["answer_loss"] < 0.85 * r["history"][0]["answer_loss"]
 
 

@@ -1,18 +1,25 @@
 """Chapter 12: supervised fine-tuning of the tiny GPT on "a+b=cd", full or LoRA, prompt masked or not.
 
-    torchrun --nproc-per-node 1 workers/ch12_sft.py --mask-prompt false --lora-rank 4
+    torchrun --nproc-per-node 1 workers/ch12_sft.py --mask-prompt false --lora-rank 4 --lr 0.01
 
 Streams loss, answer-token loss and grad norm per step; returns the history, the held-out evaluation
-before and after, and the trainable / total parameter counts.
+before and after, the trainable / total parameter counts, and what the rank holds after the last step
+(weights, gradients, AdamW state, counted from the tensors). With LoRA it also merges a copy of the
+trained model and returns how far the merged model's logits are from the adapter model's.
 """
-from workers.posttrain.lora import apply_lora, trainable_params
-from workers.posttrain.train import evaluate, make_policy, sft
+from workers.posttrain import task
+from workers.posttrain.lora import LoRALinear, apply_lora, merged_copy_and_gap, trainable_params
+from workers.posttrain.state import measured_state_bytes
+from workers.posttrain.train import adamw, evaluate, make_policy, sft
 from workers.runtime import entrypoint
 
-LORA_TARGETS = ("qkv", "proj", "fc", "out")  # every Linear inside the blocks; embeddings and head stay frozen
+LINEARS = ("qkv", "proj", "fc", "out", "head")  # every nn.Linear of the tiny GPT, by attribute name
+# Every Linear, the LM head included: this base is a random init, and a frozen random head caps the logits
+# (|logit| <= |w_v| sqrt(d) after the final LayerNorm, about 1 here), so blocks-only LoRA stalls near 1.9 nats.
+LORA_TARGETS = LINEARS
 
 
-def check_params(world_size, steps, lr, batch, lora_rank, **_):
+def check_params(world_size, steps, lr, batch, lora_rank, lora_targets, **_):
     if steps < 1:
         return f"steps={steps} trains nothing: use at least 1 step"
     if lr <= 0:
@@ -21,19 +28,34 @@ def check_params(world_size, steps, lr, batch, lora_rank, **_):
         return f"batch={batch} does not split into {world_size} equal shards: choose a multiple of {world_size}"
     if lora_rank < 0:
         return f"lora_rank={lora_rank} must be 0 (full fine-tuning) or a positive rank"
+    unknown = [t for t in lora_targets if t not in LINEARS]
+    if unknown or not lora_targets:
+        return f"lora_targets={list(lora_targets)} must name some of the model's Linear layers: {', '.join(LINEARS)}"
     return None
 
 
 def main(ctx, steps: int = 150, lr: float = 3e-3, batch: int = 32, mask_prompt: bool = True, lora_rank: int = 0,
-         lora_alpha: float = 8.0, seed: int = 0):
+         lora_alpha: float = 8.0, lora_targets: tuple = LORA_TARGETS, seed: int = 0):
     model = make_policy(seed)
+    base_params = sum(p.numel() for p in model.parameters())
     if lora_rank:
-        apply_lora(model, LORA_TARGETS, r=lora_rank, alpha=lora_alpha)
+        apply_lora(model, tuple(lora_targets), r=lora_rank, alpha=lora_alpha)
     before = evaluate(model)
+    opt = adamw(model, lr)  # built here, not inside sft, so that its state can be counted afterwards
     # every rank trains on the same batches (seeded alike): SFT here is the single-replica baseline
-    history = sft(model, steps=steps, lr=lr, batch=batch, mask_prompt=mask_prompt, seed=seed, metric=ctx.metric)
-    return {"history": history, "before": before, "after": evaluate(model),
-            "trainable_params": trainable_params(model), "total_params": sum(p.numel() for p in model.parameters())}
+    history = sft(model, steps=steps, batch=batch, mask_prompt=mask_prompt, seed=seed, metric=ctx.metric, opt=opt)
+    out = {"history": history, "before": before, "after": evaluate(model),
+           "trainable_params": trainable_params(model), "total_params": sum(p.numel() for p in model.parameters()),
+           "base_params": base_params,
+           # after the last step, before any zero_grad: the gradients and Adam state as training holds them
+           "state_bytes": measured_state_bytes(model, opt)}
+    if lora_rank:
+        tokens = task.sequences(task.all_pairs())[:, :-1]  # [100, 5]: every prompt, train and held-out
+        merged, gap, scale = merged_copy_and_gap(model, tokens)
+        out["merge"] = {"max_abs_logit_diff": gap, "max_abs_logit": scale,
+                        "merged_params": sum(p.numel() for p in merged.parameters()),
+                        "lora_modules_left": sum(isinstance(m, LoRALinear) for m in merged.modules())}
+    return out
 
 
 if __name__ == "__main__":

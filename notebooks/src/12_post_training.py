@@ -25,6 +25,7 @@ from course_utils import ch12, plots
 from course_utils import posttrain_gates as gates
 from course_utils import posttrain_ledger as ledger
 from course_utils.posttrain_methods import render_methods
+from workers.ch12_sft import LORA_TARGETS
 from workers.posttrain import task
 from workers.posttrain.lora import LoRALinear, apply_lora, lora_param_count, trainable_params
 from workers.posttrain.train import TOY, make_policy
@@ -180,7 +181,147 @@ plots.savefig(ch12.draw_sft_masking(masked[0]["history"], unmasked[0]["history"]
 # The every-token run's loss has a floor set by a prompt digit it can never predict, and part of its
 # gradient chases that digit: its answer-token loss lags.
 #
-# ## 4. DPO: preferences without a reward model
+# ## 4. Full fine-tuning vs LoRA on the toy, measured
+#
+# Sections 1 and 2 counted and priced LoRA; now train with it. Two SFT runs on the same data, for the
+# same 150 steps, from the same random init: **full fine-tuning** (all 58,176 weights train) and **LoRA**
+# with $r=4$, $\alpha=8$ on every `nn.Linear` of the model: `qkv`, `proj`, `fc`, `out` in both blocks, and
+# the LM `head` (why the head: the end of this section). Everything else is frozen.
+#
+# The learning rate first, measured rather than guessed: each method at four rates, scored by its mean
+# answer-token loss over the 150 steps (how fast it learns; less noisy than the last step alone).
+
+# %% tags=["nbval-ignore-output"]
+LORA_RANK = 4
+SWEEP_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
+METHOD_RANKS = {"full": 0, "LoRA": LORA_RANK}
+sweep_runs = {(method, lr): cu.run("workers.ch12_sft", world_size=1, **LIMITS, lr=lr, lora_rank=rank)
+              for method, rank in METHOD_RANKS.items() for lr in SWEEP_LRS}
+sweep = {key: sum(h["answer_loss"] for h in res[0]["history"]) / len(res[0]["history"])
+         for key, res in sweep_runs.items()}
+print("mean answer-token loss over 150 steps:")
+for method in METHOD_RANKS:
+    print(f"{method:>5}: " + "  ".join(f"lr {lr:g}: {sweep[method, lr]:.3f}" for lr in SWEEP_LRS))
+
+# %%
+best_lr = {method: min(SWEEP_LRS, key=lambda lr: sweep[method, lr]) for method in METHOD_RANKS}
+print("best learning rate on this grid:", best_lr)
+print("LoRA's best rate is larger than full fine-tuning's:", best_lr["LoRA"] > best_lr["full"])
+
+# %% [markdown]
+# LoRA wants a larger step here, and full fine-tuning at LoRA's best rate does worse than at its own (the
+# table): one learning rate for both would handicap one of them. Below, each method at its own best rate
+# (those runs of the sweep: same data, same 150 steps).
+#
+# **Predict**: after the last step, how many times more bytes of AdamW state does full fine-tuning hold
+# than LoRA? And how many gradient tensors does LoRA hold for its frozen base?
+
+# %% tags=["nbval-ignore-output"]
+ft_runs = {method: sweep_runs[method, best_lr[method]] for method in METHOD_RANKS}
+for method, res in ft_runs.items():
+    r, hist = res[0], res[0]["history"]
+    print(f"{method:>5} (lr {best_lr[method]:g}): answer-token loss {hist[0]['answer_loss']:.2f} -> "
+          f"{sum(h['answer_loss'] for h in hist[-10:]) / 10:.2f} (last 10 steps) | held-out accuracy "
+          f"{r['before']['accuracy']:.2f} -> {r['after']['accuracy']:.2f} | held-out loss "
+          f"{r['before']['heldout_loss']:.2f} -> {r['after']['heldout_loss']:.2f}")
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch12.draw_full_vs_lora({f"full FT (lr {best_lr['full']:g})": ft_runs["full"][0],
+                                      f"LoRA r={LORA_RANK} (lr {best_lr['LoRA']:g})": ft_runs["LoRA"][0]}),
+              "12_full_vs_lora");
+
+# %%
+full_r, lora_r = ft_runs["full"][0], ft_runs["LoRA"][0]
+print("B = 0 at init, so both runs start from the same model:", full_r["before"] == lora_r["before"])
+for method, r in ((m, ft_runs[m][0]) for m in METHOD_RANKS):
+    hist = r["history"]
+    print(f"{method}: answer-token loss more than halved:",
+          sum(h["answer_loss"] for h in hist[-10:]) / 10 < hist[0]["answer_loss"] / 2,
+          "| held-out accuracy rose:", r["after"]["accuracy"] > r["before"]["accuracy"])
+print("LoRA ends with the lower held-out loss:", lora_r["after"]["heldout_loss"] < full_r["after"]["heldout_loss"])
+
+# %% [markdown]
+# The held-out set is only 20 prompts (accuracy moves in steps of 0.05): read its numbers as a sanity
+# check, not a ranking of the methods. The memory below is different: arithmetic that holds at any size.
+#
+# **What the rank held.** After its last step each worker counted its own tensors
+# (`workers/posttrain/state.py`): the weights, every `.grad` that exists, and every tensor in AdamW's
+# `state`. The ledger of section 2 assumes mixed precision: bf16 weights and gradients (2 + 2 bytes) and
+# 12 bytes of fp32 Adam state (master copy, m, v). The toy trains in plain fp32, which maps to **4** bytes
+# per weight, **4** per gradient and **8** of Adam state (m and v: the fp32 weight is its own master copy);
+# a frozen weight is 4 bytes (the ledger's bf16 base: 2) with no gradient and no state. The same
+# `memory_from_counts` that prices 7B and 70B, given those bytes (`ledger.FP32_ADAM`) and counts from the
+# toy's shapes, must give exactly what the rank counted.
+
+# %%
+n_base = ledger.toy_params(TOY.d_model, TOY.layers, TOY.vocab, TOY.seq)
+n_lora = ledger.toy_lora_params(TOY.d_model, TOY.layers, TOY.vocab, LORA_RANK, LORA_TARGETS)
+print(f"from the shapes: {n_base:,} base parameters; LoRA r={LORA_RANK} on {', '.join(LORA_TARGETS)}: {n_lora:,}")
+predicted = {"full": ledger.memory_from_counts("full", n_base, per=ledger.FP32_ADAM),
+             "LoRA": ledger.memory_from_counts("lora", n_lora, n_base, per=ledger.FP32_ADAM)}
+checks = {m: ledger.against_measured(predicted[m], ft_runs[m][0]["state_bytes"]) for m in METHOD_RANKS}
+print(ledger.render_against_measured(checks))
+print("every count on the rank equals the ledger's:",
+      all(rank == led for rows in checks.values() for _, rank, led in rows))
+print("gradients held for frozen weights:", {m: ft_runs[m][0]["state_bytes"]["frozen_with_grad"] for m in METHOD_RANKS})
+full_s, lora_s = full_r["state_bytes"], lora_r["state_bytes"]
+print(f"full / LoRA AdamW m + v: {full_s['optimizer_moment_bytes'] / lora_s['optimizer_moment_bytes']:.2f} "
+      f"= {n_base:,} / {n_lora:,} trainable parameters")
+for method, s in (("full", full_s), ("LoRA", lora_s)):
+    print(f"{method}: AdamW also holds {s['optimizer_step_bytes']} bytes of `step` counters "
+          f"= 4 bytes x {s['trainable_tensors']} parameter tensors (the ledger's per-parameter bytes omit them)")
+
+# %% [markdown]
+# Adam's state is proportional to what trains, so the ratio is the parameter ratio: 9.1 here, because a
+# $48\times48$ matrix at $r=4$ saves only $dk/r(d+k) = 6\times$. At $4096\times4096$ and $r=16$ it is
+# $128\times$, which is why the 7B LoRA row of section 2 is almost all frozen base. Here too the frozen
+# base is the largest part of LoRA's bill (233 kB of its 335 kB).
+#
+# **Merge the trained adapter.** After training, the worker merged a copy of the LoRA model (`merge_lora`:
+# each `LoRALinear` becomes one `nn.Linear` with $W_0 + \tfrac{\alpha}{r}BA$, what exercise 1 writes for
+# one matrix) and compared the two models' logits on all 100 prompts. Up to fp32 rounding they are the
+# same function: $(W_0 + sBA)x$ and $W_0x + sB(Ax)$ differ only in the order of the sums.
+
+# %%
+merge = lora_r["merge"]
+print("LoRA modules left in the merged model:", merge["lora_modules_left"])
+print("parameters: merged", merge["merged_params"], "| base before LoRA", lora_r["base_params"],
+      "| adapter model", lora_r["total_params"])
+print("max |logits(merged) - logits(adapter)| <= 1e-5 x max |logit| (fp32):",
+      merge["max_abs_logit_diff"] <= 1e-5 * merge["max_abs_logit"])
+
+# %% tags=["nbval-ignore-output"]
+print(f"max |logit difference| = {merge['max_abs_logit_diff']:.2e} with max |logit| = {merge['max_abs_logit']:.1f}")
+
+# %% [markdown]
+# **Why the head too.** This base is a random init, not a pretrained model. After the frozen final
+# LayerNorm (gain 1, bias 0) each position's vector $y$ has $\|y\| < \sqrt d$, so a frozen head row $w_v$
+# gives $|\text{logit}_v| < \|w_v\|\sqrt d$: the logits are capped, and so is how confident the model can be.
+# **Predict**: LoRA on the blocks only, at the same rate: how low does the answer-token loss get?
+
+# %%
+cap = make_policy(0).head.weight.norm(dim=1).max().item() * D ** 0.5
+print(f"|logit| < max_v |w_v| sqrt(d) = {cap:.2f}, so the loss on any token is at least "
+      f"log(1 + 12 exp(-2 x {cap:.2f})) = {math.log(1 + 12 * math.exp(-2 * cap)):.2f} nats")
+
+# %% tags=["nbval-ignore-output"]
+blocks_only = cu.run("workers.ch12_sft", world_size=1, **LIMITS, lr=best_lr["LoRA"], lora_rank=LORA_RANK,
+                     lora_targets=[t for t in LORA_TARGETS if t != "head"])
+blocks_loss = [h["answer_loss"] for h in blocks_only[0]["history"]]
+print(f"blocks-only LoRA: lowest answer-token loss {min(blocks_loss):.2f}, last 10 steps "
+      f"{sum(blocks_loss[-10:]) / 10:.2f}")
+
+# %%
+with_head_end = sum(h["answer_loss"] for h in lora_r["history"][-10:]) / 10
+print("blocks-only LoRA ends more than 1 nat above LoRA with the head:",
+      sum(blocks_loss[-10:]) / 10 > with_head_end + 1)
+
+# %% [markdown]
+# The bound is loose (13 random rows cannot all point away from one $y$); the stall is real. On a
+# pretrained model the head already reads the right tokens out and LoRA on the blocks is the usual
+# choice; on a new vocabulary or a random base, whatever is frozen must already be able to say the answer.
+#
+# ## 5. DPO: preferences without a reward model
 #
 # DPO (Rafailov et al. 2023, eq. 7) trains on pairs (prompt, chosen, rejected). Here chosen is the right
 # sum and rejected a near miss (off by 1 or 2). With $\pi_\text{ref}$ the SFT model, frozen:
@@ -209,7 +350,7 @@ plots.savefig(ch12.draw_dpo(dpo_hist, beta=0.1), "12_dpo");
 # falls faster, a known failure mode on small pair sets; the line above says whether this run did.
 # Watch both curves, not just the margin.
 #
-# ## 5. GRPO: reinforcement learning with a verifiable reward
+# ## 6. GRPO: reinforcement learning with a verifiable reward
 #
 # GRPO (Shao et al. 2024, DeepSeekMath, sec. 4.1) samples $G$ answers per prompt, scores them (here by
 # program: right or wrong), and uses the **group** as the baseline: advantage
@@ -245,13 +386,13 @@ plots.savefig(ch12.draw_grpo({"world 1, 16 prompts x 8": grpo_1[0]["history"],
 # The two curves differ (different samples) but have the same global batch and the same trend. The KL to
 # the reference grows as the policy moves: the KL coefficient is the leash.
 #
-# ## 6. PPO, DPO and GRPO side by side
+# ## 7. PPO, DPO and GRPO side by side
 
 # %%
 print(render_methods())
 
 # %% [markdown]
-# ## 7. Three evaluation gates
+# ## 8. Three evaluation gates
 #
 # Before a post-trained model ships: **(1) training health** (finite loss, bounded grad norm, KL to the
 # reference below a limit), **(2) regression** (the held-out loss of what it could already do, here the SFT
@@ -329,6 +470,10 @@ check("grpo_advantages", grpo_advantages)
 # - LoRA trains $r(d+k)$ numbers per matrix, starts exactly at the base model ($B=0$), and merges back into
 #   one matrix. QLoRA keeps the frozen base in 4-bit NF4: with both, 70B fits on one GPU, full FT does not.
 # - SFT: mask the prompt, so the loss and its gradient are about the answer.
+# - Measured on the rank: fp32 AdamW holds 8 bytes (m, v) per *trainable* parameter, plus a 4-byte `step`
+#   per tensor; frozen weights hold no gradient and no state; full / LoRA Adam state is the parameter ratio.
+#   The ledger's per-parameter bytes, mapped to fp32, predict every count exactly. LoRA wanted its own,
+#   larger learning rate; the merged model is the adapter model to fp32 rounding, at the base's size.
 # - DPO: a classification loss on the implicit-reward margin against a frozen reference; no sampling.
 # - GRPO: the group of sampled answers is the baseline; no value model; KL to the reference is the leash.
 # - Gates turn "the loss went down" into a decision: health, regression, target and safety.

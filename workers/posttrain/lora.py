@@ -8,6 +8,7 @@ shape: ``merge()`` folds the adapter in, so inference costs nothing extra.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -82,3 +83,15 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def trainable_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@torch.no_grad()
+def merged_copy_and_gap(model: nn.Module, tokens: torch.Tensor) -> tuple[nn.Module, float, float]:
+    """Merge a deep copy of ``model`` (``merge_lora``; the adapter model is left as it is). Returns it, the
+    max |logits(merged) - logits(adapted)| over ``tokens`` [n, s], and the max |logit| (the gap's scale).
+    The gap is 0 up to fp32 rounding, because (W0 + s B A) x and W0 x + s B (A x) are the same sum taken
+    in a different order."""
+    merged = merge_lora(copy.deepcopy(model))
+    adapted = model(tokens)  # [n, s, V]
+    gap = (merged(tokens) - adapted).abs().max().item()
+    return merged, gap, adapted.abs().max().item()

@@ -43,6 +43,11 @@ def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def adamw(model, lr: float) -> torch.optim.AdamW:
+    """AdamW over the parameters that require grad only: a frozen weight gets no m and no v (LoRA's saving)."""
+    return torch.optim.AdamW(_trainable(model), lr=lr, weight_decay=0.0)
+
+
 def _step(model, opt, loss, max_grad_norm: float) -> float:
     """Backward, average over ranks, clip, step; returns the global grad norm before clipping."""
     opt.zero_grad(set_to_none=True)
@@ -68,11 +73,13 @@ def evaluate(model, pairs=None) -> dict:
 
 
 def sft(model, steps: int = 150, lr: float = 3e-3, batch: int = 32, mask_prompt: bool = True, seed: int = 0,
-        max_grad_norm: float = 1.0, metric=_quiet) -> list[dict]:
-    """Supervised fine-tuning on "a+b=cd". Logs the loss trained on and the answer-token loss (what matters)."""
+        max_grad_norm: float = 1.0, metric=_quiet, opt=None) -> list[dict]:
+    """Supervised fine-tuning on "a+b=cd". Logs the loss trained on and the answer-token loss (what matters).
+
+    Pass ``opt`` (from ``adamw(model, lr)``) to look at its state afterwards; ``lr`` is then the optimizer's."""
     train_pairs = task.split_pairs()[0]
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(_trainable(model), lr=lr, weight_decay=0.0)
+    opt = adamw(model, lr) if opt is None else opt
     history = []
     for step in range(steps):
         seqs = task.sequences(task.batch_pairs(train_pairs, batch, g))  # [b, 6]
@@ -103,7 +110,7 @@ def dpo(policy, reference, steps: int = 60, lr: float = 1e-3, beta: float = 0.1,
     """DPO against a frozen ``reference``; logs loss, implicit rewards of chosen/rejected and their margin."""
     train_pairs = task.split_pairs()[0]
     g = torch.Generator().manual_seed(seed + 1)
-    opt = torch.optim.AdamW(_trainable(policy), lr=lr, weight_decay=0.0)
+    opt = adamw(policy, lr)
     history = []
     for step in range(steps):
         prompt, chosen, rejected = preference_pairs(task.batch_pairs(train_pairs, batch, g), g)
@@ -133,7 +140,7 @@ def grpo(policy, reference, steps: int = 40, lr: float = 1e-3, group_size: int =
     The logged ``kl`` is KL(sampling policy || reference), estimated on the step's own samples."""
     train_pairs = task.split_pairs()[0]
     g = torch.Generator().manual_seed(seed * 1000 + rank + 7)  # each rank its own prompts and samples
-    opt = torch.optim.AdamW(_trainable(policy), lr=lr, weight_decay=0.0)
+    opt = adamw(policy, lr)
     history = []
     for step in range(steps):
         for group in opt.param_groups:
