@@ -94,21 +94,38 @@ def work_bars_figure(results: dict):
     return fig
 
 
-def planned_work(seq: int, cp: int, split: str, causal: bool) -> list[dict]:
-    """The same counts, from the block rule alone (no run): ``workers.context_parallel.blocks.work_per_rank``."""
-    return work_per_rank(seq, cp, split, causal)
+def memory_vs_communication(seq: int, cp: int, heads: int, kv_heads: int, head_dim: int,
+                            bytes_per_element: int = 2) -> dict:
+    """Per rank, per attention layer: K/V bytes held (seq/cp tokens) and sent in forward (2*(cp-1) chunks),
+    and one ring step's compute against the bytes it must receive.
 
-
-def memory_vs_communication(seq: int, cp: int, hidden_kv: int, bytes_per_element: int = 2) -> dict:
-    """Per rank, per attention layer: K/V bytes held (seq/cp tokens) and sent in forward (2*(cp-1) chunks).
-
-    ``hidden_kv``: heads_kv x head_dim. The activations a rank keeps scale as seq/cp; what it sends does not
-    shrink with cp (the whole sequence's K/V, less its own, passes through every rank).
+    The activations a rank keeps scale as seq/cp; what it sends does not shrink with cp (the whole
+    sequence's K/V, less its own, passes through every rank). A step's FLOPs count the *query* heads
+    (Q K^T and P V for every head, 2 FLOPs per multiply-add; non-causal, no skipping); its bytes are the
+    *K/V* heads' (grouped-query attention sends kv_heads, not heads).
     """
     tokens = seq // cp
-    chunk = tokens * hidden_kv * bytes_per_element  # one of K or V for seq/cp tokens
-    # One ring step, non-causal: Q K^T and P V for [seq/cp] queries x [seq/cp] keys, 2 FLOPs per multiply-add.
-    step_flops = 2 * 2 * tokens * tokens * hidden_kv
+    chunk = tokens * kv_heads * head_dim * bytes_per_element  # one of K or V for seq/cp tokens
+    step_flops = 2 * 2 * tokens * tokens * heads * head_dim  # [t, d] x [d, t] and [t, t] x [t, d], every head
     return {"cp": cp, "tokens_per_rank": tokens, "kv_held_bytes": 2 * chunk, "kv_sent_bytes": 2 * (cp - 1) * chunk,
-            "kv_chunks_sent": 2 * (cp - 1), "step_flops": step_flops, "step_bytes": 2 * chunk,
-            "flops_per_byte": step_flops / (2 * chunk)}
+            "kv_chunks_sent": 2 * (cp - 1), "step_flops": step_flops, "step_bytes": 2 * chunk if cp > 1 else 0,
+            "flops_per_byte": step_flops / (2 * chunk) if cp > 1 else None}
+
+
+def min_tokens_to_hide(heads: int, kv_heads: int, head_dim: int, peak_flops: float, link_bytes_per_s: float,
+                       bytes_per_element: int = 2, causal: bool = False) -> float:
+    """The chunk length t = seq/cp above which a ring step's compute outlasts its transfer:
+    4 t^2 heads d / F >= 2 t kv_heads d b / B, so t >= F kv_heads b / (2 heads B). At the GPU's peak FLOP/s
+    (the hardest case: a real kernel is slower, which helps the hiding); causal skipping (balanced by the
+    zigzag split) halves the work per step on average, which doubles it. ``head_dim`` cancels."""
+    return (2 if causal else 1) * peak_flops * kv_heads * bytes_per_element / (2 * heads * link_bytes_per_s)
+
+
+def largest_hidden_cp(seq: int, heads: int, kv_heads: int, head_dim: int, peak_flops: float,
+                      link_bytes_per_s: float, bytes_per_element: int = 2, causal: bool = False) -> int:
+    """The largest power-of-two cp whose chunks are still long enough for the ring to hide its transfers."""
+    t_min = min_tokens_to_hide(heads, kv_heads, head_dim, peak_flops, link_bytes_per_s, bytes_per_element, causal)
+    cp = 1
+    while seq / (2 * cp) >= t_min and seq % (2 * cp) == 0:
+        cp *= 2
+    return cp

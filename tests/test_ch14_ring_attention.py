@@ -4,7 +4,8 @@ do the work the block rule says; and each sends 2*(cp-1) K/V chunks in forward.
 Ground truth: ``workers/attention/reference.attention_reference_grads`` in float64 on the whole sequence.
 The ranks run in float64 too (every block is the float64 reference, merged in float64), so the bound is the
 reference's own float64 tolerance, ``RELATIVE_TOLERANCE[float64]`` = 1e-10 (measured ~1e-15): a dropped
-rescale in the merge, a wrong mask or a missing block is off by 1e-2 or more. One world of 4 warm ranks;
+rescale in the merge, a wrong mask or a wrong-way ring is off by 1e-2 or more (``test_ch14_split.py``
+injects each into the one-process ring). One world of 4 warm ranks;
 cp = 1 and 2 run as 4 and 2 identical rings inside it (every copy is checked).
 """
 import pytest
@@ -14,7 +15,8 @@ import course_utils as cu
 from course_utils import context_parallel as cpu
 from course_utils.results import InvalidParameter
 from workers.attention.reference import RELATIVE_TOLERANCE
-from workers.context_parallel.blocks import work_per_rank
+from workers.context_parallel.blocks import block_kind, work_per_rank
+from workers.context_parallel.split import chunk_ids, num_chunks
 
 WORKER, WORLD, LIMITS = "workers.ch14_ring_attention", 4, {"timeout": 60}
 pytestmark = pytest.mark.ranks
@@ -52,9 +54,14 @@ def test_ranks_compute_the_blocks_the_rule_allows(split):
         assert measured[-1] == 4 * measured[0] and measured == sorted(measured)
     else:  # ... while zigzag gives every rank the same
         assert len(set(measured)) == 1
-    # and no rank meets a (q, k) chunk pair twice, nor misses one: every rank saw every chunk's K/V
-    for d in res.ranks:
-        assert len({(qc, kc) for _, qc, kc, _ in d["blocks"]}) == len(d["blocks"])
+    # and no rank meets a (q, k) chunk pair twice, nor misses one: every rank met each of its query chunks
+    # against every chunk's K/V, and computed exactly the blocks the rule leaves visible, as the rule says
+    n = num_chunks(4, split)
+    for d in cpu.ring_ranks(res):
+        own = chunk_ids(4, d["ring_index"], split)
+        met = [(qc, kc) for _, qc, kc, _ in d["blocks"]]
+        assert len(set(met)) == len(met) and set(met) == {(qc, kc) for qc in own for kc in range(n)}
+        assert all(kind == block_kind(qc, kc) for _, qc, kc, kind in d["blocks"])
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

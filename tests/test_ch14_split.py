@@ -1,11 +1,15 @@
-"""Chapter 14, without ranks: the splits cover the sequence, the block rule, and the work balance it implies.
+"""Chapter 14, without ranks: the splits cover the sequence, the block rule, the work balance it implies, and
+what each classic mistake does to the one-process ring.
 
-These are properties of the token layout alone; the rank tests (``test_ch14_ring_attention.py``) check that
-the ranks really do this work and get full attention from it.
+These are properties of the token layout and the merge alone; the rank tests (``test_ch14_ring_attention.py``)
+check that the ranks really do this work and get full attention from it.
 """
 import pytest
 
+from workers.attention.reference import attention_reference, relative_error
 from workers.context_parallel.blocks import block_kind, block_plan, work_per_rank
+from workers.context_parallel.inputs import make_inputs
+from workers.context_parallel.simulate import MISTAKES, one_process_ring
 from workers.context_parallel.split import chunk_ranges, local_positions, split_problem
 
 
@@ -57,3 +61,42 @@ def test_seq_that_does_not_split_is_named():
     assert "divisible by 8" in split_problem(12, 4, "zigzag")  # zigzag needs 2*cp chunks
     assert split_problem(12, 4, "contiguous") is None
     assert "divisible by 4" in split_problem(10, 4, "contiguous")
+
+
+@pytest.mark.parametrize("split", ["contiguous", "zigzag"])
+def test_each_classic_mistake_is_off_by_order_one(split):
+    # The ranks' rule and merge in one process, with each mistake injected: the right ring meets the float64
+    # tolerance, every mistake misses it by more than 1e-2 (so the rank tests' tolerance cannot let one through).
+    q, k, v, _ = make_inputs(1, 2, 32, 16, seed=3)
+    truth, truth_lse = attention_reference(q, k, v, causal=True)
+    out, lse = one_process_ring(q, k, v, 4, split)
+    assert relative_error(out, truth) < 1e-13 and relative_error(lse, truth_lse) < 1e-13
+    assert set(MISTAKES) == {"merge without the rescale", "mask left off the diagonal", "K/V sent to the wrong neighbour"}
+    for name, mistake in MISTAKES.items():
+        wrong, _ = one_process_ring(q, k, v, 4, split, **mistake)
+        assert relative_error(wrong, truth) > 1e-2, name
+
+
+def test_a_wrong_way_ring_only_matters_under_a_mask():
+    # without a mask every rank still meets every chunk once, and the merge is order-free
+    q, k, v, _ = make_inputs(1, 2, 32, 16, seed=4)
+    truth, _ = attention_reference(q, k, v, causal=False)
+    out, _ = one_process_ring(q, k, v, 4, "contiguous", causal=False, **MISTAKES["K/V sent to the wrong neighbour"])
+    assert relative_error(out, truth) < 1e-13
+
+
+def test_memory_vs_communication_by_hand():
+    from course_utils import context_parallel as cpx
+
+    # seq 1024 at cp 4, 4 query heads and 2 KV heads of 8, bf16: 256 tokens per rank
+    m = cpx.memory_vs_communication(1024, 4, heads=4, kv_heads=2, head_dim=8)
+    chunk = 256 * 2 * 8 * 2  # one of K or V: tokens x kv_heads x head_dim x 2 bytes
+    assert m["kv_held_bytes"] == 2 * chunk and m["kv_sent_bytes"] == 6 * chunk and m["kv_chunks_sent"] == 6
+    assert m["step_flops"] == 4 * 256 * 256 * 4 * 8  # QK^T and PV over the *query* heads
+    assert m["flops_per_byte"] == m["step_flops"] / (2 * chunk)
+    assert cpx.memory_vs_communication(1024, 1, 4, 2, 8)["flops_per_byte"] is None  # nothing is sent at cp 1
+    # hiding: t >= F kv_heads b / (2 heads B); F/B = 1000 -> 1000 * 2 * 2 / 8 = 500 tokens, causal twice that
+    assert cpx.min_tokens_to_hide(4, 2, 8, 1e12, 1e9) == pytest.approx(500)
+    assert cpx.min_tokens_to_hide(4, 2, 8, 1e12, 1e9, causal=True) == pytest.approx(1000)
+    # seq 8192: cp 8 leaves 1024 tokens >= 1000, cp 16 leaves 512 < 1000
+    assert cpx.largest_hidden_cp(8192, 4, 2, 8, 1e12, 1e9, causal=True) == 8

@@ -35,8 +35,9 @@ from course_utils import context_parallel as cpx
 from course_utils import plots
 from workers.attention import attention_reference, online_softmax_merge
 from workers.attention.reference import RELATIVE_TOLERANCE, relative_error
-from workers.context_parallel.blocks import block_plan, work_per_rank
+from workers.context_parallel.blocks import work_per_rank
 from workers.context_parallel.inputs import make_inputs
+from workers.context_parallel.simulate import MISTAKES, one_process_ring
 from workers.context_parallel.split import chunk_ids, chunk_ranges
 
 plots.style()
@@ -102,17 +103,46 @@ print(f"averaging the 4 outputs instead (no rescale): relative error {relative_e
 # %%
 TOL = RELATIVE_TOLERANCE[torch.float64]
 print(f"tolerance (relative, float64): {TOL:g}")
+ring_checks = {}
 for cp in (1, 2, 4):
     for split in ("contiguous", "zigzag"):
         for causal in (True, False):
-            c = cpx.compare_to_reference(run(cp=cp, split=split, causal=causal))
+            c = ring_checks[cp, split, causal] = cpx.compare_to_reference(run(cp=cp, split=split, causal=causal))
             print(f"cp = {cp}, {split:>10}, causal = {causal!s:>5}: out, lse, dq, dk, dv equal to one process within "
                   f"tolerance: {c['within_tol']} (max error below 1e-13: {c['max_error'] < 1e-13})")
 
 # %% [markdown]
-# All equal, to float64 rounding. Every block is computed once, by the rank that owns its queries, and
-# merged with the exact rescale; a ring that sent to the wrong neighbour, a merge without the rescale or a
-# wrong mask would be off by far more (`tests/test_ch14_ring_attention.py` holds those cases).
+# The errors themselves (the last bits of float64 depend on this CPU's kernels, so this cell's output is
+# not compared in CI):
+
+# %% tags=["nbval-ignore-output"]
+for (cp, split, causal), c in ring_checks.items():
+    worst = max(c["errors"], key=c["errors"].get)
+    print(f"cp = {cp}, {split:>10}, causal = {causal!s:>5}: max relative error {c['max_error']:.1e} (in {worst})")
+furthest = max(ring_checks, key=lambda key: ring_checks[key]["max_error"])
+print("furthest from one process:", furthest)
+
+# %% [markdown]
+# All equal, to float64 rounding: every block is computed once, by the rank that owns its queries, and
+# merged with the exact rescale. What would the classic mistakes cost? The same ring in one process
+# (`workers/context_parallel/simulate.py`, the ranks' block rule and merge without the messages), causal,
+# cp = 4, with each mistake injected (`MISTAKES`; `tests/test_ch14_split.py` checks each is caught):
+
+# %%
+q4, k4, v4, _ = make_inputs(1, 2, SEQ, 16, seed=3)
+truth, _ = attention_reference(q4, k4, v4, causal=True)
+for split in ("contiguous", "zigzag"):
+    right, _ = one_process_ring(q4, k4, v4, CP, split)
+    print(f"{split}: the right ring, relative error below 1e-13: {relative_error(right, truth) < 1e-13}")
+    for name, mistake in MISTAKES.items():
+        wrong, _ = one_process_ring(q4, k4, v4, CP, split, **mistake)
+        print(f"  {name:>32}: relative error {relative_error(wrong, truth):.2f}")
+
+# %% [markdown]
+# Every mistake is off by order one, thirteen orders of magnitude above the right ring's error: a test
+# with a float64 tolerance cannot miss them. (A wrong-way ring is harmless *without* a mask: every rank
+# still meets every K/V chunk once, and a sum does not care about order. The mask is what makes the
+# ring's direction matter.)
 #
 # ## 4. Causal attention: which blocks, on which rank
 #
@@ -166,22 +196,49 @@ for cp in (1, 2, 4):
 # The activations a rank keeps shrink as seq/cp; what it sends per layer does not shrink (the whole
 # sequence's K/V, less its own chunk). It is hidden because a ring step *computes* on a chunk while the next
 # one travels, and the compute of a step grows with the square of the chunk, the transfer only linearly.
-# A small model for one attention layer at a long-context size (8 KV heads of 128, bf16, no causal skipping):
+# A small model for one attention layer of Llama 3 405B at its long-context length (Llama Team 2024,
+# *The Llama 3 Herd of Models*, Table 3: 128 query heads and 8 KV heads of 128; Table 4: 131,072 tokens
+# at cp = 16), bf16, no causal skipping:
 
 # %%
-LONG_SEQ, HIDDEN_KV = 131072, 8 * 128
-print(f"seq = {LONG_SEQ}, K/V width {HIDDEN_KV}, bf16, per rank and layer:")
+from course_utils.planner import GPUS, MODEL_SHAPES, NETWORK_TIERS
+
+L405 = MODEL_SHAPES["llama-3.1-405b"]
+LONG_SEQ, HEAD_DIM = 131072, L405.hidden // L405.heads
+print(f"{L405.name}: {L405.heads} query heads, {L405.kv_heads} KV heads of {HEAD_DIM}; seq = {LONG_SEQ}, bf16, "
+      "per rank and layer:")
 for cp in (1, 2, 4, 8, 16, 32):
-    m = cpx.memory_vs_communication(LONG_SEQ, cp, HIDDEN_KV)
-    print(f"  cp = {cp:>2}: {m['tokens_per_rank']:>6} tokens, K/V held {m['kv_held_bytes'] / 2**20:>5.0f} MiB, "
-          f"sent {m['kv_sent_bytes'] / 2**20:>5.0f} MiB ({m['kv_chunks_sent']} chunks), "
-          f"FLOPs per byte of a step {m['flops_per_byte']:>6.0f}")
+    m = cpx.memory_vs_communication(LONG_SEQ, cp, L405.heads, L405.kv_heads, HEAD_DIM)
+    ratio = "nothing sent" if m["flops_per_byte"] is None else f"FLOPs per byte received {m['flops_per_byte']:>7.0f}"
+    print(f"  cp = {cp:>2}: {m['tokens_per_rank']:>6} tokens, K/V held {m['kv_held_bytes'] / 2**20:>4.0f} MiB, "
+          f"sent {m['kv_sent_bytes'] / 2**20:>4.0f} MiB ({m['kv_chunks_sent']:>2} chunks), {ratio}")
 
 # %% [markdown]
-# A step does $4 (s/\mathrm{cp})^2 d$ FLOPs on $2 (s/\mathrm{cp}) d$ elements it receives, so its FLOPs per
-# byte fall as $s/\mathrm{cp}$: the ring hides the transfer while each rank's chunk is long enough to make
-# its compute outlast the link: while it stays above the GPU's peak FLOP/s divided by the link's bytes/s
-# (higher across nodes than over NVLink). That sets the largest useful cp for a given sequence.
+# A step does $4 (s/\mathrm{cp})^2 H d$ FLOPs (every *query* head) on $2 (s/\mathrm{cp}) H_{kv} d$ elements
+# it receives (only the *KV* heads travel), so its FLOPs per byte fall as $s/\mathrm{cp}$. The ring hides the
+# transfer while a step's compute outlasts it: $s/\mathrm{cp} \ge F\,H_{kv}\,b / (2 H B)$ for peak FLOP/s
+# $F$ and link bandwidth $B$ (`min_tokens_to_hide`), with H100 numbers (989.5 TFLOP/s dense bf16, datasheet;
+# NVLink 450 GB/s each way, datasheet; 400 Gb/s per GPU across nodes, as Llama 3's RoCE fabric, sec 3.3.1;
+# all from `course_utils/planner.py`; published, not measured here). At *peak* FLOP/s, the hardest case: a real kernel is slower, which helps; causal skipping halves a
+# step's average work, which doubles the length needed:
+
+# %%
+H100 = GPUS["h100"]
+for tier in ("nvlink4", "roce400"):
+    link, shape = NETWORK_TIERS[tier], (L405.heads, L405.kv_heads, HEAD_DIM)
+    t_min = cpx.min_tokens_to_hide(*shape, H100.peak_flops, link.bandwidth)
+    t_causal = cpx.min_tokens_to_hide(*shape, H100.peak_flops, link.bandwidth, causal=True)
+    cp_max = cpx.largest_hidden_cp(LONG_SEQ, *shape, H100.peak_flops, link.bandwidth, causal=True)
+    print(f"{link.name}: a chunk of at least {t_min:.0f} tokens ({t_causal:.0f} causal) hides the transfer; "
+          f"at seq {LONG_SEQ}, causal, up to cp = {cp_max}")
+
+# %% [markdown]
+# Llama 3 405B trained at cp = 16 across nodes (TP = 8 fills each node's NVLink domain; groups are ordered
+# TP, CP, PP, DP from the inside, Figure 5): 8192 tokens per rank, well above the ~2500 needed. Note that
+# Llama 3 did *not* use a ring (sec 3.3.2): with 8 KV heads against 128 query heads, K/V are small, so it
+# all-gathers them once and computes each rank's queries against the whole sequence, which also
+# balances causal work with the zigzag-like split this chapter uses. The ring's advantage is memory
+# (one chunk of K/V in flight instead of all of it) and overlap; the all-gather's is simplicity.
 #
 # ## 6. Exercises
 #
@@ -241,5 +298,6 @@ blocks_live
 #   the pieces exactly full attention, forward and (with dK/dV travelling with their K/V) backward.
 # * With a causal mask, future blocks are skipped and diagonal blocks masked: a contiguous split gives the
 #   last rank cp times the first rank's work; the zigzag split (chunk r and 2cp-1-r) equalises it.
-# * Each rank sends 2(cp-1) K/V chunks per layer in forward, whatever cp; it is hidden behind a step's
-#   compute while seq/cp is long enough.
+# * Each rank sends 2(cp-1) chunks (K and V, seq/cp tokens each) per layer in forward: (cp-1)/cp of the
+#   whole sequence's K and V, nearly all of it whatever cp. It is hidden behind a step's compute while seq/cp stays
+#   above $F H_{kv} b / (2 H B)$ tokens (about 2500 for Llama 3 405B across 400 Gb/s, causal).
