@@ -10,6 +10,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from course_utils.plots import CPU_NOTE
+
 FLOOR = 1e-10  # where "exactly 0" is drawn on a log axis
 
 
@@ -28,7 +30,8 @@ def ckpt_stitch(saved, resumed, rank: int = 0) -> dict:
     """The interrupted run as one curve: steps 1..k from the ``save`` run, k+1..N from the ``resume`` run."""
     a, b = saved[rank], resumed[rank]
     return {"steps": a["steps"] + b["steps"], "losses": torch.cat([a["losses"], b["losses"]]),
-            "lrs": torch.cat([a["lrs"], b["lrs"]]), "weights": torch.cat([a["weights"], b["weights"]])}
+            "lrs": torch.cat([a["lrs"], b["lrs"]]), "weights": torch.cat([a["weights"], b["weights"]]),
+            "scales": a["scales"] + b["scales"], "skipped": a["skipped"] + b["skipped"]}
 
 
 def ckpt_compare(straight, saved, resumed) -> dict:
@@ -52,32 +55,108 @@ def ckpt_compare(straight, saved, resumed) -> dict:
     return out
 
 
-def ckpt_draw_resume(straight, runs: dict, save_at: int, rank: int = 0):
-    """Left: the loss of the straight run and of each resumed run. Right: |loss - straight| per step (log)."""
-    s = straight[rank]
-    fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax.plot(s["steps"], s["losses"].numpy(), "k-", lw=2.5, alpha=0.35, label="straight (no interruption)")
-    markers = ["o", "s", "^", "D", "v", "P"]
+MARKERS = ["o", "s", "^", "D", "v", "P"]
+
+
+def _resumed_tail(saved, resumed, save_at: int, rank: int) -> tuple[dict, list[int]]:
+    j = ckpt_stitch(saved, resumed, rank)
+    return j, [i for i, step in enumerate(j["steps"]) if step > save_at]
+
+
+def _draw_loss_diff(ax_d, s: dict, runs: dict, save_at: int, rank: int) -> None:
+    """|loss - straight| per resumed step, on a log axis whose floor is drawn as "0 (bit-identical)"."""
     for k, (label, (saved, resumed)) in enumerate(runs.items()):
-        j = ckpt_stitch(saved, resumed, rank)
-        tail = [i for i, step in enumerate(j["steps"]) if step > save_at]
+        j, tail = _resumed_tail(saved, resumed, save_at, rank)
         steps = [j["steps"][i] for i in tail]
-        ax.plot(steps, j["losses"][tail].numpy(), marker=markers[k % len(markers)], ms=4, lw=1, label=label)
         diff = (j["losses"] - s["losses"]).abs().clamp_min(FLOOR)[tail].numpy()
-        ax_d.plot(np.array(steps) + 0.06 * (k - (len(runs) - 1) / 2), diff, marker=markers[k % len(markers)],
+        ax_d.plot(np.array(steps) + 0.06 * (k - (len(runs) - 1) / 2), diff, marker=MARKERS[k % len(MARKERS)],
                   ms=5, lw=1, label=label)
-    for a in (ax, ax_d):
-        a.axvline(save_at + 0.5, color="grey", ls="--", lw=1)
-        a.set_xlabel("step")
-    ax.text(save_at + 0.6, ax.get_ylim()[1], " save | new process", va="top", fontsize=8, color="grey")
-    ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title("Resumed runs against the straight run")
-    ax.legend(fontsize=7)
     ax_d.set_yscale("log")
     ax_d.set_ylim(FLOOR / 3, 1)
     ax_d.set_yticks([FLOOR, 1e-8, 1e-6, 1e-4, 1e-2, 1], ["0 (bit-identical)", "1e-8", "1e-6", "1e-4", "1e-2", "1"])
     ax_d.set_ylabel("|loss - straight loss|")
     ax_d.set_title("How far each resumed run is from the straight one")
+
+
+def _mark_save(axes, save_at: int) -> None:
+    for a in axes:
+        a.axvline(save_at + 0.5, color="grey", ls="--", lw=1)
+        a.set_xlabel("step")
+
+
+def ckpt_draw_resume(straight, runs: dict, save_at: int, rank: int = 0):
+    """Left: the loss of the straight run and of each resumed run. Right: |loss - straight| per step (log)."""
+    s = straight[rank]
+    fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax.plot(s["steps"], s["losses"].numpy(), "k-", lw=2.5, alpha=0.35, label="straight (no interruption)")
+    for k, (label, (saved, resumed)) in enumerate(runs.items()):
+        j, tail = _resumed_tail(saved, resumed, save_at, rank)
+        ax.plot([j["steps"][i] for i in tail], j["losses"][tail].numpy(), marker=MARKERS[k % len(MARKERS)], ms=4,
+                lw=1, label=label)
+    _mark_save((ax, ax_d), save_at)
+    ax.text(save_at + 0.6, ax.get_ylim()[1], " save | new process", va="top", fontsize=8, color="grey")
+    ax.set_ylabel("training loss (mean over ranks)")
+    ax.set_title("Resumed runs against the straight run")
+    ax.legend(fontsize=7)
+    _draw_loss_diff(ax_d, s, runs, save_at, rank)
+    fig.tight_layout()
+    return fig
+
+
+# -- the loss scaler (precision="fp16") ---------------------------------------------------------------------
+
+def ckpt_scale_table(straight, runs: dict, save_at: int, rank: int = 0) -> str:
+    """Per step: the loss scale each run's backward used, whether the step was skipped (an inf), and whether
+    each resumed run's weights after the step are bit-identical to the straight run's."""
+    s = straight[rank]
+    cols = {label: ckpt_stitch(saved, resumed, rank) for label, (saved, resumed) in runs.items()}
+    width = max(30, *(len(label) for label in cols))
+    lines = [f"step | {'straight':<16} | " + " | ".join(f"{label:<{width}}" for label in cols)]
+
+    def cell(scale: float, skipped: bool) -> str:
+        return f"{scale:>7.0f}" + (" skipped" if skipped else "        ")
+
+    for i, step in enumerate(s["steps"]):
+        row = f"{step:>4} | {cell(s['scales'][i], s['skipped'][i]):<16} | "
+        if step <= save_at:
+            lines.append(row.rstrip(" |"))
+            if step == save_at:
+                st = next(iter(runs.values()))[0][rank].get("scaler_state") or {}
+                lines.append(f"---- save after step {save_at}: the scaler holds scale "
+                             f"{st.get('scale', float('nan')):.0f}, {st.get('_growth_tracker', '?')} good step(s) "
+                             "towards the next growth ----")
+            continue
+        parts = []
+        for j in cols.values():
+            same = torch.equal(j["weights"][i], s["weights"][i])
+            parts.append(f"{cell(j['scales'][i], j['skipped'][i])} -> {'same' if same else 'OTHER'} weights"
+                         .ljust(width))
+        lines.append(row + " | ".join(parts))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def ckpt_draw_scaler(straight, runs: dict, save_at: int, rank: int = 0):
+    """Left: the loss scale per step (skipped steps crossed). Right: |loss - straight| per step (log)."""
+    s = straight[rank]
+    fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax.plot(s["steps"], s["scales"], "k-", lw=2.5, alpha=0.35, drawstyle="steps-mid", label="straight")
+    skips = [step for step, k in zip(s["steps"], s["skipped"]) if k]
+    ax.plot(skips, [s["scales"][s["steps"].index(t)] for t in skips], "kx", ms=9, mew=2,
+            label="skipped (inf in a gradient)")
+    for k, (label, (saved, resumed)) in enumerate(runs.items()):
+        j, tail = _resumed_tail(saved, resumed, save_at, rank)
+        steps = [j["steps"][i] for i in tail]
+        line, = ax.plot(np.array(steps) + 0.08 * (k + 1), [j["scales"][i] for i in tail],
+                        marker=MARKERS[k % len(MARKERS)], ms=4, lw=1, drawstyle="steps-mid", label=f"resumed, {label}")
+        sk = [i for i in tail if j["skipped"][i]]
+        ax.plot(np.array([j["steps"][i] for i in sk]) + 0.08 * (k + 1), [j["scales"][i] for i in sk], "x",
+                color=line.get_color(), ms=9, mew=2)
+    _mark_save((ax, ax_d), save_at)
+    ax.set_yscale("log", base=2)
+    ax.set_ylabel("loss scale (log2)")
+    ax.set_title("GradScaler's scale: saved, or started again")
+    ax.legend(fontsize=7)
+    _draw_loss_diff(ax_d, s, runs, save_at, rank)
     fig.tight_layout()
     return fig
 
@@ -118,10 +197,16 @@ def ckpt_shard_table(saved, loaded) -> str:
     return "\n".join(lines)
 
 
+def ckpt_async_times(res) -> dict:
+    """Per repeat, the slowest rank's time for each kind of save (a save is done when its last rank is)."""
+    world = len(res.ranks)
+    return {k: np.max([res[r]["timings_s"][k] for r in range(world)], axis=0) for k in res[0]["timings_s"]}
+
+
 def ckpt_draw_async(res):
     """Per repeat, the slowest rank: blocking save, the time async_save blocks, and its time until durable."""
     world = len(res.ranks)
-    t = {k: np.max([res[r]["timings_s"][k] for r in range(world)], axis=0) for k in res[0]["timings_s"]}
+    t = ckpt_async_times(res)
     n = len(t["blocking"])
     x = np.arange(n)
     fig, ax = plt.subplots(figsize=(7.5, 3.4))
@@ -133,6 +218,7 @@ def ckpt_draw_async(res):
     ax.set_ylabel("seconds (slowest rank)")
     ax.set_title(f"Blocking vs async DCP save, {mb:.0f} MiB of weights + AdamW state x2, world {world}")
     ax.legend(fontsize=8)
+    fig.text(0.01, -0.02, f"slowest of the {world} ranks per save; {CPU_NOTE}", fontsize=7)
     return fig
 
 
@@ -158,7 +244,8 @@ def ckpt_scan_table(scan: dict) -> str:
         verdict = "complete, manifest matches" if e["valid"] else f"ignored, {e['reason']}"
         lines.append(f"{e['name']}/   (atomic loader: {verdict})")
         for name, f in e.get("files", {}).items():
-            what = f"loads, step {f['step']}" if f["loads"] else f"does not load ({f['error'][:60]})"
+            # the error's first sentence, whole (torch's zip reader goes on with advice about miniz)
+            what = f"loads, step {f['step']}" if f["loads"] else f"does not load ({f['error'].split('. ')[0]})"
             lines.append(f"    {name:<14} {f['bytes']:>9} bytes  {what}")
         for name, size in e.get("others", {}).items():
             lines.append(f"    {name:<14} {size:>9} bytes")

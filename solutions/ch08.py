@@ -27,9 +27,10 @@ def update_scale(scale, found_inf, good_steps, growth_factor=2.0, backoff_factor
 
 # -- checkpointing -----------------------------------------------------------------------------------------
 
-def training_state(model, optimizer, scheduler, sampler):
+def training_state(model, optimizer, scheduler, sampler, scaler):
     """Everything needed to resume bit for bit: weights, AdamW's moments, the schedule's and the data's position,
-    and every RNG stream the run draws from (dropout: torch; augmentation: numpy and python's random)."""
+    the loss scale, and every RNG stream the run draws from (dropout: torch; augmentation: numpy and python's
+    random)."""
     import random
 
     import numpy as np
@@ -39,7 +40,7 @@ def training_state(model, optimizer, scheduler, sampler):
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()  # dropout on a GPU draws from these
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "sampler": sampler.state_dict(), "rng": rng}
+            "sampler": sampler.state_dict(), "scaler": scaler.state_dict(), "rng": rng}
 
 
 def atomic_save(obj, path):

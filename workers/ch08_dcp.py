@@ -17,7 +17,9 @@ metadata, nothing gathered in memory first), ``set_state_dict`` puts them in. No
 ``async``: ``dcp.save`` blocks until the files are written; ``dcp.async_save`` returns once the state is
 *staged* (copied to host memory), writes from a background thread, and returns a Future that completes when
 the checkpoint is durable. Training may change the weights as soon as the call returns; the checkpoint keeps
-the staged values (checked here). The background save runs its collectives on a process group of its own:
+the staged values (checked here), and each rank records whether the Future was still pending (and, on rank 0,
+whether ``.metadata``, the file DCP writes last, was still missing) at the moment the call returned. The
+background save runs its collectives on a process group of its own:
 two threads issuing collectives on one group could interleave them differently on different ranks.
 
 Everything stays on the CPU (gloo): what DCP does here is host memory and files, the same on a GPU machine,
@@ -147,6 +149,7 @@ def _async(ctx, ckpt_dir, width, layers, seed, repeats) -> dict:
     ckpt_group = dist.new_group(backend="gloo", timeout=collective_timeout())  # the background save's own group
     local_bytes = sum(v.to_local().numel() * v.element_size() for v in msd.values())
     times = {"blocking": [], "async_call": [], "async_durable": []}
+    pending_at_return, metadata_at_return = [], []
     for i in range(repeats):
         blocking_dir, async_dir = os.path.join(ckpt_dir, f"blocking_{i}"), os.path.join(ckpt_dir, f"async_{i}")
         dist.barrier()
@@ -158,6 +161,8 @@ def _async(ctx, ckpt_dir, width, layers, seed, repeats) -> dict:
         t0 = time.perf_counter()
         future = dcp.async_save(state, checkpoint_id=async_dir, process_group=ckpt_group)
         times["async_call"].append(time.perf_counter() - t0)  # training is blocked only this long
+        pending_at_return.append(not future.done())  # still writing in the background: not yet a checkpoint
+        metadata_at_return.append(os.path.exists(os.path.join(async_dir, ".metadata")))  # written last, by rank 0
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # "the next step" changes the weights while the files are being written
@@ -172,6 +177,7 @@ def _async(ctx, ckpt_dir, width, layers, seed, repeats) -> dict:
     snapshot_ok = all(torch.equal(reloaded["model"][k].to_local(), before[k]) for k in before)
     dist.destroy_process_group(ckpt_group)
     return {"timings_s": times, "local_model_bytes": local_bytes, "snapshot_ok": snapshot_ok,
+            "pending_at_return": pending_at_return, "metadata_at_return": metadata_at_return,
             "files": _files(async_dir) if ctx.rank == 0 else {}}
 
 

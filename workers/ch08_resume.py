@@ -3,14 +3,20 @@
     torchrun --nproc-per-node 2 workers/ch08_resume.py --mode straight --steps 12
     torchrun --nproc-per-node 2 workers/ch08_resume.py --mode save --save-at 5 --ckpt-dir /tmp/run
     torchrun --nproc-per-node 2 workers/ch08_resume.py --mode resume --steps 12 --ckpt-dir /tmp/run
+    torchrun --nproc-per-node 2 workers/ch08_resume.py --mode save --precision fp16 --omit scaler --ckpt-dir /tmp/f16
 
 The run is ``workers/checkpointing/training.py`` under DDP: dropout, AdamW, warmup + cosine, a shuffled data
 order with a position, numpy and python-random augmentation, every rank with its own RNG streams. ``save``
 writes an atomic checkpoint (``checkpointing/atomic.py``) holding every part of ``checkpointing/state.py``:
-rank 0 writes ``model_optim.pt`` (model, optimizer, scheduler, sampler, step, config: replicated under DDP),
-every rank writes its own ``rng_rank_R.pt``. ``--omit rng,sampler`` leaves parts out of what is saved, so the
-resumed run falls back to what a fresh process has (seeds from the start, position 0, warmup from step 0,
-zero Adam moments) and the notebook can watch the curves split.
+rank 0 writes ``model_optim.pt`` (model, optimizer, scheduler, sampler, scaler, step, config: replicated under
+DDP; the scaler too, since every rank sees the same all-reduced inf), every rank writes its own ``rng_rank_R.pt``.
+``--omit rng,sampler`` leaves parts out of what is saved, so the resumed run falls back to what a fresh process
+has (seeds from the start, position 0, warmup from step 0, zero Adam moments, a loss scale back at 65536) and
+the notebook can watch the curves split.
+
+``precision="fp16"`` trains under fp16 autocast with a ``torch.amp.GradScaler`` (``growth_interval=2``: the scale
+doubles until the fp16 backward overflows, and those steps are skipped); each step records the scale it used
+and whether it was skipped.
 """
 from __future__ import annotations
 
@@ -23,12 +29,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from workers.checkpointing import atomic
 from workers.checkpointing.state import capture_training_state, restore_training_state
 from workers.checkpointing.training import (RunConfig, flat_params, make_dataset, make_model, make_optimizer,
-                                            make_sampler, make_scheduler, next_batch, rank_seed, seed_rngs,
-                                            train_step)
+                                            make_sampler, make_scaler, make_scheduler, next_batch, rank_seed,
+                                            seed_rngs, train_step)
 from workers.runtime import entrypoint
 
 MODES = ("straight", "save", "resume")
-OMITTABLE = ("rng", "sampler", "scheduler", "optimizer")
+OMITTABLE = ("rng", "sampler", "scheduler", "optimizer", "scaler")
+PRECISIONS = ("fp32", "fp16")
 SHARED_FILE = "model_optim.pt"
 
 
@@ -36,9 +43,13 @@ def _omit_list(omit: str) -> list[str]:
     return [p.strip() for p in omit.split(",") if p.strip()]
 
 
-def check_params(world_size, mode, steps, save_at, ckpt_dir, omit, global_batch, **_):
+def check_params(world_size, mode, steps, save_at, ckpt_dir, omit, global_batch, precision, growth_interval, **_):
     if mode not in MODES:
         return f"mode={mode!r}: choose one of {', '.join(MODES)}"
+    if precision not in PRECISIONS:
+        return f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}"
+    if growth_interval < 1:
+        return f"growth_interval={growth_interval} must be at least 1 (good steps in a row before the scale grows)"
     if global_batch % world_size:
         return (f"global_batch={global_batch} does not split into {world_size} equal shards: "
                 f"choose a multiple of {world_size}")
@@ -49,12 +60,15 @@ def check_params(world_size, mode, steps, save_at, ckpt_dir, omit, global_batch,
     bad = [p for p in _omit_list(omit) if p not in OMITTABLE]
     if bad:
         return f"omit={omit!r}: the parts that can be left out are {', '.join(OMITTABLE)}"
+    if "scaler" in _omit_list(omit) and precision != "fp16":
+        return "omit='scaler' needs precision='fp16': an fp32 run has no loss scaler to leave out"
     return None
 
 
-def _config(steps, n_samples, global_batch, dropout, lr, warmup_steps, seed) -> RunConfig:
+def _config(steps, n_samples, global_batch, dropout, lr, warmup_steps, seed, precision, growth_interval) -> RunConfig:
     return RunConfig(n_samples=n_samples, global_batch=global_batch, dropout=dropout, lr=lr,
-                     warmup_steps=warmup_steps, total_steps=steps, seed=seed)
+                     warmup_steps=warmup_steps, total_steps=steps, seed=seed, precision=precision,
+                     growth_interval=growth_interval)
 
 
 def _save(ctx, root: str, step: int, state: dict) -> dict:
@@ -101,9 +115,9 @@ def _load(ctx, root: str, cfg: RunConfig) -> tuple[dict, dict]:
 
 def main(ctx, mode: str = "straight", steps: int = 12, save_at: int = 5, ckpt_dir: str = "", omit: str = "",
          seed: int = 0, dropout: float = 0.2, n_samples: int = 64, global_batch: int = 8, lr: float = 3e-3,
-         warmup_steps: int = 3):
+         warmup_steps: int = 3, precision: str = "fp32", growth_interval: int = 2):
     """Train (all of it, the first ``save_at`` steps and save, or resume and finish); return every step's record."""
-    cfg = _config(steps, n_samples, global_batch, dropout, lr, warmup_steps, seed)
+    cfg = _config(steps, n_samples, global_batch, dropout, lr, warmup_steps, seed, precision, growth_interval)
     seed_rngs(rank_seed(cfg, ctx.rank))  # what a fresh process does; a resume then overwrites it from the checkpoint
     data = make_dataset(cfg)
     model = make_model(cfg).to(ctx.device)
@@ -111,22 +125,27 @@ def main(ctx, mode: str = "straight", steps: int = 12, save_at: int = 5, ckpt_di
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     sampler = make_sampler(cfg, ctx.rank, ctx.world_size)
+    scaler = make_scaler(cfg, ctx.device.type)  # None in fp32
 
     out: dict = {"pid": os.getpid(), "mode": mode}
     first, last = 1, (save_at if mode == "save" else steps)
     if mode == "resume":
         state, found = _load(ctx, ckpt_dir, cfg)
-        info = restore_training_state(state, model, optimizer, scheduler, sampler)
+        info = restore_training_state(state, model, optimizer, scheduler, sampler, scaler=scaler)
         first = info["step"] + 1
         out.update(resumed_from=info["step"], restored=info["restored"], checkpoint=os.path.basename(found["path"]),
                    skipped=found["skipped"])
     out["start_weights"] = flat_params(model)  # [P]: after the load, before the first step of this run
 
-    records = {"steps": [], "losses": [], "local_losses": [], "lrs": [], "weights": [], "indices": []}
+    records = {"steps": [], "losses": [], "local_losses": [], "lrs": [], "weights": [], "indices": [], "scales": [],
+               "skipped": []}
     for step in range(first, last + 1):
         batch = next_batch(data, sampler, cfg, ctx.device)
         lr_now = optimizer.param_groups[0]["lr"]
-        loss = train_step(ddp, optimizer, scheduler, batch)
+        scale = scaler.get_scale() if scaler is not None else 1.0  # the loss scale this step's backward uses
+        loss = train_step(ddp, optimizer, scheduler, batch, scaler)
+        records["scales"].append(scale)
+        records["skipped"].append(scaler is not None and scaler.get_scale() < scale)  # backed off: inf, step skipped
         mean = loss.clone() / ctx.world_size
         dist.all_reduce(mean)  # the global loss (equal shards): identical on every rank
         records["steps"].append(step)
@@ -140,12 +159,15 @@ def main(ctx, mode: str = "straight", steps: int = 12, save_at: int = 5, ckpt_di
                local_losses=torch.tensor(records["local_losses"]),
                lrs=torch.tensor(records["lrs"], dtype=torch.float64),
                weights=torch.stack(records["weights"]),  # [n, P]
-               indices=torch.stack(records["indices"]))  # [n, B/world]
+               indices=torch.stack(records["indices"]),  # [n, B/world]
+               scales=records["scales"], skipped=records["skipped"])
+    if scaler is not None:
+        out["scaler_state"] = dict(scaler.state_dict())  # after the last step: what a save here would hold
 
     if mode == "save":
         omitted = _omit_list(omit)
-        state = capture_training_state(model, optimizer, scheduler, sampler, step=save_at, config=cfg.as_dict(),
-                                       omit=omitted)
+        state = capture_training_state(model, optimizer, scheduler, sampler, step=save_at, scaler=scaler,
+                                       config=cfg.as_dict(), omit=omitted)
         out["saved_parts"] = list(state)
         out.update(_save(ctx, ckpt_dir, save_at, state))
     return out

@@ -15,13 +15,14 @@
 #
 # This chapter
 #
-- **Part A** measures the formats (range, spacing, overflow, underflow, rounding) on real tensors, then
-  trains with fp16 autocast and a real `GradScaler` on real ranks, injects an inf, and shows why fp32
-  master weights are needed when parameters are bf16;
-- **Part B** proves a resume **bit for bit** across new processes, then drops one piece of state at a time
-  and watches the runs split; saves a sharded checkpoint with `torch.distributed.checkpoint` at world 2 and
-  loads it at world 1; kills a save midway and shows which writers survive that;
-- **Part C** derives how often to checkpoint (Young, Daly) with the failure rate Llama 3 published.
+# - **Part A** measures the formats (range, spacing, overflow, underflow, rounding) on real tensors, then
+#   trains with fp16 autocast and a real `GradScaler` on real ranks, injects an inf, and shows why fp32
+#   master weights are needed when parameters are bf16;
+# - **Part B** proves a resume **bit for bit** across new processes, then drops one piece of state at a time
+#   (the loss scaler of an fp16 run included) and watches the runs split; saves a sharded checkpoint with
+#   `torch.distributed.checkpoint` at world 2 and loads it at world 1; kills a save midway and shows which
+#   writers survive that;
+# - **Part C** derives how often to checkpoint (Young, Daly) with the failure rate Llama 3 published.
 #
 # Everything runs on this machine's CPU with gloo; timings are CPU timings and say so.
 
@@ -321,14 +322,15 @@ live_master
 # | scheduler | `last_epoch`: where in warmup + cosine we are | the warmup runs again |
 # | data / sampler | epoch and position in the shuffled order | the first batches are read twice, others never |
 # | every RNG | python `random`, numpy, torch CPU, each GPU's; **per rank** | other dropout masks, other augmentation noise |
-# | loss scaler | fp16's scale and its growth counter | the scale restarts at 65536: skipped steps |
+# | loss scaler | fp16's scale and its count of good steps | the scale restarts at 65536: other steps overflow and are skipped |
 # | step, config | the step count, every hyperparameter | a resumed run with other settings is another run |
 #
 # The run we checkpoint (`workers/checkpointing/training.py`) has one of each: a two-layer MLP with dropout,
 # AdamW, a warmup + cosine `LambdaLR`, a seeded shuffled data order with a position
-# (`workers/checkpointing/sampler.py`), and augmentation that draws from numpy (input noise) and from python's
-# `random` (one feature zeroed per step), as real data pipelines do. Under DDP each rank seeds its streams
-# with `seed + 1000 * rank`: ranks must draw *different* masks, so every rank's RNG state is its own.
+# (`workers/checkpointing/sampler.py`), augmentation that draws from numpy (input noise) and from python's
+# `random` (one feature zeroed per step), as real data pipelines do, and, with `precision="fp16"`, fp16
+# autocast with a `torch.amp.GradScaler` (B3). Under DDP each rank seeds its streams with
+# `seed + 1000 * rank`: ranks must draw *different* masks, so every rank's RNG state is its own.
 #
 # The checkpoints go to `build/scratch/08_checkpoints/`, emptied each time the next cell runs, so reruns
 # replace them instead of piling up (the async-save experiment below writes about 100 MB):
@@ -424,7 +426,53 @@ plots.savefig(ch08.ckpt_draw_resume(straight, runs, save_at=RESUME["save_at"]), 
 # The differences are small here (a tiny model, 12 steps), but they are not rounding: they are another
 # training run. On a real model they compound; "the loss curve has a kink at every restart" is this.
 #
-# ### B3. Sharded checkpoints: torch.distributed.checkpoint (DCP)
+# ### B3. The loss scaler of an fp16 run
+#
+# The runs above are fp32: there is no loss scale to lose. With `precision="fp16"` the same run trains under
+# fp16 autocast with a real `torch.amp.GradScaler` (A6), here with `growth_interval=2` (the default is 2000)
+# so that within 12 steps the scale grows until the fp16 backward really overflows, and those steps are
+# skipped on both ranks. The checkpoint now also holds `scaler.state_dict()`: the scale and the count of good
+# steps since it last changed (in `model_optim.pt`: every rank has the same scaler, since the inf is
+# all-reduced). Same three runs, then once more with `omit="scaler"`.
+#
+# **Predict**: without the scaler, the resumed run's first step uses a fresh scaler's 65536. Does a different
+# scale alone change the weights? (Multiplying by a power of two and dividing back again is exact in floating
+# point, unless something overflows or underflows.) From which step do the runs split?
+
+# %%
+FP16 = {**RESUME, "precision": "fp16"}  # fp16 autocast + GradScaler(growth_interval=2)
+straight16 = cu.run("workers.ch08_resume", world_size=2, mode="straight", **FP16)
+runs16 = {}
+for label, omit, warm in (("everything", "", False), ("without scaler", "scaler", True)):
+    where = ckpt_dir("fp16_" + (omit or "full"))
+    s = cu.run("workers.ch08_resume", world_size=2, mode="save", ckpt_dir=where, omit=omit, **FP16)
+    r = cu.run("workers.ch08_resume", world_size=2, mode="resume", ckpt_dir=where, warm=warm, **FP16)
+    runs16[label] = (s, r)
+print("saved:", runs16["everything"][0][0]["saved_parts"], "| restored:", runs16["everything"][1][0]["restored"])
+print(ch08.ckpt_scale_table(straight16, runs16, save_at=RESUME["save_at"]))
+for label, (s, r) in runs16.items():
+    c = ch08.ckpt_compare(straight16, s, r)
+    first = c["ranks"][0]
+    print(f"{label:>14}: " + ("bit-identical to the straight run on every rank" if c["bitwise"] else
+                              f"weights differ from step {first['first_weight_diff_step']}, loss from step "
+                              f"{first['first_loss_diff_step']} (max |loss diff| {first['max_loss_diff']:.1e})"))
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch08.ckpt_draw_scaler(straight16, runs16, save_at=RESUME["save_at"]), "08_resume_scaler");
+
+# %% [markdown]
+# With the scaler in the checkpoint the fp16 run resumes bit for bit too, new processes and all, skipped
+# steps included. Without it the scale starts again at 65536 (and its count of good steps at 0). The
+# straight run's step 6, at 131072, overflowed and was skipped; the resumed run's step 6, at 65536, did not
+# overflow, so it took an optimizer step the straight run never took, and the weights differ from that step
+# on. A different scale alone would have changed nothing: the skips are what the lost scaler changes.
+# (`tests/test_ch08_checkpoint.py` checks this at world 1, where the first resumed step runs at 65536
+# instead of 262144 with bit-identical weights, and the runs split at the first step only one of them skips.)
+# With the default `growth_interval=2000` the same holds on a longer clock: a restart that forgets the scaler
+# puts the scale back at 65536 and its count at 0, so it grows, overflows and skips on another schedule than
+# the run it claims to continue.
+#
+# ### B4. Sharded checkpoints: torch.distributed.checkpoint (DCP)
 #
 # With FSDP or ZeRO-3 no rank holds the full model, and gathering it on rank 0 to `torch.save` it costs the
 # whole model in one rank's memory and one rank's write bandwidth. DCP has each rank write **only its shard**,
@@ -454,7 +502,7 @@ print(f"{len(dcp_cmp['equal'])} tensors (weights, biases, exp_avg, exp_avg_sq, s
       f"world-2 -> world-1 load: {dcp_cmp['all_equal']}")
 
 # %% [markdown]
-# ### B4. Async save: how long does training wait?
+# ### B5. Async save: how long does training wait?
 #
 # `dcp.save` blocks until every byte is written. `dcp.async_save` first **stages** the state (copies it to
 # host memory; on a GPU this is the device-to-host copy), returns a `Future`, and writes from a background
@@ -469,12 +517,15 @@ print(f"{len(dcp_cmp['equal'])} tensors (weights, biases, exp_avg, exp_avg_sq, s
 # %% tags=["nbval-ignore-output"]
 timing = cu.run("workers.ch08_dcp", world_size=2, part="async", ckpt_dir=ckpt_dir("dcp_async"), width=1024,
                 layers=4, repeats=3, timeout=180)
-for k, v in timing[0]["timings_s"].items():
+print("per save, the slowest of the 2 ranks (as in the figure):")
+for k, v in ch08.ckpt_async_times(timing).items():
     print(f"{k:>14}: " + ", ".join(f"{t * 1e3:.0f} ms" for t in v))
 print(plots.CPU_NOTE)
 plots.savefig(ch08.ckpt_draw_async(timing), "08_async_save");
 
 # %%
+pending = [all(p) and not any(m) for p, m in zip(timing.gather("pending_at_return"), timing.gather("metadata_at_return"))]
+print("every async_save returned before its checkpoint was durable (Future pending, no .metadata yet):", all(pending))
 print("async checkpoint holds the staged (pre-change) weights on every rank:", all(timing.gather("snapshot_ok")))
 
 # %% [markdown]
@@ -482,7 +533,7 @@ print("async checkpoint holds the staged (pre-change) weights on every rank:", a
 # itself overlaps the next steps. The price: host memory for a second copy of the state, and a checkpoint
 # that is not durable until the `Future` completes; never start the next save (or exit) before it has.
 #
-# ### B5. A save killed midway
+# ### B6. A save killed midway
 #
 # Saves die: the node is preempted, the OOM killer fires, the disk fills. The naive save,
 # `torch.save(state, "ckpt/model.pt")`, opens the final name with `O_TRUNC`: from that moment the old
@@ -503,7 +554,8 @@ print(ch08.ckpt_scan_table(scan_naive))
 # %% [markdown]
 # The newest directory holds a whole `model.pt` and a truncated `optimizer.pt` that does not even load:
 # "failed finding central directory" (a `torch.save` file is a zip archive whose index is written last). The
-# atomic loader trusts neither directory: neither has a manifest. That failure is at least loud. Worse is the
+# atomic loader trusts neither directory: the naive writer never commits with a manifest, so even the complete
+# `step_00000001/` cannot be told from a torn one. That failure is at least loud. Worse is the
 # common "save over `latest/` in place": killed right after `model.pt` is complete,
 
 # %%
@@ -551,16 +603,17 @@ print(f"atomic loader picks {pick['name']}: every file loads, all from step {pic
 #
 # ### Exercise 3: the training state
 #
-# Write `training_state(model, optimizer, scheduler, sampler)` returning a dict with everything needed to
-# resume bit for bit, as `{"model": ..., "optimizer": ..., "scheduler": ..., "sampler": ..., "rng": {...}}`
-# where `rng` holds `"torch"`, `"numpy"`, `"python"` (and `"cuda"` on a GPU). The checker, on 1 and 2 ranks
-# under DDP, trains 3 steps, calls your function, `torch.save`s the result, throws every object away, builds
-# new ones from another seed, re-seeds every RNG elsewhere, loads your state with the course's own restore
-# (`model.load_state_dict(state["model"])` and so on), trains on, and compares every batch, dropout mask,
-# noise draw, learning rate and weight with an uninterrupted run. Imports go inside the function.
+# Write `training_state(model, optimizer, scheduler, sampler, scaler)` returning a dict with everything needed
+# to resume bit for bit, as `{"model": ..., "optimizer": ..., "scheduler": ..., "sampler": ..., "scaler": ...,
+# "rng": {...}}` where `rng` holds `"torch"`, `"numpy"`, `"python"` (and `"cuda"` on a GPU). The checker, on 1
+# and 2 ranks under DDP, trains an fp16 run like B3's (autocast and a `GradScaler`) for 3 steps, calls your
+# function, `torch.save`s the result, throws every object away, builds new ones from another seed, re-seeds
+# every RNG elsewhere, loads your state with the course's own restore (`model.load_state_dict(state["model"])`
+# and so on), trains on, and compares every batch, dropout mask, noise draw, learning rate, loss scale and
+# weight with an uninterrupted run. Imports go inside the function.
 
 # %% tags=["exercise"]
-def training_state(model, optimizer, scheduler, sampler):
+def training_state(model, optimizer, scheduler, sampler, scaler):
     raise NotImplementedError
 
 
@@ -609,14 +662,17 @@ check("atomic_save", atomic_save)
 # Where does $M$ come from? A job stops when *any* of its GPUs fails, so failure rates add:
 # $M_\text{job} = M_\text{GPU} / N$. Llama 3's 405B pre-training saw **419 unexpected interruptions in a
 # 54-day snapshot** on up to 16,384 H100s (Dubey et al. 2024, *The Llama 3 Herd of Models*, section 3.3.4,
-# Table 5). *Predict:* what is the job's MTBF, and how often should a 2-minute checkpoint be written?
+# Table 5). That count is every cause: GPUs and their memory account for 58.7% of it, the rest is software,
+# network and hosts. Spread over the GPUs it gives a failure rate *per GPU, any cause*, which is what
+# $M_\text{GPU}$ means below. *Predict:* what is the job's MTBF, and how often should a 2-minute checkpoint
+# be written?
 
 # %%
 from course_utils import checkpoint_interval as ci
 
 M = ci.llama3_job_mtbf()
 print(f"Llama 3: a failure every {M / 3600:.2f} h of the job "
-      f"= one per GPU every {M * ci.LLAMA3_GPUS / (365 * 86400):.1f} years")
+      f"= one per GPU, any cause, every {M * ci.LLAMA3_GPUS / (365 * 86400):.1f} years")
 for delta in (30.0, 120.0, 600.0):
     print(f"checkpoint {delta / 60:4.1f} min: Young every {ci.young_interval(delta, M) / 60:5.1f} min, "
           f"Daly every {ci.daly_interval(delta, M) / 60:5.1f} min, "

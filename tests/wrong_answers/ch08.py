@@ -52,50 +52,65 @@ def update_scale_keeps_count(scale, found_inf, good_steps, growth_factor=2.0, ba
 
 # -- checkpointing -----------------------------------------------------------------------------------------
 
-def training_state_no_rng(model, optimizer, scheduler, sampler):
-    # Weights, optimizer, schedule and data position, but no RNG: the resumed run draws other dropout masks.
+def training_state_no_rng(model, optimizer, scheduler, sampler, scaler):
+    # Weights, optimizer, schedule, data position and loss scale, but no RNG: the resumed run draws other masks.
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "sampler": sampler.state_dict()}
+            "sampler": sampler.state_dict(), "scaler": scaler.state_dict()}
 
 
-def training_state_torch_rng_only(model, optimizer, scheduler, sampler):
+def training_state_torch_rng_only(model, optimizer, scheduler, sampler, scaler):
     # torch's generator only: dropout matches, but the augmentation draws from numpy and python's random too.
     import torch
 
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "sampler": sampler.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+            "sampler": sampler.state_dict(), "scaler": scaler.state_dict(), "rng": {"torch": torch.get_rng_state()}}
 
 
-def training_state_no_scheduler(model, optimizer, scheduler, sampler):
+def training_state_no_scheduler(model, optimizer, scheduler, sampler, scaler):
     import random
 
     import numpy as np
     import torch
 
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+            "scaler": scaler.state_dict(), "rng": rng}
 
 
-def training_state_no_sampler(model, optimizer, scheduler, sampler):
+def training_state_no_sampler(model, optimizer, scheduler, sampler, scaler):
     # The data order restarts at position 0: the first batches are read twice.
     import random
 
     import numpy as np
     import torch
 
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+            "scaler": scaler.state_dict(), "rng": rng}
 
 
-def training_state_no_optimizer(model, optimizer, scheduler, sampler):
+def training_state_no_optimizer(model, optimizer, scheduler, sampler, scaler):
     # "The weights are the model": AdamW's moments restart at zero.
     import random
 
     import numpy as np
     import torch
 
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     return {"model": model.state_dict(), "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+            "scaler": scaler.state_dict(), "rng": rng}
+
+
+def training_state_no_scaler(model, optimizer, scheduler, sampler, scaler):
+    # "The scaler is not training state": the loss scale restarts at 65536, other steps overflow and are skipped.
+    import random
+
+    import numpy as np
+    import torch
+
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "sampler": sampler.state_dict(), "rng": rng}
 
 
 def atomic_save_direct(obj, path):
@@ -208,6 +223,7 @@ WRONG = [
     ("training_state", training_state_no_scheduler, "the scheduler's position was not restored"),
     ("training_state", training_state_no_sampler, "the sampler's position was not restored"),
     ("training_state", training_state_no_optimizer, "AdamW's moments"),
+    ("training_state", training_state_no_scaler, "Save scaler.state_dict()"),
     ("atomic_save", atomic_save_direct, "a crash midway left a truncated file at path"),
     ("atomic_save", atomic_save_copy_over, "copied the new checkpoint over the old file"),
     ("atomic_save", atomic_save_remove_first, "deleted the old checkpoint before the new one was in place"),

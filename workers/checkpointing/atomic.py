@@ -104,7 +104,7 @@ def read_manifest(ckpt_dir: str) -> dict | None:
 def verify_checkpoint(ckpt_dir: str, check_hashes: bool = True) -> str | None:
     """None if ``ckpt_dir`` is a complete checkpoint, else the reason (one sentence) it is not."""
     if not os.path.exists(os.path.join(ckpt_dir, MANIFEST)):
-        return f"no {MANIFEST}: the save never finished"
+        return f"no {MANIFEST}: not committed by the atomic writer, so it cannot be trusted"
     manifest = read_manifest(ckpt_dir)
     if manifest is None or "files" not in manifest:
         return f"{MANIFEST} is unreadable"
@@ -187,13 +187,3 @@ def save_checkpoint(root: str, step: int, files: dict, extra: dict | None = None
         atomic_torch_save(obj, os.path.join(staging, name), fault)
     return commit(root, step, extra)
 
-
-def prune(root: str, keep_last: int) -> list[str]:
-    """Delete all but the newest ``keep_last`` complete checkpoints (only ever after a commit), and stale staging."""
-    entries = scan(root, check_hashes=False)
-    valid = sorted((e for e in entries if e["valid"]), key=lambda e: e["step"])
-    doomed = [e["name"] for e in valid[:-keep_last]] if keep_last > 0 else []
-    doomed += [e["name"] for e in entries if e["name"].startswith(STAGING_PREFIX)]
-    for name in doomed:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return doomed

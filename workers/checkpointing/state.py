@@ -1,17 +1,18 @@
 """What a checkpoint must hold to resume bit for bit, and how to put it back.
 
-    state = capture_training_state(model, optimizer, scheduler, sampler, step=k, config=cfg.as_dict())
+    state = capture_training_state(model, optimizer, scheduler, sampler, step=k, scaler=scaler, config=cfg.as_dict())
     ...                                       # torch.save it (atomically: see atomic.py), new process, torch.load
-    step = restore_training_state(state, model, optimizer, scheduler, sampler)["step"]
+    step = restore_training_state(state, model, optimizer, scheduler, sampler, scaler=scaler)["step"]
 
-The parts, and what goes wrong without each (chapter 08 measures every one):
+The parts, and what goes wrong without each (chapter 08 leaves out optimizer, scheduler, sampler, rng and, in
+its fp16 run, scaler, and measures where the resumed run splits; a config that differs is refused):
 
     model      the weights                              -> training starts again from the initialisation
     optimizer  AdamW's exp_avg, exp_avg_sq and step     -> moments restart at zero, bias correction restarts
     scheduler  last_epoch (the position in the schedule) -> the warmup runs again, the lr jumps
     sampler    epoch and position in the data order     -> the first batches are read twice, others never
     rng        python, numpy, torch CPU and GPU states  -> other dropout masks and augmentation noise
-    scaler     the loss scale and its growth tracker    -> fp16: scale back at 65536, overflow-skipped steps
+    scaler     the loss scale and its growth tracker    -> fp16: scale back at 65536, other steps overflow-skipped
     step       the optimizer step count                 -> logging, schedules and checkpoint names drift
     config     every hyperparameter                     -> a resumed run with other settings is another run
 

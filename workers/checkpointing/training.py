@@ -7,7 +7,10 @@ Everything a real run has that a checkpoint must carry is here, in miniature:
 - a **warmup + cosine** ``LambdaLR``, whose position lives in the scheduler;
 - a **shuffled data order** with a position (``sampler.ShuffledSampler``);
 - **augmentation** that draws from numpy (Gaussian input noise) and from python's ``random`` (one input
-  feature zeroed per step), as data pipelines do: three RNG streams besides torch's, one per library.
+  feature zeroed per step), as data pipelines do: three RNG streams besides torch's, one per library;
+- with ``precision="fp16"``: **fp16 autocast and a** ``torch.amp.GradScaler``, whose loss scale and count of
+  good steps live in the scaler. ``growth_interval=2`` (GradScaler's default is 2000) lets the scale grow
+  until the fp16 backward overflows within a 12-step run, so some steps are really skipped.
 
 Each rank seeds its streams with ``seed + 1000 * rank``: ranks must draw *different* dropout masks and noise
 (or data parallelism would repeat the same noise n times), so every rank's RNG state is its own, and a
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -40,6 +44,9 @@ class RunConfig:
     warmup_steps: int = 3
     total_steps: int = 12  # the cosine's length: part of the config a resumed run must agree on
     seed: int = 0
+    precision: str = "fp32"  # or "fp16": autocast + GradScaler
+    init_scale: float = 65536.0  # GradScaler's default initial loss scale, 2^16
+    growth_interval: int = 2  # good steps in a row before the scale doubles (GradScaler's default: 2000)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,6 +97,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> torch.op
         optimizer, lambda step: lr_factor(step, cfg.warmup_steps, cfg.total_steps))
 
 
+def make_scaler(cfg: RunConfig, device_type: str = "cpu") -> torch.amp.GradScaler | None:
+    """The loss scaler of an fp16 run (None in fp32: nothing to scale, nothing to save)."""
+    if cfg.precision == "fp32":
+        return None
+    if cfg.precision != "fp16":
+        raise ValueError(f"precision={cfg.precision!r}: choose 'fp32' or 'fp16'")
+    return torch.amp.GradScaler(device_type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+
+
 def make_sampler(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> ShuffledSampler:
     return ShuffledSampler(cfg.n_samples, cfg.global_batch, seed=cfg.seed, rank=rank, world_size=world_size)
 
@@ -121,13 +137,28 @@ def next_batch(data, sampler: ShuffledSampler, cfg: RunConfig, device) -> dict:
     return {"indices": idx, "dropped": dropped, "x": x.to(device), "y": data[1][idx].to(device)}
 
 
-def train_step(model: nn.Module, optimizer, scheduler, batch: dict) -> torch.Tensor:
-    """One AdamW step on ``batch`` (model may be DDP-wrapped); the scheduler steps after the optimizer."""
+def train_step(model: nn.Module, optimizer, scheduler, batch: dict, scaler=None) -> torch.Tensor:
+    """One AdamW step on ``batch`` (model may be DDP-wrapped); the scheduler steps after the optimizer.
+
+    With a ``scaler``: the forward under fp16 autocast, the backward of ``loss * scale``, and ``scaler.step``,
+    which skips the optimizer step when a gradient is inf or NaN (on every rank: DDP all-reduced the inf). The
+    scheduler steps either way, as most training loops do.
+    """
     optimizer.zero_grad(set_to_none=True)
-    loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])  # mean over this rank's B/n rows
-    loss.backward()  # DDP averages the gradients here
-    optimizer.step()
-    scheduler.step()
+    if scaler is None:
+        loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])  # mean over this rank's B/n rows
+        loss.backward()  # DDP averages the gradients here
+        optimizer.step()
+    else:
+        with torch.autocast(batch["x"].device.type, dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])  # matmuls in fp16, mse_loss in fp32
+        scaler.scale(loss).backward()  # fp16 backward of loss * scale; DDP averages the fp32 .grad
+        scaler.step(optimizer)  # unscales; skips optimizer.step() if any gradient is inf/NaN
+        scaler.update()  # inf: scale * 0.5; growth_interval good steps in a row: scale * 2
+    with warnings.catch_warnings():
+        # a skipped *first* step makes LambdaLR warn that it stepped before the optimizer did: that is the point
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        scheduler.step()
     return loss.detach()
 
 

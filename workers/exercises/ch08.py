@@ -1,14 +1,15 @@
 """Rank-side checks for chapter 08's checkpointing exercises, on real ranks.
 
-``training_state(model, optimizer, scheduler, sampler) -> dict``: the learner captures the training state; the
-checker restores it with the course's own ``restore_training_state`` (keys ``model``, ``optimizer``,
-``scheduler``, ``sampler``, and ``rng`` holding ``torch``, ``numpy``, ``python`` and on a GPU ``cuda``). Every
-rank trains the chapter's run (``checkpointing/training.py``, under DDP) straight for N steps; then again for
-K steps, captures, serialises with ``torch.save`` (what a checkpoint is), *scrambles everything* (new model
-initialised from another seed, new optimizer, scheduler and sampler, every RNG re-seeded elsewhere, as in a
-new process), loads and restores, and trains the N - K remaining steps. Everything must match the straight run
-bit for bit; the first difference names the part that was missed: weights after the restore (model), AdamW's
-state (optimizer), the batch read (sampler), dropout masks / numpy noise / python's random choice (the RNG
+``training_state(model, optimizer, scheduler, sampler, scaler) -> dict``: the learner captures the training
+state; the checker restores it with the course's own ``restore_training_state`` (keys ``model``, ``optimizer``,
+``scheduler``, ``sampler``, ``scaler``, and ``rng`` holding ``torch``, ``numpy``, ``python`` and on a GPU
+``cuda``). Every rank trains the chapter's run (``checkpointing/training.py``, under DDP, fp16 autocast with a
+``GradScaler``) straight for N steps; then again for K steps, captures, serialises with ``torch.save`` (what a
+checkpoint is), *scrambles everything* (new model initialised from another seed, new optimizer, scheduler,
+sampler and scaler, every RNG re-seeded elsewhere, as in a new process), loads and restores, and trains the
+N - K remaining steps. Everything must match the straight run bit for bit; the first difference names the part
+that was missed: weights after the restore (model), AdamW's state (optimizer), the loss scale and its count of
+good steps (scaler), the batch read (sampler), dropout masks / numpy noise / python's random choice (the RNG
 streams), the learning rate (scheduler), the weights after a step.
 
 ``atomic_save(obj, path)``: three stages, each on a fresh directory. (1) A save over an old checkpoint fails
@@ -33,12 +34,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from workers.checkpointing.faults import watch_file_ops, writes_fail_beyond
 from workers.checkpointing.state import restore_training_state
 from workers.checkpointing.training import (RunConfig, flat_params, make_dataset, make_model, make_optimizer,
-                                            make_sampler, make_scheduler, next_batch, rank_seed, seed_rngs,
-                                            train_step)
+                                            make_sampler, make_scaler, make_scheduler, next_batch, rank_seed,
+                                            seed_rngs, train_step)
 from workers.exercise_support import Wrong, agree, run_exercise
 
 # 4 steps per epoch (an epoch boundary after step 4), warmup to step 4, save after step 3: every part matters.
-CFG = RunConfig(n_samples=32, global_batch=8, warmup_steps=4, total_steps=8)
+# fp16 with growth_interval=2: the scale has grown by the save (131072 after step 3), and a real overflow-skipped
+# step follows it (step 4 at world 2, step 6 at world 1), so a scaler left out changes what the resumed run does.
+CFG = RunConfig(n_samples=32, global_batch=8, warmup_steps=4, total_steps=8, precision="fp16")
 SAVE_AT = 3
 
 
@@ -49,7 +52,7 @@ def _build(ctx, init_seed: int):
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
     optimizer = make_optimizer(model, CFG)
     return {"model": model, "ddp": ddp, "optimizer": optimizer, "scheduler": make_scheduler(optimizer, CFG),
-            "sampler": make_sampler(CFG, ctx.rank, ctx.world_size)}
+            "sampler": make_sampler(CFG, ctx.rank, ctx.world_size), "scaler": make_scaler(CFG, ctx.device.type)}
 
 
 def _train(ctx, objs, data, first: int, last: int) -> list[dict]:
@@ -59,10 +62,10 @@ def _train(ctx, objs, data, first: int, last: int) -> list[dict]:
     try:
         for step in range(first, last + 1):
             batch = next_batch(data, objs["sampler"], CFG, ctx.device)
-            lr = objs["optimizer"].param_groups[0]["lr"]
-            loss = train_step(objs["ddp"], objs["optimizer"], objs["scheduler"], batch)
+            lr, scale = objs["optimizer"].param_groups[0]["lr"], objs["scaler"].get_scale()
+            loss = train_step(objs["ddp"], objs["optimizer"], objs["scheduler"], batch, objs["scaler"])
             records.append({"step": step, "indices": batch["indices"], "dropped": batch["dropped"],
-                            "x": batch["x"].cpu(), "mask": masks[-1], "lr": lr, "loss": loss.cpu(),
+                            "x": batch["x"].cpu(), "mask": masks[-1], "lr": lr, "scale": scale, "loss": loss.cpu(),
                             "weights": flat_params(objs["model"])})
     finally:
         hook.remove()
@@ -90,6 +93,9 @@ def _first_difference(got: dict, want: dict) -> None:
         raise Wrong(f"dropout masks differ from step {s} on{also}: torch's RNG state was not restored; {fix}")
     if others:
         raise Wrong(f"{' and '.join(others)} differ from step {s} on (dropout masks match): {fix}")
+    if got["scale"] != want["scale"]:
+        raise Wrong(f"the loss scale at step {s} is {got['scale']:g}, the uninterrupted run's {want['scale']:g}: the "
+                    "scaler's state was not restored. Save scaler.state_dict() as state['scaler']")
     if got["lr"] != want["lr"]:
         raise Wrong(f"the learning rate at step {s} is {got['lr']:.4g}, the uninterrupted run's {want['lr']:.4g}: the "
                     "scheduler's position was not restored (the warmup started again). Save scheduler.state_dict()")
@@ -109,13 +115,14 @@ def check_training_state(ctx, answer) -> None:
     objs = _build(ctx, CFG.seed)
     _train(ctx, objs, data, 1, SAVE_AT)
     saved_optimizer = [t.clone() for t in _optimizer_tensors(objs["optimizer"])]
-    state = answer(objs["model"], objs["optimizer"], objs["scheduler"], objs["sampler"])
+    saved_scaler = dict(objs["scaler"].state_dict())
+    state = answer(objs["model"], objs["optimizer"], objs["scheduler"], objs["sampler"], objs["scaler"])
     box = {}
 
     def serialised():
         if not isinstance(state, dict):
             raise Wrong(f"training_state must return a dict (keys 'model', 'optimizer', 'scheduler', 'sampler', "
-                        f"'rng'), not {type(state).__name__}")
+                        f"'scaler', 'rng'), not {type(state).__name__}")
         try:
             torch.save(state, buf := io.BytesIO())
         except Exception as exc:  # noqa: BLE001 - the learner's object could not be written
@@ -132,11 +139,12 @@ def check_training_state(ctx, answer) -> None:
     def restored():
         loaded = torch.load(io.BytesIO(box["blob"]), weights_only=False)  # the learner's own checkpoint
         try:
-            restore_training_state(loaded, fresh["model"], fresh["optimizer"], fresh["scheduler"], fresh["sampler"])
+            restore_training_state(loaded, fresh["model"], fresh["optimizer"], fresh["scheduler"], fresh["sampler"],
+                                   scaler=fresh["scaler"])
         except Exception as exc:  # noqa: BLE001 - a malformed state is the learner's to fix
             raise Wrong(f"restoring your state failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): the "
                         "checker calls model.load_state_dict(state['model']) and likewise for 'optimizer', "
-                        "'scheduler' and 'sampler', and sets each RNG in state['rng']") from None
+                        "'scheduler', 'sampler' and 'scaler', and sets each RNG in state['rng']") from None
         if not torch.equal(flat_params(fresh["model"]), want[SAVE_AT - 1]["weights"]):
             raise Wrong("after the restore the model's weights are not the saved ones: save model.state_dict() as "
                         "state['model']")
@@ -144,6 +152,12 @@ def check_training_state(ctx, answer) -> None:
         if len(now) != len(saved_optimizer) or not all(torch.equal(a, b) for a, b in zip(now, saved_optimizer)):
             raise Wrong("after the restore AdamW's moments (exp_avg, exp_avg_sq) and step counts are not the saved "
                         "ones: the next update would be another one. Save optimizer.state_dict() as state['optimizer']")
+        now = fresh["scaler"].state_dict()
+        if (now["scale"], now["_growth_tracker"]) != (saved_scaler["scale"], saved_scaler["_growth_tracker"]):
+            raise Wrong(f"after the restore the loss scale is {now['scale']:g} with {now['_growth_tracker']} good steps "
+                        f"counted (a fresh GradScaler's), the saved run's was {saved_scaler['scale']:g} with "
+                        f"{saved_scaler['_growth_tracker']}: the scale would grow, overflow and skip at other steps. Save "
+                        "scaler.state_dict() as state['scaler']")
     agree(restored)
 
     got = _train(ctx, fresh, data, SAVE_AT + 1, CFG.total_steps)
