@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(PYTEST) -q
 	$(PY) -m course_utils.notebooks check
 	$(PY) -m course_utils.notebooks execute --out $(NB_OUT) --timeout 600
-	$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
+	COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-figures $(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
 
 # A learner's session in a real browser: make lab, chapter 05 run from the menu, its widget used, a kernel

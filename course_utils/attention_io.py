@@ -33,8 +33,9 @@ inner over Q blocks, O and the statistics read and written once per K/V block), 
 B_c = ceil(M / 4d), B_r = min(B_c, d) from an SRAM of M elements, to show the theorem's formula directly.
 
 Memory: naive holds the N x N scores (and the probabilities: both exist while softmax runs), O(N^2) per head;
-tiled holds the output and one LSE per row, O(N). On one H200 (see ``shared/reference``), SDPA's flash backend
-peaked at 32.5 MiB for B=2, H=16, N=4096, d=128 in bf16: exactly O (32 MiB) + LSE (0.5 MiB) as modelled here.
+tiled holds the output and one LSE per row, O(N). That is a lower bound on what a real kernel allocates: on one
+H200 (see ``shared/reference``) SDPA's flash backend peaked at 32.5 MiB for B=2, H=16, N=4096, d=128 in bf16,
+O (32 MiB) + LSE (0.5 MiB), but its peaks at other lengths do not follow O + LSE (chapter 07 shows them).
 """
 from __future__ import annotations
 
@@ -180,20 +181,3 @@ def attention_flops(n: int, d: int, batch: int = 1, heads: int = 1, causal: bool
     if causal:
         flops /= 2
     return flops * 3.5 if backward else flops
-
-
-def io_table(ns, d: int = 128, block_q: int = 128, batch: int = 1, heads: int = 1, bytes_per_element: int = 2,
-             causal: bool = False) -> list[dict]:
-    """One row per N: naive, tiled and compulsory HBM bytes, FLOPs, arithmetic intensity, peak extra memory."""
-    rows = []
-    for n in ns:
-        naive = naive_attention_hbm_bytes(n, d, batch, heads, bytes_per_element)
-        tiled = tiled_attention_hbm_bytes(n, d, block_q, batch, heads, bytes_per_element, causal)
-        flops = attention_flops(n, d, batch, heads, causal)
-        rows.append({"n": n, "d": d, "block_q": block_q, "naive_bytes": naive, "tiled_bytes": tiled,
-                     "compulsory_bytes": compulsory_attention_hbm_bytes(n, d, batch, heads, bytes_per_element),
-                     "naive_over_tiled": naive / tiled, "flops": flops,
-                     "naive_flop_per_byte": flops / naive, "tiled_flop_per_byte": flops / tiled,
-                     "naive_peak_bytes": attention_peak_extra_bytes(n, d, batch, heads, bytes_per_element, "naive"),
-                     "tiled_peak_bytes": attention_peak_extra_bytes(n, d, batch, heads, bytes_per_element, "tiled")})
-    return rows

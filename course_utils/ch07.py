@@ -37,16 +37,11 @@ _REFERENCE_BACKENDS = {"math": "sdpa_math", "efficient": "sdpa_efficient", "flas
 
 
 def save_and_show(fig, name: str):
-    """``plots.savefig`` the figure, close it, and return the saved PNG for display: the figure is rendered
+    """``plots.savefig``: in a notebook it shows the saved PNG and closes the figure, so the figure is rendered
     once for the file and not a second time for the notebook (rendering dominates this chapter's CPU time)."""
-    import matplotlib.pyplot as plt
-    from IPython.display import Image
-
     from course_utils import plots
 
     plots.savefig(fig, name)
-    plt.close(fig)
-    return Image(filename=str(plots.FIGURES / f"{name}.png"))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ fresh kernel, in place (``make notebooks``) or into another folder (CI), and pri
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     sync(a.names)
     FIGURES.mkdir(exist_ok=True)
+    if a.out:  # a run that does not write the notebook back must not rewrite the committed figures either
+        os.environ["COURSE_FIGURES_DIR"] = str((a.out / "figures").resolve())
     failed = 0
     for src in sources():
         if a.names and src.stem not in a.names:

@@ -1,20 +1,45 @@
-"""Figures: one style for the course, saved next to the notebooks so headless runs regenerate them."""
+"""Figures: one style for the course, saved next to the notebooks so headless runs regenerate them.
+
+``savefig`` writes ``notebooks/figures/<name>.png`` (the committed copy, what README and GitHub readers see)
+and, inside a notebook, shows that PNG inline, so the stored notebook carries every figure too. Runs that do
+not write the notebook back (CI's ``execute --out``, nbval) set ``COURSE_FIGURES_DIR`` to a build folder, so
+they never overwrite the committed figures with a run whose printed outputs are not the committed ones.
+"""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import matplotlib
 
-FIGURES = Path(__file__).resolve().parent.parent / "notebooks" / "figures"
+FIGURES = Path(os.environ.get("COURSE_FIGURES_DIR") or Path(__file__).resolve().parent.parent / "notebooks" / "figures")
 CPU_NOTE = "measured on this machine's CPU (gloo): not GPU numbers"
 CPU_NOTE_LOCAL = "measured on this machine's CPU, one process: not GPU numbers"
 
 
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
 def savefig(fig, name: str):
-    """Save ``fig`` as notebooks/figures/<name>.png and return it (so it also shows inline)."""
+    """Save ``fig`` as <figures>/<name>.png. In a notebook, show that PNG inline and close the figure (rendered
+    once, shown once, whatever the backend; returns None); elsewhere return ``fig``."""
     FIGURES.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURES / f"{name}.png", dpi=110, bbox_inches="tight")
-    return fig
+    path = FIGURES / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    if not _in_kernel():
+        return fig
+    import matplotlib.pyplot as plt
+    from IPython.display import Image, display
+
+    plt.close(fig)
+    display(Image(data=path.read_bytes(), format="png"))
+    return None
 
 
 def style() -> None:

@@ -89,11 +89,11 @@ def test_flops_convention_matches_the_reference_file():
     assert io.attention_flops(4096, 128, 2, 16, causal=True, backward=True) == flops / 2 * 3.5
 
 
-def test_io_table_rows_and_sram():
-    rows = io.io_table([1024, 2048], d=64, block_q=128)
-    assert [r["n"] for r in rows] == [1024, 2048]
-    assert all(r["naive_bytes"] > r["tiled_bytes"] > r["compulsory_bytes"] for r in rows)
-    assert all(r["naive_peak_bytes"] > r["tiled_peak_bytes"] for r in rows)
+def test_byte_models_are_ordered_and_sram():
+    for n in (1024, 2048):
+        naive, tiled = io.naive_attention_hbm_bytes(n, 64, 1, 1, 2), io.tiled_attention_hbm_bytes(n, 64, 128, 1, 1, 2)
+        assert naive > tiled > io.compulsory_attention_hbm_bytes(n, 64, 1, 1, 2)
+        assert io.attention_peak_extra_bytes(n, 64, 1, 1, 2, "naive") > io.attention_peak_extra_bytes(n, 64, 1, 1, 2, "tiled")
     # 128 x 64 tiles, d = 128, bf16, 3 stages: Q 32 KiB + K,V 96 KiB, plus fp32 accumulators
     assert io.tiled_sram_bytes(128, 64, 128, 2, num_stages=3) == 32768 + 98304 + 65536 + 1024 + 32768
 

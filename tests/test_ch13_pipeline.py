@@ -47,15 +47,19 @@ def test_peak_stash_measured_by_the_executor(p, m):
 def test_measured_bubble_follows_the_formula_and_shrinks_with_m():
     # Each F is padded to 20 ms and each B to 40 ms (a calibrated wait, so a loaded CPU cannot change the
     # compute time); the real messages add their latency to every action, so the measurement may exceed the
-    # formula a little but never undercut it by more than timer noise.
-    p, measured = 4, {}
+    # formula but never undercut it by more than timer noise, and the ranks' own schedules replayed with one
+    # per-message latency (fitted to these runs) must explain what was measured.
+    p, runs = 4, {}
     for m in (1, 4, 16):
-        res = cu.run(WORKER, world_size=WORLD, schedule="1f1b", micro_batches=m, forward_ms=20.0, backward_ms=40.0,
-                     **LIMITS)
-        measured[m] = pp.measured_bubble(res)
+        runs[m] = cu.run(WORKER, world_size=WORLD, schedule="1f1b", micro_batches=m, forward_ms=20.0, backward_ms=40.0,
+                         **LIMITS)
+    fit = pp.fit_message_time(list(runs.values()))
+    for (m, res), got, replay in zip(runs.items(), fit["measured"], fit["simulated"]):
         want = pipeline_bubble_fraction(p, m, denominator="total")
-        assert want - 0.02 < measured[m] < want + 0.10, (m, measured[m], want)
-    assert measured[1] > measured[4] > measured[16]  # more micro-batches, smaller bubble
+        assert got > want - 0.02, (m, got, want)
+        assert abs(got - replay) < 0.05, (m, got, replay, fit["message_ms"])
+        assert [d["peak_stash"] for d in pp.pipeline_ranks(res)] == [d["planned_peak_stash"] for d in pp.pipeline_ranks(res)]
+    assert fit["measured"][0] > fit["measured"][1] > fit["measured"][2]  # more micro-batches, smaller bubble
 
 
 @pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (2, 4)])
@@ -92,8 +96,8 @@ def test_interleaving_shrinks_the_measured_bubble():
     plain = pp.measured_bubble(cu.run(WORKER, world_size=WORLD, schedule="1f1b", **timed))
     inter = cu.run(WORKER, world_size=WORLD, schedule="interleaved", chunks=2, **timed)
     want = pipeline_bubble_fraction(4, 8, 2, denominator="total")  # 3/19 against 1F1B's 3/11
-    assert want - 0.02 < pp.measured_bubble(inter) < want + 0.12
-    assert pp.measured_bubble(inter) < plain - 0.04
+    assert pp.measured_bubble(inter) > want - 0.02
+    assert pp.measured_bubble(inter) < plain - 0.04  # at the latency gloo has here: see chunks_crossover
 
 
 @pytest.mark.parametrize("params, fragment", [

@@ -84,7 +84,8 @@ def test_interleaved_order_by_hand():
     assert interleaved_order(2, 4, 2, forward=False) == [(0, 1), (1, 1), (0, 0), (1, 0), (2, 1), (3, 1), (2, 0), (3, 0)]
     # Megatron's warm-up, (p - s - 1) * 2 + (v - 1) * p, capped at m * v
     assert [num_warmup_interleaved(4, 8, s, 2) for s in range(4)] == [10, 8, 6, 4]
-    assert num_warmup_interleaved(4, 4, 0, 4) == 16
+    assert num_warmup_interleaved(4, 12, 0, 4) == 18
+    assert [num_warmup_interleaved(4, 4, s, 2) for s in range(4)] == [8] * 4  # m == p: all forwards first
     assert interleaved_schedule(2, 2, 1, 2)[:3] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1)]
 
 
@@ -96,7 +97,10 @@ def test_interleaved_is_valid_and_its_bubble_is_the_formula_divided_by_v(p, m, v
     assert ideal_bubble(schedules) == pytest.approx(pipeline_bubble_fraction(p, m, v, denominator="total"))
     assert simulate(schedules)["makespan"] == pytest.approx((m + (p - 1) / v) * 3.0)
     # what is in flight: the warm-up's chunk-forwards plus one, p + (p-1)/v micro-batches' worth on rank 0
-    assert [peak_stash(a) for a in schedules] == [min(2 * (p - s - 1) + (v - 1) * p + 1, m * v) for s in range(p)]
+    if m == p:  # one group: Megatron runs every forward first (all_warmup_microbatches)
+        assert [peak_stash(a) for a in schedules] == [m * v] * p
+    else:
+        assert [peak_stash(a) for a in schedules] == [min(2 * (p - s - 1) + (v - 1) * p + 1, m * v) for s in range(p)]
 
 
 def test_interleaved_needs_m_a_multiple_of_p():

@@ -84,7 +84,7 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, stages: int = 0, c
     return {**out, "timeline": out["timelines"][-1], "grads": grads,
             "weights": {n: q.detach().cpu().clone() for n, q in params.items()},
             "peak_stash": ran["peak_stash"], "planned_peak_stash": peak_stash(actions),
-            "peak_saved_bytes": ran["peak_saved_bytes"], "chunks": v, "layers_per_chunk": n_layers // (p * v),
+            "peak_saved_bytes": ran["peak_saved_bytes"], "chunks": v,
             "sent_bytes": ran["sent_bytes"], "messages": ran["messages"], "actions": [list(a) for a in actions],
             "stage": stage, "num_stages": p, "pipeline": ctx.rank // p, "schedule": schedule,
             "config": cfg.as_dict(), "forward_ms": forward_ms, "backward_ms": backward_ms}

@@ -22,8 +22,10 @@
 # warm-up forwards, then one forward and one backward in turn, then the remaining backwards. Same bubble,
 # but at most p - s micro-batches in flight. **1F1B saves memory, not time.**
 #
-# The **interleaved** schedule (section 2.2.2) is the one way to shrink the bubble without more
-# micro-batches: each rank holds v smaller model chunks, and the bubble falls by v, for v times the messages.
+# The **interleaved** schedule (section 2.2.2) shrinks the bubble without more micro-batches: each rank
+# holds v smaller model chunks, and the bubble falls by v, for v times the messages. (Zero-bubble schedules,
+# Qi et al. 2023, [arXiv:2401.10241](https://arxiv.org/abs/2401.10241), fill it another way: by splitting each
+# backward into its input-gradient and weight-gradient halves and moving the latter into the gaps.)
 #
 # We build all three as data (`workers/pipeline/schedules.py`), run them on 4 real ranks with
 # `isend`/`irecv` (`workers/pipeline/p2p.py`, `executor.py`), prove the pipeline computes the unsplit model's
@@ -147,6 +149,7 @@ for name, res in timed.items():
 sweep = {}
 for name in ("gpipe", "1f1b"):
     sweep[name] = [(m, pp.measured_bubble(run(schedule=name, micro_batches=m, **TIMED))) for m in (1, 2, 4, 8, 16)]
+print(f"measured idle / total on this CPU (gloo), against the formulas:")
 print(f"{'m':>3} {'gpipe':>7} {'1f1b':>7} {'(p-1)/(m+p-1)':>14} {'(p-1)/m':>8}")
 for (m, g), (_, o) in zip(sweep["gpipe"], sweep["1f1b"]):
     f = pp.bubble_formulas(P, m)
@@ -186,8 +189,9 @@ for m in (4, 8, 16):
 # $\frac{1}{v}\frac{p-1}{m}$ of the ideal time ($\frac{p-1}{vm+p-1}$ of the step).
 #
 # The price: every micro-batch crosses v times as many boundaries, so **v times the messages**, and the
-# warm-up runs $2(p-s-1) + (v-1)p$ chunk-forwards before the first backward (Megatron's warm-up), so more
-# is in flight. Micro-batches go round in groups of p, so m must be a multiple of p (Megatron required it).
+# warm-up runs $2(p-s-1) + (v-1)p$ chunk-forwards before the first backward (Megatron's warm-up; when
+# m = p there is one group and Megatron runs every forward first), so more is in flight. Micro-batches go
+# round in groups of p, so m must be a multiple of p (Megatron required it).
 # For p = 4, m = 8, v = 2 (`F3c1` is micro-batch 3 through the rank's chunk 1, its layers 4 + s apart):
 
 # %%
@@ -242,6 +246,7 @@ for v, res in INTERLEAVED.items():
 
 # %% tags=["nbval-ignore-output"]
 fit = pp.fit_message_time(list(INTERLEAVED.values()))
+print("idle / total at p = 4, m = 8, measured on this CPU (gloo):")
 print(f"{'v':>2} {'measured':>9} {'formula':>8} {'replayed at ' + format(fit['message_ms'], 'g') + ' ms/message':>28}")
 for v, got, want, sim in zip(INTERLEAVED, fit["measured"], fit["formula"], fit["simulated"]):
     print(f"{v:>2} {got:>9.3f} {want:>8.3f} {sim:>28.3f}")

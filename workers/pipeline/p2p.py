@@ -26,7 +26,8 @@ def tag(direction_tag: int, key: int) -> int:
 class P2P:
     """This rank's links: ``prev_rank`` (None on the first stage) and ``next_rank`` (None on the last); with
     model chunks they wrap round (rank 0's previous is rank p-1). ``key`` names the message on its link (the
-    executor passes chunk * m + micro; 0 is fine where messages on a link arrive in the order they are sent)."""
+    executor passes the boundary's lower virtual stage * m + micro, the same number on both sides; 0 is fine
+    where messages on a link arrive in the order they are sent)."""
 
     def __init__(self, prev_rank: int | None, next_rank: int | None, shape: tuple, device: torch.device,
                  comm_device: torch.device, dtype=torch.float32):

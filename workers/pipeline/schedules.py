@@ -72,10 +72,13 @@ def interleaved_order(num_stages: int, micro_batches: int, chunks: int, forward:
 
 
 def num_warmup_interleaved(num_stages: int, micro_batches: int, stage: int, chunks: int) -> int:
-    """Megatron's warm-up for the interleaved schedule: (p - s - 1) * 2 + (v - 1) * p forwards (at most m v).
+    """Megatron's warm-up for the interleaved schedule: (p - s - 1) * 2 + (v - 1) * p forwards (at most m v),
+    or every forward when m == p (Megatron's ``all_warmup_microbatches``: one group, nothing to interleave).
 
     The (v - 1) * p lets the first group of micro-batches reach the last chunk; the 2 (p - s - 1), twice the
     plain 1F1B warm-up, because a chunk's forward and backward are each half of a round trip to the last rank."""
+    if micro_batches == num_stages:
+        return micro_batches * chunks
     return min((num_stages - stage - 1) * 2 + (chunks - 1) * num_stages, micro_batches * chunks)
 
 
