@@ -2,7 +2,8 @@
 
 Every function takes telemetry as it came back from ``workers/ch09_train.py`` (``res[0]["telemetry"]``: a
 dict of per-step columns) and returns a matplotlib figure; nothing here recomputes what the ranks measured.
-The tables (triage, Llama 3 interruptions) live in ``course_utils.ch09_tables``.
+The spike labels come from the ranks' own detector class (``workers.gpt.detect.SpikeDetector``), run over
+the curve. The tables (triage, Llama 3 interruptions) live in ``course_utils.ch09_tables``.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import numpy as np
 
 from course_utils.ch09_tables import LLAMA3_SOURCE, LLAMA3_TOTAL_UNEXPECTED, by_category
 from course_utils.plots import CPU_NOTE
+from workers.gpt.config import TrainConfig
+from workers.gpt.detect import SpikeDetector
 
 LOG_V_NOTE = "log V (uniform guessing)"
 
@@ -21,14 +24,68 @@ def telemetry(res, rank: int = 0) -> dict:
     return res[rank]["telemetry"]
 
 
-def spike_steps(tel: dict, factor: float = 1.5, window: int = 10) -> list[int]:
-    """Steps whose loss exceeds ``factor`` x the median of the previous ``window`` losses (what the worker's
-    detector does, recomputed from the curve, for labelling figures)."""
-    loss, out = tel["loss"], []
-    for i in range(window, len(loss)):
-        if not loss[i] <= factor * float(np.median(loss[i - window:i])):
-            out.append(tel["step"][i])
+def spike_steps(tel: dict, factor: float = TrainConfig.spike_factor,
+                window: int = TrainConfig.spike_window) -> list[int]:
+    """The steps the training loop's loss-spike detector flags on this curve: the same ``SpikeDetector``,
+    fed every loss in turn, as it is fed during a run without recovery."""
+    detector, out = SpikeDetector(window, factor), []
+    for step, loss in zip(tel["step"], tel["loss"]):
+        if detector.is_spike(loss):
+            out.append(step)
+        detector.accept(loss)
     return out
+
+
+def adam_steps_after_one_gradient(first_step: int, n_steps: int, betas=(0.9, 0.95)) -> list[float]:
+    """The steps, in units of lr, that Adam takes on a weight whose gradient is 0 at every step except the
+    one at index ``first_step`` (0-based), for that step and the ``n_steps - 1`` after it.
+
+    Its moments start at m = v = 0, so after the gradient g at step t = first_step + 1 (Adam counts from 1),
+    k steps later m = (1 - b1) b1^k g and v = (1 - b2) b2^k g^2: with the bias corrections the step is
+    (1 - b1) b1^k / (1 - b1^(t+k)) / sqrt((1 - b2) b2^k / (1 - b2^(t+k))), independent of g's size (eps aside).
+    """
+    b1, b2 = betas
+    t = first_step + 1
+    return [(1 - b1) * b1 ** k / (1 - b1 ** (t + k)) / math.sqrt((1 - b2) * b2 ** k / (1 - b2 ** (t + k)))
+            for k in range(n_steps)]
+
+
+# -- all the telemetry of one run ---------------------------------------------------------------------------
+
+TELEMETRY_PANELS = (("loss", "loss", "linear"), ("grad_norm", "global grad norm", "log"),
+                    ("update_ratio", "update / param ratio", "log"),
+                    ("max_attn_logit", "max attention logit q.k/sqrt(d)", "log"),
+                    ("log_z_mean", "mean output log Z", "linear"), ("loss_scale", "loss scale", "log"))
+
+
+def telemetry_panels(tel: dict) -> list[tuple[str, str, str]]:
+    """(key, title, y scale) of each series ``draw_telemetry`` draws: those the run recorded; the loss scale
+    only if loss scaling was on (it is 1.0 at every step otherwise)."""
+    return [(key, title, scale) for key, title, scale in TELEMETRY_PANELS if key in tel
+            and not (key == "loss_scale" and all(v == 1.0 for v in tel[key]))]
+
+
+def draw_telemetry(tel: dict, title: str = "", vocab: int | None = None):
+    """One panel per recorded series of one run: loss, global grad norm, update/param ratio, max attention
+    logit, mean output log Z and (if any) the loss scale, against the step."""
+    panels = telemetry_panels(tel)
+    cols = 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.0 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        fig.delaxes(ax)
+    for ax, (key, name, scale) in zip(axes.flat, panels):
+        ax.plot(tel["step"], tel[key], color="#3b75af", lw=1.1)
+        ax.set_yscale(scale)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+    if vocab is not None and panels and panels[0][0] == "loss":
+        axes.flat[0].axhline(math.log(vocab), color="k", ls=":", lw=1, label=LOG_V_NOTE)
+        axes.flat[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, y=1.02, fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def _mark(ax, step, label, colour="crimson"):
@@ -86,18 +143,49 @@ def draw_high_lr(runs: dict[str, dict], lr: float, vocab: int):
 
 # -- numeric: fp16 underflow ------------------------------------------------------------------------------
 
-def draw_fp16(runs: dict[str, dict]):
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for (label, tel), colour in zip(runs.items(), ("0.6", "crimson", "#3b75af")):
+def draw_fp16(runs: dict[str, dict], vocab: int | None = None):
+    """``runs``: label -> telemetry. Loss, the share of exactly-zero gradient elements, the elements whose
+    gradient is nonzero for the first time (a dot per step that has any), and the loss scale."""
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
+    for (label, tel), colour in zip(runs.items(), ("0.6", "crimson", "#3b75af", "#2a9d5b")):
         axes[0].plot(tel["step"], tel["loss"], color=colour, lw=1.2, label=label)
         axes[1].plot(tel["step"], [100 * z for z in tel["zero_grad_frac"]], color=colour, lw=1.2, label=label)
-        axes[2].plot(tel["step"], tel["loss_scale"], color=colour, lw=1.2, label=label)
-    for ax, title in zip(axes, ("loss", "gradient elements exactly 0 (%)", "loss scale")):
-        ax.set_title(title)
+        woken = [(s, n) for s, n in zip(tel["step"], tel["woken_elements"]) if n]
+        axes[2].plot([s for s, _ in woken], [n for _, n in woken], ".", color=colour, ms=5, label=label)
+        axes[3].plot(tel["step"], tel["loss_scale"], color=colour, lw=1.2, label=label)
+    if vocab is not None:
+        axes[0].axhline(math.log(vocab), color="k", ls=":", lw=1, label=LOG_V_NOTE)
+    for ax, title in zip(axes, ("loss", "gradient elements exactly 0 (%)",
+                                "elements with a first nonzero gradient", "loss scale")):
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
-    axes[2].set_yscale("log", base=2)
-    axes[0].legend(fontsize=8)
+    axes[2].set_yscale("log")
+    axes[3].set_yscale("log", base=2)
+    axes[0].legend(fontsize=7, loc="lower left")
     fig.suptitle("Numeric fault: fp16 backward with small gradients, with and without loss scaling", y=1.03)
+    return fig
+
+
+def draw_dormant(runs: dict[str, dict], wake: int, vocab: int | None = None):
+    """``runs``: label -> telemetry of fp16 runs without loss scaling. Left: their losses, with the step at
+    which gradients first reach the body marked. Right: the steps Adam takes on a weight whose only nonzero
+    gradient arrives at that step (``adam_steps_after_one_gradient``), and their running total."""
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.3))
+    for (label, tel), colour in zip(runs.items(), ("crimson", "#2a9d5b", "#3b75af")):
+        ax0.plot(tel["step"], tel["loss"], color=colour, lw=1.2, label=label)
+    if vocab is not None:
+        ax0.axhline(math.log(vocab), color="k", ls=":", lw=1, label=LOG_V_NOTE)
+    _mark(ax0, wake, f"first gradient in the body, step {wake}")
+    ax0.set_title("loss")
+    ax0.set_xlabel("step")
+    ax0.legend(fontsize=7, loc="lower left")
+    n = max(len(tel["step"]) for tel in runs.values()) - wake
+    steps = adam_steps_after_one_gradient(wake, n)
+    ax1.bar(range(wake, wake + n), steps, color="#3b75af", label="step at each step (units of lr)")
+    ax1.plot(range(wake, wake + n), np.cumsum(steps), color="k", lw=1.2, label="total distance moved (units of lr)")
+    ax1.set_title(f"Adam on a weight whose one nonzero gradient comes at step {wake}", fontsize=9)
+    ax1.set_xlabel("step")
+    ax1.legend(fontsize=7)
     return fig
 
 

@@ -138,6 +138,29 @@ def test_fp16_without_loss_scaling_zeroes_the_gradients_and_loss_scaling_restore
     assert scaled["loss"][-1] < plain["loss"][-1]
 
 
+def test_fp16_without_loss_scaling_first_gradients_in_the_body_are_noise_and_turn_the_loss():
+    steps = 60
+    plain = _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", steps=steps, fp32_grad_probe=True))
+    body = [s for s in plain["step"] if any(plain["layer_grad_norms"][g][s] > 0 for g in ("embed", "block0", "block1"))]
+    wake = body[0]
+    # For the first tens of steps only the head has a gradient: everything behind it underflows (52 here).
+    assert 30 < wake < 58 and all(plain["layer_grad_norms"]["head"][s] > 0 for s in range(wake))
+    # Then thousands of weights get their first nonzero gradient at once (> 1% of the 106k)...
+    assert plain["woken_elements"][wake] > 1000
+    # ... of a few rounding units, with no direction: their signs agree with the exact fp32 gradient's about as
+    # often as a coin's would (0.52 here; a real gradient agrees > 0.9)
+    assert 0.35 < plain["woken_sign_agreement"][wake] < 0.65
+    # ... and Adam moves each by its fixed first step, whatever the gradient's size (m = v = 0 before)
+    from course_utils.ch09 import adam_steps_after_one_gradient
+    assert plain["woken_update"][wake] == pytest.approx(adam_steps_after_one_gradient(wake, 1)[0], rel=1e-2)
+    # The loss turns: it ends above its lowest point, and the lowest point comes after the wake-up.
+    assert plain["loss"][-1] > min(plain["loss"]) + 0.2 and plain["loss"].index(min(plain["loss"])) >= wake
+    # Counterfactual: the same run with those weights frozen from that step keeps learning.
+    frozen = _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", steps=steps, freeze_dormant_from=wake))
+    assert frozen["loss"][:wake + 1] == plain["loss"][:wake + 1]  # the probe changed nothing, nor did the freeze yet
+    assert _mean_last(frozen["loss"], 5) < _mean_last(plain["loss"], 5) - 0.2
+
+
 # -- communication: a rank that sums ---------------------------------------------------------------------------
 
 def test_cross_rank_checksum_names_the_summing_rank_at_its_step():
@@ -173,6 +196,18 @@ def test_bit_flip_in_the_parameters_trips_the_checksum_and_replay_names_the_rank
     assert rep["first_step"] == 12 and rep["ranks"] == [1] and rep["where"] == "parameters, after the step"
 
 
+def test_replay_reproduces_a_software_fault_and_so_cannot_see_it():
+    # The counterpart of the bit flip: a rank that sums is in the code, so a replay on the same inputs makes
+    # the same mistake at the same steps and every fingerprint matches. Replay tells hardware from software
+    # by this difference: it diverges from a transient fault, it reproduces a persistent one.
+    res = cu.run(TRAIN, world_size=2, **LIMITS, fault="sum_not_average", fault_rank=1, at_step=12, steps=16,
+                 replay=True)
+    assert res[0]["checksum_alarm"]["step"] == 12  # the original run did go wrong, from step 12
+    for rank in (0, 1):
+        rep = res[rank]["replay"]
+        assert rep["diverged"] is False and rep["event_by_rank"] == [None, None], rank
+
+
 def test_replay_of_a_clean_run_reproduces_every_bit():
     # no false alarms: on deterministic CPU kernels (and gloo's fixed reduction order) a replay is exact
     res = cu.run(TRAIN, world_size=2, **LIMITS, steps=12, replay=True, replay_from=0)
@@ -189,6 +224,9 @@ def test_replay_of_a_clean_run_reproduces_every_bit():
     (2, {"fault": "bit_flip", "fault_rank": 2}, "use 0..1"),
     (1, {"replay_from": 5}, "has no snapshot"),
     (1, {"flip_bit": 32}, "use 0 (lowest mantissa bit) to 31"),
+    (2, {"fault": "bit_flip", "fault_rank": 1, "flip_index": 106240}, "use 0..106239"),
+    (2, {"fault": "bit_flip", "fault_rank": 1, "flip_index": -1}, "is not an element of the model's 106240"),
+    (1, {"freeze_dormant_from": 120}, "is not a step of the run"),
 ])
 def test_bad_parameters_are_refused_in_one_sentence(world, params, fragment):
     with pytest.raises(cu.InvalidParameter, match=fragment.replace("(", r"\(").replace(")", r"\)")):

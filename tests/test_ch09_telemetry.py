@@ -12,6 +12,7 @@ from workers.gpt.config import FAULTS, GPTConfig, TrainConfig
 from workers.gpt.data import Loader, MarkovDataset, entropy_rate
 from workers.gpt.detect import SpikeDetector, first_divergence, odd_ones_out
 from workers.gpt.model import layer_groups, make_model, token_loss
+from workers.gpt.reduce import gradient_fingerprint, projection_probes, reduction_culprits
 from workers.gpt.train import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,6 +149,84 @@ def test_spike_detector_waits_for_a_window_and_treats_nan_as_a_spike():
         det.accept(v)
     assert not det.is_spike(2.9) and det.is_spike(3.1)  # median 2.0, threshold 3.0
     assert det.is_spike(float("nan"))
+
+
+# -- the reduction check -----------------------------------------------------------------------------------
+
+def _fingerprints(local, reduced, probes):
+    return [gradient_fingerprint(g, r, probes) for g, r in zip(local, reduced)]
+
+
+def test_reduction_check_names_a_summing_rank_even_where_the_plain_sums_cancel():
+    # Two ranks' local gradients whose elements sum to exactly 0 (small integers and halves: every sum and
+    # the average are exact in fp32 and float64). Rank 1 sums instead of averaging.
+    g = torch.Generator().manual_seed(0)
+    local = [torch.randint(-8, 9, (1000,), generator=g).float() for _ in range(2)]
+    for v in local:
+        v[-1] -= v.sum()
+    mean, total = (local[0] + local[1]) / 2, local[0] + local[1]
+    fps = _fingerprints(local, [mean, total], projection_probes(1000))
+    # the plain-sum check is blind: every sum is 0, the summing rank's included (twice 0 is 0)
+    assert [(f["local_sum"], f["reduced_sum"]) for f in fps] == [(0.0, 0.0), (0.0, 0.0)]
+    # random projections are not: they are about ||g|| in size whatever the gradient's structure
+    assert reduction_culprits(fps) == [1]
+    assert reduction_culprits(_fingerprints(local, [mean, mean], projection_probes(1000))) == []
+
+
+def test_reduction_check_on_real_head_gradients_whose_sum_is_rounding():
+    # The output layer's weight gradient sums to 0 up to rounding (each position's softmax gradient sums to 0
+    # over the vocabulary): the plain sum is rounding noise, the projections are the gradient's size. Two ranks
+    # each see half a batch; the honest rank's reduced gradient is the fp32 average, as the all-reduce computes it.
+    model = make_model(SMALL, seed=0)
+    tokens = MarkovDataset(SMALL.vocab, SMALL.seq, 8, 1234).batch(list(range(8)))
+    local = []
+    for rows in (slice(0, 4), slice(4, 8)):
+        model.zero_grad()
+        token_loss(model(tokens[rows, :-1]), tokens[rows, 1:])[0].backward()
+        local.append(model.head.weight.grad.reshape(-1).clone())
+    assert abs(float(local[0].double().sum())) < 1e-6 * float(local[0].double().abs().sum())  # it cancels
+    probes = projection_probes(local[0].numel())
+    mean, total = (local[0] + local[1]) / 2, local[0] + local[1]
+    assert reduction_culprits(_fingerprints(local, [mean, total], probes)) == [1]
+    assert reduction_culprits(_fingerprints(local, [total, mean], probes)) == [0]
+    assert reduction_culprits(_fingerprints(local, [mean, mean], probes)) == []  # no false alarm from rounding
+
+
+# -- first gradients, the fp32 probe and the freeze ------------------------------------------------------------
+
+def test_woken_elements_count_first_nonzero_gradients_and_adam_moves_them_by_lr_at_step_0():
+    tcfg = TrainConfig(steps=3, global_batch=4)
+    trainer = Trainer(SMALL, tcfg)
+    out = trainer.run()["trajectory"]
+    n = sum(p.numel() for p in trainer.params)
+    # an fp32 run: (almost) every element has a gradient at step 0, so (almost) nothing is new afterwards
+    assert out[0]["woken_elements"] > 0.99 * n
+    assert sum(r["woken_elements"] for r in out) == int(trainer.seen.sum()) <= n
+    # Adam's first step on an element with no history is lr * sign(g): 1 in units of lr, up to eps
+    assert out[0]["woken_update"] == pytest.approx(1.0, rel=1e-3)
+    assert out[0]["woken_sign_agreement"] is None  # the probe is off
+
+
+def test_fp32_probe_agrees_with_an_fp32_run_and_changes_nothing():
+    tcfg = TrainConfig(steps=3, global_batch=4)
+    plain = Trainer(SMALL, tcfg).run()["trajectory"]
+    probed = Trainer(SMALL, tcfg.replace(fp32_grad_probe=True)).run()["trajectory"]
+    # in fp32 the gradient the run uses is the exact one: the signs agree everywhere
+    assert probed[0]["woken_sign_agreement"] == 1.0
+    assert [r["param_checksum"] for r in probed] == [r["param_checksum"] for r in plain]
+
+
+def test_freezing_dormant_weights_from_step_0_freezes_every_weight():
+    # At step 0 no element has had a gradient yet, so every weight is dormant: none may move, although the
+    # gradients are there (the telemetry reports them before the freeze).
+    tcfg = TrainConfig(steps=3, global_batch=4, freeze_dormant_from=0)
+    trainer = Trainer(SMALL, tcfg)
+    start = tm.flat_params(trainer.params)
+    out = trainer.run()["trajectory"]
+    assert torch.equal(tm.flat_params(trainer.params), start)
+    assert all(r["grad_norm"] > 0 and r["update_ratio"] == 0 for r in out)
+    free = Trainer(SMALL, tcfg.replace(freeze_dormant_from=-1)).run()["trajectory"]
+    assert out[0]["loss"] == free[0]["loss"] and out[1]["loss"] != free[1]["loss"]
 
 
 # -- data -----------------------------------------------------------------------------------------------------

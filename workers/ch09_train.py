@@ -11,9 +11,13 @@ log Z, loss scale and the batch's sample ids (``ctx.metric``); the same telemetr
     numeric         fault="fp16_underflow"    loss_scaling=True is the mitigation
     communication   fault="sum_not_average"   the cross-rank checksum (every step at world > 1) catches it
     hardware        fault="bit_flip"          replay=True reruns from a snapshot and finds the step and rank
+
+Diagnostics: fp32_grad_probe=True grades the gradients against exact fp32 ones; freeze_dormant_from=s gives
+no update, from step s on, to the weights that had no gradient before s (see ``workers/gpt/config.py``).
 """
-from workers.gpt.config import FAULTS, split_params
+from workers.gpt.config import FAULTS, GPTConfig, split_params
 from workers.gpt.detect import checksum_alarm
+from workers.gpt.model import make_model
 from workers.gpt.telemetry import columns
 from workers.gpt.train import Trainer
 from workers.runtime import entrypoint
@@ -21,11 +25,19 @@ from workers.runtime import entrypoint
 STEPPED_FAULTS = ("garbage_batch", "sum_not_average", "bit_flip")  # the faults that happen at at_step
 TELEMETRY = ("step", "lr", "loss", "local_loss", "grad_norm", "layer_grad_norms", "update_ratio", "max_attn_logit",
              "log_z_mean", "log_z_max", "loss_scale", "skipped_step", "zero_grad_frac", "sample_ids",
-             "garbage_samples", "grad_checksum", "param_checksum")
+             "garbage_samples", "woken_elements", "woken_update", "woken_sign_agreement", "grad_checksum",
+             "param_checksum")
+
+
+def n_parameters(vocab: int, seq: int, d_model: int, heads: int, layers: int, qk_layernorm: bool) -> int:
+    """Elements in the model's flat parameter vector (what flip_index indexes)."""
+    cfg = GPTConfig(vocab=vocab, seq=seq, d_model=d_model, heads=heads, layers=layers, qk_layernorm=qk_layernorm)
+    return sum(p.numel() for p in make_model(cfg).parameters())
 
 
 def check_params(world_size, fault, at_step, fault_rank, steps, global_batch, d_model, heads, snapshot_every,
-                 flip_bit, flip_target, dtype, replay_from, lr, high_lr, **_):
+                 flip_bit, flip_target, flip_index, dtype, replay_from, lr, high_lr, freeze_dormant_from, vocab, seq,
+                 layers, qk_layernorm, **_):
     if fault not in FAULTS:
         return f"fault={fault!r} is not one of {', '.join(FAULTS)}: pick one of those"
     if steps < 1:
@@ -47,11 +59,18 @@ def check_params(world_size, fault, at_step, fault_rank, steps, global_batch, d_
         return f"flip_bit={flip_bit} is not a bit of a 32-bit float: use 0 (lowest mantissa bit) to 31 (sign)"
     if flip_target not in ("grad", "param"):
         return f"flip_target={flip_target!r} must be 'grad' (before the all-reduce) or 'param' (after the step)"
+    if fault == "bit_flip":
+        n = n_parameters(vocab, seq, d_model, heads, layers, qk_layernorm)
+        if not 0 <= flip_index < n:
+            return f"flip_index={flip_index} is not an element of the model's {n} parameters: use 0..{n - 1}"
     if dtype not in ("auto", "float32", "float16"):
         return f"dtype={dtype!r} must be 'auto', 'float32' or 'float16'"
     if replay_from % snapshot_every or not 0 <= replay_from < steps:
         return (f"replay_from={replay_from} has no snapshot: use a multiple of snapshot_every={snapshot_every} "
                 f"below steps={steps}")
+    if not -1 <= freeze_dormant_from < steps:
+        return (f"freeze_dormant_from={freeze_dormant_from} is not a step of the run: use 0..{steps - 1}, "
+                "or -1 for no freeze")
     if lr <= 0 or high_lr <= 0:
         return f"learning rates must be positive (lr={lr}, high_lr={high_lr})"
     return None
@@ -63,7 +82,7 @@ def main(ctx, fault: str = "none", at_step: int = 65, fault_rank: int = 0, steps
          flip_bit: int = 20, flip_target: str = "grad", flip_index: int = 1000, recover: bool = False,
          replay: bool = False, replay_from: int = 0, skip_ids: list = (), snapshot_every: int = 10,
          spike_factor: float = 1.5, seed: int = 0, vocab: int = 32, seq: int = 32, d_model: int = 64, heads: int = 4,
-         layers: int = 2):
+         layers: int = 2, fp32_grad_probe: bool = False, freeze_dormant_from: int = -1):
     """Train ``steps`` steps with ``fault`` injected; return the telemetry, rewinds, checksum alarm and replay."""
     params = {k: v for k, v in locals().items() if k != "ctx"}
     mcfg, tcfg = split_params(params)

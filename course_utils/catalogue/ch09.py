@@ -6,7 +6,7 @@ import math
 
 from course_utils.exercises import FAIL, PASS, Exercise, register
 
-# (trace_a, trace_b, rtol, expected, what a wrong answer would say instead)
+# (trace_a, trace_b, rtol, expected); what a wrong answer is told instead is worked out by _why
 DIVERGENCE_CASES = [
     ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], 0.0, None),
     ([3.2, 2.9, 2.7, 2.6, 2.5], [3.2, 2.9, 2.7 * (1 + 1e-9), 2.6, 2.9], 1e-6, 4),  # rounding at 2, divergence at 4

@@ -18,7 +18,7 @@
 # update/parameter ratio, the largest attention logit, the output log Z, the loss scale and the sample ids of
 # the batch. Then we break it, one layer at a time, and look at what each fault does to the telemetry:
 # its *signature*. Detection and recovery are real code: a loss-spike detector with rewind-and-skip, a
-# cross-rank checksum, and deterministic replay.
+# cross-rank checksum with a reduction check, and deterministic replay.
 #
 # Everything runs on this machine's CPU with gloo (world 1 and 2); the faults and their signatures are the
 # same on GPUs, only the timings differ.
@@ -39,8 +39,9 @@ TRAIN = "workers.ch09_train"
 LIMITS = {"timeout": 120}
 cfg, run_cfg = GPTConfig(), TrainConfig()
 floor = entropy_rate(MarkovDataset(cfg.vocab, cfg.seq, 1, run_cfg.data_seed).table)
+n_params = sum(p.numel() for p in make_model(cfg).parameters())
 print(cfg)
-print("parameters:", sum(p.numel() for p in make_model(cfg).parameters()))
+print("parameters:", n_params)
 print(f"loss at uniform guessing log V = {math.log(cfg.vocab):.3f}; the chain's entropy rate (the floor) = {floor:.3f}")
 
 # %% [markdown]
@@ -52,10 +53,11 @@ print(f"loss at uniform guessing log V = {math.log(cfg.vocab):.3f}; the chain's 
 # - **global grad norm** $\lVert g\rVert = \sqrt{\sum_i g_i^2}$ over every parameter: the number
 #   `torch.nn.utils.clip_grad_norm_` returns and clips with (the tests check that they agree);
 # - **update/param ratio** $\lVert\theta_{t+1}-\theta_t\rVert / \lVert\theta_t\rVert$: how far one step
-#   moves the weights, relative to their size. Adam's update is about `lr` per element whatever the
-#   gradient, so this sits on a plateau in a healthy run and jumps when a step is unusual;
+#   moves the weights, relative to their size. Adam's update is at most about `lr` per element whatever the
+#   gradient's size, so in a healthy run this changes slowly from step to step and jumps when a step is unusual;
 # - **max attention logit** $\max q\cdot k/\sqrt{d}$, over layers, heads and positions;
-# - **output log Z** $=\log\sum_v e^{z_v}$, the softmax normaliser of the output logits, averaged over positions.
+# - **output log Z** $=\log\sum_v e^{z_v}$, the softmax normaliser of the output logits, averaged over positions;
+# - **loss scale**: the factor an fp16 run multiplies its loss by before backward (1 here: this run is fp32).
 #
 # **Predict**: after warm-up, does the global grad norm fall with the loss, stay flat, or grow?
 
@@ -70,19 +72,37 @@ print("the loss falls below 1.2 x the floor within the run:", sum(tel["loss"][-1
 print("the detector sees no spike in the healthy run:", ch09.spike_steps(tel) == [])
 
 # %% tags=["nbval-ignore-output"]
-fig = ch09.draw_high_lr({"healthy run": tel}, run_cfg.lr, cfg.vocab)
-fig.suptitle(f"A healthy run's telemetry (lr {run_cfg.lr:g}); {ch09.cpu_label(clean)}", y=1.03, fontsize=9)
+print("series drawn:", [title for _, title, _ in ch09.telemetry_panels(tel)])
+fig = ch09.draw_telemetry(tel, f"A healthy run's telemetry (lr {run_cfg.lr:g}); {ch09.cpu_label(clean)}", cfg.vocab)
 plots.savefig(fig, "09_healthy");
+
+# %% tags=["nbval-ignore-output"]
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+warm = run_cfg.warmup
+for key in ("loss", "grad_norm", "update_ratio", "max_attn_logit", "log_z_mean"):
+    v = tel[key]
+    print(f"{key:>14}: median of steps {warm}-{warm + 19}: {median(v[warm:warm + 20]):7.4f}, "
+          f"of the last 20 steps: {median(v[-20:]):7.4f}, largest step-to-step ratio after warm-up: "
+          f"{max(b / a for a, b in zip(v[warm:], v[warm + 1:])):5.2f}")
+print("grad norm per layer group, median after warm-up:",
+      {name: round(median(v[warm:]), 3) for name, v in tel["layer_grad_norms"].items()})
 
 # %% tags=["nbval-ignore-output"]
 plots.savefig(ch09.draw_layer_grad_norms(tel, title="healthy run: grad norm per layer group"), "09_layer_norms");
 
 # %% [markdown]
-# The grad norm falls with the loss, but it does not go to zero and it is noisy from step to step: near the
-# floor, the gradient of a 16-sample batch is mostly sampling noise. So an absolute grad-norm threshold is a
-# poor alarm and a *relative* one (against the recent median) a good one; the same goes for the loss. The
-# layer groups sit at different levels (block 1's gradient is about 3x smaller than the others'): compare
-# each with its own history, and a spike confined to one group points at that layer.
+# After warm-up the grad norm falls with the loss, but only by a fraction (the medians above), not towards
+# zero, and it is noisy from step to step: near the floor, the gradient of a 16-sample batch is mostly
+# sampling noise, and noise does not shrink as the model improves. So an
+# absolute grad-norm threshold is a poor alarm and a *relative* one (against the recent median) a good one;
+# the same goes for the loss. The update ratio peaks as warm-up ends and then drifts slowly down, with no
+# jump; the max attention logit and log Z drift slowly up. Those slow drifts are what the faults below turn
+# into jumps or runaways. The layer groups sit at different levels (block 1's gradient is about a third of
+# block 0's and the embeddings'): compare each with its own history, and a spike confined to one group points
+# at that layer.
 #
 # ## 2. Data: a garbage batch
 #
@@ -174,21 +194,26 @@ print("z-loss: |mean log Z| ends below 1.5, plain above 3:",
 plots.savefig(ch09.draw_high_lr(high, run_cfg.high_lr, cfg.vocab), "09_high_lr");
 
 # %% [markdown]
-# Without qk-layernorm the max attention logit climbs from 0.1 to about $10^5$ and the loss stalls near 3,
+# Without qk-layernorm the max attention logit climbs from 0.1 past $10^5$ and the loss stalls near 3,
 # barely below $\log V$; with it the logits stay in the tens and the run trains at a learning rate about 70x
 # the default. z-loss alone does nothing for the attention logits (it acts on the output softmax only), but
 # it holds $\log Z$ near 0 where it otherwise drifts to 4-7. All four runs spike around step 5, while
 # warm-up is still raising the learning rate: a longer warm-up is the other classic mitigation.
 #
-# Explore: learning rate, qk-layernorm and z-loss (every change is a new run on a real rank).
+# Explore: learning rate, qk-layernorm and z-loss (every change is a new run on a real rank). The widget's
+# runs are half as long as the ones above, which is long enough for the logits to run away:
+
+# %% tags=["nbval-ignore-output"]
+WIDGET_STEPS = 60  # half the run, so that a change answers in a second or two
+logit = high["plain"]["max_attn_logit"]
+print(f"plain run at lr {run_cfg.high_lr:g}: max attention logit {logit[0]:.3f} at step 0, "
+      f"{logit[WIDGET_STEPS - 1]:.3g} at step {WIDGET_STEPS - 1}: grown {logit[WIDGET_STEPS - 1] / logit[0]:.1e}x")
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W
 
 from course_utils.widgets import LiveRun
 
-
-WIDGET_STEPS = 60  # half the run: the logits have grown 1000x by then, and a change answers in about a second
 
 
 def draw_lr(res, params):
@@ -219,45 +244,120 @@ lr_live
 # after 50 clean steps.
 #
 # **Predict**: what fraction of gradient elements is exactly zero without loss scaling? Does the loss still fall?
+#
+# (The run without loss scaling also takes the exact fp32 gradient of every batch, `fp32_grad_probe=True`,
+# to grade the gradients it gets; that costs a second backward and changes nothing in the run.)
 
 # %% tags=["nbval-ignore-output"]
-FP16 = {"fp32, same multiplier": {"dtype": "float32"}, "fp16, no loss scaling": {},
+FP16 = {"fp32, same multiplier": {"dtype": "float32"}, "fp16, no loss scaling": {"fp32_grad_probe": True},
         "fp16, dynamic loss scaling": {"loss_scaling": True}}
-fp16 = {label: ch09.telemetry(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", steps=60, **kw))
+fp16 = {label: ch09.telemetry(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", **kw))
         for label, kw in FP16.items()}
 for label, t in fp16.items():
+    low = min(t["loss"])
     print(f"{label:>27}: zero gradient elements {100 * sum(t['zero_grad_frac']) / len(t['step']):5.1f}% on average, "
-          f"loss after 60 steps {t['loss'][-1]:.2f}, final loss scale {t['loss_scale'][-1]:g}")
+          f"loss at its lowest {low:.2f} (step {t['loss'].index(low)}), final {t['loss'][-1]:.2f}, "
+          f"final loss scale {t['loss_scale'][-1]:g}")
 
 # %%
 zeros = {label: sum(t["zero_grad_frac"]) / len(t["step"]) for label, t in fp16.items()}
+plain16 = fp16["fp16, no loss scaling"]
 print("without loss scaling, more than 90% of gradient elements are exactly 0:", zeros["fp16, no loss scaling"] > 0.9)
 print("with loss scaling, fewer than 1%:", zeros["fp16, dynamic loss scaling"] < 0.01)
-print("the multiplier is exact in fp32: fp32 run equals the healthy run's first 60 losses:",
-      fp16["fp32, same multiplier"]["loss"] == tel["loss"][:60])
+print("the multiplier is exact in fp32: the fp32 run equals the healthy run, loss for loss:",
+      fp16["fp32, same multiplier"]["loss"] == tel["loss"])
+print("without loss scaling the loss turns: it ends more than 0.5 above its lowest point:",
+      plain16["loss"][-1] > min(plain16["loss"]) + 0.5)
+print("spikes the detector finds in it:", ch09.spike_steps(plain16))
 
 # %% tags=["nbval-ignore-output"]
-plots.savefig(ch09.draw_fp16(fp16), "09_fp16_underflow");
+plots.savefig(ch09.draw_fp16(fp16, cfg.vocab), "09_fp16_underflow");
 
 # %% [markdown]
-# Without loss scaling nearly every gradient element is 0 and the loss falls only because Adam divides by
-# the size of the few gradients that survive: the run learns, slowly, from a small fraction of its
-# parameters. (The fp32 curve lies exactly under the loss-scaled fp16 one.) Note that there is no spike
-# at all: this numeric fault shows as a loss that is *too slow*, and the first check is the zero-gradient
-# counter, not the loss.
+# The fp32 curve lies exactly under the loss-scaled fp16 one. Without loss scaling nearly every gradient
+# element is 0, and the loss first falls, more slowly, then turns and climbs back, past $\log V$ by the end
+# of the run, with no step the spike detector would flag. Why does it learn at all, and why does it turn? The per-layer grad
+# norms and the count of elements whose gradient is nonzero for the first time (`woken_elements`) say where
+# the gradient goes.
+
+# %% tags=["nbval-ignore-output"]
+body = [s for s in plain16["step"] if any(plain16["layer_grad_norms"][g][s] > 0 for g in ("embed", "block0", "block1"))]
+wake = body[0]
+woken = plain16["woken_elements"][wake]
+print(f"steps before any gradient reaches the embeddings or the blocks: {wake} (only the head has one until then)")
+print(f"elements whose gradient is nonzero for the first time at step {wake}: {woken} "
+      f"({100 * woken / n_params:.1f}% of the parameters)")
+print(f"... the share of exactly-zero gradient elements at steps {wake - 1}, {wake}: "
+      f"{plain16['zero_grad_frac'][wake - 1]:.3f}, {plain16['zero_grad_frac'][wake]:.3f}")
+print(f"... update/param ratio at steps {wake - 1}, {wake}: "
+      f"{plain16['update_ratio'][wake - 1]:.4f}, {plain16['update_ratio'][wake]:.4f}")
+dlogit = run_cfg.loss_multiplier / (run_cfg.global_batch * cfg.seq)  # d(multiplier * mean CE)/d logit <= this
+print(f"the largest possible gradient of one output logit: {dlogit:.2e} = {dlogit / 2 ** -24:g} x fp16's smallest "
+      f"subnormal 2^-24")
+
+# %% tags=["nbval-ignore-output"]
+first = ch09.adam_steps_after_one_gradient(wake, 1)[0]
+echo = ch09.adam_steps_after_one_gradient(wake, len(plain16["step"]) - wake)
+print(f"step {wake}: their fp16 gradients have the sign of the exact fp32 gradient for "
+      f"{100 * plain16['woken_sign_agreement'][wake]:.0f}% of them (50% is a coin toss)")
+print(f"Adam's step on them: median {plain16['woken_update'][wake]:.3f} lr; "
+      f"a weight's first gradient at step {wake} gets {first:.3f} lr from Adam, whatever its size")
+print(f"with no gradient after it, momentum carries such a weight {sum(echo[:8]):.1f} lr in 8 steps, "
+      f"{sum(echo):.1f} lr by the end of the run")
+
+# %% [markdown]
+# For its first 52 steps the fp16 run trains only its output layer. A logit's gradient is at most two units
+# of fp16's smallest subnormal; the head's weight gradient sums such units over 512 positions and survives,
+# but one matrix product further back (times weights of size 0.02) everything rounds to 0. That is why the
+# loss falls at first (a linear read-out of random features learns something) and why it falls slowly.
+# Then, as the head learns, the backward signal starts to cross the floor inside the blocks, as a few
+# rounding units per element, and these gradients carry no direction: their signs match the exact
+# gradient's about as often as a coin would. Adam normalises every element by its own history, and a weight
+# that had none (m = v = 0) gets a step of a fixed size on its first gradient, about half of `lr`, however
+# small that gradient was; momentum then keeps moving it for many steps more. Thousands of weights take
+# random steps as large as the real ones: that is the dip in the zero fraction and the jump in the update
+# ratio at the same step, and the loss turns.
+#
+# **Test the explanation**: rerun, and from that step on give no update to the weights that had no gradient
+# before it (`freeze_dormant_from`); everything else is the same run.
+
+# %% tags=["nbval-ignore-output"]
+frozen = ch09.telemetry(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", freeze_dormant_from=wake))
+for label, t in {"fp16, no loss scaling": plain16, f"... dormant weights frozen from step {wake}": frozen}.items():
+    low = min(t["loss"])
+    print(f"{label:>42}: loss at its lowest {low:.2f} (step {t['loss'].index(low)}), final {t['loss'][-1]:.2f}")
+
+# %%
+print("the same run up to that step, loss for loss:", frozen["loss"][:wake + 1] == plain16["loss"][:wake + 1])
+print("frozen, the loss keeps falling: it ends below the unfrozen run's lowest point:",
+      frozen["loss"][-1] < min(plain16["loss"]))
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch09.draw_dormant({"fp16, no loss scaling": plain16, f"dormant weights frozen from step {wake}": frozen},
+                                wake, cfg.vocab), "09_fp16_dormant");
+
+# %% [markdown]
+# With those weights frozen the loss keeps falling: the first gradients to get through did the damage. So
+# this numeric fault shows first as a loss that is *too slow*, then as a loss that climbs with no spike, and
+# the loss is the wrong place to look for it. The first check is the zero-gradient counter (and the
+# per-layer grad norms: the body's are exactly 0). Loss scaling moves the gradients back above the floor,
+# where they have a direction, and the problem is gone. (Freezing is a diagnosis, not a fix.)
 #
 # ## 5. Communication: a rank that sums instead of averages
 #
 # Two ranks, gradients averaged by hand (a flat buffer, `all_reduce`, divide by the world size). From
 # step 65 on, rank 1 forgets the division: its gradient is twice everyone else's. Nothing raises. Every
 # step, each rank computes a **bitwise checksum** of its parameters (every bit and every position counts,
-# see the exercise) and the ranks all-gather them; and because summation is linear, each rank also checks
-# that the sum of its reduced gradient equals the mean of the ranks' local sums.
+# see the exercise) and the ranks all-gather them. And because averaging is linear, each rank also checks
+# its reduction: projected on a fixed random vector (the same on every rank), its reduced gradient must
+# give the mean of the ranks' local projections. (The plain sum of the gradient elements would be the
+# simplest such projection, and a poor one: a gradient's elements nearly cancel, the softmax's over the
+# vocabulary, LayerNorm's over its features, and twice almost nothing is almost nothing.)
 #
 # **Predict**: at which step do the checksums first differ, and can two ranks tell which of them is wrong?
 
 # %% tags=["nbval-ignore-output"]
-summed = cu.run(TRAIN, world_size=2, **LIMITS, fault="sum_not_average", fault_rank=1, steps=80)
+summed = cu.run(TRAIN, world_size=2, **LIMITS, fault="sum_not_average", fault_rank=1, steps=80, replay=True)
 print(summed.describe())
 
 # %%
@@ -275,7 +375,8 @@ plots.savefig(ch09.draw_checksums(summed, "rank 1 sums instead of averaging from
 # The checksum fires at the first step, exact to the step, long before the losses drift visibly apart.
 # With two ranks a checksum alone cannot say who is wrong (one against one); the reduction check can,
 # because the faulty rank's reduced gradient is not the mean of the local ones. With more ranks, the
-# odd one out of the majority is the suspect.
+# odd one out of the majority is the suspect. (The run also replayed itself from step 0, `replay=True`: that
+# is for section 6.)
 #
 # ## 6. Hardware: a flipped bit
 #
@@ -302,7 +403,23 @@ plots.savefig(ch09.draw_replay(flipped, "a bit flips in rank 1's gradient at ste
 # fingerprint (checksums of each rank's local gradient before the all-reduce and of its parameters after
 # the step). On deterministic kernels a replay reproduces every bit, so the first fingerprint that differs is
 # the corrupted step; the rank whose *local gradient* differs first is the faulty one. A fault that a replay
-# does **not** reproduce is hardware; one that it does is software or data.
+# does **not** reproduce is hardware; one that it does is software or data. The summing rank of section 5
+# replayed itself the same way: compare.
+
+# %%
+rep_sum = summed[0]["replay"]
+print(f"bit flip (transient, hardware): the replay diverges: {rep['diverged']}, first at step {rep['first_step']}, "
+      f"rank(s) {rep['ranks']}")
+print(f"summing rank (in the code): the replay diverges: {rep_sum['diverged']}; first differing fingerprint, by rank: "
+      f"{rep_sum['event_by_rank']}")
+print(f"... although that run's ranks disagree from step {summed[0]['checksum_alarm']['step']}: the replay made the same "
+      "mistake, bit for bit:", not rep_sum["diverged"])
+
+# %% [markdown]
+# The replay of the summing run reproduced every fingerprint, through the faulty steps too: the fault is
+# in the code, so it happens again on the same inputs, and a replay that finds *nothing* is the finding
+# (look at the code, the configuration, the data). A replay that parts from the original run points at
+# the machine.
 #
 # The same flip in rank 1's **parameters after the step** is different: now the ranks disagree, and the
 # checksum fires at once, but two ranks cannot vote. The replay says who.
@@ -406,8 +523,11 @@ check("z_loss", z_loss)
 # - **Data**: a spike tied to a batch. Rewind to a snapshot and skip the sample ids; done right, the run is
 #   bit for bit the run that never saw them.
 # - **Numeric**: at a high learning rate the attention logits grow without bound (qk-layernorm bounds
-#   them) and log Z drifts (z-loss pins it); in fp16 small gradients become 0 (loss scaling).
+#   them) and log Z drifts (z-loss pins it); in fp16 small gradients become 0 (loss scaling), and the
+#   first ones to get through are rounding noise on which Adam takes full-size steps: a slow climb, no spike.
 # - **Communication**: a cross-rank bitwise checksum finds the first step at which ranks disagree; a
-#   linear invariant (reduced sum = mean of local sums) names the rank.
+#   linear invariant (a random projection of the reduced gradient = the mean of the local gradients'
+#   projections) names the rank.
 # - **Hardware**: corruption before an all-reduce leaves the ranks in agreement; only deterministic
-#   replay finds the step and the rank, and tells hardware (not reproduced) from software (reproduced).
+#   replay finds the step and the rank, and tells hardware (the bit flip: not reproduced) from software (the
+#   summing rank: reproduced bit for bit).

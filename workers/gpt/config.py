@@ -43,6 +43,11 @@ class TrainConfig:
     flip_bit: int = 20  # which bit of the fp32 word the bit flip toggles (31 sign, 30-23 exponent, 22-0 mantissa)
     flip_target: str = "grad"  # "grad": before the all-reduce (spreads to every rank); "param": after the step
     flip_index: int = 1000  # which element of the flat gradient / parameter vector
+    # diagnostics: grade each step's gradient against the exact fp32 gradient of the same batch; and from step
+    # freeze_dormant_from on (-1: never), give no update to the weights whose gradient was exactly 0 at every
+    # earlier step (the counterfactual that shows what their first gradients do)
+    fp32_grad_probe: bool = False
+    freeze_dormant_from: int = -1
     # detection and recovery
     spike_window: int = 10
     spike_factor: float = 1.5

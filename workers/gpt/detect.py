@@ -1,11 +1,11 @@
-"""Detectors: a loss-spike trigger, the cross-rank checksum, and the first divergence of two traces."""
+"""Detectors: a loss-spike trigger, the verdict on the cross-rank checksums, and the first divergence of two traces.
+
+(The checksums themselves are ``telemetry.params_checksum``, gathered every step by the training loop.)
+"""
 from __future__ import annotations
 
 import statistics
 from collections import Counter
-
-from workers.gpt.reduce import gather_objects
-from workers.gpt.telemetry import params_checksum
 
 
 class SpikeDetector:
@@ -29,11 +29,6 @@ class SpikeDetector:
     def truncate(self, n: int) -> None:
         """Forget every loss after the first ``n`` (after a rewind)."""
         del self.losses[n:]
-
-
-def cross_rank_checksum(params) -> list[int]:
-    """Every rank's bitwise checksum of its parameters, by rank: ranks that train in step agree exactly."""
-    return gather_objects(params_checksum(params))
 
 
 def odd_ones_out(checksums: list[int]) -> list[int]:

@@ -5,27 +5,55 @@ size, copy back. The fault ``sum_not_average`` is a rank that skips the division
 one node, a world size read as 1): its gradient is n times everyone else's, so from that step on its
 weights part company with the other ranks', silently; the loss on that rank may even look fine.
 
-Before and after the reduction each rank also notes the float64 sum of its gradient. Summation is linear,
-so after a correct average every rank's reduced sum equals the mean of the ranks' local sums (up to
-rounding): a rank whose reduced sum is off names itself (``reduction_culprits``).
+The reduction check. Averaging is linear, so for any fixed vector r every rank's r . (reduced gradient)
+must equal the mean over ranks of r . (local gradient), up to rounding. With r = (1, ..., 1), the plain
+sum of all gradient elements, this check is blind: a model's gradient sums nearly cancel (the softmax
+gradient of every position sums to 0 over the vocabulary, LayerNorm's over its features), and a sum near
+0 is the same near 0 doubled. So each rank projects its gradient, before and after the reduction, on a
+few fixed random Gaussian vectors that every rank draws from the same seed (``projection_probes``): a
+projection is about ||g|| in size whatever the gradient's structure, and a rank whose reduced projections
+are off names itself (``reduction_culprits``).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+PROBES = 4  # random projections per check: a fault slips through only if all of them happen to be ~0
+PROBE_SEED = 2024
+
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def average_gradients(params, *, divide: bool = True) -> dict:
+def projection_probes(n_elements: int, k: int = PROBES, seed: int = PROBE_SEED, device="cpu") -> torch.Tensor:
+    """``k`` fixed random vectors with unit-variance Gaussian entries, [k, n_elements] float64: the same on
+    every rank (same seed), so that projections taken on different ranks can be compared."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(k, n_elements, generator=g, dtype=torch.float64).to(device)
+
+
+def gradient_fingerprint(local: torch.Tensor, reduced: torch.Tensor, probes: torch.Tensor | None = None) -> dict:
+    """What the reduction check compares, for one rank: float64 sums of its flat gradient before (``local``)
+    and after (``reduced``) the reduction and, given ``probes``, the projections on them and the local norm."""
+    out = {"local_sum": float(local.double().sum()), "reduced_sum": float(reduced.double().sum())}
+    if probes is not None:
+        out["local_proj"] = (probes @ local.double()).tolist()  # [k]
+        out["reduced_proj"] = (probes @ reduced.double()).tolist()  # [k]
+        out["local_norm"] = float(local.double().norm())
+    return out
+
+
+def average_gradients(params, *, divide: bool = True, probes: torch.Tensor | None = None) -> dict:
     """Average ``.grad`` over the ranks in place; ``divide=False`` is the fault (sum, no division).
 
-    Returns {"local_sum", "reduced_sum"}: float64 sums of this rank's gradient before and after.
+    Returns {"local_sum", "reduced_sum"}: float64 sums of this rank's gradient before and after; given
+    ``probes`` (``projection_probes``), also the projections the reduction check needs (``gradient_fingerprint``).
     """
     params = [p for p in params if p.grad is not None]
     flat = torch.cat([p.grad.reshape(-1) for p in params])  # [P]
+    local = flat.clone() if probes is not None else flat
     local_sum = float(flat.double().sum())
     if distributed():
         dist.all_reduce(flat)  # SUM over ranks
@@ -35,7 +63,9 @@ def average_gradients(params, *, divide: bool = True) -> dict:
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
         offset += p.numel()
-    return {"local_sum": local_sum, "reduced_sum": float(flat.double().sum())}
+    if probes is None:
+        return {"local_sum": local_sum, "reduced_sum": float(flat.double().sum())}
+    return gradient_fingerprint(local, flat, probes)
 
 
 def gather_objects(value) -> list:
@@ -47,12 +77,17 @@ def gather_objects(value) -> list:
     return out
 
 
-def reduction_culprits(sums: list[dict], rtol: float = 1e-3) -> list[int]:
-    """Ranks whose reduced gradient sum is not the mean of the local sums.
+def reduction_culprits(fingerprints: list[dict], rtol: float = 1e-4) -> list[int]:
+    """Ranks whose reduced gradient's projections are not the mean of the ranks' local projections.
 
-    The tolerance is relative to the total magnitude of the local sums: reordered fp32 additions move
-    the sum by ~1e-7 of that, a rank that forgot to divide by n = 2 moves it by 100%.
+    ``fingerprints``: every rank's ``gradient_fingerprint`` (with probes). The tolerance is relative to the
+    largest local gradient norm, which is the size of a projection on a unit-variance Gaussian vector:
+    fp32 rounding in the all-reduce moves a projection by ~1e-7 of that; a rank that forgot to divide by
+    n moves it by (n - 1) times the mean gradient's projection, of the order of the gradients themselves.
     """
-    mean_local = sum(s["local_sum"] for s in sums) / len(sums)
-    scale = max(sum(abs(s["local_sum"]) for s in sums), 1e-12)
-    return [r for r, s in enumerate(sums) if abs(s["reduced_sum"] - mean_local) > rtol * scale]
+    n = len(fingerprints)
+    k = len(fingerprints[0]["local_proj"])
+    mean_local = [sum(f["local_proj"][j] for f in fingerprints) / n for j in range(k)]
+    scale = max(max(f["local_norm"] for f in fingerprints), 1e-30)
+    return [r for r, f in enumerate(fingerprints)
+            if max(abs(f["reduced_proj"][j] - mean_local[j]) for j in range(k)) > rtol * scale]

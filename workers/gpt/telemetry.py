@@ -4,7 +4,8 @@ Norms are the Euclidean norm over every element, computed in float64 so that the
 no rounding worth talking about. ``global_grad_norm`` is the number ``torch.nn.utils.clip_grad_norm_``
 returns (and clips with); ``update_ratio`` is ||theta_after - theta_before|| / ||theta_before||, which for
 Adam sits near lr * sqrt(#params) / ||theta|| in a healthy run and jumps when one step moves the weights
-much further than the others.
+much further than the others. ``newly_nonzero`` finds the gradient elements that reach a weight for the
+first time in the run (in fp16 without loss scaling, where most gradients underflow, that is an event).
 """
 from __future__ import annotations
 
@@ -38,6 +39,22 @@ def zero_grad_fraction(params) -> float:
     return float((flat == 0).double().mean())
 
 
+def newly_nonzero(grad: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Mask of the flat gradient's elements that are nonzero now and were exactly 0 at every earlier step
+    (``seen``: the elements that had a nonzero gradient before). Adam has no history for such an element
+    (m = v = 0), so its first step on it is lr * (1 - b1) / (1 - b1^t) / sqrt((1 - b2) / (1 - b2^t)) in size
+    whatever the gradient's size: a gradient of one rounding unit moves the weight as far as a real one."""
+    return (grad != 0) & ~seen
+
+
+def sign_agreement(grad: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> float | None:
+    """Fraction of the elements in ``mask`` where ``grad`` has the sign of ``reference`` (None if none):
+    0.5 is a coin toss, the gradient carries no information about the direction."""
+    if not bool(mask.any()):
+        return None
+    return float((torch.sign(grad[mask]) == torch.sign(reference[mask])).double().mean())
+
+
 def bitwise_checksum(tensor: torch.Tensor) -> int:
     """A checksum of a float32 tensor's bits: sum of bits_i * (i + 1), mod 2^61 - 1.
 
@@ -58,11 +75,6 @@ def bitwise_checksum(tensor: torch.Tensor) -> int:
 
 def params_checksum(params) -> int:
     return bitwise_checksum(flat_params(params))
-
-
-def float_bits(value: float) -> int:
-    """The fp32 bit pattern of a number (for exact fingerprints of a loss)."""
-    return int(torch.tensor([value], dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
 
 
 def flip_bit_(tensor: torch.Tensor, index: int, bit: int) -> tuple[float, float]:

@@ -13,7 +13,12 @@ communication faults have a place to live. Where each fault is injected:
 - ``sum_not_average``: from ``at_step`` on, ``fault_rank`` sums the gradients without dividing (communication);
 - ``bit_flip``: at ``at_step``, one bit of one element on ``fault_rank`` flips, in its gradient before the
   all-reduce or in its parameters after the step (hardware: silent data corruption). Transient: a replay
-  on the same inputs does not see it again, which is how replay tells hardware from software.
+  on the same inputs does not see it again, which is how replay tells hardware from software. The other
+  faults are part of the code or the data, so a replay reproduces them bit for bit.
+
+Two diagnostics for fp16 underflow: ``fp32_grad_probe`` grades each step's gradient against the exact fp32
+gradient of the same batch (over the elements whose gradient is nonzero for the first time), and
+``freeze_dormant_from`` withholds updates from the weights that had no gradient before that step.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ from workers.gpt.data import Loader, MarkovDataset, rank_rows
 from workers.gpt.detect import SpikeDetector, first_divergence, odd_ones_out
 from workers.gpt.loss_scale import DynamicLossScaler, HalfCopy
 from workers.gpt.model import layer_groups, make_model, token_loss
-from workers.gpt.reduce import average_gradients, distributed, gather_objects, reduction_culprits
+from workers.gpt.reduce import (average_gradients, distributed, gather_objects, projection_probes,
+                                reduction_culprits)
 
 TRANSIENT_FAULTS = ("bit_flip",)
 
@@ -53,6 +59,10 @@ class Trainer:
         self.scaler = DynamicLossScaler(tcfg.init_loss_scale, enabled=tcfg.fp16 and tcfg.loss_scaling)
         self.step = 0
         self.faults_on = True  # a replay turns transient faults off
+        n_elements = sum(p.numel() for p in self.params)
+        self.seen = torch.zeros(n_elements, dtype=torch.bool, device=self.device)  # had a nonzero gradient
+        self.frozen = None  # freeze_dormant_from: the weights that get no update from then on
+        self.probes = projection_probes(n_elements, device=self.device) if world_size > 1 else None
 
     # -- one step ---------------------------------------------------------------------------------------
     def _fault(self, name: str) -> bool:
@@ -64,6 +74,9 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = t.lr_at(step)
         tokens = self.data.batch(rank_rows(ids, self.rank, self.world_size)).to(self.device)  # [B/n, seq + 1]
+        reference = self._fp32_gradient(tokens) if t.fp32_grad_probe else None
+        if step == t.freeze_dormant_from:
+            self.frozen = ~self.seen
         before = tm.flat_params(self.params)
         net = self.model
         if self.half is not None:
@@ -87,8 +100,12 @@ class Trainer:
         flat_grad = [p.grad for p in self.params]
         if self._fault("bit_flip") and t.flip_target == "grad" and step == t.at_step:
             _flip_flat(flat_grad, t.flip_index, t.flip_bit)
-        grad_checksum = tm.bitwise_checksum(torch.cat([g.reshape(-1) for g in flat_grad]))
-        sums = average_gradients(self.params, divide=not (self._fault("sum_not_average") and step >= t.at_step))
+        local_grad = torch.cat([g.reshape(-1) for g in flat_grad])  # [P] this rank's gradient, as it will be sent
+        grad_checksum = tm.bitwise_checksum(local_grad)
+        woken = tm.newly_nonzero(local_grad, self.seen)
+        self.seen |= woken
+        sums = average_gradients(self.params, divide=not (self._fault("sum_not_average") and step >= t.at_step),
+                                 probes=self.probes)
 
         # one SUM and one MAX over the ranks: the global loss, and whether anyone overflowed
         totals = torch.tensor([stats["loss"], stats["log_z_mean"], float(found_inf)], dtype=torch.float64,
@@ -101,6 +118,8 @@ class Trainer:
         found_inf = bool(totals[2] > 0)
         grad_norm = tm.global_grad_norm(self.params)
         layer_norms = tm.group_grad_norms(self.groups)
+        if self.frozen is not None:
+            _zero_where(self.params, self.frozen)
         if not found_inf:
             self.opt.step()
         self.scaler.update(found_inf)
@@ -109,12 +128,19 @@ class Trainer:
 
         after = tm.flat_params(self.params)
         param_checksum = tm.bitwise_checksum(after)
+        woken_cpu = woken.cpu()
+        n_woken = int(woken_cpu.sum())
         record = {"step": step, "lr": t.lr_at(step), "loss": float(totals[0]), "local_loss": stats["loss"],
                   "grad_norm": grad_norm, "layer_grad_norms": layer_norms,
                   "update_ratio": tm.update_ratio(before, after), "max_attn_logit": float(peaks[0]),
                   "log_z_mean": float(totals[1]), "log_z_max": float(peaks[1]), "loss_scale": scale,
                   "skipped_step": found_inf, "zero_grad_frac": zero_frac, "sample_ids": list(ids),
                   "garbage_samples": sum(i in self.data.garbage for i in ids),
+                  "woken_elements": n_woken,  # gradient elements nonzero for the first time in the run
+                  "woken_update": (float((after - before)[woken_cpu].abs().median()) / t.lr_at(step)
+                                   if n_woken else None),  # the median step on them, in units of lr
+                  "woken_sign_agreement": (None if reference is None
+                                           else tm.sign_agreement(local_grad, reference, woken)),
                   "grad_checksum": grad_checksum, "param_checksum": param_checksum}
         if self.world_size > 1:  # the cross-rank checksum, every step
             everyone = gather_objects({"checksum": param_checksum, **sums})
@@ -123,11 +149,18 @@ class Trainer:
             record["reduction_culprits"] = reduction_culprits(everyone)
         return record
 
+    def _fp32_gradient(self, tokens) -> torch.Tensor:
+        """The exact fp32 gradient of the master weights on this batch, flat (``.grad`` is left alone)."""
+        loss, _ = token_loss(self.model(tokens[:, :-1]), tokens[:, 1:], self.tcfg.z_loss)
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, self.params)])
+
     # -- snapshots ------------------------------------------------------------------------------------------
     def snapshot(self) -> dict:
-        """Everything the future of the run depends on: weights, optimizer state, loss scale, data cursor."""
+        """Everything the future of the run depends on: weights, optimizer state, loss scale, data cursor (and
+        which weights have had a gradient, for the telemetry and the freeze diagnostic)."""
         return copy.deepcopy({"step": self.step, "model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                              "scaler": self.scaler.state_dict(), "cursor": self.loader.cursor})
+                              "scaler": self.scaler.state_dict(), "cursor": self.loader.cursor,
+                              "seen": self.seen, "frozen": self.frozen})
 
     def restore(self, snap: dict) -> None:
         snap = copy.deepcopy(snap)  # a snapshot may be restored more than once
@@ -135,6 +168,7 @@ class Trainer:
         self.opt.load_state_dict(snap["opt"])
         self.scaler.load_state_dict(snap["scaler"])
         self.loader.cursor, self.step = snap["cursor"], snap["step"]
+        self.seen, self.frozen = snap["seen"], snap["frozen"]
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def run(self, recover: bool = False) -> dict:
@@ -202,6 +236,15 @@ def _flip_flat(tensors, index: int, bit: int) -> None:
             return
         index -= tensor.numel()
     raise IndexError("flip_index is past the end of the model's parameters")
+
+
+def _zero_where(params, mask: torch.Tensor) -> None:
+    """Zero the gradient elements where the flat ``mask`` is True (Adam then leaves a weight with no history,
+    m = v = 0, exactly where it is)."""
+    offset = 0
+    for p in params:
+        p.grad.masked_fill_(mask[offset:offset + p.numel()].view_as(p.grad), 0)
+        offset += p.numel()
 
 
 def _scalars(rec: dict) -> dict:
