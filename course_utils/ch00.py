@@ -9,9 +9,10 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_utils.ledger import GB, collective_time, pipeline_bubble_fraction, tp_comm_bytes_per_layer
+from course_utils.ledger import GB, collective_time, flops_per_token, pipeline_bubble_fraction, tp_comm_bytes_per_layer
 from course_utils.planner import (CLUSTERS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan, model_shape,
-                                  plan)
+                                  plan, zero_collectives_per_step)
+from course_utils.published_configs import PUBLISHED_CONFIGS, PublishedConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
@@ -52,6 +53,21 @@ def _mb(nbytes: float) -> str:
 
 # -- 1. the partition logic of each parallelism ------------------------------------------------------------
 
+def zero_frequency(zero_stage: int, per: str = "") -> str:
+    """How often a ZeRO stage's collectives run, read off ``planner.zero_collectives_per_step`` (so the table
+    and the planner's step times count the same thing): a count that grows with the micro-batches is "per
+    micro-batch", one that does not is "per step". ``per`` names the unit of each pass ("layer" for ZeRO-3)."""
+    one, two = zero_collectives_per_step(zero_stage, 1), zero_collectives_per_step(zero_stage, 2)
+    unit = f"per {per} per micro-batch" if per else "per micro-batch"
+    parts = []
+    order = ("all_reduce", "all_gather", "reduce_scatter") if zero_stage == 3 else ("all_reduce", "reduce_scatter",
+                                                                                    "all_gather")
+    for name in order:
+        if one[name]:
+            parts.append(f"{one[name]} {name} " + (unit if two[name] == 2 * one[name] else "per step"))
+    return ", ".join(parts)
+
+
 def partition_table(model: str = "70B", *, tp: int = 8, cp: int = 2, pp: int = 4, micro_batch: int = 1,
                     seq: int = 8192, experts_top_k: int = 2) -> Table:
     """What each parallelism splits, what it communicates, when, how big each message is and how often.
@@ -70,14 +86,14 @@ def partition_table(model: str = "70B", *, tp: int = 8, cp: int = 2, pp: int = 4
     kv = 2 * b * s * m.kv_dim / tp * 2  # K and V of the whole sequence, this TP rank's heads
     rows = [
         ["DP (DDP)", "the batch; model replicated", "all_reduce of gradients",
-         "after backward (bucketed, overlapped)", _mb(2 * local_params), "1 per step"],
+         "after the last micro-batch's backward (bucketed, overlapped)", _mb(2 * local_params), zero_frequency(0)],
         ["ZeRO-1", "+ optimizer states over DP", "reduce_scatter grads, all_gather params",
-         "after backward / after the step", _mb(2 * local_params) + " each", "1 + 1 per step"],
+         "after the last backward / after the step", _mb(2 * local_params) + " each", zero_frequency(1)],
         ["ZeRO-2", "+ gradients over DP", "reduce_scatter grads (per bucket), all_gather params",
-         "during backward / after the step", _mb(2 * local_params) + " each", "1 + 1 per step"],
+         "during every backward / after the step", _mb(2 * local_params) + " each", zero_frequency(2)],
         ["ZeRO-3 / FSDP", "+ parameters over DP", "all_gather a layer's params; reduce_scatter its grads",
          "before each layer's fwd and bwd; after its bwd", _mb(2 * layer_params) + " per layer",
-         "3 per layer per micro-batch"],
+         zero_frequency(3, per="layer")],
         ["TP", "weight matrices (heads, FFN columns/rows)", "all_reduce of activations",
          "inside every layer, fwd and bwd", _mb(tpc.message_bytes), "4 per layer per micro-batch"],
         ["SP (with TP)", "LayerNorm/dropout activations along the sequence", "reduce_scatter + all_gather",
@@ -90,36 +106,68 @@ def partition_table(model: str = "70B", *, tp: int = 8, cp: int = 2, pp: int = 4
          "around every MoE FFN, fwd and bwd", _mb(act * experts_top_k), "4 per MoE layer per micro-batch"],
     ]
     caption = (f"{m.name}, micro-batch {b} x {s} tokens, bf16, tp={tp}, cp={cp}, pp={pp}: "
-               "message = the buffer one collective moves (nccl-tests' S)")
+               "message = the buffer one collective moves (nccl-tests' S); DP and ZeRO-1 accumulate full "
+               "gradients over a step's micro-batches, ZeRO-2/3 keep a shard and reduce after each")
     return Table(["parallelism", "splits", "communicates", "when", "message", "how often"], rows, caption)
 
 
 # -- 2. memory bars and time bars ----------------------------------------------------------------------------
 
-def memory_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "memory per GPU"):
-    """Stacked bars of params / grads / optimizer / activations (GB) with each plan's GPU-memory line."""
+def memory_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "memory per GPU",
+                zoom_gb: float | None = None):
+    """Stacked bars of params / grads / optimizer / activations (GB) with each plan's GPU-memory line.
+
+    The axis is linear, so each segment's height is its share of the bar (a log axis would shrink the top
+    segments of a stack). With ``zoom_gb`` and a bar taller than it, ``ax`` zooms to 0..``zoom_gb`` (the
+    small bars against the GPU line; the tall ones run off the top) and a second linear axis above it,
+    ``ax.upper``, shows every bar whole at full scale, so the tall bars keep their proportions too.
+    """
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(plans) + 2), 3.6))
-    bottoms = [0.0] * len(plans)
-    for state, colour in STATE_COLOURS.items():
-        values = [p.memory[state] / GB for p in plans]
-        ax.bar(range(len(plans)), values, bottom=bottoms, color=colour, label=state, width=0.6)
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+    totals = [p.total_memory_bytes / GB for p in plans]
+    gpu_line = max(p.gpu_memory_bytes / GB for p in plans)
+    broken = zoom_gb is not None and max(totals) > zoom_gb
+    axes = [ax]
+    if broken:
+        from mpl_toolkits.axes_grid1 import make_axes_locatable
+
+        upper = make_axes_locatable(ax).append_axes("top", size="60%", pad=0.15, sharex=ax)
+        axes.append(upper)
+        ax.upper = upper
+    for a in axes:
+        bottoms = [0.0] * len(plans)
+        for state, colour in STATE_COLOURS.items():
+            values = [p.memory[state] / GB for p in plans]
+            a.bar(range(len(plans)), values, bottom=bottoms, color=colour, label=state, width=0.6)
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+        for i, p in enumerate(plans):
+            a.hlines(p.gpu_memory_bytes / GB, i - 0.4, i + 0.4, colors="black", linestyles="--", linewidth=1.2)
     for i, p in enumerate(plans):
-        ax.hlines(p.gpu_memory_bytes / GB, i - 0.4, i + 0.4, colors="black", linestyles="--", linewidth=1.2)
-        ax.text(i, bottoms[i], "fits" if p.fits else "does NOT fit", ha="center", va="bottom", fontsize=8,
-                color="#1a7f37" if p.fits else "#cf222e")
+        where = axes[-1] if broken and totals[i] > zoom_gb else ax
+        where.text(i, totals[i], "fits" if p.fits else "does NOT fit", ha="center", va="bottom", fontsize=8,
+                   color="#1a7f37" if p.fits else "#cf222e")
     ax.set_xticks(range(len(plans)), labels, fontsize=8)
     ax.set_ylabel("GB (1e9 bytes)")
-    ax.set_title(title + "  (dashed: GPU memory)", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set_ylim(0, max(max(bottoms), max(p.gpu_memory_bytes / GB for p in plans)) * 1.18)
+    axes[-1].set_title(title + "  (dashed: GPU memory)", fontsize=10)
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if broken:
+        ax.set_ylim(0, zoom_gb)
+        upper.set_ylim(0, max(totals) * 1.2)
+        upper.tick_params(axis="x", bottom=False, labelbottom=False)
+        upper.text(0.99, 0.92, "full scale", transform=upper.transAxes, fontsize=7, color="#555555", ha="right",
+                   va="top")
+        ax.text(0.99, 0.97, f"zoom: 0 to {zoom_gb:.0f} GB", transform=ax.transAxes, fontsize=7, color="#555555",
+                ha="right", va="top")
+    else:
+        ax.set_ylim(0, max(max(totals), gpu_line) * 1.18)
     return ax
 
 
 def time_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "time per step (no overlap)"):
+    """Horizontal bars of one step's compute, bubble and communication, each labelled with its global batch,
+    tokens/s and MFU: steps of different batches are not comparable by length, throughput always is."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -131,6 +179,10 @@ def time_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "time 
         ax.barh(range(len(plans)), values, left=left, color=TIME_COLOURS[name],
                 label=name if name in ("compute", "bubble") else f"comm {name}", height=0.6)
         left = [a + v for a, v in zip(left, values)]
+    for i, p in enumerate(plans):
+        ax.text(left[i], i, f" {p.sequences_per_step} seq, {p.tokens_per_second / 1e3:,.0f}k tok/s, "
+                f"MFU {100 * p.mfu:.0f}%", va="center", ha="left", fontsize=7)
+    ax.set_xlim(0, max(left) * 1.6)
     ax.set_yticks(range(len(plans)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per optimizer step (modelled)")
@@ -142,11 +194,22 @@ def time_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "time 
 def plan_row(label: str, p: Plan) -> list[str]:
     lay = p.layout
     return [label, f"{p.n_gpus}", f"{lay.tp}/{lay.cp}/{lay.pp}/{lay.dp}", f"{lay.zero_stage}",
-            f"{p.total_memory_bytes / GB:.1f}", "yes" if p.fits else "NO", f"{p.step_time_s:.2f}",
+            f"{lay.num_microbatches}", f"{p.sequences_per_step}", f"{p.total_memory_bytes / GB:.1f}",
+            "yes" if p.fits else "NO", f"{p.step_time_s:.2f}", f"{p.tokens_per_second / 1e3:,.0f}",
             f"{100 * p.comm_total_s / p.step_time_s:.0f}%", f"{100 * p.mfu:.0f}%"]
 
 
-PLAN_HEADER = ["configuration", "GPUs", "tp/cp/pp/dp", "ZeRO", "GB/GPU", "fits", "s/step", "comm", "MFU"]
+# m: micro-batches per replica; batch: sequences per step (dp x m x micro-batch); k tok/s: thousands of tokens/s
+PLAN_HEADER = ["configuration", "GPUs", "tp/cp/pp/dp", "ZeRO", "m", "batch", "GB/GPU", "fits", "s/step", "k tok/s",
+               "comm", "MFU"]
+
+
+def fastest_fitting(plans: dict[str, Plan]) -> str:
+    """The name of the fitting plan with the highest throughput (tokens/s), the fair race between layouts."""
+    fitting = {name: p for name, p in plans.items() if p.fits}
+    if not fitting:
+        raise ValueError("none of these plans fits; nothing to race")
+    return max(fitting, key=lambda name: fitting[name].tokens_per_second)
 
 
 # -- 3. pipeline bubble -----------------------------------------------------------------------------------------
@@ -197,8 +260,8 @@ def tp_layer_times(model: str = "70B", *, tp: int = 8, micro_batch: int = 1, seq
     m = model_shape(model)
     cl = CLUSTERS[gpu]
     b, s, h = micro_batch, seq, m.hidden
-    # forward + backward FLOPs of one layer, split over tp: 3 x (2 x params x tokens + 4 b s^2 h attention)
-    flops = 3 * (2 * m.params_per_layer * b * s + 4 * b * s * s * h) / tp
+    # forward + backward model FLOPs of one layer (PaLM's 6N + 12 L H Q T with L = 1), split over tp
+    flops = flops_per_token(m.params_per_layer, 1, m.heads, m.head_dim, s) * b * s / tp
     compute = flops / (cl.gpu.peak_flops * compute_efficiency)
     comm = tp_comm_bytes_per_layer(b, s, h, tp)
     tiers = {}
@@ -253,7 +316,29 @@ def bandwidth_figure(model: str = "70B", tp: int = 8):
     return fig
 
 
-# -- 5. the planner widget ------------------------------------------------------------------------------------
+# -- 5. published configurations -----------------------------------------------------------------------------
+
+PUBLISHED_HEADER = ["run", "GPU", "GPUs", "tp/cp/pp/dp", "DP holds", "MFU", "TP*CP*PP*DP"]
+PUBLISHED_CAPTION = ("Korthikanti et al. 2022 Tables 3 and 5 and sec 6.3 (the 2240-GPU row); Llama 3 Table 4; "
+                     "BLOOM tr11 README; OPT sec 2.4 and the metaseq logbook")
+
+
+def product_check(c: PublishedConfig) -> str:
+    """The product rule for one row, honestly: "ok"/"MISMATCH" where every degree is as the source prints it;
+    where a degree was derived from the rule (or chosen by it between printed values), the rule checks
+    nothing, and the cell says so."""
+    if c.derived:
+        return f"{c.product}, not a check: {c.derived}"
+    return f"{c.product} {'ok' if c.product == c.gpus else 'MISMATCH'}"
+
+
+def published_table(configs=PUBLISHED_CONFIGS) -> Table:
+    rows = [[c.name, c.gpu, str(c.gpus), f"{c.tp}/{c.cp}/{c.pp}/{c.dp}", c.data_parallel,
+             f"{c.mfu:.0%}" if c.mfu else "-", product_check(c)] for c in configs]
+    return Table(PUBLISHED_HEADER, rows, PUBLISHED_CAPTION)
+
+
+# -- 6. the planner widget ------------------------------------------------------------------------------------
 
 GPU_COUNTS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 

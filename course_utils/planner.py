@@ -159,13 +159,19 @@ class Link:
 
 GPUS: dict[str, GPU] = {
     # NVIDIA H100 datasheet (SXM5): BF16 tensor core 1,979 TFLOPS "with sparsity", so 989.5e12 dense;
-    # 80 GB HBM3, which the device exposes as 80 GiB.
+    # 80 GB HBM3. The planner counts 80 GiB (85.9e9 bytes); nvidia-smi reports slightly less,
+    # H100_80GB_NVIDIA_SMI_BYTES below (0.4% less), so fits within ~0.3 GB are optimistic.
     "h100": GPU("H100 SXM 80GB", 80 * GiB, 989.5e12, "NVIDIA H100 datasheet"),
     # NVIDIA H200 datasheet: 141 GB HBM3e, same BF16 tensor-core peak as H100 SXM.
     "h200": GPU("H200 SXM 141GB", 141 * GB, 989.5e12, "NVIDIA H200 datasheet"),
     # NVIDIA A100 datasheet: 312 TFLOPS BF16 dense (Narayanan et al. 2021, sec 5: "312 teraFLOP/s").
     "a100": GPU("A100 SXM 80GB", 80 * GiB, 312e12, "NVIDIA A100 datasheet"),
 }
+
+# What nvidia-smi / NVML report for an "NVIDIA H100 80GB HBM3": 81,559 MiB = 79.65 GiB = 85.52e9 bytes
+# (Modal's table of NVML capacities, thundergolfer.com/blog/nvidia-gpu-memory-capacity; the same total
+# appears in published nvidia-smi outputs). Pass it as ``gpu_memory_bytes`` to see how tight a fit is.
+H100_80GB_NVIDIA_SMI_BYTES = 81_559 * 2**20
 
 NETWORK_TIERS: dict[str, Link] = {
     # 900 GB/s total NVLink bandwidth per GPU (18 links; NVIDIA H100/H200 datasheets) = 450 GB/s each
@@ -243,7 +249,8 @@ class Layout:
     zero_stage: int = 0
     micro_batch: int = 1  # sequences per micro-batch
     seq: int = 4096  # tokens per sequence
-    num_microbatches: int | None = None  # per DP replica per step; None: 4 * pp (or 1 without PP)
+    num_microbatches: int | None = None  # per DP replica per step; None: 4 * pp (or 1 without PP),
+    # or global_batch / (dp * micro_batch) when plan() is given a global_batch
     recompute: str = "selective"  # "none", "selective" (what FlashAttention effectively does), "full"
     sequence_parallel: bool = True  # Megatron sequence parallelism, used when tp > 1
     virtual_stages: int = 1  # interleaved 1F1B chunks per GPU
@@ -278,7 +285,19 @@ class Plan:
 
     @property
     def headroom_bytes(self) -> float:
+        """GPU memory left after everything counted (negative: over by that much)."""
         return self.gpu_memory_bytes - self.total_memory_bytes
+
+    @property
+    def sequences_per_step(self) -> int:
+        """The global batch: sequences per optimizer step, dp x m x micro_batch."""
+        return self.tokens_per_step // self.layout.seq
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Training throughput this step time implies; compare layouts by this (or MFU), not by s/step,
+        unless their global batches are equal."""
+        return self.tokens_per_step / self.step_time_s
 
     @property
     def comm_total_s(self) -> float:
@@ -303,14 +322,16 @@ class Plan:
             "  memory per GPU (GB = 1e9 bytes)",
         ]
         lines += [f"    {k:<12}{v / GB:9.2f}" for k, v in self.memory.items()]
-        verdict = "fits" if self.fits else "does NOT fit"
+        verdict = (f"fits, {self.headroom_bytes / GB:.2f} GB to spare" if self.fits
+                   else f"does NOT fit, {-self.headroom_bytes / GB:.2f} GB over")
         lines.append(f"    {'total':<12}{self.total_memory_bytes / GB:9.2f}  of {self.gpu_memory_bytes / GB:.1f} "
                      f"({self.gpu_memory_bytes / GiB:.1f} GiB): {verdict}")
         lines.append("  time per step (s)")
         lines.append(f"    {'compute':<12}{self.compute_time_s:9.3f}")
         lines.append(f"    {'bubble':<12}{self.bubble_time_s:9.3f}")
         lines += [f"    {'comm ' + k:<12}{v:9.3f}  over {self.links[k]}" for k, v in self.comm_time_s.items()]
-        lines.append(f"    {'step':<12}{self.step_time_s:9.3f}  (MFU {100 * self.mfu:.1f}%, no overlap)")
+        lines.append(f"    {'step':<12}{self.step_time_s:9.3f}  ({self.sequences_per_step} sequences, "
+                     f"{self.tokens_per_second:,.0f} tokens/s, MFU {100 * self.mfu:.1f}%, no overlap)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -325,8 +346,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def resolve_layout(model: ModelShape, layout: Layout, n_gpus: int) -> Layout:
-    """Check ``layout`` against the model and GPU count; return it with dp and m filled in."""
+def resolve_layout(model: ModelShape, layout: Layout, n_gpus: int, *, global_batch: int | None = None) -> Layout:
+    """Check ``layout`` against the model and GPU count; return it with dp and m filled in.
+
+    With ``global_batch`` (sequences per optimizer step), m = global_batch / (dp * micro_batch), so that
+    layouts with different dp train on the same batch and their step times can be compared.
+    """
     _check_degree("n_gpus", n_gpus)
     for name in ("tp", "pp", "cp", "micro_batch", "seq", "virtual_stages"):
         _check_degree(name, getattr(layout, name))
@@ -375,6 +400,20 @@ def resolve_layout(model: ModelShape, layout: Layout, n_gpus: int) -> Layout:
             f"use 'none', 'selective' or 'full'."
         )
     m = layout.num_microbatches
+    if global_batch is not None:
+        _check_degree("global_batch", global_batch)
+        per_step = dp * layout.micro_batch
+        if global_batch % per_step:
+            raise LayoutError(
+                f"global_batch={global_batch} sequences do not split into dp*micro_batch = {dp}*{layout.micro_batch} "
+                f"= {per_step} equal shares; choose a global batch that is a multiple of {per_step}."
+            )
+        if m is not None and m * per_step != global_batch:
+            raise LayoutError(
+                f"num_microbatches={m} gives {m * per_step} sequences per step, not global_batch={global_batch}; "
+                f"set only one of the two."
+            )
+        m = global_batch // per_step
     if m is None:
         m = 4 * pp if pp > 1 else 1  # GPipe (Huang et al. 2019, sec 2.3): bubble negligible for m >= 4p
     _check_degree("num_microbatches", m)
@@ -394,6 +433,41 @@ def resolve_layout(model: ModelShape, layout: Layout, n_gpus: int) -> Layout:
     return replace(layout, dp=dp, num_microbatches=m)
 
 
+def zero_collectives_per_step(zero_stage: int, num_microbatches: int = 1) -> dict[str, int]:
+    """How often data parallelism runs each collective in one optimizer step of m micro-batches.
+
+    Each count is one pass over the model slice a GPU holds (2 bytes per parameter); a real run splits a
+    pass into buckets (DDP, ZeRO-1/2) or layers (ZeRO-3) with the same total bytes. Gradients are reduced
+    once per step when a GPU keeps a full-size gradient anyway, and after every micro-batch's backward when
+    it keeps only its shard:
+
+    - stage 0 (DDP) and stage 1: gradients accumulate locally in full over the m micro-batches
+      (``DistributedDataParallel.no_sync()``; Megatron's main_grad buffer; DeepSpeed ZeRO-1 reduces only at
+      the accumulation boundary), then one all-reduce (stage 0) or one reduce-scatter (stage 1); stage 1
+      all-gathers the updated weights once after the step.
+    - stage 2: a GPU stores only its gradient shard, so it reduce-scatters after each micro-batch
+      (DeepSpeed's stage_1_and_2.py reduces every micro-step when gradients are partitioned); one
+      all-gather of the weights after the step.
+    - stage 3 (FSDP): all-gather the weights before each micro-batch's forward and again before its
+      backward, reduce-scatter the gradients after its backward: 2m + m. This is FSDP's default with
+      gradient accumulation; FSDP's ``no_sync()`` (FSDP2: ``set_requires_gradient_sync(False)``) would
+      reduce-scatter once per step but keep unsharded gradients, 2 bytes per parameter more per GPU than
+      the ledger's stage 3 counts (pytorch/pytorch PR #126166 describes both flavours).
+
+    Rajbhandari et al. 2020, section 7: with m = 1, stages 0-2 move 2 Psi per step and stage 3 moves 3 Psi.
+    """
+    if zero_stage not in ZERO_STAGES:
+        raise LayoutError(
+            f"zero_stage={zero_stage!r} is not a ZeRO stage (Rajbhandari et al. 2020, sec 5); use 0, 1, 2 or 3."
+        )
+    m = _check_degree("num_microbatches", num_microbatches)
+    if zero_stage == 0:
+        return {"all_reduce": 1, "reduce_scatter": 0, "all_gather": 0}
+    reduce_scatters = 1 if zero_stage == 1 else m
+    all_gathers = 2 * m if zero_stage == 3 else 1
+    return {"all_reduce": 0, "reduce_scatter": reduce_scatters, "all_gather": all_gathers}
+
+
 def _link(cl: Cluster, stride: int, size: int) -> Link:
     """Tier a group of ``size`` ranks, ``stride`` apart, crosses: NVLink if it fits in one node."""
     return cl.intra_node if stride * size <= cl.gpus_per_node else cl.inter_node
@@ -411,6 +485,7 @@ def plan(
     weight_bytes: float = 2,
     grad_bytes: float = 2,
     optimizer_bytes_per_param: float = 12,
+    global_batch: int | None = None,
 ) -> Plan:
     """Memory per GPU, compute and communication time per step, and whether ``layout`` fits.
 
@@ -421,8 +496,10 @@ def plan(
     whole bf16 transformer block (605-638 TFLOP/s, data/reference/h200_block_fp8_baseline.json,
     against a 989 TFLOP/s peak). Hardware FLOPs add, per token, 4 L H Q T for selective
     recomputation (the attention matmuls' forward again) or 2N + 4 L H Q T for full recomputation.
-    ZeRO traffic is counted once per step (stage 3: parameters gathered again for every
-    micro-batch's forward and backward).
+    ZeRO traffic follows ``zero_collectives_per_step``: stages 0 and 1 reduce gradients once per step,
+    stages 2 and 3 after every micro-batch, and stage 3 gathers the weights for every micro-batch's
+    forward and backward. ``global_batch`` (sequences per step) sets the micro-batches per replica to
+    global_batch / (dp * micro_batch): give layouts the same global batch before comparing step times.
     """
     model = model_shape(model)
     cl = cluster(cluster_name)
@@ -432,7 +509,7 @@ def plan(
         link = NETWORK_TIERS[inter_node] if isinstance(inter_node, str) else inter_node
         name = f"{cl.gpus_per_node}x {cl.gpu.name} per node, {cl.intra_node.name}, {link.name} between nodes"
         cl = replace(cl, name=name, inter_node=link)
-    layout = resolve_layout(model, layout, n_gpus)
+    layout = resolve_layout(model, layout, n_gpus, global_batch=global_batch)
     if not 0 < compute_efficiency <= 1:
         raise LayoutError(f"compute_efficiency is a fraction of peak in (0, 1], got {compute_efficiency!r}.")
     memory_limit = cl.gpu.memory_bytes if gpu_memory_bytes is None else gpu_memory_bytes
@@ -511,16 +588,14 @@ def plan(
         message = b * s_local * model.hidden * 2 / tp
         comm["pp"] = 2 * m * v * collective_time("send_recv", message, 2, pp_link.bandwidth, pp_link.latency)
     group = dp * cp
-    if group > 1:  # ZeRO section 7: stages 0-2 move 2x the model, stage 3 moves 3x
+    if group > 1:  # ZeRO section 7 (m = 1): stages 0-2 move 2x the model, stage 3 moves 3x
         grads = grad_bytes * stage_params / tp
         weights = weight_bytes * stage_params / tp
         bw, lat = grad_link.bandwidth, grad_link.latency
-        if layout.zero_stage == 0:
-            comm["dp"] = collective_time("all_reduce", grads, group, bw, lat)
-        else:
-            comm["dp"] = collective_time("reduce_scatter", grads, group, bw, lat)
-            gathers = 1 if layout.zero_stage < 3 else 2 * m  # ZeRO-3 re-gathers for forward and backward
-            comm["dp"] += gathers * collective_time("all_gather", weights, group, bw, lat)
+        counts = zero_collectives_per_step(layout.zero_stage, m)
+        comm["dp"] = (counts["all_reduce"] * collective_time("all_reduce", grads, group, bw, lat)
+                      + counts["reduce_scatter"] * collective_time("reduce_scatter", grads, group, bw, lat)
+                      + counts["all_gather"] * collective_time("all_gather", weights, group, bw, lat))
     links = {"tp": tp_link.name, "cp": cp_link.name, "pp": pp_link.name, "dp": grad_link.name}
     return Plan(
         model=model, layout=layout, cluster=cl, n_gpus=n_gpus, gpu_memory_bytes=memory_limit, memory=memory,
@@ -528,6 +603,50 @@ def plan(
         tokens_per_step=tokens_per_step, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
         notes=tuple(notes),
     )
+
+
+def min_gpus_to_fit(
+    model: str | ModelShape,
+    layout: Layout,
+    *,
+    max_gpus: int = 1 << 20,
+    **plan_kwargs,
+) -> Plan:
+    """The plan for the smallest GPU count at which ``layout`` fits, growing only data parallelism.
+
+    tp, cp and pp stay as given and dp = n_gpus / (tp * cp * pp) grows (``layout.dp`` is ignored).
+    Memory per GPU never grows with dp: ZeRO divides states by dp and nothing else depends on it, so
+    the fitting counts are all those from the first one up, and bisection finds it (the same answer as
+    trying 1, 2, 3, ... replicas in turn). ``plan_kwargs`` go to ``plan`` (``gpu_memory_bytes``,
+    ``cluster_name``, ...). Raises ``LayoutError`` if even ``max_gpus`` GPUs are not enough, which is
+    what happens when the part that does not shard (activations, or all states at ZeRO stage 0) is
+    already larger than a GPU.
+    """
+    model = model_shape(model)
+    group = _check_degree("tp", layout.tp) * _check_degree("cp", layout.cp) * _check_degree("pp", layout.pp)
+    layout = replace(layout, dp=None)
+
+    def at(dp: int) -> Plan:
+        return plan(model, layout, group * dp, **plan_kwargs)
+
+    low, high = 1, max(1, max_gpus // group)
+    largest = at(high)
+    if not largest.fits:
+        raise LayoutError(
+            f"{model.name} does not fit even on {group * high} GPUs with tp={layout.tp}, cp={layout.cp}, "
+            f"pp={layout.pp}, zero_stage={layout.zero_stage}: {largest.total_memory_bytes / GB:.1f} GB per GPU "
+            f"remain, most of it {max(largest.memory, key=largest.memory.get)}; split the model with tp/pp/cp, "
+            f"shard more with a higher zero_stage or recompute more."
+        )
+    if at(low).fits:
+        return at(low)
+    while high - low > 1:  # invariant: at(low) does not fit, at(high) fits
+        middle = (low + high) // 2
+        if at(middle).fits:
+            high = middle
+        else:
+            low = middle
+    return at(high)
 
 
 def candidate_layouts(

@@ -2,7 +2,10 @@
 
 Every row is copied from the source named in ``source`` (paper, section, table). Numbers the source
 does not print are ``None``, never guessed. ``check_product()`` applies the rule every layout must
-obey, TP x CP x PP x DP = GPUs; the tests run it on every row, and chapter 00 prints the table.
+obey, TP x CP x PP x DP = GPUs; the tests run it on every row, and chapter 00 prints the table. Where a
+degree is not simply as printed (the source gives no value and it was derived from the rule, or copies of
+the source disagree and the rule picked one), ``derived`` says which and how: for that row the rule holds
+by construction and checks nothing.
 
 Units: sequences for ``global_batch``, tokens for ``seq``, FLOP/s for ``flops_per_gpu``, seconds for
 ``iteration_time_s``; ``mfu`` and ``hfu`` are fractions (0.514 for 51.4%).
@@ -37,6 +40,7 @@ class PublishedConfig:
     hfu: float | None = None
     iteration_time_s: float | None = None
     notes: str = ""
+    derived: str = ""  # a degree not taken as printed, and how it was obtained ("" when all are printed)
 
     @property
     def product(self) -> int:
@@ -98,6 +102,7 @@ LLAMA3_405B_TABLE4 = (
                     pp=16, dp=8, seq=131_072, global_batch=16 * 8, flops_per_gpu=380e12, mfu=0.38,
                     notes="arXiv v3 prints DP=8; other copies of the paper print DP=4, which breaks both "
                           "8*16*16*DP = 16,384 and the 16M tokens per batch (131,072 x 16 x 8)",
+                    derived="DP=8 as in arXiv v3 (other copies print 4)",
                     **_L_COMMON),
 )
 
@@ -120,6 +125,7 @@ OPT_175B = PublishedConfig(
     "OPT-175B", "Zhang et al. 2022, OPT, sec 2.4 and Table 1; metaseq OPT chronicles",
     gpu="A100 80GB", gpus=992, tp=8, pp=1, dp=124, data_parallel="FSDP", layers=96, hidden=12288, heads=96,
     seq=2048, flops_per_gpu=147e12, notes="batch printed as 2M tokens; no pipeline parallelism",
+    derived="DP = 992 / 8 (not printed)",
 )
 
 PUBLISHED_CONFIGS = (

@@ -15,8 +15,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from course_utils import ch00  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
 from course_utils.ledger import GB, pipeline_bubble_fraction, tp_comm_bytes_per_layer  # noqa: E402
-from course_utils.planner import Layout, LayoutError, model_shape, plan  # noqa: E402
+from course_utils.planner import (CLUSTERS, Layout, LayoutError, model_shape, plan,  # noqa: E402
+                                  zero_collectives_per_step)
 from course_utils.published_configs import PUBLISHED_CONFIGS  # noqa: E402
 
 
@@ -41,6 +44,19 @@ def test_partition_table_covers_every_parallelism_with_the_ledgers_message_sizes
     assert "all_reduce of activations" in text and "<table>" in html and "all_to_all" in html
 
 
+def test_partition_table_counts_zero_collectives_as_the_planner_does():
+    # One convention in both places (planner.zero_collectives_per_step): DDP and ZeRO-1 keep full gradients and
+    # reduce once per step; ZeRO-2 and ZeRO-3 keep a shard and reduce-scatter after every micro-batch; ZeRO-3
+    # also gathers each layer for its forward and its backward. The table once said "3 per layer per micro-batch"
+    # while the planner reduced once per step; now the how-often column is read off the planner's counts.
+    rows = {r[0]: r[5] for r in ch00.partition_table("70B").rows}
+    assert rows["DP (DDP)"] == "1 all_reduce per step"
+    assert rows["ZeRO-1"] == "1 reduce_scatter per step, 1 all_gather per step"
+    assert rows["ZeRO-2"] == "1 reduce_scatter per micro-batch, 1 all_gather per step"
+    assert rows["ZeRO-3 / FSDP"] == "2 all_gather per layer per micro-batch, 1 reduce_scatter per layer per micro-batch"
+    assert zero_collectives_per_step(3, 4) == {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 8}
+
+
 def test_memory_bars_are_as_tall_as_the_plans_bytes_with_the_gpu_line():
     plans = [plan("70B", Layout(tp=8, pp=4, zero_stage=1), 256), plan("70B", Layout(tp=1, zero_stage=0), 256)]
     ax = ch00.memory_bars(plans, ["fits", "does not"])
@@ -53,6 +69,44 @@ def test_memory_bars_are_as_tall_as_the_plans_bytes_with_the_gpu_line():
     assert [seg[0][1] for seg in gpu_lines] == pytest.approx([p.gpu_memory_bytes / GB for p in plans])
     texts = [t.get_text() for t in ax.texts]
     assert texts == ["fits", "does NOT fit"]
+    assert ax.get_yscale() == "linear"  # stacked shares are only read right on a linear axis
+    plt.close("all")
+
+
+def test_zoomed_memory_bars_stay_linear_and_draw_every_bar_whole():
+    # The 70B figure zooms to 130 GB so that DDP's 1.2 TB bar does not flatten the others against the 80 GB
+    # line; a full-scale linear panel above shows every bar whole, so no segment's share is distorted (a log
+    # axis, which the figure once used, made DDP's 69% of optimizer states look like a thin band).
+    ddp, fsdp, base = (plan("70B", lay, 256) for lay in (Layout(zero_stage=0), Layout(zero_stage=3),
+                                                          Layout(tp=8, pp=4, zero_stage=1)))
+    totals = [p.total_memory_bytes / GB for p in (ddp, fsdp, base)]
+    ax = ch00.memory_bars([ddp, fsdp, base], ["ddp", "fsdp", "tp8 pp4"], zoom_gb=130)
+    for panel in (ax, ax.upper):
+        tops = [0.0] * 3
+        for patch in panel.patches:
+            i = round(patch.get_x() + patch.get_width() / 2)
+            tops[i] = max(tops[i], patch.get_y() + patch.get_height())
+        assert tops == pytest.approx(totals)  # bars are never clipped, only the view is
+        assert panel.get_yscale() == "linear" and panel.get_ylim()[0] == 0
+    assert ax.get_ylim()[1] == 130 and ax.upper.get_ylim()[1] > totals[0]
+    optimizer = [p for p in ax.upper.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("#55A868")][0]
+    assert optimizer.get_height() / totals[0] == pytest.approx(ddp.memory["optimizer"] / ddp.total_memory_bytes)
+    assert [t.get_text() for t in ax.upper.texts if "fit" in t.get_text()] == ["does NOT fit"]  # DDP's verdict
+    assert [t.get_text() for t in ax.texts if "fit" in t.get_text()] == ["does NOT fit", "fits"]
+    plt.close("all")
+
+
+def test_time_bars_sum_to_the_step_and_print_batch_throughput_and_mfu():
+    plans = [plan("70B", Layout(tp=8, zero_stage=1), 256), plan("70B", Layout(tp=8, pp=4, zero_stage=1), 256)]
+    ax = ch00.time_bars(plans, ["tp8", "tp8 pp4"])
+    ends = [0.0, 0.0]
+    for patch in ax.patches:
+        i = round(patch.get_y() + patch.get_height() / 2)
+        ends[i] = max(ends[i], patch.get_x() + patch.get_width())
+    assert ends == pytest.approx([p.step_time_s for p in plans])
+    texts = [t.get_text() for t in ax.texts]
+    for p, text in zip(plans, texts):
+        assert f"{p.sequences_per_step} seq" in text and f"MFU {100 * p.mfu:.0f}%" in text
     plt.close("all")
 
 
@@ -64,6 +118,15 @@ def test_bubble_figure_draws_the_formula_for_both_denominators():
     for m, y in zip(total.get_xdata(), total.get_ydata()):
         assert y == pytest.approx(3 / (m + 3))  # (p-1)/(m+p-1)
     plt.close(fig)
+
+
+def test_tp_layer_times_use_the_ledgers_flops_per_layer():
+    # PaLM's 6N + 12 L H Q T per token with one layer's parameters and L = 1 is Megatron's per-layer forward and
+    # backward, 3 x (2 P b s + 4 b s^2 h), split over tp and run at 60% of the H100's peak.
+    m, b, s, tp = model_shape("70B"), 1, 4096, 8
+    by_hand = 3 * (2 * m.params_per_layer * b * s + 4 * b * s * s * m.hidden) / tp
+    t = ch00.tp_layer_times("70B", tp=tp)
+    assert t["compute_s"] == pytest.approx(by_hand / (CLUSTERS["h100-ib"].gpu.peak_flops * 0.6))
 
 
 def test_tp_costs_less_than_its_matmuls_on_nvlink_and_more_across_nodes():
@@ -96,24 +159,54 @@ def test_planner_widget_controls_are_the_planner_views_parameters():
     plt.close("all")
 
 
-def test_every_published_row_obeys_the_product_rule_the_notebook_prints():
+def test_published_table_checks_only_what_was_printed():
+    # The product column says "ok" or "MISMATCH" where all four degrees are as printed; for the two rows whose
+    # DP was derived from the rule (OPT prints none; Llama 3's 128K row was picked between printed 8 and 4), it
+    # cannot fail, and it says so instead of printing an "ok" that checked nothing.
+    table = ch00.published_table()
+    cells = {row[0]: row[-1] for row in table.rows}
+    derived = {c.name for c in PUBLISHED_CONFIGS if c.derived}
+    assert derived == {"OPT-175B", "Llama 3 405B, 16K GPUs, 128K context"}
     for c in PUBLISHED_CONFIGS:
-        c.check_product()
+        assert cells[c.name] == (f"{c.product}, not a check: {c.derived}" if c.derived else f"{c.product} ok")
+    assert "sec 6.3" in table.caption  # the source of the 2240-GPU row
+    wrong = replace(PUBLISHED_CONFIGS[4], dp=4)  # a typo in a printed degree shows up
+    assert ch00.product_check(wrong) == "1120 MISMATCH"
 
 
 def test_notebook_claims_about_the_70b_layouts():
-    # Section 5's prose: DDP needs over a terabyte, FSDP alone does not fit, TP8 PP4 does, full recomputation
-    # is about a third slower, no recomputation holds about 65 GB of activations.
-    ddp = plan("70B", Layout(tp=1, pp=1, zero_stage=0), 256)
-    fsdp = plan("70B", Layout(tp=1, pp=1, zero_stage=3), 256)
-    base = plan("70B", Layout(tp=8, pp=4, zero_stage=1), 256)
-    none = plan("70B", Layout(tp=8, pp=4, zero_stage=1, recompute="none"), 256)
-    full = plan("70B", Layout(tp=8, pp=4, zero_stage=1, recompute="full"), 256)
-    assert ddp.total_memory_bytes > 1e12 and not ddp.fits
+    # Section 5's prose, every layout on the same 256-sequence global batch: DDP needs over a terabyte (69%
+    # optimizer states), FSDP alone does not fit, the TP layouts do; TP8 PP4 beats TP8 alone by about 5%
+    # (a quarter of the DP bytes outweighs its 9% bubble); no recomputation is about 2% faster still and holds
+    # about 65 GB of activations, 78 GB in all; full recomputation is about a third slower.
+    def at(layout):
+        return plan("70B", layout, 256, global_batch=256)
+
+    ddp, fsdp = at(Layout(zero_stage=0)), at(Layout(zero_stage=3))
+    tp8, base = at(Layout(tp=8, zero_stage=1)), at(Layout(tp=8, pp=4, zero_stage=1))
+    none = at(Layout(tp=8, pp=4, zero_stage=1, recompute="none"))
+    full = at(Layout(tp=8, pp=4, zero_stage=1, recompute="full"))
+    every = (ddp, fsdp, tp8, base, none, full)
+    assert {p.sequences_per_step for p in every} == {256}
+    assert ddp.total_memory_bytes > 1e12 and not ddp.fits and round(ddp.memory["optimizer"] / ddp.total_memory_bytes, 2) == 0.69
     assert not fsdp.fits and fsdp.memory["activations"] > fsdp.memory["optimizer"]
-    assert base.fits and none.fits and full.fits
+    assert tp8.fits and base.fits and none.fits and full.fits
+    assert 1.03 < base.tokens_per_second / tp8.tokens_per_second < 1.07
+    assert 0.08 < base.bubble_time_s / base.compute_time_s < 0.10
+    assert 1.01 < none.tokens_per_second / base.tokens_per_second < 1.03
+    assert 60e9 < none.memory["activations"] < 70e9 and round(none.total_memory_bytes / GB) == 78
     assert 1.2 < full.step_time_s / base.step_time_s < 1.45
-    assert 60e9 < none.memory["activations"] < 70e9
+    names = {"TP8 + ZeRO-1": tp8, "TP8 PP4 + ZeRO-1": base, "... no recomputation": none, "DDP": ddp}
+    assert ch00.fastest_fitting(names) == "... no recomputation"
+
+
+def test_the_per_step_trap_the_notebook_shows():
+    # With the planner's default m, TP8 + ZeRO-1 (32 sequences) takes half the seconds per step of TP8 PP4
+    # (128 sequences) but delivers about half the tokens per second: step times of different batches are no race.
+    tp8, base = plan("70B", Layout(tp=8, zero_stage=1), 256), plan("70B", Layout(tp=8, pp=4, zero_stage=1), 256)
+    assert (tp8.sequences_per_step, base.sequences_per_step) == (32, 128)
+    assert tp8.step_time_s < 0.5 * base.step_time_s
+    assert tp8.tokens_per_second < 0.55 * base.tokens_per_second and tp8.mfu < 0.55 * base.mfu
 
 
 def test_notebook_claims_about_the_typical_configurations():

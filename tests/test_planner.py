@@ -9,14 +9,18 @@ import pytest
 from course_utils.ledger import GB, GiB, collective_time, pipeline_bubble_fraction
 from course_utils.planner import (
     CLUSTERS,
+    GPUS,
+    H100_80GB_NVIDIA_SMI_BYTES,
     MODEL_SHAPES,
     NETWORK_TIERS,
     Layout,
     LayoutError,
     ModelShape,
     candidate_layouts,
+    min_gpus_to_fit,
     model_shape,
     plan,
+    zero_collectives_per_step,
 )
 from course_utils.published_configs import (
     KORTHIKANTI_2022_530B_DP8,
@@ -148,6 +152,70 @@ def test_zero_stages_lower_memory_and_stage3_moves_1_5x_the_bytes():
     assert dp_time[1] == pytest.approx(dp_time[0], rel=1e-3)
     assert dp_time[2] == pytest.approx(dp_time[0], rel=1e-3)
     assert dp_time[3] == pytest.approx(1.5 * dp_time[0], rel=1e-2)
+
+
+@pytest.mark.parametrize("stage, expected", [
+    (0, {"all_reduce": 1, "reduce_scatter": 0, "all_gather": 0}),
+    (1, {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 1}),
+    (2, {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 1}),
+    (3, {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 8}),
+])
+def test_zero_collectives_with_gradient_accumulation(stage, expected):
+    # m = 4 micro-batches per step. Stages 0 and 1 keep full-size gradients, so they accumulate locally and
+    # reduce once (DDP no_sync; DeepSpeed ZeRO-1 at the accumulation boundary). Stages 2 and 3 keep only their
+    # shard, so every micro-batch's backward ends in a reduce-scatter (DeepSpeed ZeRO-2; FSDP's default, as
+    # pytorch/pytorch PR #126166 describes); stage 3 gathers the weights for each forward and each backward.
+    assert zero_collectives_per_step(stage, 4) == expected
+    # the planner's DP time is exactly those collectives over the GPU's slice of the model
+    p = plan("8B", Layout(dp=64, zero_stage=stage, num_microbatches=4), 64)
+    link, n, nbytes = CLUSTERS["h100-ib"].inter_node, 64, 2 * model_shape("8B").n_params
+    want = sum(count * collective_time(name, nbytes, n, link.bandwidth, link.latency)
+               for name, count in expected.items())
+    assert p.comm_time_s["dp"] == pytest.approx(want)
+
+
+def test_global_batch_sets_the_microbatches_so_layouts_train_on_the_same_tokens():
+    # Step times only compare layouts that train on the same global batch: global_batch = dp x m x micro_batch.
+    plans = [plan("70B", lay, 256, global_batch=256) for lay in
+             (Layout(zero_stage=1, tp=8), Layout(tp=8, pp=4, zero_stage=1), Layout(tp=8, pp=4, micro_batch=2))]
+    assert [p.layout.num_microbatches for p in plans] == [8, 32, 16]
+    assert {p.tokens_per_step for p in plans} == {256 * 4096}
+    assert {p.sequences_per_step for p in plans} == {256}
+    p = plans[1]
+    assert p.tokens_per_second == pytest.approx(p.tokens_per_step / p.step_time_s)
+    with pytest.raises(LayoutError, match="choose a global batch that is a multiple of 64"):
+        plan("70B", Layout(tp=4), 256, global_batch=100)
+    with pytest.raises(LayoutError, match="set only one of the two"):
+        plan("70B", Layout(tp=8, pp=4, num_microbatches=4), 256, global_batch=256)
+
+
+def test_min_gpus_to_fit_405b_with_fsdp_only():
+    # Chapter 00, exercise 3's follow-up: Llama 3.1 405B with FSDP alone (full recomputation, seq 4096). The
+    # bisection must give what counting up one GPU at a time gives, and the count below must not fit.
+    layout = Layout(zero_stage=3, recompute="full", seq=4096)
+    p = min_gpus_to_fit("405B", layout)
+    n = 76  # 16 bytes x 405.85e9 / 80 GiB, rounded up: the model-states-only bound
+    while not plan("405B", layout, n).fits:
+        n += 1
+    assert p.n_gpus == n == 138 and p.fits and 0 < p.headroom_bytes < 0.2 * GB
+    assert plan("405B", layout, 137).headroom_bytes < 0
+    # The answer is sensitive to capacity: nvidia-smi's 81,559 MiB for an H100 80GB HBM3 is 0.4% under the
+    # planner's 80 GiB and costs one more GPU; reading "80 GB" as 80e9 bytes costs twenty.
+    assert H100_80GB_NVIDIA_SMI_BYTES < GPUS["h100"].memory_bytes
+    assert min_gpus_to_fit("405B", layout, gpu_memory_bytes=H100_80GB_NVIDIA_SMI_BYTES).n_gpus == 139
+    assert min_gpus_to_fit("405B", layout, gpu_memory_bytes=80e9).n_gpus == 158
+
+
+def test_min_gpus_to_fit_keeps_model_parallel_degrees_and_refuses_the_impossible():
+    # Llama 3 70B with TP8 and ZeRO-1: 17.6 GB of bf16 weights, as much gradient and 11.7 GB of activations
+    # stay on every GPU, the 106 GB of Adam state shards over dp; dp=3 (24 GPUs) is the first that fits in 80 GiB.
+    p = min_gpus_to_fit("70B", Layout(tp=8, zero_stage=1, dp=5))  # dp is the search variable, ignored
+    assert (p.layout.tp, p.layout.pp, p.layout.dp, p.n_gpus) == (8, 1, 3, 24) and p.fits
+    assert not plan("70B", Layout(tp=8, zero_stage=1), 16).fits
+    assert min_gpus_to_fit("70B", Layout(tp=8, pp=4, zero_stage=1)).n_gpus == 32  # dp=1 already fits
+    with pytest.raises(LayoutError) as info:  # ZeRO-0 never shards: more GPUs never help
+        min_gpus_to_fit("70B", Layout(zero_stage=0))
+    assert "does not fit even on" in str(info.value) and _one_sentence(str(info.value))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@
 # build each parallelism on real ranks and measure what this chapter predicts.
 #
 # Units: bytes, FLOPs and seconds; model sizes are numbers of parameters. **GB is 1e9 bytes** (what the
-# ZeRO paper prints); GiB is 2^30 (what `nvidia-smi` shows: an "80 GB" H100 exposes 80 GiB = 85.9 GB).
+# ZeRO paper prints); GiB is 2^30 (what `nvidia-smi` and CUDA's counters use). The planner gives an "80 GB" H100
+# 80 GiB = 85.9 GB; `nvidia-smi` reports 81,559 MiB = 79.6 GiB = 85.5 GB on an H100 80GB HBM3, and section 6
+# shows what that difference is worth.
 
 # %%
 import matplotlib.pyplot as plt
@@ -25,8 +27,8 @@ from course_utils.exercises import check
 from course_utils.ledger import (GB, GiB, activation_bytes_per_layer, flops_per_token, megatron_flops_per_iteration,
                                  megatron_params, megatron_training_time, mfu, model_state_bytes,
                                  pipeline_bubble_fraction, training_days, training_flops)
-from course_utils.planner import GPUS, Layout, candidate_layouts, model_shape, plan
-from course_utils.published_configs import PUBLISHED_CONFIGS
+from course_utils.planner import (GPUS, H100_80GB_NVIDIA_SMI_BYTES, Layout, candidate_layouts, min_gpus_to_fit,
+                                   model_shape, plan)
 
 plots.style()
 
@@ -83,8 +85,14 @@ display(table)
 # | 2 (P_os+g) | + gradients | 2Ψ + (2 + 12)Ψ/N_d |
 # | 3 (P_os+g+p, FSDP) | + parameters | (2 + 2 + 12)Ψ/N_d |
 #
-# Stages 1 and 2 communicate what DDP does (a reduce-scatter plus an all-gather is an all-reduce); stage 3
-# adds an all-gather of every layer's weights before its forward and backward, 1.5x the traffic (section 7).
+# With one micro-batch per step, stages 1 and 2 communicate what DDP does (a reduce-scatter plus an all-gather is
+# an all-reduce); stage 3 adds an all-gather of every layer's weights before its forward and backward, 1.5x the
+# traffic (section 7). With m micro-batches of gradient accumulation the stages part ways. DDP and ZeRO-1 keep a
+# full-size gradient, so they accumulate locally and reduce once per step (`no_sync()` in PyTorch's DDP). ZeRO-2
+# and ZeRO-3 keep only a gradient shard, so they must reduce-scatter after every micro-batch's backward: DeepSpeed's
+# stage 2 does, and so does FSDP by default (FSDP2's `set_requires_gradient_sync(False)` reduces once per step
+# instead, at the price of holding unsharded gradients). The partition table of section 2 and the planner both
+# count it this way.
 #
 # ### Exercise 1: the ZeRO stage formulas
 # Write `zero_total_bytes(n_params, n_gpus, stage)`: the bytes of model states per GPU for mixed-precision
@@ -138,10 +146,16 @@ for tp, sp in ((1, False), (8, False), (8, True)):
 # laid out [TP, CP, PP, DP] from the innermost, as in Llama 3 (Figure 5): TP ranks are neighbours on one node.
 # Communication is *not* overlapped, so the times are an upper bound.
 #
-# **Predict** before running the next cell: Llama 3 70B on 256 H100s (32 nodes of 8). Which of these six
-# layouts fit in 80 GiB? Which is fastest?
+# Racing layouts needs one rule: **the same global batch**. A step is dp x m micro-batches; with the planner's
+# default m (4 pp, or 1 without PP) DDP's step holds 256 sequences, TP8 + ZeRO-1's holds 32 and TP8 PP4's 128, so
+# their seconds per step measure different amounts of work. `plan(..., global_batch=256)` sets m = 256 / dp for
+# each layout; then seconds per step, tokens per second and MFU rank the layouts alike.
+#
+# **Predict** before running the next cell: Llama 3 70B on 256 H100s (32 nodes of 8), every layout training on
+# 256 sequences of 4096 tokens (1M tokens) per step. Which of these six layouts fit in 80 GiB? Which is fastest?
 
 # %%
+GLOBAL_BATCH = 256  # sequences of 4096 tokens per optimizer step, the same for every layout
 LAYOUTS_70B = {
     "DDP": Layout(tp=1, pp=1, zero_stage=0),
     "FSDP (ZeRO-3)": Layout(tp=1, pp=1, zero_stage=3),
@@ -150,26 +164,45 @@ LAYOUTS_70B = {
     "... no recomputation": Layout(tp=8, pp=4, zero_stage=1, recompute="none"),
     "... full recomputation": Layout(tp=8, pp=4, zero_stage=1, recompute="full"),
 }
-plans_70b = {name: plan("70B", layout, 256) for name, layout in LAYOUTS_70B.items()}
+plans_70b = {name: plan("70B", layout, 256, global_batch=GLOBAL_BATCH) for name, layout in LAYOUTS_70B.items()}
 display(ch00.Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in plans_70b.items()],
-                   "Llama 3 70B on 256 H100s (8 per node, NVLink 4, InfiniBand NDR 400), seq 4096, micro-batch 1"))
+                   f"Llama 3 70B on 256 H100s (8 per node, NVLink 4, InfiniBand NDR 400), seq 4096, micro-batch 1, "
+                   f"global batch {GLOBAL_BATCH} (m = micro-batches per replica)"))
+print(f"fastest layout that fits (most tokens/s): {ch00.fastest_fitting(plans_70b)}")
+
+# %% [markdown]
+# The trap the fixed batch avoids, for the two TP8 layouts with the planner's default m instead:
+
+# %%
+for name in ("TP8 + ZeRO-1", "TP8 PP4 + ZeRO-1"):
+    d = plan("70B", LAYOUTS_70B[name], 256)
+    print(f"{name:<17} default m={d.layout.num_microbatches:>2}: {d.sequences_per_step:>3} sequences in "
+          f"{d.step_time_s:.2f} s = {d.tokens_per_second / 1e3:5.0f}k tokens/s, MFU {100 * d.mfu:.0f}%")
+
+# %% [markdown]
+# By seconds per step TP8 + ZeRO-1 looks twice as fast; per token it is half as fast, because its step holds a
+# quarter of the sequences and still pays the whole once-per-step gradient reduction. Compare throughput, or fix
+# the batch.
 
 # %% tags=["nbval-ignore-output"]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [1.2, 1]})
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1.1, 1]})
 ch00.memory_bars(list(plans_70b.values()), ["DDP", "FSDP", "TP8\nZeRO-1", "TP8 PP4\nZeRO-1", "... no\nrecompute",
-                                            "... full\nrecompute"], ax=ax1,
+                                            "... full\nrecompute"], ax=ax1, zoom_gb=130,
                  title="Llama 3 70B, 256 H100s: memory per GPU")
-ch00.time_bars(list(plans_70b.values()), list(plans_70b), ax=ax2)
-ax1.set_yscale("log")
-ax1.set_ylim(1, 3000)
+ch00.time_bars(list(plans_70b.values()), list(plans_70b), ax=ax2,
+               title=f"one step of {GLOBAL_BATCH} x 4096 tokens (no overlap)")
 fig.tight_layout()
 plots.savefig(fig, "00_planner_70b_256");
 
 # %% [markdown]
-# DDP needs over a terabyte per GPU; FSDP alone shards the states to a few GB but still carries 80 layers of
+# DDP needs over a terabyte per GPU, 69% of it optimizer states. (The upper panel draws every bar at full scale,
+# the lower one zooms to 0-130 GB; both are linear, so every colour's height is its share.) FSDP alone shards the states to a few GB but still carries 80 layers of
 # unsplit activations for a 4096-token sequence. Tensor parallelism divides both; pipeline parallelism then
-# divides the layers, at the price of a bubble. Without recomputation the activations are 65 GB; with full
-# recomputation the step is a third slower. The log scale hides nothing: the dashed line is the GPU.
+# divides the layers, at the price of a bubble. At the same batch the layouts that fit are close: TP8 PP4 beats
+# TP8 alone by 5% because each of its 8 replicas holds a quarter of the model, so the gradient reduce-scatter and
+# weight all-gather over InfiniBand move a quarter of the bytes, which more than pays for its 9% bubble. Skipping
+# recomputation is 2% faster still but holds 65 GB of activations, 78 of the 86 GB, with no room left for what the
+# planner does not count; full recomputation is a third slower. The dashed line is the GPU.
 #
 # ### Explore the planner
 # The same model with controls (pure Python, so it redraws at once; `continuous_update=False`). A layout the
@@ -207,7 +240,8 @@ plots.savefig(fig, "00_typical_configs");
 # %% [markdown]
 # Left, memory per GPU by kind against the 80 GB line; right, one step's time split into compute, pipeline
 # bubble and exposed communication. Each row uses the planner's default of m = 4 pp micro-batches per data-
-# parallel replica (1 without PP), so the global batches differ: 8, 32 and 512 sequences of 4096 tokens.
+# parallel replica (1 without PP), so the global batches differ: 8, 32 and 512 sequences of 4096 tokens, on
+# different GPU counts. Their step times are not a race; MFU, printed on each bar, is the comparable number.
 # The 1024-GPU table below fixes the global batch at 2048 sequences, which is why its 405B steps are longer.
 
 # %% [markdown]
@@ -255,19 +289,38 @@ check("min_gpus_fsdp", min_gpus_fsdp)
 
 # %% [markdown]
 # What the formula leaves out, the planner adds: activations with full recomputation, fp32 logits and one
-# all-gathered layer. Starting from the model-states-only answer, the first N that really fits:
+# all-gathered layer. `planner.min_gpus_to_fit` grows data parallelism until the layout fits (memory per GPU only
+# falls as N grows, so it bisects):
 
 # %%
+FSDP_ONLY = Layout(tp=1, pp=1, zero_stage=3, recompute="full", seq=4096)
 n405 = model_shape("405B").n_params
 states_only = max(1, -(-16 * n405 // GPUS["h100"].memory_bytes))
-n = int(states_only)
-while not plan("405B", Layout(tp=1, pp=1, zero_stage=3, recompute="full", seq=4096), n).fits:
-    n += 1
-p = plan("405B", Layout(tp=1, pp=1, zero_stage=3, recompute="full", seq=4096), n)
-print(f"model states alone: {int(states_only)} GPUs; with activations (full recompute, seq 4096): {n} GPUs")
+p = min_gpus_to_fit("405B", FSDP_ONLY)
+print(f"model states alone: {int(states_only)} GPUs; with activations (full recompute, seq 4096): {p.n_gpus} GPUs")
 print(p.summary())
 
 # %% [markdown]
+# That answer stands on 0.17 GB of headroom out of 85.9. What does not shard (activations, logits, the gathered
+# layer) is fixed, so N = 16Ψ / (capacity - fixed), and every GB of capacity moves the answer by N / (capacity -
+# fixed) GPUs. The same search at the capacity `nvidia-smi` reports for an H100 80GB HBM3 (81,559 MiB, Modal's
+# table of NVML capacities, thundergolfer.com/blog/nvidia-gpu-memory-capacity) and at the datasheet's "80 GB" read
+# as 80e9 bytes:
+
+# %%
+unsharded = p.total_memory_bytes - 16 * n405 / p.n_gpus
+print(f"does not shard: {unsharded / GB:.1f} GB per GPU; one GB of capacity is worth "
+      f"{p.n_gpus / (p.gpu_memory_bytes - unsharded) * GB:.1f} GPUs")
+for label, capacity in (("80 GiB, the planner's H100", GPUS["h100"].memory_bytes),
+                        ("81,559 MiB, nvidia-smi on an H100 80GB HBM3", H100_80GB_NVIDIA_SMI_BYTES),
+                        ("80e9 bytes, the datasheet's 80 GB", 80e9)):
+    q = min_gpus_to_fit("405B", FSDP_ONLY, gpu_memory_bytes=capacity)
+    print(f"  {label:<44} {capacity / GB:6.2f} GB -> {q.n_gpus} GPUs ({q.headroom_bytes / GB:.2f} GB to spare)")
+
+# %% [markdown]
+# So "138" is really "about 140": 139 on the memory the device reports, and more once the CUDA context, NCCL
+# buffers and allocator fragmentation (which the planner does not count) take their few GB.
+#
 # Possible, and slow: every layer's 6.4 GB of bf16 weights is all-gathered over InfiniBand for the forward
 # and again for the backward, for every micro-batch. This is why FSDP alone is rare beyond ~70B and why
 # Llama 3 combined it with TP, PP and CP.
@@ -312,26 +365,19 @@ check("max_tp", max_tp)
 # ## 8. Published configurations
 #
 # How real runs were laid out, copied from the papers (`course_utils/published_configs.py` names the table for
-# every row). Every layout must obey **TP x CP x PP x DP = GPUs**; the last column checks it.
+# every row). Every layout must obey **TP x CP x PP x DP = GPUs**; the last column checks it where the source
+# prints all four degrees and the GPU count.
 
 # %%
-rows = []
-for c in PUBLISHED_CONFIGS:
-    try:
-        c.check_product()
-        ok = "ok"
-    except ValueError:
-        ok = "MISMATCH"
-    rows.append([c.name, c.gpu, str(c.gpus), f"{c.tp}/{c.cp}/{c.pp}/{c.dp}", c.data_parallel,
-                 f"{c.mfu:.0%}" if c.mfu else "-", f"{c.tp * c.cp * c.pp * c.dp} {ok}"])
-display(ch00.Table(["run", "GPU", "GPUs", "tp/cp/pp/dp", "DP holds", "MFU", "product"], rows,
-                   "Korthikanti et al. 2022 Tables 3 and 5; Llama 3 Table 4; BLOOM tr11 README; OPT sec 2.4"))
+display(ch00.published_table())
 
 # %% [markdown]
+# Two rows cannot fail the check, and say so. OPT prints 992 GPUs and 8-way TP but no DP degree; 124 is 992 / 8.
+# The Llama 3 paper's 128K-context row prints DP=8 in arXiv v3 and DP=4 in other copies; DP=4 breaks the product
+# rule and the 16M-token batch, so the table keeps the 8, chosen by the rule it would otherwise be checked by.
+#
 # Two patterns stand out: TP is 8 (or 4) everywhere, one node; and the largest runs put their remaining
-# factor of thousands into DP, the only dimension that communicates once per step. (The Llama 3 paper's
-# 128K-context row is printed as DP=4 in some copies of the paper; DP=4 breaks the product rule, DP=8 keeps it
-# and keeps the 16M-token batch: see `published_configs.py`.)
+# factor of thousands into DP, the only dimension that communicates once per step.
 #
 # ## 9. FLOPs and time
 #
