@@ -187,6 +187,17 @@ def drill_outcome(job):
     return None
 
 
+def traceback_from(traceback_text: str, filename: str) -> str:
+    """The end of a rank's traceback, from the last frame in ``filename`` (e.g. "drills.py") on: the line of
+    the worker that made the call, then the library frames under it, then the error. Paths under the
+    repository are shown relative to it. The whole traceback if no frame is in ``filename``."""
+    lines = traceback_text.strip().splitlines()
+    frames = [i for i, line in enumerate(lines)
+              if line.lstrip().startswith("File ") and re.search(rf'[/\\]{re.escape(filename)}"', line)]
+    tail = lines[frames[-1]:] if frames else lines
+    return "\n".join(line.replace(f"{REPO_ROOT}{os.sep}", "") for line in tail)
+
+
 # -- 3. collectives: before/after grids ---------------------------------------------------------------
 
 _UNDEFINED = "#f0f0f0"
@@ -271,7 +282,11 @@ def collective_panel(result, params: dict):
     fig, (ax_before, ax_after) = plt.subplots(1, 2, figsize=(2 + 1.1 * max(n, 2), 0.45 * n + 1.4))
     collective = params.get("collective", "all_reduce")
     draw_collective(ax_before, ax_after, result, collective, chunk=params.get("chunk", 1))
-    if "unsupported" not in result[0]:
+    if collective == "barrier":
+        ok, margin = barrier_check(result)
+        fig.suptitle(f"world {n}: no data to compare; {'nobody' if ok else 'a rank'} left before the last rank "
+                     f"arrived (earliest exit - last arrival: {margin:+.0f} ms)", fontsize=9)
+    elif "unsupported" not in result[0]:
         ok, err = compare_with_reference(result, collective, op=params.get("op", "sum"),
                                          chunk=params.get("chunk", 1), root=params.get("root", 0))
         fig.suptitle(f"world {n}: {'equal to' if ok else 'DIFFERENT from'} the single-process reference "
@@ -304,10 +319,15 @@ def compare_with_reference(result, collective: str, *, op: str = "sum", chunk: i
     """Do the ranks hold what a single process computes? Returns (all equal within rtol, max relative error).
 
     Ranks whose output is unspecified (reduce/gather away from the root) are skipped; float32 ranks are
-    compared with a float64 reference, so ``rtol`` covers float32 rounding (products reach 1e15 at world 8).
+    compared with a float64 reference, so ``rtol`` covers float32 rounding (products reach about 2e13 at
+    world 8, past float32's exact integers). A barrier moves no data and has nothing to compare: it is
+    refused here (use ``barrier_check``), so that no one reads "equal" for a comparison that was not made.
     """
     from workers.ch01_collectives import reference
 
+    if collective == "barrier":
+        raise ValueError("a barrier moves no data, so there is no reference to compare with: "
+                         "use barrier_check(result) for what a barrier promises")
     want = reference(collective, result.world_size, op, chunk, root)
     worst = 0.0
     for r in range(result.world_size):
@@ -319,6 +339,25 @@ def compare_with_reference(result, collective: str, *, op: str = "sum", chunk: i
         rel = ((got - want[r]).abs() / want[r].abs().clamp_min(1e-30)).max().item()
         worst = max(worst, rel)
     return worst <= rtol, worst
+
+
+BARRIER_TOL_MS = 50.0  # half the per-rank delay of the barrier demo: a rank leaving one step early fails
+
+
+def barrier_check(result, tol_ms: float = BARRIER_TOL_MS) -> tuple[bool, float]:
+    """A barrier's promise, measured: nobody leaves before the last rank has arrived.
+
+    Each rank of the ``barrier`` demo reports how late it arrived (``before``, ms) and how long it then waited
+    inside (``after``, ms), both on its own clock, counted from a first barrier. Rank r left at late_r +
+    waited_r; the last arrival was at max(late). Returns (every rank left no earlier than max(late) - tol_ms,
+    the earliest departure minus the last arrival in ms). ``tol_ms`` absorbs the skew with which ranks left
+    the first barrier; it must stay below the demo's per-rank delay, or a barrier that waited for nobody
+    would pass.
+    """
+    late = [float(d["before"][0]) for d in result.ranks]
+    left = [a + float(d["after"][0]) for a, d in zip(late, result.ranks)]
+    margin = min(left) - max(late)
+    return margin >= -tol_ms, margin
 
 
 # -- 4. bandwidth: nccl-tests definitions, the published curve, alpha-beta -----------------------------

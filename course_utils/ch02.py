@@ -17,35 +17,60 @@ FLOOR = 1e-10  # where "exactly 0" is drawn on a log axis
 # -- DDP vs the baseline --------------------------------------------------------------------------------
 
 def compare_to_baseline(res, baseline: dict) -> dict:
-    """Per rank and step, max |w_rank - w_single|; whether all of it is within FP32_TOL; whether ranks agree bitwise."""
-    weights = res.gather("weights")  # world_size x [steps + 1, P]
-    want = baseline["weights"]
-    max_abs = torch.stack([(w - want).abs().max(dim=1).values for w in weights])  # [world, steps + 1]
-    within = all(torch.allclose(w.double(), want.double(), **FP32_TOL) for w in weights)
-    identical = all(torch.equal(w, weights[0]) for w in weights)
-    global_loss = torch.stack(res.gather("local_losses")).mean(dim=0)  # equal shards: mean of the ranks' means
-    return {"max_abs": max_abs, "within_tol": within, "ranks_identical": identical,
-            "global_loss": global_loss, "loss_diff": (global_loss - baseline["losses"]).abs().max().item()}
+    """DDP's ranks against the single-process baseline, step by step, with ``FP32_TOL``.
+
+    Three quantities per step: the gradient DDP left in ``.grad`` (after its all-reduce, before the step),
+    the loss (the mean of the ranks' local losses: equal shards, so the mean of their means is the
+    global-batch mean), and the weights after the step (index 0: the initial weights). For each, the
+    largest |DDP - single| per rank and step, and whether all of it is within ``FP32_TOL``; ``within_tol``
+    holds only if all three are. ``ranks_identical``: every rank holds the same gradient and weight bits.
+    """
+    weights, grads = res.gather("weights"), res.gather("grads")  # world x [steps + 1, P], world x [steps, P]
+    want_w, want_g = baseline["weights"], baseline["grads"]
+
+    def per_step(got, want):  # [world, rows]: max |got - want| over the parameters, per rank and row
+        return torch.stack([(g - want).abs().max(dim=1).values for g in got])
+
+    def close(got, want):
+        return got.shape == want.shape and torch.allclose(got.double(), want.double(), **FP32_TOL)
+
+    global_loss = torch.stack(res.gather("local_losses")).mean(dim=0)  # [steps]
+    c = {"max_abs": per_step(weights, want_w), "grad_max_abs": per_step(grads, want_g),
+         "loss_abs": (global_loss.double() - baseline["losses"].double()).abs(),
+         "weights_within_tol": all(close(w, want_w) for w in weights),
+         "grads_within_tol": all(close(g, want_g) for g in grads),
+         "loss_within_tol": close(global_loss, baseline["losses"]),
+         "ranks_identical": all(torch.equal(w, weights[0]) for w in weights)
+         and all(torch.equal(g, grads[0]) for g in grads),
+         "global_loss": global_loss}
+    c["within_tol"] = c["weights_within_tol"] and c["grads_within_tol"] and c["loss_within_tol"]
+    c["loss_diff"] = c["loss_abs"].max().item()
+    return c
 
 
 def draw_ddp_vs_baseline(comparisons: dict[int, dict], baseline: dict):
-    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    """Two panels, worst rank per step: |g_DDP - g_single| (steps 1..S) and |w_DDP - w_single| (0..S)."""
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6), sharey=True)
     styles = ["o-", "s--", "^:", "D-."]
-    for k, (world, c) in enumerate(comparisons.items()):
-        worst = c["max_abs"].max(dim=0).values.clamp_min(FLOOR).numpy()  # worst rank, per step
-        steps = np.arange(len(worst)) + 0.06 * (k - (len(comparisons) - 1) / 2)  # side by side, not on top
-        ax.plot(steps, worst, styles[k % len(styles)], ms=6, label=f"DDP, world {world}")
-    ax.axhline(FP32_TOL["atol"], color="k", ls="--", lw=1, label=f"tolerance atol={FP32_TOL['atol']:g}")
-    largest = float(baseline["weights"].abs().max())
-    ax.axhline(float(np.spacing(np.float32(largest))), color="grey", ls=":", lw=1,
-               label=f"1 fp32 ulp of the largest weight ({largest:.2f})")
-    ax.set_yscale("log")
-    ax.set_ylim(FLOOR / 3, 1e-4)
-    ax.set_yticks([FLOOR, 1e-8, 1e-6, 1e-4], ["0 (bit-identical)", "1e-8", "1e-6", "1e-4"])
-    ax.set_xlabel("SGD step (0 = initial weights)")
-    ax.set_ylabel("max |w_DDP - w_single|")
-    ax.set_title("DDP weights vs the single-process baseline, after every step")
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    panels = ((axes[0], "grad_max_abs", baseline["grads"], 1, "gradient", "max |g_DDP - g_single|"),
+              (axes[1], "max_abs", baseline["weights"], 0, "weights after the step", "max |w_DDP - w_single|"))
+    for ax, key, want, first_step, what, ylabel in panels:
+        for k, (world, c) in enumerate(comparisons.items()):
+            worst = c[key].max(dim=0).values.clamp_min(FLOOR).numpy()  # worst rank, per step
+            steps = np.arange(len(worst)) + first_step + 0.06 * (k - (len(comparisons) - 1) / 2)  # side by side
+            ax.plot(steps, worst, styles[k % len(styles)], ms=6, label=f"DDP, world {world}")
+        ax.axhline(FP32_TOL["atol"], color="k", ls="--", lw=1, label=f"tolerance atol={FP32_TOL['atol']:g}")
+        largest = float(want.abs().max())
+        ax.axhline(float(np.spacing(np.float32(largest))), color="grey", ls=":", lw=1,
+                   label=f"1 fp32 ulp of the largest value ({largest:.2f})")
+        ax.set_yscale("log")
+        ax.set_ylim(FLOOR / 3, 1e-4)
+        ax.set_yticks([FLOOR, 1e-8, 1e-6, 1e-4], ["0 (bit-identical)", "1e-8", "1e-6", "1e-4"])
+        ax.set_xlabel("SGD step" + (" (0 = initial weights)" if first_step == 0 else ""))
+        ax.set_ylabel(ylabel)
+        ax.set_title(what, fontsize=10)
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.suptitle("DDP vs the single-process baseline, after every step (worst rank)", y=1.0)
     return fig
 
 

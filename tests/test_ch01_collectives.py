@@ -113,19 +113,35 @@ def test_collective_matches_single_process_reference(collective, n):
     for op, dtype in ops:
         res = cu.run("workers.ch01_collectives", world_size=n, collective=collective, op=op, root=root, dtype=dtype,
                      **RUN)
+        if collective == "barrier":
+            break  # nothing to compare: its promise is checked below
         ok, err = ch01.compare_with_reference(res, collective, op=op, root=root)
         assert ok, (collective, op, n, err, [d.get("after") for d in res.ranks])
-        if collective != "barrier" and res[root].get("defined", True):
+        if res[root].get("defined", True):
             assert res[root]["after"].dtype == {"int64": torch.int64, "float32": torch.float32}[dtype]
     if collective in ("reduce", "gather"):
         # only the root's result is defined
         assert res.gather("defined") == [r == root for r in range(n)]
     if collective == "barrier":
         late, waited = res.gather("before"), res.gather("after")
-        # rank r arrives r*50 ms late and nobody leaves before the last one: late + waited is about equal
+        # rank r arrives r*100 ms late and nobody leaves before the last one: late + waited is about equal
         ends = [float(a[0] + b[0]) for a, b in zip(late, waited)]
         assert max(ends) - min(ends) < 40, ends
         assert float(waited[0][0]) > float(waited[-1][0])
+        ok, margin = ch01.barrier_check(res)
+        assert ok and abs(margin) < ch01.BARRIER_TOL_MS, (late, waited, margin)
+        with pytest.raises(ValueError, match="no data"):  # never "equal" for a comparison not made
+            ch01.compare_with_reference(res, "barrier")
+
+
+def test_barrier_check_catches_a_rank_that_left_early():
+    # barrier_check must not be a tautology: a "barrier" that waited for nobody lets every rank leave as
+    # soon as it arrives (waited = 0), so all but the last leave one delay (100 ms) or more too early.
+    res = cu.run("workers.ch01_collectives", world_size=2, collective="barrier", **RUN)
+    assert ch01.barrier_check(res)[0]
+    res.ranks[0]["after"] = torch.zeros(1)
+    ok, margin = ch01.barrier_check(res)
+    assert not ok and margin < -ch01.BARRIER_TOL_MS
 
 
 def test_comparison_catches_a_wrong_result():

@@ -58,22 +58,52 @@ def test_predicted_buckets_for_the_stack_by_hand():
 def test_ddp_equals_single_process_after_every_step(world, baseline):
     res = cu.run("workers.ch02_ddp", world_size=world, **LIMITS)
     c = compare_to_baseline(res, baseline)
-    weights = res.gather("weights")
-    assert all(w.shape == baseline["weights"].shape for w in weights)  # [steps + 1, P]: every step came back
+    # every step came back: the initial weights and S steps of weights, gradients and losses
+    assert all(w.shape == baseline["weights"].shape for w in res.gather("weights"))  # [steps + 1, P]
+    assert all(g.shape == baseline["grads"].shape for g in res.gather("grads"))  # [steps, P]
+    assert all(len(l) == len(baseline["losses"]) for l in res.gather("local_losses"))
     # The mean loss over B/n rows, averaged over n ranks, is the mean over B rows: only the order of the
-    # additions differs, so every step agrees to fp32 rounding.
-    assert c["within_tol"], c["max_abs"]
+    # additions differs, so at every step the gradient DDP leaves in .grad, the global loss and the weights
+    # after the step agree with one process to fp32 rounding (FP32_TOL).
+    assert c["grads_within_tol"], c["grad_max_abs"]
+    assert c["loss_within_tol"], c["loss_abs"]
+    assert c["weights_within_tol"], c["max_abs"]
+    assert c["within_tol"]
+    assert c["grad_max_abs"].max() <= FP32_TOL["atol"] and c["max_abs"].max() <= FP32_TOL["atol"]
     # Every rank applied the same all-reduced gradient to the same weights: bit-identical.
     assert c["ranks_identical"]
     # And training moved the weights (a run that did nothing would fail the baseline comparison, but say so).
+    weights = res.gather("weights")
     assert (weights[0][-1] - weights[0][0]).abs().max() > 1e-2
-    # The mean of the ranks' local losses is the global loss.
-    assert c["loss_diff"] < 1e-6
     if world == 1 and res.devices == ["cpu"]:
-        assert torch.equal(weights[0], baseline["weights"])  # one CPU rank: the baseline's kernels, bit for bit
+        # one CPU rank: the baseline's kernels, bit for bit
+        assert torch.equal(weights[0], baseline["weights"]) and torch.equal(res[0]["grads"], baseline["grads"])
     if world > 1:
         # each rank read its own B/n rows: the local losses differ from rank to rank
         assert not torch.equal(res[0]["local_losses"], res[1]["local_losses"])
+
+
+def test_comparison_catches_a_rank_that_does_not_average(baseline):
+    # compare_to_baseline must not be a tautology: a run whose gradients are one rank's own (never
+    # all-reduced) fails on the gradients, whatever the weights say.
+    setup = Setup()
+    model = make_model(setup)
+    lone = grads_on(model, *shard(make_batches(setup, steps=1)[0], rank=0, world_size=2))
+
+    class Fake:
+        ranks = [{"weights": baseline["weights"].clone(), "grads": baseline["grads"].clone(),
+                  "local_losses": baseline["losses"].clone()}]
+
+        def gather(self, key):
+            return [d[key] for d in self.ranks]
+
+    fake = Fake()
+    assert compare_to_baseline(fake, baseline)["within_tol"]
+    fake.ranks[0]["grads"][0] = lone
+    c = compare_to_baseline(fake, baseline)
+    assert not c["grads_within_tol"] and not c["within_tol"] and c["weights_within_tol"]
+    fake.ranks[0]["local_losses"][2] += 1e-3
+    assert not compare_to_baseline(fake, baseline)["loss_within_tol"]
 
 
 @pytest.mark.ranks

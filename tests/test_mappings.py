@@ -3,9 +3,9 @@
 The reference (``workers/parallel/reference.py``) simulates all ranks in one process: forward with explicit
 concatenation and sums, gradients from plain autograd through them. Inputs are small integers in float64,
 so every sum is exact in any order and a correct mapping must match the reference *bit for bit*: outputs
-and input gradients, on every rank, at world 1, 2 and 4 on real gloo ranks. Then the same comparison is
-shown to fail when a mapping's backward is wrong (one broken implementation per mapping), so a passing
-comparison means something.
+and input gradients, on every rank, at world 1, 2 and 4 on real gloo ranks, in float64 and in float32. Then
+the same comparison is shown to fail when a mapping's backward is wrong (one broken implementation for each
+of the eight mappings, at world 2), so a passing comparison means something.
 """
 import pytest
 import torch
@@ -96,10 +96,12 @@ def test_mappings_stay_inside_their_process_group():
 
 
 @pytest.mark.ranks
-def test_float32_is_exact_on_integer_data_too():
-    res = cu.run(WORKER, world_size=2, dtype="float32", timeout=60)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_float32_is_exact_on_integer_data_too(world_size):
+    res = cu.run(WORKER, world_size=world_size, dtype="float32", timeout=60)
     assert res[0]["records"]["all_to_all"]["output"].dtype == torch.float32
-    assert all(r["exact"] for r in mapping_rows(res))
+    rows = mapping_rows(res)
+    assert len(rows) == len(MAPPING_NAMES) and all(r["exact"] for r in rows), [r for r in rows if not r["exact"]]
 
 
 @pytest.mark.ranks
@@ -199,6 +201,48 @@ def scatter_identity_backward(x, group=None):
     return S.apply(x)
 
 
+def gather_tensor_sums_backward(x, group=None):
+    """All-gather along the last dim forward; backward all-reduces before keeping the slice (n times too large)."""
+    import torch
+    import torch.distributed as dist
+
+    from workers.parallel import mappings
+
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return mappings.gather_from_tensor_model_parallel_region(x.detach(), group=group)
+
+        @staticmethod
+        def backward(ctx, grad):  # the replicated output's gradient is already whole: it should only split
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+            return grad.chunk(n, dim=-1)[r].contiguous()
+
+    return G.apply(x)
+
+
+def scatter_sequence_identity_backward(x, group=None):
+    import torch
+    import torch.distributed as dist
+
+    class S(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            return x.chunk(n, dim=0)[r].contiguous()
+
+        @staticmethod
+        def backward(ctx, grad):  # should all-gather every rank's rows; puts its own in place only
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            parts = [torch.zeros_like(grad) for _ in range(n)]
+            parts[r] = grad
+            return torch.cat(parts, dim=0)
+
+    return S.apply(x)
+
+
 def gather_sequence_split_backward(x, tensor_parallel_output_grad=True, group=None):
     """All-gather forward; backward only splits, where the default must reduce-scatter."""
     from workers.parallel import mappings
@@ -244,14 +288,20 @@ def all_to_all_identity_backward(x, output_split_sizes=None, input_split_sizes=N
     return A.apply(x)
 
 
-BROKEN = [
+BROKEN = [  # one per mapping, in the order of MAPPING_NAMES
     ("copy_to_tensor_model_parallel_region", f_identity_backward),
     ("reduce_from_tensor_model_parallel_region", g_all_reduce_backward),
     ("scatter_to_tensor_model_parallel_region", scatter_identity_backward),
+    ("gather_from_tensor_model_parallel_region", gather_tensor_sums_backward),
+    ("scatter_to_sequence_parallel_region", scatter_sequence_identity_backward),
     ("gather_from_sequence_parallel_region", gather_sequence_split_backward),
     ("reduce_scatter_to_sequence_parallel_region", reduce_scatter_wrong_chunk_backward),
     ("all_to_all", all_to_all_identity_backward),
 ]
+
+
+def test_every_mapping_has_a_broken_variant():
+    assert [name for name, _ in BROKEN] == list(MAPPING_NAMES)
 
 
 @pytest.mark.ranks
@@ -262,8 +312,9 @@ def test_a_wrong_backward_is_caught(name, broken):
     c = compare(name, recs, **recs[0]["options"])
     assert c["output_error"] == 0.0, c  # the forward is right ...
     assert c["grad_error"] > 0 and not c["exact"], c  # ... and the comparison sees the backward is not
-    if name == "reduce_from_tensor_model_parallel_region":
-        assert c["grad_ratio"] == pytest.approx(2.0)  # the scaling trap: n times too large, n = 2
+    if name in ("reduce_from_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region"):
+        # a replicated output's gradient summed again: the scaling trap, n times too large, n = 2
+        assert c["grad_ratio"] == pytest.approx(2.0)
 
 
 @pytest.mark.ranks

@@ -24,6 +24,7 @@ OPS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor")
 BITWISE = ("band", "bor", "bxor")  # bitwise AND, OR, XOR: defined for integer tensors only
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
 REDUCING = ("reduce", "all_reduce", "reduce_scatter")
+BARRIER_DELAY_S = 0.1  # rank r arrives at the barrier r * 100 ms late
 ROOTED = ("broadcast", "reduce", "scatter", "gather")
 
 
@@ -78,7 +79,8 @@ def reference(collective: str, world_size: int, op: str = "sum", chunk: int = 1,
     """Single-process answer: what each rank holds afterwards (None where the result is undefined).
 
     Computed in float64 from the same inputs the ranks use, so the comparison tests the collective,
-    not float32 rounding order.
+    not float32 rounding order. A barrier moves no data, so it has no reference: every entry is None
+    (its invariant, nobody leaves before the last rank arrives, is checked by timing it instead).
     """
     n = world_size
     inputs = [_input_for(collective, r, n, chunk, root) for r in range(n)]
@@ -116,7 +118,7 @@ def _op(op: str):
 
 
 def _barrier_demo(ctx) -> dict:
-    """Rank r arrives r * 50 ms late; nobody leaves before the last one has arrived.
+    """Rank r arrives r * 100 ms late (``BARRIER_DELAY_S``); nobody leaves before the last one has arrived.
 
     Each rank times itself (clocks of different machines are not comparable): how late it arrived after
     a first barrier, and how long it then waited inside the second one. Late + waited is about the same
@@ -124,7 +126,7 @@ def _barrier_demo(ctx) -> dict:
     """
     dist.barrier()
     start = time.perf_counter()
-    time.sleep(0.05 * ctx.rank)
+    time.sleep(BARRIER_DELAY_S * ctx.rank)
     arrived = time.perf_counter()
     dist.barrier()
     left = time.perf_counter()

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.ch02_model import (MIB, Setup, flat, flat_grads, grads_on, loss_fn, make_batches, make_model,
+from workers.ch02_model import (Setup, flat, flat_grads, grads_on, loss_fn, make_batches, make_model,
                                 make_stack, predict_ddp_buckets, shard)
 from workers.runtime import entrypoint
 
@@ -97,11 +97,9 @@ def buckets(ctx, bucket_cap_mb: float | None, layers: int, width: int, steps: in
     per_step = [[e["bytes"] for e in events if e["step"] == s and e["kind"] == "all_reduce"] for s in range(steps)]
     logging = ddp._get_ddp_logging_data()  # DDP's own record (a private API: read, never relied on alone)
     return {"events": events, "all_reduce_bytes": per_step, "param_names": names,
-            "param_bytes": [p.numel() * p.element_size() for p in model.parameters()],
             "predicted": predict_ddp_buckets(model, bucket_cap_mb),
             "ddp_logging": {k: logging.get(k) for k in ("bucket_cap_bytes", "bucket_sizes", "rebuilt_bucket_sizes",
-                                                          "num_buckets_reduced", "has_rebuilt_buckets")},
-            "bucket_cap_bytes": None if bucket_cap_mb is None else int(bucket_cap_mb * MIB)}
+                                                          "num_buckets_reduced", "has_rebuilt_buckets")}}
 
 
 def main(ctx, part: str = "broadcast", bucket_cap_mb: float = 0.5, default_cap: bool = False, layers: int = 6,

@@ -63,7 +63,7 @@ def reduction(ctx, setup: Setup) -> dict:
         model, ddp = _ddp(setup, ctx)
         loss_fn(ddp(x), y, reduction=how).backward()
         out[how] = flat_grads(model)
-    return {"grads": out, "rows_per_rank": x.shape[0]}
+    return {"grads": out}
 
 
 def no_sync(ctx, setup: Setup, accumulation: int) -> dict:

@@ -185,8 +185,9 @@ print(ch03.mapping_table(equivalence[4]))
 # %% [markdown]
 # Every output and every input gradient is **bit-identical** to the reference (the data are small
 # integers in float64, so no rounding can hide in the order of a sum). `tests/test_mappings.py` runs the
-# same comparison at world 1, 2 and 4, in float32, and for an all-to-all with unequal splits (as in expert
-# parallelism); and it checks that a deliberately wrong backward for each mapping *fails* it.
+# same comparison at world 1, 2 and 4, in float64 and again in float32 (the integers stay exact), and for an
+# all-to-all with unequal splits (as in expert parallelism); and it checks, at world 2, that a deliberately
+# wrong backward for each of the eight mappings *fails* it.
 #
 # Explore any mapping with groups of 1, 2 or 4 ranks (a real run on the 4 ranks per change; the figure
 # shows the group of rank 0):
@@ -266,17 +267,17 @@ print(ch03.table([r for r in gradcheck_rows if r["gradcheck"] != "pass"], ["vari
 # all-reduces the gradient too; and `torch.distributed.nn.functional.all_reduce`, whose backward is also
 # an all-reduce (PyTorch source, `torch/distributed/nn/functional.py`, class `_AllReduce`).
 #
-# **Predict.** With 4 tensor-parallel ranks, how much larger than the single-process gradient is
-# $\partial L/\partial W$ with the symmetric backward? With 8?
+# **Predict.** With 2 tensor-parallel ranks, how much larger than the single-process gradient is
+# $\partial L/\partial W$ with the symmetric backward? With 4?
 
 # %%
 TRAP = {"batch": 4, "hidden": 8, "out": 4, "seed": 0}
 trap = {tp: cu.run("workers.ch03_scaling_trap", world_size=WORLD, tp_size=tp, **TRAP, **LIMITS) for tp in (1, 2, 4)}
 
 # %% [markdown]
-# Eight ranks cost one more torchrun start: about 9 s on an idle 2-core machine, but 40 s when the
-# machine is busy, so the headless run stops at 4. Set `RUN_WORLD_8 = True` to add $n = 8$ (on ranks of
-# its own that stop afterwards, so the 4 warm ranks stay up for the exercises).
+# Eight ranks need a torchrun start of their own (eight more processes importing torch), so the headless
+# run stops at 4. Set `RUN_WORLD_8 = True` to add $n = 8$ (predict it first), on ranks of its own that
+# stop afterwards, so the 4 warm ranks stay up for the exercises.
 
 # %% tags=["nbval-ignore-output"]
 from course_utils.validate import max_world_size  # noqa: E402
