@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from course_utils.ledger import GB, activation_bytes_per_layer, model_state_bytes
+from course_utils.ledger import (ACTIVATION_TERMS_SBH, DROPOUT_TERMS, GB, activation_bytes_per_layer,
+                                 activation_terms_per_layer, model_state_bytes)
 from course_utils.planner import Layout, plan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -144,6 +145,67 @@ def ledger_moments(config: dict, n_params: int) -> dict:
     return {m: ledger_moment(config, n_params, 0 if m == "init" else 2, m) for m in MOMENTS}
 
 
+def moment_rows(runs: dict) -> list[list[str]]:
+    """Table rows for ``{label: rank-0 result of ch11_memory}``: every moment of every step (so the first step,
+    when Adam allocates its moments, is visible), accounted bytes per state, the saved tensors still alive, and
+    the ledger's model states at that moment."""
+    rows = []
+    for label, r in runs.items():
+        for m in r["moments"]:
+            acc = m["accounted"]
+            want = ledger_moment(r["config"], r["n_params"], m["step"], m["moment"])
+            where = "init" if m["moment"] == "init" else f"step {m['step']}: {m['moment']}"
+            rows.append([label, where] + [f"{acc[k]:,}" for k in STATE_COLOURS]
+                        + [str(m.get("saved_tensors_alive", "")),
+                           f"{sum(want[k] for k in ('params', 'grads', 'optimizer')):,.0f}"])
+    return rows
+
+
+def activation_terms(config: dict, device: str = "cpu") -> list[dict]:
+    """What the forward pass of a ``workers/ch11_memory.py`` run saves for backward, term by term, in bytes per
+    rank: [{"term", "source", "bytes"}]. Their sum is what that worker accounts after the forward (exactly, on the
+    CPU; the test checks it).
+
+    The transformer layers: Korthikanti et al. 2022, section 4.1, eq. (1), with selective recomputation's
+    terms (section 5: no s x s scores; SDPA never stores them) and without the dropout masks, which this block
+    does not have: 32 of the 34 sbh per layer (``ledger.activation_terms_per_layer(..., dropout=False)``). On top,
+    what the paper leaves out: each LayerNorm's mean and 1/std ([b, s], in the activations' dtype on the CPU,
+    fp32 on CUDA), SDPA's fp32 log-sum-exp ([b, a, s], what it keeps instead of the softmax), and, outside the
+    layers, the token ids of the embedding, the final LayerNorm, the LM head's input, the fp32 log-probabilities
+    of the loss ([b, s, V]), the targets and the loss's 4-byte normaliser.
+    """
+    b, s, h, a = config["micro_batch"], config["seq"], config["hidden"], config["heads"]
+    layers, vocab = config["layers"], config["vocab"]
+    w = 2 if config["dtype"] == "bfloat16" else 4
+    stats = 4 if str(device).startswith("cuda") else w
+    sbh = s * b * h
+    per_layer = activation_terms_per_layer(s, b, h, a, recompute="selective", dropout=False, bytes_per_element=w)
+    kept = ", ".join(f"{name} {units}" for name, units in ACTIVATION_TERMS_SBH.items() if name not in DROPOUT_TERMS)
+    masks = " and ".join(name for name in ACTIVATION_TERMS_SBH if name in DROPOUT_TERMS)
+    rows = [
+        {"term": f"layers: {sum(per_layer.values()) / (sbh * w / 2):g} sbh each ({kept})"
+                 + (" x 2 for fp32" if w == 4 else ""),
+         "source": "Korthikanti et al. 2022, sec 4.1, eq. (1); selective recomputation (sec 5): no s x s terms",
+         "bytes": layers * sum(per_layer.values())},
+        {"term": f"layers: {masks}, 1 sbh each", "source": "in eq. (1); this block has no dropout", "bytes": 0},
+        {"term": f"layers: LayerNorm mean and 1/std, 2 per LayerNorm, [b, s] x {stats} B",
+         "source": "not in the paper", "bytes": layers * 2 * 2 * b * s * stats},
+        {"term": "layers: SDPA log-sum-exp, fp32 [b, a, s]", "source": "not in the paper (replaces the softmax)",
+         "bytes": layers * a * b * s * 4},
+        {"term": "token ids for the embedding's backward, int64 [b, s]", "source": "outside the layers",
+         "bytes": b * s * 8},
+        {"term": "final LayerNorm: input 2sbh and mean, 1/std", "source": "outside the layers",
+         "bytes": sbh * w + 2 * b * s * stats},
+        {"term": "LM head input (the final LayerNorm's output) 2sbh", "source": "outside the layers",
+         "bytes": sbh * w},
+        {"term": "loss: fp32 log-probabilities [b, s, V]", "source": "outside the layers",
+         "bytes": b * s * vocab * 4},
+        {"term": "loss: int64 targets [b, s] and the fp32 normaliser", "source": "outside the layers",
+         "bytes": b * s * 8 + 4},
+    ]
+    return [{**r, "bytes": int(r["bytes"])} for r in rows]
+
+
 def moments_figure(runs: dict, *, gpu: bool = False, title: str = "", unit: float = 2**20, unit_name: str = "MiB"):
     """One panel per run ({label: rank-0 result of ch11_memory}): accounted bytes stacked by state at each moment,
     the ledger's total as a black tick, and ``cuda_allocated`` as a hollow bar when ``gpu``."""
@@ -208,6 +270,43 @@ def gpu_memory_report(data: dict, title: str | None = None):
     fig = moments_figure(ok, gpu=True, unit=2**30, unit_name="GiB",
                          title=title or f"{gpu_label(data)}; hatched: torch.cuda.memory_allocated") if ok else None
     return fig, "\n".join(lines)
+
+
+def live_memory_record(shape: dict | None = None, worlds: tuple[int, ...] = (1, 2),
+                       zero_stages: tuple[int, ...] = (0, 1), timeout: float = 900) -> dict:
+    """Run ``workers/ch11_memory.py`` now for DDP and ZeRO-1 at each world size (on one GPU, world 2 is two ranks
+    sharing it: gloo on CUDA tensors, ZeRO-1's reduce-scatter and all-gather through host copies), and return a
+    record in the format ``tools/gpu/ch11_memory.sh`` commits, for ``gpu_memory_report``. ``shape``: worker
+    parameters (default: the worker's own ~1.1B-parameter shape, for a GPU). As in that script, ZeRO-1 falls
+    back to ``grad_sync="all_reduce"`` if the reduce-scatter fails, and every failure is recorded, not raised."""
+    import datetime
+
+    import torch
+
+    import course_utils as cu
+
+    cuda = torch.cuda.is_available()
+    record = {"device_name": torch.cuda.get_device_name(0) if cuda else "CPU", "torch": torch.__version__,
+              "cuda": torch.version.cuda, "date": datetime.date.today().isoformat(), "path": "measured live",
+              "runs": []}
+    for world in worlds:
+        for zero in zero_stages:
+            for grad_sync in ("reduce_scatter", "all_reduce"):
+                try:
+                    res = cu.run("workers.ch11_memory", world, zero_stage=zero, grad_sync=grad_sync, timeout=timeout,
+                                 **(shape or {}))
+                    record["runs"].append({"world_size": world, "zero_stage": zero, "grad_sync": grad_sync,
+                                           "backend": res.backend, "ranks": res.ranks})
+                    break
+                except cu.InvalidParameter:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - record it, try the next setting
+                    first = str(exc).splitlines()[0] if str(exc) else ""
+                    record["runs"].append({"world_size": world, "zero_stage": zero, "grad_sync": grad_sync,
+                                           "error": f"{type(exc).__name__}: {first}"})
+                    if zero == 0:
+                        break  # DDP does not reduce-scatter; nothing else to try
+    return record
 
 
 def gemm_report(g: dict) -> str:

@@ -162,6 +162,108 @@ def activation_bytes_per_layer(
     return sbh * (replicated + split + scores)
 
 
+# Korthikanti et al. 2022, section 4.1, the terms of eq. (1) for one layer (t = 1), in units of sbh bytes
+# (16-bit activations, 1-byte dropout masks), and the s x s terms in units of a s^2 b bytes.
+ACTIVATION_TERMS_SBH = {
+    "layernorm inputs": 4,  # "Layer norm": each of the two stores its 2sbh input
+    "qkv input": 2,  # "QKV matrix multiplies": their shared input
+    "q and k": 4,  # "QK^T matrix multiply": Q and K
+    "v": 2,  # "Attention over Values": V (with the dropout output below)
+    "projection input": 2,  # "Linear projection stores its input activations"
+    "attention dropout mask": 1,  # "attention dropout requires a mask"
+    "fc1 input": 2,  # "The two linear layers store their inputs with size 2sbh and 8sbh"
+    "gelu input": 8,  # "The GeLU non-linearity also needs its input"
+    "fc2 input": 8,
+    "mlp dropout mask": 1,  # "dropout stores its mask"
+}
+ACTIVATION_TERMS_AS2B = {"softmax output": 2, "softmax dropout mask": 1, "softmax dropout output": 2}
+LINEAR_INPUT_TERMS = ("qkv input", "projection input", "fc1 input", "fc2 input")  # 14 sbh of the 34
+DROPOUT_TERMS = ("attention dropout mask", "mlp dropout mask", "softmax dropout mask", "softmax dropout output")
+
+
+def activation_terms_per_layer(
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    *,
+    recompute: str = "none",
+    dropout: bool = True,
+    bytes_per_element: float = 2,
+) -> dict[str, float]:
+    """Bytes one transformer layer keeps for backward, term by term: Korthikanti et al. 2022, section 4.1.
+
+    Without tensor or sequence parallelism (t = 1), eq. (1) is the sum of these terms, per layer:
+
+    - attention block, 11 sbh + 5 as^2 b: QKV input 2sbh, Q and K 4sbh, V 2sbh, projection input 2sbh,
+      attention dropout mask sbh; softmax output 2as^2b, its dropout mask as^2b, the dropout output 2as^2b;
+    - MLP block, 19 sbh: fc1 input 2sbh, GeLU input 8sbh, fc2 input 8sbh, dropout mask sbh;
+    - LayerNorms, 4 sbh: each of the two stores its 2sbh input;
+
+    34 sbh + 5 as^2 b in all. ``recompute="selective"`` (section 5, eq. 6 at t = 1) drops the three s x s
+    terms (recomputed; FlashAttention never stores them either), leaving 34 sbh; ``"full"`` keeps only the
+    layer's input, 2sbh (one term, "layer input"). ``dropout=False`` drops the masks and the softmax dropout
+    output, for a block without dropout (then 32 sbh with selective recomputation). ``bytes_per_element``
+    rescales the 16-bit terms (4 for fp32 activations; the 1-byte masks stay 1 byte). With ``dropout=True``
+    the sum equals ``activation_bytes_per_layer(..., tp=1)`` for every ``recompute``.
+    """
+    for name, value in (("seq", seq), ("micro_batch", micro_batch), ("hidden", hidden), ("heads", heads)):
+        _positive_int(name, value)
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))} "
+            f"(Korthikanti et al. 2022, Table 2), got {recompute!r}."
+        )
+    _non_negative("bytes_per_element", bytes_per_element)
+    sbh = float(seq * micro_batch * hidden)
+    scale = bytes_per_element / 2
+    if recompute == "full":
+        return {"layer input": 2 * sbh * scale}
+    terms = {}
+    for name, units in ACTIVATION_TERMS_SBH.items():
+        if dropout or name not in DROPOUT_TERMS:
+            terms[name] = units * sbh * (1 if "mask" in name else scale)
+    if recompute == "none":
+        as2b = float(heads * seq * seq * micro_batch)
+        for name, units in ACTIVATION_TERMS_AS2B.items():
+            if dropout or name not in DROPOUT_TERMS:
+                terms[name] = units * as2b * (1 if "mask" in name else scale)
+    return terms
+
+
+def fp8_linear_inputs_activation_bytes_per_layer(
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    *,
+    recompute: str = "selective",
+    dropout: bool = True,
+    attention_keeps_output: bool = False,
+) -> float:
+    """Bytes per layer when the four linear layers save their inputs in FP8 (1 byte) instead of bf16 (2 bytes).
+
+    The terms of ``activation_terms_per_layer`` (Korthikanti et al. 2022, section 4.1) with the linear layers'
+    saved inputs halved: QKV input 2sbh, projection input 2sbh, fc1 input 2sbh and fc2 input 8sbh, 14 of
+    the 34 sbh, become 7 sbh, so 34 sbh -> 27 sbh with selective recomputation. That is what FP8 recipes
+    change in the ledger (DeepSeek-V3, section 3.3.1: with the weight-gradient GEMM in FP8, the activations a
+    linear layer saves can be stored in FP8 for the backward pass); the per-tensor or per-tile fp32 scales are
+    left out (4 bytes per 128 values at most).
+
+    ``attention_keeps_output=True``: a fused attention kernel (FlashAttention, torch's SDPA) saves its own
+    bf16 output O for its backward, and O is the projection's input, so the projection's FP8 copy replaces
+    nothing and comes on top (2sbh + sbh for that term): 34 sbh -> 29 sbh.
+    """
+    terms = activation_terms_per_layer(seq, micro_batch, hidden, heads, recompute=recompute, dropout=dropout)
+    sbh = float(seq * micro_batch * hidden)
+    for name in LINEAR_INPUT_TERMS:
+        if name in terms:
+            terms[name] /= 2
+    if attention_keeps_output and "projection input" in terms:
+        terms["projection input"] = 2 * sbh + sbh
+    return sum(terms.values())
+
+
 # ----------------------------------------------------------------------------------------------
 # FLOPs and time
 # ----------------------------------------------------------------------------------------------

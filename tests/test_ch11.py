@@ -160,3 +160,71 @@ def test_gemm_report_states_what_was_measured_or_why_not():
     assert "FP8 speed-up over bf16: 2.00x" in text and "NVIDIA H200" in text
     failed = ch11.gemm_report({**g, "fp8_e4m3_per_tensor": {"error": "RuntimeError: no FP8"}})
     assert "failed: RuntimeError: no FP8" in failed and "speed-up" not in failed
+
+
+def test_activation_terms_are_korthikantis_section_4_1_and_sum_to_table_2():
+    from course_utils.ledger import (RECOMPUTE_MODES, activation_bytes_per_layer, activation_terms_per_layer)
+
+    s, b, h, a = 2048, 2, 4096, 32
+    sbh, as2b = s * b * h, a * s * s * b
+    for recompute in RECOMPUTE_MODES:
+        terms = activation_terms_per_layer(s, b, h, a, recompute=recompute)
+        assert sum(terms.values()) == activation_bytes_per_layer(s, b, h, a, recompute=recompute)
+    none = activation_terms_per_layer(s, b, h, a)
+    attention = ("qkv input", "q and k", "v", "projection input", "attention dropout mask")
+    mlp = ("fc1 input", "gelu input", "fc2 input", "mlp dropout mask")
+    scores = ("softmax output", "softmax dropout mask", "softmax dropout output")
+    assert sum(none[t] for t in attention) == 11 * sbh and sum(none[t] for t in scores) == 5 * as2b  # 11sbh + 5as^2b
+    assert sum(none[t] for t in mlp) == 19 * sbh and none["layernorm inputs"] == 4 * sbh  # 19sbh, 4sbh
+    no_dropout = activation_terms_per_layer(s, b, h, a, recompute="selective", dropout=False)
+    assert sum(no_dropout.values()) == 32 * sbh and not any("dropout" in t for t in no_dropout)
+    fp32 = activation_terms_per_layer(s, b, h, a, recompute="selective", bytes_per_element=4)
+    assert sum(fp32.values()) == 2 * 32 * sbh + 2 * sbh  # 16-bit terms doubled, the 1-byte masks not
+
+
+def test_activation_terms_of_the_chapter_model_name_what_the_formula_leaves_out():
+    cfg = dict(micro_batch=2, seq=128, hidden=128, heads=4, layers=2, vocab=512, dtype="bfloat16")
+    terms = ch11.activation_terms(cfg)
+    sbh = 2 * 128 * 128
+    assert terms[0]["bytes"] == 2 * 32 * sbh and "Korthikanti" in terms[0]["source"]
+    assert terms[1]["bytes"] == 0 and "no dropout" in terms[1]["source"]
+    assert sum(t["bytes"] for t in terms) == 2_769_924  # what workers/ch11_memory.py accounts for this shape (CPU)
+    fp32 = ch11.activation_terms({**cfg, "dtype": "float32"})
+    assert sum(t["bytes"] for t in fp32) > sum(t["bytes"] for t in terms)
+    cuda = ch11.activation_terms(cfg, device="cuda:0")  # LayerNorm statistics in fp32 there
+    assert sum(t["bytes"] for t in cuda) - sum(t["bytes"] for t in terms) == (2 * 2 * 2 + 2) * 2 * 128 * 2
+
+
+def test_moment_rows_show_every_step_so_the_first_steps_jump_is_visible():
+    moments = [{"step": 0, "moment": "init", "saved_tensors_alive": 0,
+                "accounted": {"params": 20, "grads": 20, "optimizer": 40, "activations": 0}}]
+    for step in (1, 2):
+        for moment in ("forward", "backward", "step"):
+            stepped = step == 2 or moment == "step"
+            moments.append({"step": step, "moment": moment, "saved_tensors_alive": 3 if moment == "forward" else 0,
+                            "accounted": {"params": 20, "grads": 20, "optimizer": 124 if stepped else 40,
+                                          "activations": 7 if moment == "forward" else 0}})
+    cfg = dict(layers=1, hidden=8, heads=1, vocab=8, seq=4, micro_batch=1, dtype="bfloat16", optimizer="adamw",
+               zero_stage=0, world_size=1)
+    rows = ch11.moment_rows({"x": {"moments": moments, "config": cfg, "n_params": 10}})
+    assert [r[1] for r in rows] == ["init"] + [f"step {s}: {m}" for s in (1, 2)
+                                               for m in ("forward", "backward", "step")]
+    assert [r[4] for r in rows[:4]] == ["40", "40", "40", "124"]  # Adam's moments appear at step 1's step
+    assert [r[-1] for r in rows[:4]] == ["80", "80", "80", "160"]  # the ledger: 10 x (2+2+4), then 10 x (2+2+12)
+    assert rows[1][6] == "3" and rows[2][6] == "0"
+
+
+@pytest.mark.ranks
+def test_live_gpu_branch_runs_ddp_and_zero1_at_world_1_and_2():
+    # The notebook's live branch (taken only where a GPU is visible), run here on the CPU at a small shape:
+    # the same function, worlds and stages; every run succeeds and the report draws all four.
+    shape = dict(hidden=64, heads=4, layers=2, vocab=256, seq=32, micro_batch=2, steps=2)
+    record = ch11.live_memory_record(shape, worlds=(1, 2), zero_stages=(0, 1), timeout=240)
+    assert [(r["world_size"], r["zero_stage"]) for r in record["runs"]] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all("ranks" in r and "error" not in r for r in record["runs"]), record["runs"]
+    assert [len(r["ranks"]) for r in record["runs"]] == [1, 1, 2, 2]
+    fig, text = ch11.gpu_memory_report(record)
+    assert fig is not None and len(fig.axes) == 4
+    for label in ("DDP, N=1", "ZeRO-1, N=1", "DDP, N=2", "ZeRO-1, N=2"):
+        assert label in text
+    plt.close("all")

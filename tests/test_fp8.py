@@ -234,3 +234,26 @@ def test_bad_inputs_are_refused_with_a_sentence():
         quantize(x[0], "e4m3", "block")
     with pytest.raises(ValueError, match="inf or NaN"):
         quantize(torch.tensor([1.0, float("nan")]), "e4m3")
+
+
+# ------------------------------------------------------------------------------------------------
+# What FP8 changes in the activation ledger
+
+def test_fp8_linear_inputs_halve_14_of_korthikantis_34_sbh():
+    from course_utils.ledger import (LINEAR_INPUT_TERMS, activation_bytes_per_layer, activation_terms_per_layer,
+                                     fp8_linear_inputs_activation_bytes_per_layer)
+
+    shape = dict(seq=2048, micro_batch=1, hidden=4096, heads=32)
+    sbh = 2048 * 4096
+    terms = activation_terms_per_layer(**shape, recompute="selective")
+    assert sum(terms[t] for t in LINEAR_INPUT_TERMS) == 14 * sbh  # QKV 2 + projection 2 + fc1 2 + fc2 8
+    assert activation_bytes_per_layer(**shape, recompute="selective") == 34 * sbh
+    assert fp8_linear_inputs_activation_bytes_per_layer(**shape) == 27 * sbh  # 34 - 14/2
+    # a fused attention keeps its bf16 output O (the projection's input) for its own backward: the FP8 copy adds 1
+    assert fp8_linear_inputs_activation_bytes_per_layer(**shape, attention_keeps_output=True) == 29 * sbh
+    # without recomputation the s x s terms stay in 16 bits; full recomputation keeps only the layer input
+    none = fp8_linear_inputs_activation_bytes_per_layer(**shape, recompute="none")
+    assert none == activation_bytes_per_layer(**shape) - 7 * sbh
+    assert fp8_linear_inputs_activation_bytes_per_layer(**shape, recompute="full") == 2 * sbh
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        fp8_linear_inputs_activation_bytes_per_layer(**shape, recompute="some")

@@ -7,7 +7,10 @@ What must hold, and why:
   unsharded AdamW is fed the very same averaged gradient, which isolates the sharded step);
 - every rank ends every step with identical weights (the all-gather re-synchronises them);
 - the tied embedding / LM head stays one Parameter, stepped once: the ranks together own exactly n_params elements;
-- the optimizer-state bytes each rank holds, summed from the state tensors' nbytes, equal the ledger's K*P/N.
+- the optimizer-state bytes each rank holds, summed from the state tensors' nbytes, equal the ledger's K*P/N;
+- at the four moments of a step (workers/ch11_memory.py) the model states equal the ledger, and the activations,
+  counted from the saved tensors still alive, equal the sum of their terms after the forward, whatever N, and
+  zero after backward; a kept graph or a stray reference shows up.
 """
 import pytest
 
@@ -125,6 +128,11 @@ def test_bad_settings_are_refused_before_launch_in_one_sentence():
         cu.run("workers.ch11_zero1", 2, partition="rows")
     with pytest.raises(cu.InvalidParameter, match="needs master_weights=True"):
         cu.run("workers.ch11_zero1", 2, dtype="bfloat16")
+    with pytest.raises(cu.InvalidParameter, match=r"global_batch=0 gives the ranks no rows.*positive multiple of "
+                                                  r"world_size=2, such as 4"):
+        cu.run("workers.ch11_zero1", 2, global_batch=0)
+    with pytest.raises(cu.InvalidParameter, match="heads=0 leaves nothing to train or compare; pass heads >= 1"):
+        cu.run("workers.ch11_zero1", 2, heads=0)
 
 
 # -- memory at the four moments, accounted ---------------------------------------------------------------
@@ -132,12 +140,17 @@ def test_bad_settings_are_refused_before_launch_in_one_sentence():
 SMALL = dict(hidden=64, heads=4, layers=2, vocab=256, seq=32, micro_batch=2, steps=2)
 
 
-@pytest.mark.parametrize("world, zero", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("world, zero", [(1, 0), (2, 1), (4, 1)])
 def test_accounted_model_states_at_the_four_moments_equal_the_ledger(world, zero):
     from course_utils import ch11
 
     res = cu.run("workers.ch11_memory", world, zero_stage=zero, timeout=240, **SMALL)
+    # what the forward saves, term by term (Korthikanti sec 4.1 without dropout, plus what the paper leaves out):
+    # the same at every N, because ZeRO-1 does not touch activations and each saved tensor counts its own bytes
+    saved_bytes = sum(t["bytes"] for t in ch11.activation_terms(res[0]["config"]))
     for r in res.ranks:
+        assert [(m["step"], m["moment"]) for m in r["moments"]] == [(0, "init")] + [
+            (step, moment) for step in (1, 2) for moment in ("forward", "backward", "step")]
         for m in r["moments"]:
             acc = m["accounted"]
             want = ch11.ledger_moment(r["config"], r["n_params"], m["step"], m["moment"])
@@ -146,6 +159,51 @@ def test_accounted_model_states_at_the_four_moments_equal_the_ledger(world, zero
             scalars = 4 if stepped else 0  # Adam's step counter, once Adam has stepped
             assert acc["optimizer"] == want["optimizer"] + scalars, m
             if m["moment"] == "forward":
-                assert acc["activations"] > 0.5 * want["activations"]  # the graph holds the saved tensors
-            else:
-                assert acc["activations"] == 0  # freed by backward (and none before the forward)
+                assert acc["activations"] == saved_bytes and m["saved_tensors_alive"] > 0, m
+            else:  # measured: none of the saved tensors is alive before the forward or after backward
+                assert acc["activations"] == 0 and m["saved_tensors_alive"] == 0, m
+
+
+@pytest.mark.parametrize("leak", ["retain_graph", "stash"])
+def test_activations_kept_past_backward_are_seen(leak):
+    # The zero after backward is a measurement: keep the graph, or a reference to saved tensors, and it is not zero.
+    res = cu.run("workers.ch11_memory", 1, zero_stage=0, leak=leak, timeout=240, **SMALL)
+    b, s, h, layers = SMALL["micro_batch"], SMALL["seq"], SMALL["hidden"], SMALL["layers"]
+    for m in res[0]["moments"]:
+        if m["moment"] in ("backward", "step"):
+            forward = next(f for f in res[0]["moments"] if f["step"] == m["step"] and f["moment"] == "forward")
+            kept = m["accounted"]["activations"]
+            if leak == "retain_graph":  # the whole graph stays while `loss` lives
+                assert kept == forward["accounted"]["activations"] and m["saved_tensors_alive"] > 0
+            else:  # one [b, s, h] bf16 output per block, saved by the next LayerNorm
+                assert kept == layers * b * s * h * 2 and m["saved_tensors_alive"] == layers
+
+
+def test_saved_activations_count_own_bytes_once_and_only_while_alive():
+    import torch
+
+    from workers.ch11_memory import SavedActivations
+
+    base = torch.zeros(4, 9)  # [4, 9] fp32: 144 bytes
+    saved = SavedActivations(exclude_ptrs=set())
+    kept = [base[:, :-1], base.view(36), base.t(), base[:, 1:]]  # a strided view, the same memory twice, ...
+    for t in kept:
+        saved.pack(t)
+    # base[:, :-1] and base[:, 1:]: 32 elements each (not the 36 of their storage); view(36) and .t(): one 144 bytes
+    assert saved.alive_bytes() == 144 + 2 * 32 * 4 and saved.alive_count() == 4
+    del t
+    kept.pop()
+    assert saved.alive_bytes() == 144 + 32 * 4 and saved.alive_count() == 3
+    kept.clear()
+    assert saved.alive_bytes() == 0 and saved.alive_count() == 0
+
+
+def test_memory_worker_refuses_empty_runs_before_launch_in_one_sentence():
+    with pytest.raises(cu.InvalidParameter, match=r"micro_batch=0 gives each rank no rows.*pass micro_batch >= 1"):
+        cu.run("workers.ch11_memory", 1, **{**SMALL, "micro_batch": 0})
+    with pytest.raises(cu.InvalidParameter, match=r"layers=0 builds a model without transformer layers.*layers >= 1"):
+        cu.run("workers.ch11_memory", 1, **{**SMALL, "layers": 0})
+    with pytest.raises(cu.InvalidParameter, match=r"steps=0 runs no training step.*pass steps >= 1"):
+        cu.run("workers.ch11_memory", 1, **{**SMALL, "steps": 0})
+    with pytest.raises(cu.InvalidParameter, match=r"leak='forever' is not known"):
+        cu.run("workers.ch11_memory", 1, **{**SMALL, "leak": "forever"})

@@ -7,8 +7,12 @@ Two kinds of numbers, always labelled apart:
 
 - ``accounted``: bytes of the tensors this rank holds, added up from the tensors themselves, on any device:
   the flat parameter and gradient buffers, the optimizer's state tensors (and fp32 master shard), and the
-  activations, i.e. the distinct storages autograd saved for backward (``saved_tensors_hooks``),
-  parameters excluded. This is what the ledger predicts, counted rather than modelled.
+  activations: the tensors autograd saved for backward (``saved_tensors_hooks``), parameters excluded, that
+  are *still alive* at that moment (each is tracked by a weak reference, so a graph kept by
+  ``retain_graph=True`` or a stray reference shows up after backward). Each saved tensor counts its own
+  bytes (numel x element size), not its whole storage (the embedding saves a view of the batch), and memory
+  two saved tensors share (SDPA's output and the output projection's input are one buffer) counts once.
+  This is what the ledger predicts, counted rather than modelled.
 - ``cuda_allocated`` (GPU only): ``torch.cuda.memory_allocated`` at each moment and the peak since the
   previous moment (``max_memory_allocated``): what the caching allocator really handed out, including
   temporaries (logits, casts, collective buffers) that the ledger does not model.
@@ -19,6 +23,7 @@ fp32 master weights and AdamW moments (K = 12 bytes per parameter, Rajbhandari e
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -28,6 +33,13 @@ from workers.zero.zero1 import GRAD_SYNCS, Zero1Optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MOMENTS = ("init", "forward", "backward", "step")
+# Deliberate mistakes, to show that the activation count is measured: "retain_graph" calls
+# loss.backward(retain_graph=True) (the graph keeps its saved tensors while ``loss`` lives); "stash" keeps every
+# block's output in a list during the step, as a logging forward hook might. "none" is the correct loop.
+LEAKS = ("none", "retain_graph", "stash")
+EMPTY_WHY = {"micro_batch": "gives each rank no rows, so the loss is a mean over nothing (NaN)",
+             "layers": "builds a model without transformer layers, so there are no layer activations to measure",
+             "steps": "runs no training step, so there is no forward, backward or step to measure"}
 CPU_LIMIT_BYTES = 4e9  # refuse CPU runs whose model states alone would exceed this (the default shape is for a GPU)
 
 
@@ -37,8 +49,15 @@ def model_state_estimate(layers: int, hidden: int, vocab: int, seq: int, dtype: 
 
 
 def check_params(world_size, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int = 32000,
-                 seq: int = 2048, micro_batch: int = 2, dtype: str = "bfloat16", optimizer: str = "adamw",
-                 zero_stage: int = 1, grad_sync: str = "reduce_scatter", **_):
+                 seq: int = 2048, micro_batch: int = 2, steps: int = 2, dtype: str = "bfloat16",
+                 optimizer: str = "adamw", zero_stage: int = 1, grad_sync: str = "reduce_scatter", leak: str = "none",
+                 **_):
+    for name, value in (("micro_batch", micro_batch), ("layers", layers), ("steps", steps), ("hidden", hidden),
+                        ("heads", heads), ("vocab", vocab), ("seq", seq)):
+        if value < 1:
+            return f"{name}={value} {EMPTY_WHY.get(name, 'is not a model shape')}; pass {name} >= 1"
+    if leak not in LEAKS:
+        return f"leak={leak!r} is not known; use one of {list(LEAKS)}"
     if grad_sync not in GRAD_SYNCS:
         return f"grad_sync={grad_sync!r} is not known; use one of {list(GRAD_SYNCS)}"
     if hidden % heads:
@@ -57,23 +76,54 @@ def check_params(world_size, layers: int = 20, hidden: int = 2048, heads: int = 
     return None
 
 
+def _footprint(t: torch.Tensor) -> tuple:
+    """What ``t`` occupies: ("span", start, stop) in bytes when its elements fill [data_ptr, data_ptr + numel *
+    element_size) exactly (contiguous, or a permutation of contiguous: such tensors that start at the same address
+    with the same size are the same memory, whatever their shapes); otherwise ("own", ptr, shape, stride, bytes),
+    a strided view counted for its own elements (q, k and v interleaved in the fused QKV output; the batch's
+    token ids without the last column)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return ("own", t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.numel() * t.element_size())
+        expected *= sz
+    return ("span", t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+
 class SavedActivations:
-    """Counts the distinct storages autograd saves for backward (parameters excluded) while it is active."""
+    """The tensors autograd saves for backward while ``hooks()`` is active, parameters excluded, tracked by weak
+    reference: ``alive_bytes()`` counts those still alive *now*, so it falls to zero only when backward (or the
+    end of the graph) has really released them."""
 
     def __init__(self, exclude_ptrs: set[int]):
-        self.exclude = exclude_ptrs
-        self.storages: dict[int, int] = {}
+        self.exclude = exclude_ptrs  # storages of the flat parameter buffers (weights are not activations)
+        self.saved: list[tuple[weakref.ref, tuple]] = []
 
     def pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.exclude:
-            self.storages[ptr] = storage.nbytes()
-        return t
+        if t.untyped_storage().data_ptr() not in self.exclude:
+            self.saved.append((weakref.ref(t), _footprint(t)))
+        return t  # the graph keeps the tensor itself: we only watch it
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
+    def alive(self) -> list[tuple]:
+        return [footprint for ref, footprint in self.saved if ref() is not None]
+
+    def alive_bytes(self) -> int:
+        """Distinct bytes of the saved tensors alive now: overlapping spans merged, strided views counted once each."""
+        spans = sorted((a, b) for kind, a, b, *_ in self.alive() if kind == "span")
+        total, end = 0, None
+        for a, b in spans:
+            if end is None or a >= end:
+                total += b - a
+                end = b
+            elif b > end:
+                total += b - end
+                end = b
+        total += sum(f[4] for f in set(f for f in self.alive() if f[0] == "own"))
+        return total
+
+    def alive_count(self) -> int:
+        return len(self.alive())
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
@@ -87,7 +137,7 @@ CPU_EXAMPLE_ARGS = ["--layers", "2", "--hidden", "128", "--heads", "4", "--vocab
 
 def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int = 32000, seq: int = 2048,
          micro_batch: int = 2, steps: int = 2, dtype: str = "bfloat16", optimizer: str = "adamw",
-         zero_stage: int = 1, grad_sync: str = "reduce_scatter"):
+         zero_stage: int = 1, grad_sync: str = "reduce_scatter", leak: str = "none"):
     cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
     torch_dtype = DTYPES[dtype]
     cuda = ctx.device.type == "cuda"
@@ -111,6 +161,9 @@ def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int 
                          master_weights=torch_dtype != torch.float32, **hyper)
     param_ptrs = {f.flat_params.untyped_storage().data_ptr() for f in opt.groups}
     batches = make_batches(cfg, micro_batch * ctx.world_size, steps)
+    stash: list[torch.Tensor] = []  # leak="stash": the block outputs a logging hook would keep
+    handles = [b.register_forward_hook(lambda _m, _i, out: stash.append(out)) for b in model.blocks] \
+        if leak == "stash" else []
 
     def accounted(activations: int) -> dict:
         buffers, state = opt.buffer_bytes(), opt.state_bytes()
@@ -119,30 +172,36 @@ def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int 
 
     moments = []
 
-    def record(step: int, moment: str, activations: int) -> None:
-        moments.append({"step": step, "moment": moment, "accounted": accounted(activations), **allocated()})
+    def record(step: int, moment: str, saved: SavedActivations) -> None:
+        # activations: the bytes of this step's saved tensors that are still alive now (weak references)
+        moments.append({"step": step, "moment": moment, "accounted": accounted(saved.alive_bytes()),
+                        "saved_tensors_alive": saved.alive_count(), **allocated()})
 
-    record(0, "init", 0)
+    record(0, "init", SavedActivations(param_ptrs))  # no forward has run: nothing saved yet
     for step, batch in enumerate(batches, start=1):
+        stash.clear()
         tokens = shard_rows(batch, ctx.rank, ctx.world_size).to(ctx.device)
         saved = SavedActivations(param_ptrs)
         with saved.hooks():
             loss = loss_fn(model, tokens)
-        record(step, "forward", saved.nbytes)
-        loss.backward()
-        del loss  # the graph, and with it the saved activations, is gone
-        record(step, "backward", 0)
+        record(step, "forward", saved)
+        loss.backward(retain_graph=leak == "retain_graph")  # without it, backward frees the saved tensors
+        record(step, "backward", saved)  # ``loss`` (and its graph's nodes) still referenced, as in a real loop
         opt.step()
         opt.zero_grad()
-        record(step, "step", 0)
-        ctx.metric(step=step)
+        record(step, "step", saved)
+        ctx.metric(step=step, loss=loss.item())
+        del loss
+    for h in handles:
+        h.remove()
+    stash.clear()
     out = {
         "n_params": sum(p.numel() for p in model.parameters()),
         "owned_numel": opt.owned_numel(),
         "moments": moments,
         "baseline_cuda_allocated": baseline,
         "config": {**cfg.as_params(), "micro_batch": micro_batch, "dtype": dtype, "optimizer": optimizer,
-                   "zero_stage": zero_stage, "grad_sync": grad_sync, "world_size": ctx.world_size},
+                   "zero_stage": zero_stage, "grad_sync": grad_sync, "world_size": ctx.world_size, "leak": leak},
         "device": str(ctx.device),
         "backend": ctx.backend,
     }

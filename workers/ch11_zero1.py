@@ -23,7 +23,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def check_params(world_size, global_batch: int = 8, optimizer: str = "adamw", partition: str = "flat",
                  grad_sync: str = "reduce_scatter", dtype: str = "float32", master_weights: bool = False,
-                 hidden: int = 32, heads: int = 4, **_):
+                 steps: int = 3, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2,
+                 **_):
+    if global_batch < 1:
+        return (f"global_batch={global_batch} gives the ranks no rows, so the loss is a mean over nothing (NaN); "
+                f"choose a positive multiple of world_size={world_size}, such as {2 * world_size}")
+    for name, value in (("steps", steps), ("vocab", vocab), ("seq", seq), ("hidden", hidden), ("heads", heads),
+                        ("layers", layers)):
+        if value < 1:
+            return f"{name}={value} leaves nothing to train or compare; pass {name} >= 1"
     if global_batch % world_size:
         return (f"global_batch={global_batch} rows do not split evenly over world_size={world_size}; "
                 f"choose a global batch that is a multiple of {world_size}")

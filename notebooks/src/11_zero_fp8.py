@@ -13,8 +13,6 @@
 # neither exists, the notebook says so rather than invent them.
 
 # %%
-import datetime
-
 import matplotlib.pyplot as plt
 import torch
 from IPython.display import display
@@ -24,7 +22,8 @@ from course_utils import ch11, plots, reference_data
 from course_utils.ch00 import Table
 from course_utils.exercises import check
 from course_utils.fp8 import E4M3, E5M2
-from course_utils.ledger import GB, model_state_bytes
+from course_utils.ledger import (GB, LINEAR_INPUT_TERMS, activation_bytes_per_layer, activation_terms_per_layer,
+                                 fp8_linear_inputs_activation_bytes_per_layer, model_state_bytes)
 
 plots.style()
 torch.set_num_threads(1)  # the notebook's own tensors are small; one thread leaves the cores to the ranks
@@ -135,8 +134,9 @@ for w, res in adamw.items():
     print(f"AdamW, world {w}: within {TOL_ADAM:g} of the single process: "
           f"{max(res[0]['max_abs_error']) <= TOL_ADAM}; ranks identical: {all(res.gather('equal_to_rank0'))}; "
           f"tied weight still one Parameter: {all(res.gather('tied'))}")
-print(f"AdamW, world 4, same gradients as an unsharded AdamW: max difference "
-      f"{max(max(e) for e in same.gather('same_grad_max_abs_error'))} (bitwise equal)")
+same_diff = max(max(e) for e in same.gather("same_grad_max_abs_error"))
+print(f"AdamW, world 4, same gradients as an unsharded AdamW: max difference {same_diff} "
+      f"({'bitwise equal' if same_diff == 0 else 'NOT bitwise equal'})")
 for w, res in sgd.items():
     print(f"SGD + momentum, world {w}: within 1e-6 of the single process: {max(res[0]['max_abs_error']) <= 1e-6}")
 
@@ -173,9 +173,12 @@ plots.savefig(ax.figure, "11_zero1_bytes");
 # `workers/ch11_memory.py` trains a GPT in bf16 with fp32 master weights and AdamW, as DDP (`zero_stage=0`)
 # or ZeRO-1, and records memory after init, after the forward pass, after the backward pass and after the
 # optimizer step. On any machine it *accounts* bytes from the tensors themselves: the flat weight and gradient
-# buffers, the optimizer's state tensors, and the activations, i.e. the distinct storages autograd saved for
-# backward (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded. On a GPU it also records
-# `torch.cuda.memory_allocated`. Here, on the CPU, a small shape (h = 128, 2 layers):
+# buffers, the optimizer's state tensors, and the activations: every tensor autograd saves for backward
+# (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded, is watched through a weak reference, and at
+# each moment the worker adds up the bytes of those *still alive* (each tensor's own elements; memory two saved
+# tensors share, such as SDPA's output and the output projection's input, counted once). On a GPU it also
+# records `torch.cuda.memory_allocated`. Here, on the CPU, a small shape (h = 128, 2 layers), every moment of
+# both steps:
 
 # %%
 SMALL = dict(hidden=128, heads=4, layers=2, vocab=512, seq=128, micro_batch=2, steps=2)
@@ -185,36 +188,66 @@ memory_runs = {
     "ZeRO-1, N=2": cu.run("workers.ch11_memory", 2, zero_stage=1, timeout=240, **SMALL)[0],
     "ZeRO-1, N=4": cu.run("workers.ch11_memory", 4, zero_stage=1, timeout=240, **SMALL)[0],
 }
-rows = []
-for label, r in memory_runs.items():
-    ledger = ch11.ledger_moments(r["config"], r["n_params"])
-    for m in ch11.moments_of(r):
-        acc = m["accounted"]
-        rows.append([label, f"{m['moment']} (step {m['step']})"] + [f"{acc[k]:,}" for k in ch11.STATE_COLOURS]
-                    + [f"{sum(ledger[m['moment']][k] for k in ('params', 'grads', 'optimizer')):,.0f}"])
-display(Table(["run", "moment", "params", "grads", "optimizer", "activations", "ledger: model states"], rows,
+display(Table(["run", "moment", "params", "grads", "optimizer", "activations", "saved tensors alive",
+               "ledger: model states"], ch11.moment_rows(memory_runs),
               f"rank 0, bytes accounted from tensors (CPU), {memory_runs['DDP, N=1']['n_params']:,} parameters"))
 
 # %% [markdown]
 # Model states match the ledger to the byte at every moment (the optimizer column adds Adam's 4-byte step
-# counter), including the jump at the first step, when Adam allocates its moments. Activations exist only
-# between forward and backward, and ZeRO-1 does not touch them. Against Korthikanti's per-layer formula:
+# counter), including the jump at the first step: until step 1's optimizer step the optimizer column holds only
+# the fp32 master weights (4 bytes per parameter, over N with ZeRO-1), and from then on also Adam's two moments
+# (12 bytes per parameter). The saved tensors are alive after the forward pass and none is left after backward,
+# and the activation bytes are the same at N = 1, 2 and 4: ZeRO-1 does not touch them.
+#
+# Is that zero after backward measured, or merely assumed? The same run with two classic mistakes:
+# `loss.backward(retain_graph=True)`, and a forward hook that keeps every block's output "for logging":
+
+# %%
+for leak in ("retain_graph", "stash"):
+    r = cu.run("workers.ch11_memory", 1, zero_stage=0, leak=leak, timeout=240, **SMALL)[0]
+    after = {m["moment"]: m for m in ch11.moments_of(r)}
+    print(f"leak={leak}: activations after backward {after['backward']['accounted']['activations']:,} bytes "
+          f"({after['backward']['saved_tensors_alive']} saved tensors alive), after the step "
+          f"{after['step']['accounted']['activations']:,} bytes")
+
+# %% [markdown]
+# With `retain_graph=True` the whole graph, and every tensor it saved, stays alive as long as `loss` does; the
+# hook keeps two block outputs (2sbh each), which autograd had saved for the next LayerNorm.
+#
+# **Against Korthikanti's formula.** The ledger's activation line is Korthikanti et al. (2022), Table 2 with
+# selective recomputation: 34 sbh bytes per layer. Section 4.1 derives it term by term, and two of its terms,
+# the attention and MLP dropout masks (1 sbh each), do not exist in this block, which has no dropout; the other
+# 32 sbh do. What the worker accounts also holds things the formula leaves out. Term by term, for the run above:
 
 # %%
 r = memory_runs["DDP, N=1"]
 cfg = r["config"]
-forward = next(m for m in ch11.moments_of(r) if m["moment"] == "forward")
-layers_only = ch11.ledger_moments(cfg, r["n_params"])["forward"]["activations"]
-log_probs = cfg["micro_batch"] * cfg["seq"] * cfg["vocab"] * 4  # fp32 log-softmax the loss keeps, [b, s, V]
-print(f"accounted activations after forward: {forward['accounted']['activations']:,} bytes")
-print(f"Korthikanti Table 2, {cfg['layers']} layers, selective: {layers_only:,.0f} bytes "
-      f"(+ fp32 log-probabilities of the loss, b*s*V*4 = {log_probs:,}: {layers_only + log_probs:,.0f})")
+measured_act = next(m for m in ch11.moments_of(r) if m["moment"] == "forward")["accounted"]["activations"]
+terms = ch11.activation_terms(cfg)
+predicted = sum(t["bytes"] for t in terms)
+display(Table(["saved for backward", "where it comes from", "bytes"],
+              [[t["term"], t["source"], f"{t['bytes']:,}"] for t in terms]
+              + [["sum", "", f"{predicted:,}"], ["measured after the forward pass (all four runs)", "",
+                                                 ", ".join(f"{ch11.moments_of(m)[1]['accounted']['activations']:,}"
+                                                           for m in memory_runs.values())]],
+              f"activations of the {cfg['layers']}-layer GPT, b = {cfg['micro_batch']}, s = {cfg['seq']}, "
+              f"h = {cfg['hidden']}, V = {cfg['vocab']}, bf16, rank 0"))
+formula = ch11.ledger_moments(cfg, r["n_params"])["forward"]["activations"]
+korthikanti = activation_terms_per_layer(cfg["seq"], cfg["micro_batch"], cfg["hidden"], cfg["heads"],
+                                         recompute="selective")
+masks = cfg["layers"] * sum(v for term, v in korthikanti.items() if "dropout" in term)
+print(f"measured {measured_act:,} bytes; term by term {predicted:,}: "
+      f"{'equal' if measured_act == predicted else f'differ by {measured_act - predicted:+,}'}")
+print(f"the ledger's formula, 34 sbh x {cfg['layers']} layers = {formula:,.0f} bytes: {masks:,.0f} of it dropout "
+      f"masks this block does not have, and {measured_act - terms[0]['bytes']:,} measured bytes outside its terms")
 
 # %% [markdown]
-# The per-layer formula covers the transformer layers only; the loss's fp32 log-probabilities come on top
-# (with a 512-token vocabulary and h = 128 they are a fifth of the total), and this block has no dropout masks,
-# which the formula counts. The ledger is a model: it gets the model states exactly and the activations to
-# within what it leaves out, and it says what that is.
+# The sum of the terms is the measurement to the byte, at every N. So the formula is right about what it counts,
+# and we can say exactly where it differs for this model: it counts 2 sbh per layer of dropout masks that do not
+# exist here, and it leaves out the LayerNorm statistics and SDPA's log-sum-exp (tens of bytes per token and
+# layer, against 32h: nothing at h = 2048) and everything outside the layers, above all the loss's fp32
+# log-probabilities, b·s·V·4 bytes: with a 512-token vocabulary and h = 128 they are about a fifth of the total.
+# That is why the measurement exceeds the formula although the formula holds masks the block lacks.
 
 # %% tags=["nbval-ignore-output"]
 fig = ch11.moments_figure(memory_runs, title="accounted tensor bytes per rank, CPU (gloo): not allocator measurements; "
@@ -231,11 +264,8 @@ plots.savefig(fig, "11_memory_moments_cpu");
 # %% tags=["nbval-ignore-output"]
 gpu = ch11.gpu_data("memory")
 if torch.cuda.is_available():
-    print("A GPU is visible: measuring live (this takes a minute).")
-    live = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "date": datetime.date.today().isoformat(), "path": "measured live",
-            "runs": [{"world_size": 1, "zero_stage": z,
-                      "ranks": cu.run("workers.ch11_memory", 1, zero_stage=z, timeout=900).ranks} for z in (0, 1)]}
+    print("A GPU is visible: measuring live, DDP and ZeRO-1 at world 1 and 2 (this takes a few minutes).")
+    live = ch11.live_memory_record(worlds=(1, 2), zero_stages=(0, 1))
     fig, text = ch11.gpu_memory_report(live)
     print(text)
     plots.savefig(fig, "11_memory_moments_gpu")
@@ -375,16 +405,26 @@ else:
 # The master weights and Adam's moments stay fp32, gradients are reduced in bf16 or fp32, and the model keeps
 # its bf16 weights (some recipes cache an extra FP8 copy). So the 16 bytes per parameter of model states do not
 # shrink; what shrinks is the activations saved for the linear layers' backward (1 byte instead of 2), and the
-# matmul time.
+# matmul time. The attention output is the one linear input that another kernel also keeps: a fused attention
+# saves it in bf16 for its own backward, so an FP8 copy for the projection adds to it rather than replacing it.
 
 # %%
 bf16 = model_state_bytes(1, weight_bytes=2, grad_bytes=2, optimizer_bytes_per_param=12).total
 fp8_cache = model_state_bytes(1, weight_bytes=2 + 1, grad_bytes=2, optimizer_bytes_per_param=12).total
 print(f"model states per parameter: {bf16:g} bytes in bf16; {fp8_cache:g} with a cached FP8 weight copy")
-# Korthikanti et al. 2022, sec 4.1: of a layer's 34 sbh bytes (selective recomputation), the inputs saved for the
-# four linear layers are QKV 2sbh + projection 2sbh + fc1 2sbh + fc2 8sbh = 14 sbh. Saved in FP8, they halve:
-print(f"activations per layer: 34 sbh in bf16 -> {34 - 14 / 2:g} sbh with FP8 linear inputs "
-      f"({(14 / 2) / 34:.0%} less)")
+# Korthikanti et al. 2022, sec 4.1, term by term (course_utils.ledger.activation_terms_per_layer); the four linear
+# layers' saved inputs (QKV, projection, fc1, fc2) are the terms FP8 halves.
+SBH = dict(seq=2048, micro_batch=1, hidden=4096, heads=32)  # any shape: the terms are multiples of sbh
+sbh = SBH["seq"] * SBH["micro_batch"] * SBH["hidden"]
+bf16_act = activation_bytes_per_layer(**SBH, recompute="selective")
+linear_inputs = sum(activation_terms_per_layer(**SBH, recompute="selective")[t] for t in LINEAR_INPUT_TERMS)
+fp8_act = fp8_linear_inputs_activation_bytes_per_layer(**SBH)
+fp8_flash = fp8_linear_inputs_activation_bytes_per_layer(**SBH, attention_keeps_output=True)
+print(f"activations per layer (selective recomputation): {bf16_act / sbh:g} sbh in bf16, of which the linear "
+      f"layers' inputs are {linear_inputs / sbh:g} sbh; with those in FP8: {fp8_act / sbh:g} sbh "
+      f"({1 - fp8_act / bf16_act:.0%} less)")
+print(f"with a fused attention that keeps its bf16 output for its own backward (SDPA, FlashAttention): "
+      f"{fp8_flash / sbh:g} sbh ({1 - fp8_flash / bf16_act:.0%} less)")
 
 # %% [markdown]
 # ## Summary
