@@ -7,8 +7,6 @@ import numpy as np
 
 from course_utils.plots import CPU_NOTE
 
-COLOURS = {"full": "0.45", "lora": "#3b75af", "qlora": "#2a9d5b"}
-
 
 def column(history: list[dict], key: str) -> list:
     return [h[key] for h in history]

@@ -1,6 +1,8 @@
 """Chapter 12, full fine-tuning vs LoRA: what a rank holds after a real AdamW step, counted from the tensors,
 against the ledger's bytes per parameter; and the merge of a *trained* adapter. Seeds are fixed (seed 0);
 the runs are 20 steps, so the module takes a few seconds."""
+import re
+
 import pytest
 import torch
 
@@ -99,7 +101,49 @@ def test_unknown_lora_target_is_refused_in_one_sentence():
         cu.run("workers.ch12_sft", world_size=1, lora_rank=4, lora_targets=["q_proj"])
 
 
+@pytest.mark.parametrize("world_size, params, message", [
+    # each rank trains on batch / world_size rows: a batch that does not split evenly is refused
+    (2, {"batch": 7}, "batch=7 does not split into 2 equal shards: choose a multiple of 2"),
+    (4, {"batch": 2}, "batch=2 does not split into 4 equal shards"),
+    # alpha / r scales the update: 0 would train nothing, a negative alpha would flip the update's sign
+    (1, {"lora_rank": 4, "lora_alpha": 0.0}, "lora_alpha=0.0 must be positive"),
+    (1, {"lora_rank": 4, "lora_alpha": -8.0}, "lora_alpha=-8.0 must be positive"),
+    # lora_rank=0 is full fine-tuning: LoRA's own settings would be ignored without a word
+    (1, {"lora_targets": ["qkv"]}, "lora_targets only applies to LoRA"),
+    (1, {"lora_alpha": 16.0}, "lora_alpha only applies to LoRA"),
+])
+def test_sft_parameters_that_cannot_work_are_refused_in_one_sentence(world_size, params, message):
+    # refused before any rank starts (the launcher calls the worker's check_params first)
+    with pytest.raises(cu.InvalidParameter, match=re.escape(message)):
+        cu.launch("workers.ch12_sft", world_size=world_size, **params)
+
+
+def test_sft_parameters_that_work_are_accepted():
+    from course_utils.validate import check_params
+
+    # a multiple of the world size that is not a multiple of 4 (the old rule's concern was never sharding);
+    # LoRA settings with a rank; the default targets with full fine-tuning
+    check_params("workers.ch12_sft", 2, {"batch": 6})
+    check_params("workers.ch12_sft", 1, {"lora_rank": 4, "lora_alpha": 16.0, "lora_targets": ["qkv", "head"]})
+    check_params("workers.ch12_sft", 1, {"lora_rank": 0, "lora_targets": list(LORA_TARGETS)})
+
+
 # -- the same counters without ranks ----------------------------------------------------------------------
+
+def test_sft_shards_partition_the_batch(one_thread):
+    # Without a process group nothing is averaged, so each "rank" below trains on its shard alone: at step 0
+    # (the same model for all) rank 0's and rank 1's answer-token losses are the two halves' means, which
+    # differ, and whose mean is the whole batch's (2 answer tokens in every row): disjoint, equal halves.
+    def first_loss(rank, world_size):
+        model = make_policy(0)
+        return sft(model, steps=1, batch=8, rank=rank, world_size=world_size)[0]["answer_loss"]
+
+    whole, half0, half1 = first_loss(0, 1), first_loss(0, 2), first_loss(1, 2)
+    assert half0 != pytest.approx(half1, rel=1e-3)
+    assert (half0 + half1) / 2 == pytest.approx(whole, rel=1e-6)
+    with pytest.raises(ValueError, match="batch=8 does not split into 3 equal shards"):
+        sft(make_policy(0), steps=1, batch=8, world_size=3)
+
 
 def test_measured_state_counts_what_the_optimizer_holds(one_thread):
     model = make_policy(0)

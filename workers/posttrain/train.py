@@ -73,23 +73,37 @@ def evaluate(model, pairs=None) -> dict:
 
 
 def sft(model, steps: int = 150, lr: float = 3e-3, batch: int = 32, mask_prompt: bool = True, seed: int = 0,
-        max_grad_norm: float = 1.0, metric=_quiet, opt=None) -> list[dict]:
+        max_grad_norm: float = 1.0, metric=_quiet, opt=None, rank: int = 0, world_size: int = 1) -> list[dict]:
     """Supervised fine-tuning on "a+b=cd". Logs the loss trained on and the answer-token loss (what matters).
 
-    Pass ``opt`` (from ``adamw(model, lr)``) to look at its state afterwards; ``lr`` is then the optimizer's."""
+    Pass ``opt`` (from ``adamw(model, lr)``) to look at its state afterwards; ``lr`` is then the optimizer's.
+    Data parallel with ``world_size`` > 1: every rank draws the same global batch of ``batch`` rows (same
+    seed) and trains on its own ``batch / world_size`` consecutive rows. Every row holds the same number of
+    counted tokens (2 answer tokens, or all 5), so the mean of the shards' mean losses is the batch's mean
+    loss, and averaging the gradients (``_step``) gives the full batch's gradient: the same run as world 1,
+    up to fp32 rounding. The logged losses are that mean over ranks, so every rank logs the same numbers.
+    Left at world_size 1 (what DPO and GRPO's SFT phase do), each rank trains on the whole batch."""
+    if batch < world_size or batch % world_size:
+        raise ValueError(f"batch={batch} does not split into {world_size} equal shards: use a multiple of {world_size}")
+    shard = batch // world_size
     train_pairs = task.split_pairs()[0]
     g = torch.Generator().manual_seed(seed)
     opt = adamw(model, lr) if opt is None else opt
     history = []
     for step in range(steps):
-        seqs = task.sequences(task.batch_pairs(train_pairs, batch, g))  # [b, 6]
-        inputs, targets = seqs[:, :-1], seqs[:, 1:]  # [b, 5] each
-        logits = model(inputs)  # [b, 5, V]
-        answers = answer_mask(batch, inputs.shape[1], task.PROMPT_LEN)  # [b, 5]
+        seqs = task.sequences(task.batch_pairs(train_pairs, batch, g))  # [b, 6]: the global batch
+        seqs = seqs[rank * shard:(rank + 1) * shard]  # [b/n, 6]: this rank's shard
+        inputs, targets = seqs[:, :-1], seqs[:, 1:]  # [b/n, 5] each
+        logits = model(inputs)  # [b/n, 5, V]
+        answers = answer_mask(shard, inputs.shape[1], task.PROMPT_LEN)  # [b/n, 5]
         loss = sft_loss(logits, targets, answers if mask_prompt else None)
         answer_loss = sft_loss(logits.detach(), targets, answers).item()
-        norm = _step(model, opt, loss, max_grad_norm)
-        rec = {"step": step, "loss": loss.item(), "answer_loss": answer_loss, "grad_norm": norm}
+        norm = _step(model, opt, loss, max_grad_norm)  # gradients averaged over the ranks
+        losses = [(loss.item(), answer_loss)]
+        if world_size > 1:
+            losses = gather_objects(losses[0])  # every rank's shard losses: their mean is the batch's
+        rec = {"step": step, "loss": sum(a for a, _ in losses) / len(losses),
+               "answer_loss": sum(b for _, b in losses) / len(losses), "grad_norm": norm}
         history.append(rec)
         metric(**rec)
     return history
