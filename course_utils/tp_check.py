@@ -133,8 +133,9 @@ def comm_wire_bytes(result, rank: int = 0, kind: str | None = "activation", pass
     return sum(r["wire_bytes"] for r in comm_rows(result, rank, kind) if pass_ is None or r["pass"] == pass_)
 
 
-# -- FLOPs of one layer (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-# Clusters Using Megatron-LM", sec. 5.1; Korthikanti et al. 2022, sec. 6): a multiply-add is 2 FLOPs ------
+# -- FLOPs of one layer (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM", arXiv:2104.04473: the per-GEMM count of its appendix on floating-point operations, whose
+# total, 24bsh^2 + 4bs^2h per layer forward, sec. 5.1 uses): a multiply-add is 2 FLOPs ----------------------
 
 def layer_forward_flops(seq: int, hidden: int, batch: int = 1, ffn: int = 0) -> dict:
     """Forward FLOPs of one GPT layer by part (MHA, full s x s scores: no causal saving counted)."""
@@ -149,3 +150,77 @@ def layer_forward_flops(seq: int, hidden: int, batch: int = 1, ffn: int = 0) -> 
 def attention_flop_share(seq: int, hidden: int) -> float:
     """Attention's share of a layer's forward FLOPs: (8bsh^2 + 4bs^2h) / (24bsh^2 + 4bs^2h) = (2h + s) / (6h + s)."""
     return (2 * hidden + seq) / (6 * hidden + seq)
+
+
+# -- activation memory of one layer (Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.1, eq. 1) -------------
+#
+# Each term is what one operation keeps for its backward. The paper writes them in bytes for 16-bit
+# activations ("2sbh" is s*b*h elements of 2 bytes) and 1-byte dropout masks; ``bytes_per_element`` scales
+# the activations to the dtype actually run (masks stay 1 byte: torch keeps them as bool). With every term,
+# at 2 bytes: sbh(34 + 5as/h).
+
+def activation_terms(seq: int, batch: int, hidden: int, heads: int, *, bytes_per_element: float = 2,
+                     hidden_dropout: bool = True, attention_dropout: bool = True,
+                     stores_probabilities: bool = True) -> list[dict]:
+    """Korthikanti's terms for one layer: ``{"segment", "what", "paper", "bytes", "applies", "why"}`` each.
+
+    ``segment`` is the submodule of ``DenseBlock`` whose forward saves it (the label
+    ``workers.parallel.activations`` gives); a term that does not apply to the block as run keeps its
+    bytes, with ``applies`` False and ``why``:
+    * ``hidden_dropout`` False: no dropout after attention and the MLP, so no sbh masks;
+    * ``attention_dropout`` False: no dropout on the probabilities, so no as^2b mask and no second s x s
+      tensor (the probabilities themselves feed P.V);
+    * ``stores_probabilities`` False: a fused kernel (FlashAttention, PyTorch's CPU flash kernel) keeps no
+      s x s tensor at all; it recomputes them in backward from its output and a log-sum-exp per row.
+    """
+    s, b, h, a, e = seq, batch, hidden, heads, bytes_per_element
+    sbh, as2b = s * b * h, a * s * s * b
+    no_hd, no_ad, no_p = "no dropout after the sub-layer", "no dropout on the probabilities", \
+        "the attention kernel stores no s x s tensor"
+
+    def term(segment, what, paper, nbytes, why=None):
+        return {"segment": segment, "what": what, "paper": paper, "bytes": nbytes, "applies": why is None,
+                "why": why or ""}
+
+    return [
+        term("ln1", "LayerNorm 1 input", "2sbh", sbh * e),
+        term("attention.qkv", "QKV input (LayerNorm 1 output)", "2sbh", sbh * e),
+        term("attention", "Q and K, for QK^T", "4sbh", 2 * sbh * e),
+        term("attention", "softmax output", "2as^2b", as2b * e, None if stores_probabilities else no_p),
+        term("attention", "softmax dropout mask", "as^2b", as2b,
+             None if stores_probabilities and attention_dropout else (no_p if not stores_probabilities else no_ad)),
+        term("attention", "dropout output, for P.V", "2as^2b", as2b * e,
+             None if stores_probabilities and attention_dropout else (no_p if not stores_probabilities else no_ad)),
+        term("attention", "V, for P.V", "2sbh", sbh * e),
+        term("attention.proj", "output projection input", "2sbh", sbh * e),
+        term("dropout", "attention dropout mask", "sbh", sbh, None if hidden_dropout else no_hd),
+        term("ln2", "LayerNorm 2 input", "2sbh", sbh * e),
+        term("mlp.fc1", "fc1 input (LayerNorm 2 output)", "2sbh", sbh * e),
+        term("mlp", "GeLU input", "8sbh", 4 * sbh * e),
+        term("mlp.fc2", "fc2 input (GeLU output)", "8sbh", 4 * sbh * e),
+        term("dropout", "MLP dropout mask", "sbh", sbh, None if hidden_dropout else no_hd),
+    ]
+
+
+def activation_table(terms: list[dict], measured: dict[str, dict]) -> str:
+    """Per segment: Korthikanti's terms ("(no)": does not apply), the bytes of those that apply, and each
+    measurement's bytes saved there.
+
+    ``measured`` maps a column title to ``saved_for_backward(...)["by_segment"]``. Segments in the
+    measurements that no term names (a checkpoint's input) get rows of their own.
+    """
+    segments = list(dict.fromkeys([t["segment"] for t in terms] + [k for m in measured.values() for k in m]))
+    titles = list(measured)
+    head = f"{'segment':<16}{'Korthikanti terms, 16-bit notation':<48}{'expected':>10}" + \
+        "".join(f"{t:>16}" for t in titles)
+    lines = [head, "-" * len(head)]
+    for seg in segments:
+        mine = [t for t in terms if t["segment"] == seg]
+        names = ", ".join(t["paper"] + ("" if t["applies"] else " (no)") for t in mine) or "-"
+        expected = sum(t["bytes"] for t in mine if t["applies"])
+        lines.append(f"{seg:<16}{names:<48}{expected:>10.0f}" +
+                     "".join(f"{m.get(seg, 0):>16.0f}" for m in measured.values()))
+    total = sum(t["bytes"] for t in terms if t["applies"])
+    lines.append("-" * len(head))
+    lines.append(f"{'total':<64}{total:>10.0f}" + "".join(f"{sum(m.values()):>16.0f}" for m in measured.values()))
+    return "\n".join(lines)

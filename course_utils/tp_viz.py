@@ -177,9 +177,35 @@ def sharding_figure(hidden: int = 64, ffn: int = 256, n_heads: int = 8, n_kv_hea
     return fig
 
 
+def kv_copy_grad_sync(hidden: int, n_heads: int, n_kv_heads: int, tp: int, *, bytes_per_element: float = 2,
+                      bias: bool = False) -> dict:
+    """The gradient all-reduce that replicated KV heads add, per layer and step, on one rank (chapter 05).
+
+    When TP exceeds the KV heads, each KV head's K and V rows live on ``copies = tp / n_kv_heads`` ranks;
+    each copy sees only its own query heads' share of their gradient, so the rows enter through ``f`` over
+    the group of copies and the backward all-reduces their gradient: ``2 d h`` weight elements (and, with
+    ``bias``, a second all-reduce of ``2 d`` bias elements). ``wire_bytes`` uses the ring's 2(c-1)/c, like
+    every other count in the course. Zero when the KV heads are split.
+    """
+    bad = problem(hidden, 4 * hidden, n_heads, n_kv_heads, tp)
+    if bad:
+        raise ValueError(bad)
+    copies = tp // n_kv_heads if tp > n_kv_heads else 1
+    if copies == 1:
+        return {"copies": 1, "all_reduces": 0, "message_bytes": [], "wire_bytes": 0.0}
+    d = hidden // n_heads
+    messages = [2 * d * hidden * bytes_per_element] + ([2 * d * bytes_per_element] if bias else [])
+    return {"copies": copies, "all_reduces": len(messages), "message_bytes": messages,
+            "wire_bytes": sum(2 * (copies - 1) / copies * m for m in messages)}
+
+
 def head_table(hidden: int, n_heads: int, n_kv_heads: int, tps=(1, 2, 4, 8), *, seq: int = 2048, batch: int = 1,
-               dtype: str = "bf16") -> list[dict]:
-    """Chapter 05's table: per TP, heads and KV heads per rank, attention parameter bytes, all-reduce bytes."""
+               dtype: str = "bf16", bias: bool = False) -> list[dict]:
+    """Chapter 05's table: per TP, heads and KV heads per rank, attention parameter bytes, all-reduce bytes.
+
+    Two kinds of all-reduce: the activation's (``g`` forward, ``f`` backward, b*s*h each, whatever the
+    heads) and, when the KV heads are replicated, the backward sum of the KV copies' weight gradients.
+    """
     nbytes = BYTES[dtype]
     rows = []
     for tp in tps:
@@ -191,12 +217,15 @@ def head_table(hidden: int, n_heads: int, n_kv_heads: int, tps=(1, 2, 4, 8), *, 
         (qkv_rows, _, qkv_blocks), (_, proj_cols, proj_blocks) = list(plan["weights"].values())[:2]
         attn = sum((b.r1 - b.r0) * (b.c1 - b.c0) for b in qkv_blocks + proj_blocks if 0 in b.ranks)
         comm = tp_comm_bytes_per_layer(batch, seq, hidden, tp, bytes_per_element=nbytes)
+        kv = kv_copy_grad_sync(hidden, n_heads, n_kv_heads, tp, bytes_per_element=nbytes, bias=bias)
         rows.append({"TP": tp, "query heads/rank": n_heads // tp,
                      "KV heads/rank": len(plan["per_rank"][0]["kv_heads"]),
                      "KV": "replicated x%d" % (tp // n_kv_heads) if plan["replicated_kv"] else "split",
                      "attention weights/rank": _fmt_bytes(attn * nbytes),
                      "all-reduce fwd+bwd (attention)": f"2 x {_fmt_bytes(comm.wire_bytes_per_all_reduce)}"
-                     if tp > 1 else "none"})
+                     if tp > 1 else "none",
+                     "KV-copy grad all-reduce (bwd)": f"{kv['all_reduces']} x {_fmt_bytes(kv['wire_bytes'])} over "
+                     f"{kv['copies']} copies" if kv["all_reduces"] else "none"})
     return rows
 
 

@@ -52,6 +52,13 @@ def test_replicated_kv_heads_get_identical_summed_gradients():
     kv_syncs = [row for row in tp_check.comm_rows(res, kind="parameter") if row["scope"].endswith("kv_copies")]
     assert sum(row["calls"] for row in kv_syncs) == 2  # weight and bias, backward only
     assert all(row["pass"] == "backward" and row["collective"] == "all_reduce" for row in kv_syncs)
+    # chapter 05's table models exactly these all-reduces: 2 d h weight and 2 d bias elements, float32 here
+    from course_utils.tp_viz import kv_copy_grad_sync
+
+    model = kv_copy_grad_sync(cfg.hidden, 8, 2, 4, bytes_per_element=4, bias=True)
+    assert model["all_reduces"] == 2 and model["copies"] == 2
+    assert sum(row["message_bytes"] for row in kv_syncs) == sum(model["message_bytes"])
+    assert abs(sum(row["wire_bytes"] for row in kv_syncs) - model["wire_bytes"]) < 1e-9
 
 
 def test_replicated_kv_heads_without_the_gradient_sum_are_caught():
@@ -100,3 +107,35 @@ def test_head_problem_sentences():
     assert "not divisible by the tensor-parallel size" in head_problem(6, 6, 4)
     assert "do not divide one another" in head_problem(12, 6, 4)
     assert "not a multiple of n_kv_heads" in head_problem(8, 3, 1)
+
+
+def test_kv_replica_groups_wait_as_long_as_the_world_not_torchs_30_minutes(monkeypatch):
+    # dist.new_group without a timeout falls back to torch's 30-minute default: a hang in a replicated KV
+    # head's gradient sum would then freeze a notebook for half an hour instead of the world's timeout.
+    import datetime
+
+    from workers.parallel import attention
+
+    calls = []
+
+    class FakeDist:  # a world of 4 ranks, seen from rank 0, that records the groups created
+        def get_rank(self, group=None):
+            return 0
+
+        def get_world_size(self, group=None):
+            return 4
+
+        def get_process_group_ranks(self, group):
+            return [0, 1, 2, 3]
+
+        def new_group(self, ranks, timeout=None, **kwargs):
+            calls.append((list(ranks), timeout))
+            return f"group{ranks}"
+
+    monkeypatch.setattr(attention, "dist", FakeDist())
+    monkeypatch.setattr(attention, "group_size_rank", lambda group=None: (4, 0))
+    monkeypatch.setenv("COURSE_COLLECTIVE_TIMEOUT", "12")
+    group, created = attention.kv_replica_group(2, None)  # 2 KV heads on TP 4: each replicated on 2 ranks
+    assert [ranks for ranks, _ in calls] == [[0, 1], [2, 3]]
+    assert all(timeout == datetime.timedelta(seconds=12) for _, timeout in calls), calls
+    assert group == "group[0, 1]" and created == [group]

@@ -50,3 +50,27 @@ def test_widget_shows_a_sentence_for_an_invalid_choice_and_a_figure_otherwise():
     assert w.out.outputs[0]["text"].startswith("n_heads=8")
     w.controls["tp"].value = 8  # 4 KV heads, TP 8: replicated twice, a valid split
     assert w.message == ""
+
+
+def test_the_ffn_refusal_the_notebook_suggests_can_be_reached_with_the_sliders():
+    # chapter 04 tells the learner which slider settings show the FFN refusal: the sliders must allow them
+    # (the FFN slider moves in steps of 16, so every settable FFN splits over TP 1, 2, 4, 8 and 16)
+    w = tp_viz.ShardingWidget(hidden=64, ffn=256, n_heads=8, n_kv_heads=8, tp=4)
+    settings = {"hidden": 48, "n_heads": 3, "n_kv_heads": 3, "tp": 3}
+    for name, value in settings.items():
+        c = w.controls[name]
+        assert c.min <= value <= c.max and (value - c.min) % c.step == 0, (name, value)
+        c.value = value
+    assert w.controls["ffn"].value == 256
+    assert w.message.startswith("ffn=256 is not divisible by TP=3"), w.message
+
+
+def test_head_table_counts_the_kv_copy_gradient_all_reduce_only_when_kv_heads_are_replicated():
+    # Llama 3 405B's attention (h 16384, 128 heads, 8 KV heads): split up to TP 8, replicated twice at TP 16,
+    # where each rank's K and V rows (2 x 128 x 16384 bf16 = 8 MiB) are all-reduced over their 2 copies
+    rows = {r["TP"]: r for r in tp_viz.head_table(16384, 128, 8, tps=(8, 16), seq=8192)}
+    assert rows[8]["KV-copy grad all-reduce (bwd)"] == "none"
+    assert rows[16]["KV-copy grad all-reduce (bwd)"] == "1 x 8 MiB over 2 copies"
+    sync = tp_viz.kv_copy_grad_sync(16384, 128, 8, 16, bytes_per_element=2)
+    assert sync["message_bytes"] == [2 * 128 * 16384 * 2] and sync["wire_bytes"] == 2 * (2 - 1) / 2 * 2 * 128 * 16384 * 2
+    assert tp_viz.kv_copy_grad_sync(64, 8, 2, 4, bias=True)["all_reduces"] == 2  # weight rows, then bias rows

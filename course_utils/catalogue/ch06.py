@@ -5,7 +5,11 @@ CHECKER = "workers.exercises.ch06"
 
 
 def check_attention_flop_share(answer) -> tuple[str, str]:
-    """``answer(seq, hidden)`` against (8bsh^2 + 4bs^2h) / (24bsh^2 + 4bs^2h) (Korthikanti et al. 2022, sec. 6)."""
+    """``answer(seq, hidden)`` against (8bsh^2 + 4bs^2h) / (24bsh^2 + 4bs^2h).
+
+    The per-GEMM count is Narayanan et al. 2021 (arXiv:2104.04473), the appendix on floating-point operations
+    (sec. 5.1 uses its total), as cited in chapter 06.
+    """
     from course_utils.tp_check import attention_flop_share
 
     for seq, hidden in ((128, 4096), (2048, 4096), (8192, 4096), (32768, 8192), (4096, 1024)):

@@ -91,7 +91,8 @@ print(rep_col.verdict())
 res_gather, rep_gather = run_layer(4, module="column", gather_output=True)
 print(f"output on rank 0: {tuple(res_gather[0]['output']['value'].shape)} (the whole [4, 2, 64]); {rep_gather.verdict()}")
 print("communication of rank 0:", [(r["collective"], r["pass"], r["calls"]) for r in tp_check.comm_rows(res_gather)])
-#
+
+# %% [markdown]
 # Now the row-parallel layer `Linear(64, 16)`: its input arrives already split (it is the output of a
 # column-parallel layer, `input_is_parallel=True`), and its bias is **replicated**, whole on every rank.
 
@@ -223,7 +224,8 @@ print("dense layer parameters:", tp_viz.layout(64, 256, 8, 8, 4)["dense_params"]
 
 # %% [markdown]
 # Move the sliders: hidden size, FFN size, heads, KV heads and TP. A combination that cannot be split is
-# explained in a sentence instead of drawn (try 8 heads at TP 3, or an FFN of 250 at TP 4).
+# explained in a sentence instead of drawn: try 8 heads at TP 3; or hidden 48 with 3 heads and 3 KV heads
+# at TP 3, where the heads split but the FFN of 256 does not.
 
 # %% tags=["nbval-ignore-output"]
 tp_viz.sharding_widget(hidden=64, ffn=256, n_heads=8, n_kv_heads=8, tp=4)

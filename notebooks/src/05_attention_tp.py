@@ -90,8 +90,12 @@ for row in tp_viz.head_table(16384, 128, 8, tps=(1, 2, 4, 8, 16), seq=8192, batc
     print(row)
 
 # %% [markdown]
-# At TP 8 every rank holds exactly one KV head; at TP 16 each KV head lives on two ranks. The all-reduce
-# volume does not shrink with t (chapter 04): it is the activation $b\,s\,h$, whatever the heads.
+# At TP 8 every rank holds exactly one KV head; at TP 16 each KV head lives on two ranks. The activation
+# all-reduce volume does not shrink with t (chapter 04): it is $b\,s\,h$, whatever the heads. Replication
+# adds the last column: at TP 16 each rank's K and V rows ($2 \times 128 \times 16384$ weights, 8 MiB in bf16)
+# get their gradient summed over the two copies, one more all-reduce per layer in backward. It is small next
+# to the activation's (480 MiB sent per all-reduce at s = 8192) and does not grow with s or b. (Llama has no
+# biases; a model with QKV biases adds a second, tiny all-reduce for their K and V entries.)
 #
 # **Predict**: 8 query heads and 2 KV heads at TP 4. Which KV head does rank 3 hold? Which ranks share
 # KV head 0?
@@ -101,11 +105,15 @@ gqa = {"GQA 8q/2kv, TP 2 (split)": run_attention(2, hidden=32, n_heads=8, n_kv_h
        "GQA 8q/2kv, TP 4 (replicated x2)": run_attention(4, hidden=32, n_heads=8, n_kv_heads=2),
        "MQA 4q/1kv, TP 4 (replicated x4)": run_attention(4, hidden=32, n_heads=4, n_kv_heads=1)}
 for label, (res, rep) in gqa.items():
-    tp = res[0]["tp_size"]
+    tp, cfg = res[0]["tp_size"], tp_check.config_of(res[0]["config"])
     print(f"{label}: KV heads per rank {[d['kv_heads'] for d in res.ranks[:tp]]}; {rep.verdict()}")
     syncs = [r for r in tp_check.comm_rows(res, kind="parameter") if r["scope"].endswith("kv_copies")]
-    print("      gradient sums over KV copies (rank 0):", [(r["collective"], r["pass"], r["calls"]) for r in syncs]
-          or "none")
+    print("      gradient sums over KV copies (rank 0):",
+          [(r["collective"], r["pass"], r["calls"], f"{r['message_bytes']} B") for r in syncs] or "none")
+    model = tp_viz.kv_copy_grad_sync(cfg.hidden, cfg.n_heads, cfg.kv_heads, tp, bytes_per_element=4, bias=True)
+    print("      the table's model (tp_viz.kv_copy_grad_sync):",
+          f"{model['all_reduces']} all-reduces, {' + '.join(map(str, model['message_bytes']))} B (K and V weight "
+          "rows, then their biases)" if model["all_reduces"] else "none")
 
 # %% [markdown]
 # The replicated copies hold the same gradient on every rank that shares them, bit for bit:

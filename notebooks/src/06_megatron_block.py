@@ -129,6 +129,84 @@ for sp in (False, True):
         print(f"TP 8, sequence parallel {str(sp):<5}, recompute {recompute:<9}: {gib:.3f} GiB per layer")
 
 # %% [markdown]
+# Those are the paper's counts. We can measure the same quantity on our block, here on the CPU: every tensor
+# autograd saves for the backward passes through `torch.autograd.graph.saved_tensors_hooks`
+# (`workers/parallel/activations.py: saved_for_backward`). Each is counted with its own bytes, once (the same
+# memory saved under two shapes counts once), without the parameters (a weight saved for the input
+# gradient is not an activation), and labelled with the submodule that saved it. `recompute=True` runs the
+# block under `torch.utils.checkpoint`: **full recomputation** (Korthikanti et al., section 5), which keeps
+# only the block's input and runs the forward again during the backward.
+#
+# The block is the chapter's (no dropout), in float32, at s = 128, b = 2, h = 64, a = 4 heads, so that
+# $5as/h = 40$ weighs as much as the 34. Korthikanti's terms are written for 16-bit activations ("2sbh" is
+# $sbh$ elements of 2 bytes) and 1-byte dropout masks; in float32 every activation term doubles and a mask
+# stays one byte. **Predict**: which of the paper's terms can this block not have? What does full
+# recomputation keep, in bytes?
+
+# %%
+from workers.parallel.activations import recompute_gradient_error, saved_for_backward
+
+S_MEM, B_MEM, H_MEM, A_MEM = 128, 2, 64, 4
+mem_block = tp_check.D.build("block", tp_check.D.BlockConfig(hidden=H_MEM, n_heads=A_MEM), seed=0)  # float32
+x_mem = torch.randn(S_MEM, B_MEM, H_MEM, generator=torch.Generator().manual_seed(0), requires_grad=True)
+saved = {"math attention": saved_for_backward(mem_block, x_mem, math_attention=True),
+         "default kernel": saved_for_backward(mem_block, x_mem),
+         "full recompute": saved_for_backward(mem_block, x_mem, recompute=True)}
+mem_terms = tp_check.activation_terms(S_MEM, B_MEM, H_MEM, A_MEM, bytes_per_element=4,
+                                      hidden_dropout=False, attention_dropout=False)
+print("bytes saved for backward, by the submodule that saved them:")
+print(tp_check.activation_table(mem_terms, {k: v["by_segment"] for k, v in saved.items()}))
+
+# %%
+sbh = S_MEM * B_MEM * H_MEM
+every_term = tp_check.activation_terms(S_MEM, B_MEM, H_MEM, A_MEM, bytes_per_element=4)
+for label, nbytes in [("Korthikanti, sbh(34 + 5as/h), 16-bit", activation_bytes_per_layer(S_MEM, B_MEM, H_MEM, A_MEM)),
+                      ("the same terms in float32, sbh(66 + 9as/h)", sum(t["bytes"] for t in every_term)),
+                      ("the terms that apply here, sbh(64 + 4as/h)", sum(t["bytes"] for t in mem_terms if t["applies"]))] + \
+        [(f"measured, {name}", r["total_bytes"]) for name, r in saved.items()]:
+    print(f"{label:<46}{nbytes:>12,.0f} B = {nbytes / sbh:6.2f} sbh bytes")
+print("full recompute keeps exactly the block's input:", saved["full recompute"]["total_bytes"] == x_mem.numel() * 4)
+print("same gradients with and without recompute:", recompute_gradient_error(mem_block, x_mem) < 1e-6)
+for name in ("math attention", "default kernel"):
+    print(f"{name}, tensors saved inside attention:",
+          [(t["shape"], t["dtype"]) + (() if t["counted"] else ("same memory",)) for t in saved[name]["tensors"]
+           if t["segment"] == "attention"])
+drop_block = tp_check.D.build("block", tp_check.D.BlockConfig(hidden=H_MEM, n_heads=A_MEM, hidden_dropout=0.1), seed=0)
+extra = saved_for_backward(drop_block, x_mem)["total_bytes"] - saved["default kernel"]["total_bytes"]
+print(f"the same block with hidden_dropout=0.1 saves {extra:,} B more = {extra / sbh:g} sbh: two bool masks")
+
+# %% [markdown]
+# Term by term (the table's rows):
+#
+# * **Every 16-bit activation term applies, doubled.** LayerNorm inputs, the QKV input, Q and K, V, the output
+#   projection's input, fc1's input, GeLU's input and fc2's input: the paper's $32sbh$ bytes are $16\,sbh$
+#   elements, $64\,sbh = 1{,}048{,}576$ bytes in float32, and each row matches to the byte.
+# * **Dropout: no term applies.** The chapter's block runs with `hidden_dropout=0`, and our attention has no
+#   dropout on its probabilities. So the two $sbh$ masks (after attention and after the MLP), the $as^2b$
+#   softmax-dropout mask and the $2as^2b$ dropout output are all absent: of $34 + 5as/h$, what remains is
+#   $32 + 2as/h$ in 16-bit terms, $64 + 4as/h$ in float32. The last line puts a dropout of 0.1 back: exactly
+#   $2sbh$ bytes more, the two 1-byte (`bool`) masks of the formula.
+# * **LayerNorm's statistics are extra.** Each LayerNorm also keeps a mean and a $1/\sigma$ per token,
+#   $2sb$ floats: $4 \times 256 \times 4 = 4{,}096$ bytes for the two, the $+2{,}048$ in each `ln` row. The
+#   paper leaves them out ($1/h$ of the input's size).
+# * **Math attention** (PyTorch's reference path, forced with `sdpa_kernel`) keeps the softmax output,
+#   $as^2b$ elements, $4 \times 131{,}072 = 524{,}288$ bytes: the paper's $2as^2b$, doubled. Softmax saves it
+#   for its own backward and $P\cdot V$ saves it again as `[b*a, s, s]`: one memory, counted once. Measured
+#   total: the applicable terms plus the LayerNorm statistics, exactly.
+# * **The default CPU kernel** (a flash-attention kernel, as on a GPU) keeps **no** $s \times s$ tensor: Q, K,
+#   V, its output (which the output projection's input merely views: the `attention.proj` row is 0) and
+#   a log-sum-exp per row, $b \cdot a \cdot s$ floats ($4{,}096$ bytes). The whole $5as/h$ term is gone,
+#   which is what Korthikanti's *selective* recomputation buys by recomputing the softmax (section 5): the
+#   kernel recomputes the probabilities in its backward.
+# * **Full recomputation** keeps only the block's input, $sbh$ elements: $2sbh$ bytes in 16-bit, $4sbh =
+#   65{,}536$ bytes here, 16x less than the default kernel; the price is a second forward inside the
+#   backward (about a third more compute per step), and the gradients are the same.
+#
+# On a GPU the same count is what CUDA memory holds: `tools/gpu/tp_block_bench.py` measures it with the CUDA
+# allocator in bf16, with and without full recomputation, next to these formulas, and section 5 shows its
+# table once a run is committed.
+
+# %% [markdown]
 # ## 3. A few optimizer steps
 #
 # Equal gradients at one point do not yet prove that training is the same: the optimizer must also update
@@ -151,14 +229,15 @@ print("dense losses:", [round(v, 5) for v in dense_losses])
 plots.savefig(tp_figures.training_figure(dense_losses, training), "06_training");
 
 # %% [markdown]
-# The loss curves of the dense block and of every TP layout lie on top of each other: after several SGD
+# The loss curves of the dense block and of every TP layout lie on top of each other: after four Adam
 # steps the parallel block is still the same model, not just the same function at initialisation.
 
 # %% [markdown]
 # ## 4. Where the time goes
 #
-# The FLOPs of one layer's forward (Narayanan et al. 2021, [arXiv:2104.04473](https://arxiv.org/abs/2104.04473),
-# section 5.1; a multiply-add is 2 FLOPs): QKV $6bsh^2$, scores $QK^\top$ $2bs^2h$, $PV$ $2bs^2h$,
+# The FLOPs of one layer's forward (Narayanan et al. 2021, [arXiv:2104.04473](https://arxiv.org/abs/2104.04473):
+# the per-GEMM count of its appendix on floating-point operations, whose total section 5.1 uses; a multiply-add
+# is 2 FLOPs): QKV $6bsh^2$, scores $QK^\top$ $2bs^2h$, $PV$ $2bs^2h$,
 # output projection $2bsh^2$, MLP $16bsh^2$; in total $24bsh^2 + 4bs^2h$. Attention's share is
 # $(8bsh^2 + 4bs^2h)/(24bsh^2 + 4bs^2h) = (2h + s)/(6h + s)$: a third for short sequences, growing with s.
 #

@@ -43,6 +43,20 @@ def row_bias_divided(x, weight, bias, group):
     return reduce_from_tensor_model_parallel_region(F.linear(x, weight) + bias / dist.get_world_size(group), group)
 
 
+def row_bias_on_rank_zero(x, weight, bias, group):
+    # Another "fix" of the double count: only rank 0 adds the bias, inside g. The output is right on every
+    # rank; the other ranks' copies of the bias get no gradient (they would drift apart at the first step).
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from workers.parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    partial = F.linear(x, weight)
+    if dist.get_rank(group) == 0:
+        partial = partial + bias
+    return reduce_from_tensor_model_parallel_region(partial, group)
+
+
 def swiglu_naive_chunk(w, rank, world_size):
     return w.chunk(world_size, dim=0)[rank]
 
@@ -56,12 +70,25 @@ def swiglu_up_then_gate(w, rank, world_size):
     return torch.cat([w[ffn + rank * n:ffn + (rank + 1) * n], w[rank * n:(rank + 1) * n]])
 
 
+def swiglu_up_off_by_one(w, rank, world_size):
+    # Wrong on every rank, but the shape is wrong on the last rank only: its up slice runs past the end of
+    # the fused weight and comes out one row short. The check must say so, not hang in the MLP's all-reduce
+    # that the other ranks enter.
+    import torch
+
+    ffn = w.shape[0] // 2
+    n = ffn // world_size
+    return torch.cat([w[rank * n:(rank + 1) * n], w[ffn + rank * n + 1:ffn + (rank + 1) * n + 1]])
+
+
 WRONG = [
     ("column_parallel_forward", column_without_f, "only this rank's contribution"),
     ("column_parallel_forward", column_gathers_output, "whole output"),
     ("row_parallel_forward", row_bias_on_every_rank, "added it on every rank before the all-reduce"),
     ("row_parallel_forward", row_without_reduce, "partial product"),
     ("row_parallel_forward", row_bias_divided, "bias gradient"),
+    ("row_parallel_forward", row_bias_on_rank_zero, "copy of the bias gets no gradient"),
     ("swiglu_shard", swiglu_naive_chunk, "contiguous chunk"),
     ("swiglu_shard", swiglu_up_then_gate, "in that order"),
+    ("swiglu_shard", swiglu_up_off_by_one, "silently cut short"),
 ]

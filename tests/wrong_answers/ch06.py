@@ -36,6 +36,34 @@ def block_three_all_reduces(x, parts, group):
     return h + g(parts.mlp_partial(f(parts.ln2(h), group)), group) + parts.mlp_bias
 
 
+def block_biases_on_rank_zero(x, parts, group):
+    # Bias inside g, but on rank 0 only: the output is right everywhere; the other ranks' bias copies get no
+    # gradient.
+    import torch.distributed as dist
+
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    first = dist.get_rank(group) == 0
+    a = parts.attention_partial(f(parts.ln1(x), group))
+    h = x + g(a + parts.attention_bias if first else a, group)
+    m = parts.mlp_partial(f(parts.ln2(h), group))
+    return h + g(m + parts.mlp_bias if first else m, group)
+
+
+def block_detached_off_rank_zero(x, parts, group):
+    # "Only rank 0 needs the output": the others detach it, so they would skip the backward and its f
+    # all-reduces, which rank 0 then waits for. The check must say so, not hang.
+    import torch.distributed as dist
+
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    h = x + g(parts.attention_partial(f(parts.ln1(x), group)), group) + parts.attention_bias
+    y = h + g(parts.mlp_partial(f(parts.ln2(h), group)), group) + parts.mlp_bias
+    return y if dist.get_rank(group) == 0 else y.detach()
+
+
 def share_without_s_squared(seq, hidden):
     return 8 * hidden / (24 * hidden)
 
@@ -49,6 +77,8 @@ WRONG = [
     ("block_forward", block_bias_inside_g, "holds each bias"),
     ("block_forward", block_one_all_reduce, "summed over ranks with g before it joins the residual stream"),
     ("block_forward", block_three_all_reduces, "needs exactly two"),
+    ("block_forward", block_biases_on_rank_zero, "each copy must get the full gradient"),
+    ("block_forward", block_detached_off_rank_zero, "not requiring grad"),
     ("attention_flop_share", share_without_s_squared, "does not change with s"),
     ("attention_flop_share", share_only_scores, "only the s² part"),
 ]

@@ -2,9 +2,11 @@
 and the split of SwiGLU's fused [gate; up] weight. All on real ranks, against the dense layer.
 
 Every rank builds the same dense layer from one seed, hands the learner's function its shard, runs
-forward *and* backward (the backward is where a missing ``f`` shows), and only then compares: each rank
-finishes all its collectives before any verdict, and the ranks agree on one verdict (``agree``), so a
-wrong answer on one rank can never leave another waiting in a collective.
+forward *and* backward (the backward is where a missing ``f`` shows), and compares. A check runs in
+stages, each ended by ``agree``: the ranks share their verdicts before the next step that communicates
+(the backward, which may run the learner's ``f``; the parallel MLP's all-reduce). So every rank runs that
+step or none does, and a wrong answer on one rank only (a slice cut short on the last rank, say) is
+reported as what it is on every rank, never as a hang in a collective the others never entered.
 """
 from __future__ import annotations
 
@@ -21,6 +23,14 @@ SEQ, BATCH = 4, 2
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), **TOL)
+
+
+def _grad(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor.grad`` on the CPU, or Wrong when the backward never reached it (not a crash on ``None``)."""
+    if tensor.grad is None:
+        raise Wrong(f"{what} got no gradient in the backward: use it in the output with differentiable ops "
+                    "(no .detach(), no torch.no_grad())")
+    return tensor.grad.cpu()
 
 
 def _dense_grads(linear, x, grad_output):
@@ -45,31 +55,37 @@ def check_column_parallel_forward(ctx, answer) -> None:
     bias = dense.bias.detach()[cols].clone().to(ctx.device).requires_grad_()
     x = x_full.clone().to(ctx.device).requires_grad_()
     y = answer(x, weight, bias, None)
-    ran_backward = isinstance(y, torch.Tensor) and y.shape == (SEQ, BATCH, len(cols)) and y.requires_grad
-    if ran_backward:
-        y.backward(g_full[..., cols].to(ctx.device))
     want_y, want_dx, want_dw, want_db = _dense_grads(dense, x_full, g_full)
 
-    def verdict():
+    def forward_verdict():
         if not isinstance(y, torch.Tensor):
             raise Wrong(f"column_parallel_forward should return a tensor, not {type(y).__name__}")
         if y.shape == want_y.shape and t > 1:
             raise Wrong(f"you returned the whole output {tuple(y.shape)}: a column-parallel layer returns only this "
                         f"rank's {len(cols)} output columns, [s, b, out/t] (gather_output=False)")
         expect_close(y.detach().cpu(), want_y[..., cols], f"rank {r}'s output columns", **TOL)
-        if not ran_backward:
+        if not y.requires_grad:
             raise Wrong("the output does not require grad: compute it from x, weight and bias with differentiable ops")
-        expect_close(weight.grad.cpu(), want_dw[cols], "the gradient of this rank's weight shard", **TOL)
-        expect_close(bias.grad.cpu(), want_db[cols], "the gradient of this rank's bias shard", **TOL)
+
+    # The backward may run the learner's collectives (f's all-reduce): every rank runs it, or none does.
+    agree(forward_verdict)
+    y.backward(g_full[..., cols].to(ctx.device))
+
+    def backward_verdict():
+        expect_close(_grad(weight, "this rank's weight shard"), want_dw[cols],
+                     "the gradient of this rank's weight shard", **TOL)
+        expect_close(_grad(bias, "this rank's bias shard"), want_db[cols], "the gradient of this rank's bias shard",
+                     **TOL)
+        dx = _grad(x, "the input x")
         partial = (g_full[..., cols].double() @ dense.weight.detach()[cols].double())  # this rank's part of dX
-        if t > 1 and _same(x.grad.cpu(), partial):
+        if t > 1 and _same(dx, partial):
             raise Wrong("the output is right, but the input gradient is only this rank's contribution "
                         "(g_r W_r): every rank's columns read all of x, so dL/dx is the sum over ranks. Pass x "
                         "through copy_to_tensor_model_parallel_region (f): identity forward, all-reduce backward")
-        expect_close(x.grad.cpu(), want_dx, "the input gradient (after backward)", **TOL,
+        expect_close(dx, want_dx, "the input gradient (after backward)", **TOL,
                      hints=[(scaled_by(t), f"it is {t} times too large: the gradient is all-reduced twice")])
 
-    agree(verdict)
+    agree(backward_verdict)
 
 
 # -- exercise 2: row-parallel forward, bias once -------------------------------------------------------------
@@ -86,13 +102,10 @@ def check_row_parallel_forward(ctx, answer) -> None:
     weight = dense.weight.detach()[:, rows].clone().to(ctx.device).requires_grad_()  # [8, 16/t]
     bias = dense.bias.detach().clone().to(ctx.device).requires_grad_()  # [8], whole on every rank
     y = answer(x, weight, bias, None)
-    ran_backward = isinstance(y, torch.Tensor) and y.shape == (SEQ, BATCH, cfg.hidden) and y.requires_grad
-    if ran_backward:
-        y.backward(g_full.to(ctx.device))
     want_y, want_dx, want_dw, want_db = _dense_grads(dense, x_full, g_full)
     b = dense.bias.detach().double()
 
-    def verdict():
+    def forward_verdict():
         if not isinstance(y, torch.Tensor):
             raise Wrong(f"row_parallel_forward should return a tensor, not {type(y).__name__}")
         got = y.detach().cpu().double()
@@ -107,17 +120,30 @@ def check_row_parallel_forward(ctx, answer) -> None:
         expect_close(got, want_y, f"rank {r}'s output", **TOL, hints=[
             (lambda g, w: torch.allclose(g - b, t * (w - b), atol=1e-4), f"the sum is {t} times too large: "
              "the partial products were all-reduced twice")])
-        if not ran_backward:
+        if not y.requires_grad:
             raise Wrong("the output does not require grad: compute it from x, weight and bias with differentiable ops")
+
+    # The backward may run the learner's collectives: every rank runs it, or none does.
+    agree(forward_verdict)
+    y.backward(g_full.to(ctx.device))
+
+    def backward_verdict():
+        if bias.grad is None or (t > 1 and not bias.grad.any()):
+            raise Wrong(f"the output is right, but rank {r}'s copy of the bias gets no gradient: it never entered "
+                        "this rank's computation (added inside g on some ranks only?). The bias is replicated: add "
+                        "the whole bias on every rank, once, after the all-reduce, so every copy gets the same "
+                        "gradient and the copies stay identical after the optimizer step")
         expect_close(bias.grad.cpu(), want_db, "the bias gradient", **TOL, hints=[
             (scaled_by(1 / t), f"it is 1/{t} of the right one: you added bias/{t} on every rank before the sum; "
              "the forward is right, the gradient is not. Add the whole bias once, after the all-reduce")])
-        expect_close(weight.grad.cpu(), want_dw[:, rows], "the gradient of this rank's weight shard", **TOL,
+        expect_close(_grad(weight, "this rank's weight shard"), want_dw[:, rows],
+                     "the gradient of this rank's weight shard", **TOL,
                      hints=[(scaled_by(t), f"it is {t} times too large: the backward all-reduces the gradient, "
                              "but g's backward is the identity")])
-        expect_close(x.grad.cpu(), want_dx[..., rows], "the gradient of this rank's input shard", **TOL)
+        expect_close(_grad(x, "this rank's input shard"), want_dx[..., rows], "the gradient of this rank's input shard",
+                     **TOL)
 
-    agree(verdict)
+    agree(backward_verdict)
 
 
 # -- exercise 3: SwiGLU split -----------------------------------------------------------------------------
@@ -129,37 +155,42 @@ def check_swiglu_shard(ctx, answer) -> None:
     w, b = dense.fc1.weight.detach(), dense.fc1.bias.detach()
     got_w, got_b = answer(w.clone(), r, t), answer(b.clone(), r, t)
     want_rows = swiglu_rows(cfg.ffn, r, t)
-    shape_ok = isinstance(got_w, torch.Tensor) and got_w.shape == w[want_rows].shape and \
-        isinstance(got_b, torch.Tensor) and got_b.shape == b[want_rows].shape
-    # run the parallel MLP with the learner's shard (when the shapes allow) and measure its output
-    error = None
-    if shape_ok:
-        mlp = ParallelMLP.from_dense(dense).to(ctx.device)
-        with torch.no_grad():
-            mlp.fc1.weight.copy_(got_w)
-            mlp.fc1.bias.copy_(got_b)
-        x, _ = inputs("mlp", cfg, SEQ, BATCH, seed=6)
-        with torch.no_grad():
-            error = (mlp(x.to(ctx.device)).cpu() - dense(x)).abs().max().item()
 
-    def verdict():
-        for got, what in ((got_w, "weight"), (got_b, "bias")):
+    def shape_verdict():
+        for got, want, what in ((got_w, w[want_rows], "weight"), (got_b, b[want_rows], "bias")):
             if not isinstance(got, torch.Tensor):
                 raise Wrong(f"swiglu_shard should return a tensor (the {what}'s rows for this rank), "
                             f"not {type(got).__name__}")
-        if not shape_ok:
-            raise Wrong(f"rank {r}'s shard of the weight has shape {tuple(got_w.shape)}; it should be "
-                        f"{tuple(w[want_rows].shape)}: 2*ffn/t rows ({cfg.ffn // t} of gate, then {cfg.ffn // t} of up)")
+            if got.shape != want.shape:
+                short = (f" A slice that runs past the end of the fused {what} is silently cut short, so only the "
+                         "last rank's shard comes out smaller: check where up's rows start (row ffn) and end"
+                         if r == t - 1 and got.dim() == want.dim() and got.shape[0] < want.shape[0] else "")
+                raise Wrong(f"rank {r}'s shard of the {what} has shape {tuple(got.shape)}; it should be "
+                            f"{tuple(want.shape)}: 2*ffn/t rows ({cfg.ffn // t} of gate, then {cfg.ffn // t} of up)."
+                            + short)
+
+    # The parallel MLP below all-reduces: the ranks agree on the shapes first, so all of them run it or none does.
+    agree(shape_verdict)
+    mlp = ParallelMLP.from_dense(dense).to(ctx.device)
+    with torch.no_grad():
+        mlp.fc1.weight.copy_(got_w)
+        mlp.fc1.bias.copy_(got_b)
+    x, _ = inputs("mlp", cfg, SEQ, BATCH, seed=6)
+    with torch.no_grad():
+        error = (mlp(x.to(ctx.device)).cpu() - dense(x)).abs().max().item()
+
+    def verdict():
         if t > 1 and torch.equal(got_w.cpu(), w[naive_rows(cfg.ffn, r, t)]):
             kind = "gate rows only" if r < t // 2 else "up rows only"
             raise Wrong(f"that is the contiguous chunk w.chunk({t})[{r}]: rank {r} gets {kind}, so silu(gate) * up "
                         f"multiplies the wrong columns (MLP output off by {error:.3g}). Take rows "
                         f"[r*f/t, (r+1)*f/t) of gate AND the same rows of up (which start at row f)")
-        if error is not None and error > 1e-5:
+        if error > 1e-5:
             raise Wrong(f"with your shard the MLP output is off by {error:.3g}: rank {r} should hold gate rows "
                         f"{want_rows[0].item()}..{want_rows[len(want_rows) // 2 - 1].item()} and up rows "
                         f"{want_rows[len(want_rows) // 2].item()}..{want_rows[-1].item()}, in that order")
         expect_close(got_w.cpu(), w[want_rows], f"rank {r}'s fc1 weight rows", atol=0, rtol=0)
+        expect_close(got_b.cpu(), b[want_rows], f"rank {r}'s fc1 bias rows", atol=0, rtol=0)
 
     agree(verdict)
 

@@ -3,8 +3,10 @@
 The learner gets the block's pieces with *no* communication inside (``BlockParts``): the two LayerNorms,
 each sub-layer's partial output (this rank's heads / FFN columns, before the sum, without the bias) and
 the two replicated biases. They write the forward with ``f`` and ``g`` in the right places. Every rank
-runs forward and backward, then compares the output, the input gradient and the gradient of every
-parameter shard with the dense block, and counts the collectives the regions ran.
+runs forward, and the ranks agree on the forward's verdict (``agree``) before the backward, whose ``f``
+all-reduces need every rank: a rank whose output is already wrong (or detached) never leaves the others
+waiting there. Then it compares the input gradient and the gradient of every parameter shard with the
+dense block, and counts the collectives the regions ran.
 """
 from __future__ import annotations
 
@@ -52,33 +54,41 @@ def check_block_forward(ctx, answer) -> None:
     parts = BlockParts(block)
     x_full, g_full = inputs("block", cfg, SEQ, BATCH, seed=30)
     x = x_full.clone().to(ctx.device).requires_grad_()
+    ref = reference("block", cfg, SEQ, BATCH, seed=30)
     with mappings.record_communication() as log:
         y = answer(x, parts, None)
-        ok_shape = isinstance(y, torch.Tensor) and y.shape == x.shape and y.requires_grad
-        if ok_shape:
-            y.backward(g_full.to(ctx.device))
-    ref = reference("block", cfg, SEQ, BATCH, seed=30)
-    forward_ar = sum(1 for e in log if e["collective"] == "all_reduce" and e["pass"] == "forward")
+        forward_ar = sum(1 for e in log if e["collective"] == "all_reduce" and e["pass"] == "forward")
+
+        def forward_verdict():
+            if not isinstance(y, torch.Tensor):
+                raise Wrong(f"block_forward should return a tensor, not {type(y).__name__}")
+            if y.shape != x.shape:
+                raise Wrong(f"rank {r}'s output has shape {tuple(y.shape)}: it should have the input's shape "
+                            f"{tuple(x.shape)}")
+            if not y.requires_grad:
+                raise Wrong(f"rank {r}'s output is not requiring grad: every rank's output must stay in the graph, "
+                            "because each rank's backward runs the f all-reduces that the other ranks wait for "
+                            "(no .detach(), no torch.no_grad(), on any rank)")
+            if t > 1 and forward_ar > 2:
+                raise Wrong(f"your forward ran {forward_ar} all-reduces: a Megatron block needs exactly two, one g "
+                            "after each sub-layer's partial output")
+            got = y.detach().cpu().double()
+            want = ref["output"]
+            if t > 1 and torch.allclose(got, _dense_with_biases_times(cfg, t, x_full), atol=1e-4):
+                raise Wrong(f"the output holds each bias {t} times: you added it inside g (before the all-reduce); "
+                            "add it after the sum")
+            if not torch.allclose(got, want, **TOL):
+                raise Wrong(f"rank {r}'s block output is off by {(got - want).abs().max().item():.3g}: each "
+                            "sub-layer's partial output must be summed over ranks with g before it joins the "
+                            "residual stream (the next LayerNorm needs the whole sum), exactly once, and its bias "
+                            "added after the sum")
+
+        # The backward runs the learner's f all-reduces: every rank runs it, or none does.
+        agree(forward_verdict)
+        y.backward(g_full.to(ctx.device))
     backward_ar = sum(1 for e in log if e["collective"] == "all_reduce" and e["pass"] == "backward")
 
-    def verdict():
-        if not isinstance(y, torch.Tensor):
-            raise Wrong(f"block_forward should return a tensor, not {type(y).__name__}")
-        if not ok_shape:
-            raise Wrong(f"the output should have the input's shape {tuple(x.shape)} and require grad; got "
-                        f"{tuple(y.shape)}")
-        if t > 1 and forward_ar > 2:
-            raise Wrong(f"your forward ran {forward_ar} all-reduces: a Megatron block needs exactly two, one g "
-                        "after each sub-layer's partial output")
-        got = y.detach().cpu().double()
-        want = ref["output"]
-        if t > 1 and torch.allclose(got, _dense_with_biases_times(cfg, t, x_full), atol=1e-4):
-            raise Wrong(f"the output holds each bias {t} times: you added it inside g (before the all-reduce); "
-                        "add it after the sum")
-        if not torch.allclose(got, want, **TOL):
-            raise Wrong(f"rank {r}'s block output is off by {(got - want).abs().max().item():.3g}: each sub-layer's partial "
-                        "output must be summed over ranks with g before it joins the residual stream (the next "
-                        "LayerNorm needs the whole sum), exactly once, and its bias added after the sum")
+    def backward_verdict():
         wrong = []
         for name, p in block.named_parameters():
             dense_grad = ref["grads"][name]
@@ -86,6 +96,14 @@ def check_block_forward(ctx, answer) -> None:
                 dense_grad = dense_grad.index_select(p.partition_dim, p.partition_index)
             if p.grad is None or not torch.allclose(p.grad.cpu().double(), dense_grad, **TOL):
                 wrong.append(name)
+        biases = {"attention.proj.bias", "mlp.fc2.bias"}
+        if wrong and set(wrong) <= biases:
+            missing = [n for n in wrong if dict(block.named_parameters())[n].grad is None]
+            raise Wrong(f"the output is right but rank {r}'s gradients of {', '.join(wrong)} are not"
+                        + (" (they got none)" if missing else "") + ": the output-projection biases are replicated, "
+                        "whole on every rank, and each copy must get the full gradient. Add each bias on every rank, "
+                        "once, after g (adding it inside g on one rank only gives the right output, but the other "
+                        "ranks' copies get no gradient and drift apart at the first optimizer step)")
         if wrong or not torch.allclose(x.grad.cpu().double(), ref["grad_input"], **TOL):
             lns = [n for n in wrong if n.startswith("ln")]
             raise Wrong("the output is right but the gradients are not (" + ", ".join(wrong or ["the input's"]) +
@@ -98,7 +116,7 @@ def check_block_forward(ctx, answer) -> None:
             raise Wrong(f"outputs and gradients are right, but the backward ran {backward_ar} all-reduces through the "
                         "regions, where the block needs exactly two (one f per sub-layer)")
 
-    agree(verdict)
+    agree(backward_verdict)
 
 
 CHECKS = {"block_forward": check_block_forward}

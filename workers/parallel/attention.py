@@ -32,6 +32,7 @@ from workers.parallel import mappings
 from workers.parallel.comm_stats import PARAMETER, region
 from workers.parallel.dense import DenseAttention, attention_core, merge_heads, split_heads
 from workers.parallel.layers import ColumnParallelLinear, RowParallelLinear, group_size_rank
+from workers.runtime import collective_timeout
 
 
 def head_problem(n_heads: int, n_kv_heads: int, tp: int) -> str | None:
@@ -90,22 +91,13 @@ def naive_qkv_rows(n_heads: int, n_kv_heads: int, head_dim: int, rank: int, tp: 
     return torch.arange(rank * n, (rank + 1) * n)
 
 
-def split_fused_qkv(weight: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int, rank: int, tp: int):
-    """This rank's rows of a fused [Q; K; V] weight (or bias): ``[(n_heads/t + 2 kv_local) d, ...]``."""
-    return weight[qkv_rows(n_heads, n_kv_heads, head_dim, rank, tp).to(weight.device)]
-
-
-def naive_qkv_chunk(weight: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """What ``weight.chunk(tp)[rank]`` gives: the wrong shard, shown next to ``split_fused_qkv`` in chapter 05."""
-    return weight.chunk(tp, dim=0)[rank]
-
-
 def kv_replica_group(n_kv_heads: int, group=None):
     """The process group of this rank's KV-head copies (None when KV heads are split, not replicated).
 
     ``dist.new_group`` is collective over the *world*: every rank must create every group, in the same
     order. So the ranks first share their tensor-parallel groups, then all create the replica groups of all
-    of them. Returns ``(group or None, [groups this rank created and must destroy])``.
+    of them. Returns ``(group or None, [groups this rank created and must destroy])``. The groups wait as long
+    as the world's collectives (``runtime.collective_timeout``), never torch's 30-minute default.
     """
     tp, _ = group_size_rank(group)
     if not kv_replicated(n_kv_heads, tp):
@@ -123,7 +115,7 @@ def kv_replica_group(n_kv_heads: int, group=None):
     for ranks in tp_groups:
         for kv in range(n_kv_heads):
             members = list(ranks[kv * copies:(kv + 1) * copies])
-            pg = dist.new_group(members)
+            pg = dist.new_group(members, timeout=collective_timeout())
             if me in members:
                 created.append(pg)
                 result = pg

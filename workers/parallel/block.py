@@ -31,7 +31,7 @@ from workers.parallel import mappings
 from workers.parallel.attention import ParallelAttention
 from workers.parallel.comm_stats import PARAMETER, region
 from workers.parallel.dense import BlockConfig, DenseBlock, SharedMaskDropout
-from workers.parallel.layers import divide, group_size_rank, replicated_parameter
+from workers.parallel.layers import group_size_rank, replicated_parameter
 from workers.parallel.mlp import ParallelMLP
 
 
@@ -102,19 +102,3 @@ class ParallelBlock(nn.Module):
             y = self.mlp(y)  # f ... g inside
         with self.segment("residual2"):
             return h + self.drop(y)
-
-
-def scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
-    """A replicated ``[s, b, h]`` -> this rank's ``[s/t, b, h]`` (backward all-gathers the gradient)."""
-    return region("sequence_boundary", mappings.scatter_to_sequence_parallel_region, x, group=group)
-
-
-def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's ``[s/t, b, h]`` -> the replicated ``[s, b, h]`` (backward keeps my rows of the gradient)."""
-    return region("sequence_boundary", mappings.gather_from_sequence_parallel_region, x, False, group=group)
-
-
-def sequence_rows(seq: int, group=None) -> slice:
-    tp, rank = group_size_rank(group)
-    n = divide(seq, tp, "sequence length")
-    return slice(rank * n, (rank + 1) * n)

@@ -95,14 +95,3 @@ def assemble(records: list[dict], full_shapes: dict[str, tuple]) -> tuple[dict, 
             problems.append(f"{name}: {int((~seen).sum())} entries held by no rank")
         full[name] = out
     return full, problems
-
-
-def describe(module: nn.Module, dense: nn.Module) -> list[dict]:
-    """One row per parameter: local shape, dense shape, split dimension, bytes on this rank."""
-    dense_params = dict(dense.named_parameters())
-    rows = []
-    for name, p in module.named_parameters():
-        dim, index = split_of(p)
-        rows.append({"parameter": name, "local_shape": list(p.shape), "dense_shape": list(dense_params[name].shape),
-                     "split_dim": dim, "bytes": p.numel() * p.element_size()})
-    return rows
