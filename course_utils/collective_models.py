@@ -16,6 +16,19 @@ Ring and Tree, and takes every constant from a published version of that file (`
   64 B and 256 MB: "trees are not perfectly sticking to the model for medium sizes") and the ring's Simple latency
   by 1.4 once each channel carries 64 B per rank ("plateau effect of ring").
 
+What a real NCCL printout confirms, and what rests on reading the source: the one public
+``NCCL_DEBUG_SUBSYS=TUNING`` table the tests hold (NCCL 2.29.7, 2 nodes of 1 GPU, socket transport) checks six
+latency sums, baseLat[algo][proto] + 2 x hwLat[NET][Tree][proto] for both algorithms (with one GPU per node the
+ring pays the tree's network latency, and both of its 2 steps cross the network; log2i(2) = 1), that the socket
+transport adds no graph latency, and two bandwidth ratios (ring LL = ring Simple / 2, tree LL = tree Simple / 3.8).
+It exercises none of the ring's own hwLat[NET], any NVLink hwLat (g - 1 = 0), the network-overhead floor or the
+intra-node step count of the ring (it has no intra-node steps), the plateau x1.4 and the tree correction (applied
+per call, never printed), nor any absolute bandwidth, per-channel cap or LL128 factor: for 8 GPUs per node those
+rest on the source alone (``tests/test_ch10_models.py`` changes those latency terms, the plateau, the tree
+correction and the tree's bandwidth factor, and that table's latencies do not move).
+Its bandwidths also show the tree's graph getting about 1.6 to 2.1 times the ring's on that 2-node box, where this
+module assumes the two equal.
+
 What is *not* published, and so is a stated assumption (``ModelParams``): the hardware (8 GPUs and 8 x 400 Gb/s
 NICs per node, NVLink bus bandwidth 450 GB/s from chapter 01's published sweep), the channel count (16), an
 Intel host CPU (NCCL's per-step network overhead is 1 us on Intel, 2 us on AMD), that NCCL's topology search gives
@@ -29,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from course_utils.ledger import bus_bandwidth_factor, collective_time
+from course_utils.ledger import bus_bandwidth_factor
 
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
 ALGORITHMS = ("tree", "ring")
@@ -88,9 +101,11 @@ NCCL_2_20_3 = NcclConstants(
 )
 NCCL_2_28_3 = NcclConstants(
     version="2.28.3-1",
-    source="NVIDIA NCCL 2.28.3-1 src/graph/tuning.cc (ncclTunerConstantsDefaults), read from the copy "
-           "zhanglin496/nccl-2.28.3-1 at commit 850a18f5a2d15a77525bb671b12ee03bc1d4b951; its latencies reproduce "
-           "the TUNING table NCCL 2.29.7 printed in eunomia-bpf/nccl-eBPF docs/tmp/default-suboptimal-search.md",
+    source="NVIDIA/nccl tag v2.28.3-1, src/graph/tuning.cc (ncclTunerConstantsDefaults). Read from the copy "
+           "zhanglin496/nccl-2.28.3-1 at commit 850a18f5a2d15a77525bb671b12ee03bc1d4b951 (that release with Chinese "
+           "comments added): the course's source index holds NVIDIA/nccl's tuning.cc but could not serve it at that "
+           "tag, so the official file was not compared line by line. Its latencies reproduce the TUNING table NCCL "
+           "2.29.7 printed in eunomia-bpf/nccl-eBPF docs/tmp/default-suboptimal-search.md",
     base_lat=_table({"tree": (6.8, 14.0, 8.4), "ring": (6.6, 14.0, 8.4)}),
     hw_lat={**{("nvlink",) + k: v for k, v in _table({"tree": (.6, 1.25, 4.0), "ring": (.6, 1.9, 3.4)}).items()},
             **{("net",) + k: v for k, v in _table({"tree": (5.0, 8.5, 14), "ring": (2.7, 4.0, 14.0)}).items()}},
@@ -222,30 +237,61 @@ def winner(nbytes: int, nodes: int, p: ModelParams = ModelParams()) -> str:
     return "ring" if allreduce_time("ring", nbytes, nodes, p) < allreduce_time("tree", nbytes, nodes, p) else "tree"
 
 
+def winner_intervals(nodes: int, p: ModelParams = ModelParams()) -> list[tuple[int, str]]:
+    """Which algorithm is faster at every size from 64 B to ``MAX_BYTES``: ``[(first byte, winner), ...]``.
+
+    Each entry holds from its size up to the next entry's. Between the model's breakpoints (the powers of two,
+    where the tree correction steps, and 64 B per channel and rank, where the ring's plateau factor starts) every
+    algorithm/protocol time is linear in S, so the winner can only change at a breakpoint or where a ring line
+    crosses a tree line: those candidates are evaluated and each change is bisected to the byte. The list can
+    alternate more than once (at 8 nodes the ring wins a window below 512 MiB, loses it when the tree's
+    correction ends, and wins for good above 1 GiB).
+    """
+    n = _ranks(nodes, p)
+    breaks = sorted({1 << k for k in range(6, MAX_BYTES.bit_length())} | {64 * p.channels * n})
+    candidates = set(breaks)
+    for lo, hi in zip(breaks, breaks[1:]):
+        if hi - lo < 2:
+            continue
+        lines = {}
+        for a in ALGORITHMS:
+            for q in PROTOCOLS:
+                t0, t1 = time_us(a, q, lo, nodes, p), time_us(a, q, hi - 1, nodes, p)
+                slope = (t1 - t0) / (hi - 1 - lo)
+                lines[a, q] = (t0 - slope * lo, slope)
+        for (r0, r1) in (lines["ring", q] for q in PROTOCOLS):
+            for (c0, c1) in (lines["tree", q] for q in PROTOCOLS):
+                if r1 != c1 and lo < (x := (c0 - r0) / (r1 - c1)) < hi:
+                    candidates.update((math.floor(x), math.floor(x) + 1))
+    points = sorted(c for c in candidates if 64 <= c <= MAX_BYTES)
+    intervals = [(points[0], winner(points[0], nodes, p))]
+    prev = points[0]
+    for point in points[1:]:
+        w = winner(point, nodes, p)
+        if w != intervals[-1][1]:
+            lo, hi = prev, point  # the old winner at lo, the new one at hi
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if winner(mid, nodes, p) != w else (lo, mid)
+            intervals.append((hi, w))
+        prev = point
+    return intervals
+
+
 def crossover_bytes(nodes: int, p: ModelParams = ModelParams()) -> int | None:
     """The smallest size from which the ring (best protocol) beats the tree at every size up to ``MAX_BYTES``.
 
-    The modelled times are piecewise linear in S (the tree correction steps at powers of two), so the search
-    walks the powers of two down from ``MAX_BYTES`` and then bisects, to the byte, inside the last octave where
-    the tree still wins. None if the tree wins at ``MAX_BYTES``.
+    64 if the ring wins from 64 B on; None if the tree wins at ``MAX_BYTES``. Earlier windows where the ring
+    wins and then loses again are in ``winner_intervals``.
     """
-    if winner(MAX_BYTES, nodes, p) == "tree":
-        return None
-    k = MAX_BYTES.bit_length() - 1
-    while k > 6 and winner(1 << (k - 1), nodes, p) == "ring":
-        k -= 1
-    lo, hi = 1 << (k - 1), 1 << k  # tree at lo (or lo is below 64 B), ring at hi
-    if k <= 6:
-        return 64 if winner(64, nodes, p) == "ring" else hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if winner(mid, nodes, p) == "tree" else (lo, mid)
-    return hi
+    start, last = winner_intervals(nodes, p)[-1]
+    return start if last == "ring" else None
 
 
-def ring_time_uniform(nbytes: float, n_ranks: int, bandwidth: float, alpha: float) -> float:
-    """The ring with one latency per hop: ``ledger.collective_time``, the course's formula since chapter 01."""
-    return collective_time("all_reduce", nbytes, n_ranks, bandwidth, alpha)
+def ring_windows(nodes: int, p: ModelParams = ModelParams()) -> list[tuple[int, int]]:
+    """The ranges [first byte, end) where the ring wins and then loses again, below ``crossover_bytes``."""
+    iv = winner_intervals(nodes, p)
+    return [(start, end) for (start, w), (end, _) in zip(iv, iv[1:]) if w == "ring"]
 
 
 def busbw(algorithm: str, nbytes: int, nodes: int, p: ModelParams = ModelParams()) -> float:
@@ -289,14 +335,20 @@ def crossover_sensitivity(factors, nodes_list=(32, 1024), p: ModelParams = Model
 
 
 def scaling_table(nodes_list=(2, 8, 32, 128, 1024), sizes=(1 << 20, 64 << 20, 1 << 30), p: ModelParams = ModelParams()):
-    """Rows for the notebook: each algorithm's smallest latency, the crossover, and NCCL's pick per size."""
+    """Rows for the notebook: each algorithm's smallest latency, where the ring wins, and NCCL's pick per size.
+
+    "ring always wins from" is ``crossover_bytes``; "ring also wins" lists the earlier windows where the ring
+    wins and the tree takes over again (``ring_windows``), so that the first column hides no reversal.
+    """
     rows = []
     for nodes in nodes_list:
         cross = crossover_bytes(nodes, p)
+        windows = ring_windows(nodes, p)
         row = {"nodes": nodes, "GPUs": nodes * p.gpus_per_node,
                "ring LL latency (us)": f"{latency_us('ring', 'LL', nodes, p):.1f}",
                "tree LL latency (us)": f"{latency_us('tree', 'LL', nodes, p):.1f}",
-               "ring wins from": "never" if cross is None else "all sizes" if cross <= 64 else human_bytes(cross)}
+               "ring always wins from": "never" if cross is None else "all sizes" if cross <= 64 else human_bytes(cross),
+               "ring also wins": ", ".join(f"{human_bytes(a)} to {human_bytes(b)}" for a, b in windows) or "-"}
         row.update({human_bytes(s): "/".join(nccl_choice(s, nodes, p)) for s in sizes})
         rows.append(row)
     return rows

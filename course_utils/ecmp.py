@@ -84,8 +84,11 @@ def qp_sweep(pairs: int, links: int, qps_list=(1, 2, 4, 8), trials: int = 4000, 
     """For ``pairs`` GPU-pair connections on ``links`` uplinks, each split over q QPs: the fabric's efficiency.
 
     A connection's data is split evenly over its q flows, so it finishes when its flow on the busiest link
-    does: it gets q x link / max_load. ``efficiency`` = mean load / max load: the share of the uplinks' total
-    bandwidth the collective actually uses, paced by its slowest flow (1 = a perfect spread).
+    does: it gets q x link / max_load. ``efficiency`` = mean load / max load, with mean load = flows / links: the
+    share of the uplinks' total bandwidth the collective actually uses, paced by its slowest flow (1 = a perfect
+    spread). Neither the mean load nor the slowest connection's share of a link (q / E[max load] =
+    ``efficiency x links / pairs``) gets a column: with as many connections as uplinks, the case the notebook
+    shows, they would repeat the QP count and the efficiency.
     """
     rows = []
     for q in qps_list:
@@ -94,8 +97,6 @@ def qp_sweep(pairs: int, links: int, qps_list=(1, 2, 4, 8), trials: int = 4000, 
         sim = loads.max(axis=1).mean()
         exact = expected_max_load(flows, links)
         mean_load = flows / links
-        rows.append({"QPs per connection": q, "flows": flows, "mean load": mean_load,
-                     "E[max load] exact": exact, "max load simulated": float(sim),
-                     "efficiency": mean_load / exact,
-                     "slowest connection (x link)": q / exact})
+        rows.append({"QPs per connection": q, "flows": flows, "E[max load] exact": exact, "max load simulated": float(sim),
+                     "efficiency": mean_load / exact})
     return rows

@@ -28,7 +28,6 @@ GBPS = 1e9  # nccl-tests divides by 1.0E9: its "GB/s" is decimal
 _RANK_LINE = re.compile(r"^#\s*Rank\s+\d+\b")
 _AVG = re.compile(r"Avg bus bandwidth\s*:\s*([0-9.eE+-]+)")
 _OOB = re.compile(r"Out of bounds values\s*:\s*(\d+)")
-_WRONG_NAMES = ("#wrong", "wrong", "error", "#error")
 
 
 @dataclass(frozen=True)

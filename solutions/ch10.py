@@ -9,7 +9,7 @@ def ring_allreduce_time(n, size_bytes, alpha, bandwidth):
 
 
 def fix_nccl_env(env):
-    """Drop the debug-only settings, rename the deprecated and misspelt names, give the dump its buffer."""
+    """Drop the debug-only settings, rename the deprecated and misspelt names, turn the flight recorder back on."""
     fixed = dict(env)
     for name in ("NCCL_DEBUG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG_SUBSYS"):
         fixed.pop(name, None)
@@ -17,6 +17,8 @@ def fix_nccl_env(env):
         fixed["NCCL_IB_QPS_PER_CONNECTION"] = fixed.pop("NCCL_IB_QPS_PER_CONECTION")
     if "NCCL_ASYNC_ERROR_HANDLING" in fixed:
         fixed["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = fixed.pop("NCCL_ASYNC_ERROR_HANDLING")
-    if fixed.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
-        fixed.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" in fixed:  # torch 2.13 calls it TORCH_FR_BUFFER_SIZE
+        fixed.setdefault("TORCH_FR_BUFFER_SIZE", fixed.pop("TORCH_NCCL_TRACE_BUFFER_SIZE"))
+    if fixed.get("TORCH_FR_BUFFER_SIZE", "").strip() == "0":
+        del fixed["TORCH_FR_BUFFER_SIZE"]  # unset: torch 2.13's flight recorder keeps 2000 entries, so the dump works
     return fixed

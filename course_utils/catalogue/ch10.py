@@ -59,13 +59,15 @@ BAD_ENV = {
     "NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
     "NCCL_IB_QPS_PER_CONECTION": "4",
     "NCCL_ASYNC_ERROR_HANDLING": "1",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",  # someone turned the flight recorder off "for speed"...
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ...and still expects its dump after a hang
 }
 MUST_KEEP = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")  # the system configuration: without it NCCL picks the wrong ports
+FR_SIZES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch 2.13's name, and the deprecated one
 
 
 def check_fix_nccl_env(answer) -> tuple[str, str]:
-    from course_utils.nccl_env import validate_env
+    from course_utils.nccl_env import FR_DEFAULT_ENTRIES, read_int, validate_env
 
     got = answer(dict(BAD_ENV))
     if not isinstance(got, dict):
@@ -82,10 +84,20 @@ def check_fix_nccl_env(answer) -> tuple[str, str]:
     if "NCCL_IB_QPS_PER_CONNECTION" not in got and "NCCL_IB_QPS_PER_CONECTION" not in got:
         return FAIL, ("the misspelt NCCL_IB_QPS_PER_CONECTION was meant as NCCL_IB_QPS_PER_CONNECTION=4 (measured "
                       "earlier, say): fix the spelling rather than dropping it")
+    if str(got.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "")).strip() != "1":
+        return FAIL, ("keep TORCH_NCCL_DUMP_ON_TIMEOUT=1: the dump is what you read after the next hang; make it work "
+                      "by fixing what turns the flight recorder off")
+    sizes = {name: read_int(name, str(got[name]))[0] for name in FR_SIZES if name in got}
+    off = [name for name, n in sizes.items() if n is not None and n <= 0]
+    if off:
+        return FAIL, (f"{off[0]}={got[off[0]]} turns off the flight recorder that TORCH_NCCL_DUMP_ON_TIMEOUT=1 dumps: "
+                      f"delete it (torch 2.13 keeps {FR_DEFAULT_ENTRIES} entries by default) or set TORCH_FR_BUFFER_SIZE "
+                      "to a positive number")
     findings = validate_env(got)
     if findings:
         return FAIL, f"{len(findings)} problem(s) left; the first: {findings[0]}"
-    return PASS, "correct: debug settings removed, the typo and the deprecated name fixed, the dump given its buffer"
+    return PASS, ("correct: debug settings removed, the typo and the deprecated names fixed, the flight recorder back on "
+                  "for the dump")
 
 
 register(Exercise("ring_allreduce_time", "10", "ring_allreduce_time",

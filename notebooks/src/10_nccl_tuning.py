@@ -111,6 +111,13 @@ for kind in nccl_env.KINDS:
     print(ch01.text_table([[v["variable"], v["what it does"]] for v in nccl_env.table_rows(kind)]))
 
 # %% [markdown]
+# One PyTorch entry needs its version. The flight recorder (a ring buffer of recent collectives that
+# `TORCH_NCCL_DUMP_ON_TIMEOUT=1` writes out after a hang) takes its size from `TORCH_FR_BUFFER_SIZE` in torch 2.13,
+# falling back, with a deprecation warning, to the old `TORCH_NCCL_TRACE_BUFFER_SIZE`, and keeps **2000 entries when
+# neither is set** (`torch/csrc/distributed/c10d/FlightRecorder.hpp`, lines 110-111 of the installed torch). So the
+# dump needs no buffer setting; only an explicit 0 turns the recorder off. Older releases read only the old name and
+# defaulted to 0, which is why older advice says to set it.
+#
 # `validate_env` reads a proposed environment and says what to change. **Predict** which lines of this
 # (realistic) script it objects to, then run it:
 
@@ -126,8 +133,8 @@ for finding in nccl_env.validate_env(BAD_ENV):
 # %% [markdown]
 # ### Exercise 1: a production environment
 # Write `fix_nccl_env(env)` returning a corrected copy of that environment: keep the system configuration, drop
-# what is only for debugging, fix the typo and the deprecated name, and make the flight-recorder dump work.
-# The check runs `validate_env` on your answer.
+# what is only for debugging, fix the typo and the deprecated names, and make the flight-recorder dump work (keep
+# the dump). The check runs `validate_env` on your answer.
 
 # %% tags=["exercise"]
 def fix_nccl_env(env):
@@ -148,8 +155,9 @@ check("fix_nccl_env", fix_nccl_env)
 # latencies and bandwidth factors that NVIDIA publishes as constants in that file.
 #
 # `course_utils.collective_models` re-implements that model for Ring and Tree all-reduce and takes every constant
-# from a published `tuning.cc`: **NCCL 2.28.3** (the default; `ncclTunerConstantsDefaults`, read from a copy of the
-# 2.28.3-1 source, `zhanglin496/nccl-2.28.3-1` at commit `850a18f`) and **NCCL 2.20.3** (`NVIDIA/nccl` at commit
+# from a published `tuning.cc`: **NCCL 2.28.3** (the default; `ncclTunerConstantsDefaults` of `NVIDIA/nccl` tag
+# `v2.28.3-1`, whose values were read from the copy `zhanglin496/nccl-2.28.3-1` at commit `850a18f`, because the
+# course's source index could not serve the official file at that tag) and **NCCL 2.20.3** (`NVIDIA/nccl` at commit
 # `b647562`). What is *not* in NCCL's source is the machine, so `ModelParams` states it as assumptions: 8 GPUs and
 # 8 × 400 Gb/s NICs per node, NVLink bus bandwidth 450 GB/s (chapter 01's published sweep), 16 channels, an Intel
 # host CPU (NCCL charges 1 µs of network overhead per ring step on Intel, 2 µs on AMD, ×3 for Simple), and a
@@ -179,11 +187,36 @@ print(ch01.text_table([[col, f"{printed[col][0]:.1f}", f"{new[col][0]:.1f}", f"{
 # %% [markdown]
 # The 2.28.3 constants give all six latencies to the printed 0.1 µs; the 2.20.3 ones do not (their Tree/Simple
 # latency is 0 + 2 × 28 µs): the constants moved between releases, so a model's latencies belong to one release
-# (the sensitivity table below also prints the crossovers under 2.20.3). Now 8 GPUs per node, scaled out (the last
-# three columns are what the model would pick, algorithm/protocol, for a 1 MiB, 64 MiB and 1 GiB all-reduce):
+# (the sensitivity table below also prints the crossovers under 2.20.3).
+#
+# **What this check covers, exactly.** With one GPU on each of 2 nodes, every printed latency is
+# baseLat + 2 × hwLat[NET][Tree] (the ring has 2 steps, both across the network, and with one GPU per node NCCL
+# charges it the tree's network latency; the tree climbs log2(2) = 1 level). So the log confirms the six base
+# latencies and the tree's three network latencies, that rule, and that the socket transport adds no latency of its
+# own; its bandwidths confirm two protocol ratios (ring LL = ½ ring Simple, tree LL = tree Simple / 3.8). It does
+# **not** exercise the ring's own network latency, any NVLink latency, the per-step network overhead, the ring's
+# intra-node steps, the plateau ×1.4, the tree correction, or any absolute bandwidth: at 8 GPUs per node all of those
+# rest on reading `tuning.cc` (`tests/test_ch10_models.py` changes each of them and the log's latencies do not move).
+# The log even contradicts one assumption for its own box: its tree/ring bandwidths (1.9 against 2.4 GB/s) mean the
+# tree's graph had 1.6 to 2.1 times the ring's bandwidth there, where the model gives both the same. No published
+# TUNING table from a multi-GPU-per-node run with these constants was found to check the rest.
+#
+# Now 8 GPUs per node, scaled out. "ring always wins from" is the size from which the ring is faster at every larger
+# size; "ring also wins" lists earlier windows where it is faster and then loses again. The last three columns are
+# what the model would pick, algorithm/protocol, for a 1 MiB, 64 MiB and 1 GiB all-reduce:
 
 # %%
 print(ch01.text_table(cm.scaling_table()))
+
+# %% [markdown]
+# The 8-node window is the tree correction at work: NCCL scales the tree's Simple bandwidth by 0.9 from 256 to
+# 512 MiB (its table's last entry) and not at all from 512 MiB, so the tree gets faster at 512 MiB and wins back
+# the sizes up to 1.22 GiB (at 4 nodes the step from 0.8 to 0.9 at 128 MiB does the same). A single "crossover"
+# number hides such reversals; `cm.winner_intervals` lists every one.
+
+# %%
+for nodes in (4, 8):
+    print(nodes, "nodes:", ", ".join(f"{w} from {cm.human_bytes(s)}" for s, w in cm.winner_intervals(nodes)))
 
 # %% [markdown]
 # **Predict** before the figure: at 1024 nodes (8192 GPUs), how many milliseconds does the ring's latency alone
@@ -241,7 +274,7 @@ for (name, ratio), ls in zip(cm.TREE_RING_RATIOS.items(), ("-", "--", ":")):
     ax.axvline(ratio, color="grey", ls=ls, lw=1, label=name.split(":")[0])
 ax.set_yscale("log", base=2)
 ax.set_xlabel("tree/ring bus-bandwidth ratio (the model's one disputed input)")
-ax.set_ylabel("crossover: ring wins from (bytes)")
+ax.set_ylabel("crossover: ring always wins from (bytes)")
 ax.set_title("MODELLED: sensitivity of the ring/tree crossover", fontsize=9)
 ax.legend(fontsize=7)
 plots.savefig(fig, "10_crossover_sensitivity");
@@ -294,7 +327,7 @@ W.VBox([nodes_exp, size_exp, out])
 # runs at the pace of its slowest flow. This is *balls into bins*: F flows on L links; the fullest link carries
 # max_load flows. `NCCL_IB_QPS_PER_CONNECTION=q` splits each connection over q queue pairs (q flows of 1/q of
 # the data each), so the loads average out. Exact expectation next to a seeded simulation, 16 connections on
-# 16 uplinks:
+# 16 uplinks (the mean load, flows / links, is then the QP count; efficiency = mean load / busiest link's load):
 
 # %%
 rows = ecmp.qp_sweep(pairs=16, links=16)

@@ -31,26 +31,50 @@ def fix_env_only_debug(env):
     fixed = dict(env)
     fixed["NCCL_DEBUG"] = "WARN"
     fixed.pop("NCCL_ALGO", None)
-    return fixed  # the typo, the deprecated name and the dump's missing buffer remain
+    return fixed  # the typo, the deprecated names and the recorder turned off remain
 
 
 def fix_env_drops_everything(env):
     return {}  # throws away the system configuration with the debugging
 
 
-def fix_env_keeps_algo(env):
-    fixed = dict(env)
-    fixed.pop("NCCL_DEBUG", None)
+def _renamed(env):
+    fixed = {k: v for k, v in env.items() if k not in ("NCCL_DEBUG", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
     fixed["NCCL_IB_QPS_PER_CONNECTION"] = fixed.pop("NCCL_IB_QPS_PER_CONECTION")
     fixed["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = fixed.pop("NCCL_ASYNC_ERROR_HANDLING")
-    fixed["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
-    return fixed  # NCCL_ALGO=Tree still forced
+    return fixed
+
+
+def fix_env_keeps_algo(env):
+    return _renamed(env)  # NCCL_ALGO=Tree still forced
 
 
 def fix_env_deletes_async(env):
     fixed = {k: v for k, v in env.items() if k not in ("NCCL_DEBUG", "NCCL_ALGO", "NCCL_ASYNC_ERROR_HANDLING")}
     fixed["NCCL_IB_QPS_PER_CONNECTION"] = fixed.pop("NCCL_IB_QPS_PER_CONECTION")
-    fixed["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    fixed.pop("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    return fixed
+
+
+def fix_env_recorder_still_off(env):
+    fixed = _renamed(env)
+    fixed.pop("NCCL_ALGO")
+    fixed["TORCH_FR_BUFFER_SIZE"] = env["TORCH_NCCL_TRACE_BUFFER_SIZE"]  # renamed, but still 0
+    return fixed
+
+
+def fix_env_drops_the_dump(env):
+    fixed = _renamed(env)
+    fixed.pop("NCCL_ALGO")
+    fixed.pop("TORCH_NCCL_DUMP_ON_TIMEOUT")  # no more contradiction, and no more dump either
+    fixed["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "0"
+    return fixed
+
+
+def fix_env_old_buffer_name(env):
+    fixed = _renamed(env)
+    fixed.pop("NCCL_ALGO")
+    fixed["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"  # the advice for torch before 2.13: works, but the name is deprecated
     return fixed
 
 
@@ -64,4 +88,7 @@ WRONG = [
     ("fix_nccl_env", fix_env_drops_everything, "it is system configuration"),
     ("fix_nccl_env", fix_env_keeps_algo, "NCCL_ALGO"),
     ("fix_nccl_env", fix_env_deletes_async, "rename it to TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+    ("fix_nccl_env", fix_env_recorder_still_off, "TORCH_FR_BUFFER_SIZE=0 turns off the flight recorder"),
+    ("fix_nccl_env", fix_env_drops_the_dump, "keep TORCH_NCCL_DUMP_ON_TIMEOUT=1"),
+    ("fix_nccl_env", fix_env_old_buffer_name, "deprecated in favour of TORCH_FR_BUFFER_SIZE"),
 ]
