@@ -347,7 +347,7 @@ for rank, where in err.stuck.items():
 # %% [markdown]
 # Rank 0 is "waiting in all_reduce"; rank 1 is in `time.sleep`, on the line that skipped it. On a cluster the
 # same information comes from `py-spy dump --pid` on each rank, or from the flight recorder
-# (`TORCH_NCCL_TRACE_BUFFER_SIZE`) with NCCL.
+# with NCCL (on by default in torch 2.13, `TORCH_FR_BUFFER_SIZE` entries; chapter 10 has the settings).
 #
 # **Drill 2: mismatched shapes.** Rank 0 all-reduces 4 elements, rank 1 five. Both called the same
 # collective, in the same order, so no one waits; the *sizes* disagree. What does gloo do?
