@@ -3,7 +3,8 @@
 Three layers, because each alone has a hole:
 1. every rank keeps a socket to the notebook and exits the moment it closes (``workers/pool.py``);
 2. on Linux each torchrun agent gets ``PR_SET_PDEATHSIG``: if the notebook's kernel dies, the agent is
-   sent SIGTERM and takes its workers down with it;
+   sent SIGKILL (not SIGTERM: torchrun's SIGTERM handler sometimes hung in its own shutdown with its workers
+   already gone, about one kill in six here, and the agent lived on as an orphan); its ranks leave by 1.;
 3. every job is written to a registry (one small JSON file per job in the user's cache). The next time
    any notebook starts a job, jobs whose owner is dead are killed here ("stale jobs are reaped").
 """
@@ -126,8 +127,9 @@ def reap_stale() -> int:
 
 
 def die_with_parent() -> None:
-    """``preexec_fn`` for the torchrun agent: SIGTERM it when the process that started it dies (Linux)."""
+    """``preexec_fn`` for the torchrun agent: SIGKILL it when the thread that started it dies (Linux; the
+    launcher starts agents from the caller's thread, so that is the notebook's kernel)."""
     os.setsid()  # its own process group, so a cancel can signal the agent without touching the notebook
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

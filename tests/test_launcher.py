@@ -147,17 +147,24 @@ def test_ranks_leave_when_their_notebook_is_killed(tmp_path):
     # A "notebook" process starts warm ranks, then is killed with SIGKILL (no atexit, no cleanup).
     script = textwrap.dedent("""
         import course_utils as cu
+        from course_utils import launcher
         res = cu.run("workers.hello", world_size=2)
+        agents = [a.pid for job in launcher._pools.values() for a in job.agents]
         print(" ".join(str(p) for p in res.gather("pid")), flush=True)
+        print(" ".join(str(p) for p in agents), flush=True)
         import time; time.sleep(600)
     """)
     env = dict(os.environ, COURSE_CACHE_DIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2
+    agents = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and len(agents) == 1
     proc.kill()
     proc.wait()
     assert _gone(pids, within=15)  # the ranks saw their socket close and left
+    # and the torchrun agent got its parent-death signal: nothing is left for a reaper that may never run
+    # (this registry is in a temporary folder no later launch will look at)
+    assert _gone(agents, within=15)
 
 
 def test_stale_jobs_of_a_dead_owner_are_reaped(tmp_path, monkeypatch):
