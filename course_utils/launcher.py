@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from course_utils.jobs import RankJob
 from course_utils.results import CourseError, InvalidParameter, JobCancelled, RunResult
-from course_utils.validate import check_params, max_world_size
+from course_utils.validate import check_params, max_world_size, takes_param
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL give up on a collective after this (a stuck rank)
@@ -230,7 +230,12 @@ class Job:
 def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT_S, seed: int = 0,
            warm: bool = True, nnodes: int = 1, env: dict | None = None, collective_timeout: float | None = None,
            on_event: Callable[[str, int, dict], None] | None = None, **params: Any) -> Job:
-    """Start ``worker`` on ``world_size`` ranks and return at once. Parameters are checked first."""
+    """Start ``worker`` on ``world_size`` ranks and return at once. Parameters are checked first.
+
+    ``seed`` seeds every rank's random generators before the run, and is also the worker's own ``seed``
+    parameter when its ``main`` has one (the data or weights it draws from it): one seed, not two."""
+    if takes_param(worker, "seed"):
+        params = {**params, "seed": seed}
     check_params(worker, world_size, params, nnodes=nnodes)
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise InvalidParameter(f"timeout must be a positive number of seconds, not {timeout!r}")

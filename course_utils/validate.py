@@ -84,6 +84,15 @@ def check_world_size(world_size, nnodes: int = 1) -> None:
         raise InvalidParameter(f"nnodes={nnodes!r} must be a whole number that divides world_size={world_size}")
 
 
+def takes_param(worker: str, name: str) -> bool:
+    """Whether the worker's ``main`` has a parameter ``name`` (False for an unknown worker: check_params says why)."""
+    try:
+        main = getattr(load_worker(worker), "main", None)
+    except InvalidParameter:
+        return False
+    return main is not None and name in inspect.signature(main).parameters
+
+
 def check_params(worker: str, world_size, params: dict, *, nnodes: int = 1) -> None:
     check_world_size(world_size, nnodes)
     module = load_worker(worker)

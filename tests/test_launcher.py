@@ -40,6 +40,15 @@ def test_results_come_back_from_every_rank():
     assert res.backend == "gloo" and res.devices == ["cpu"] * 4
 
 
+def test_the_seed_reaches_a_worker_that_takes_one():
+    # cu.run's seed seeds the ranks' generators and is the worker's own `seed` parameter when main has one: a
+    # run "at seed 7" must not silently draw seed 0's data (as chapter 14's seeded tests once did)
+    runs = {seed: cu.run("workers.ch14_ring_attention", world_size=2, seq=8, seed=seed) for seed in (0, 7)}
+    assert [runs[s][0]["config"]["seed"] for s in (0, 7)] == [0, 7]
+    assert runs[0][0]["out"].ne(runs[7][0]["out"]).any()  # other inputs, other attention outputs
+    assert cu.run("workers.hello", world_size=1, value=1.0, seed=3).gather("sum") == [1.0]  # no seed parameter
+
+
 def test_warm_rerun_reuses_ranks_and_says_so():
     first = cu.run("workers.hello", world_size=2, value=0.0)
     again = cu.run("workers.hello", world_size=2, value=5.0)

@@ -291,7 +291,8 @@ def _cli_params(main: Callable, argv: list[str]) -> dict:
 def entrypoint(main: Callable, argv: list[str] | None = None) -> None:
     """``if __name__ == "__main__": entrypoint(main)`` at the bottom of every worker."""
     params = _cli_params(main, sys.argv[1:] if argv is None else argv)
-    seed_all(int(os.environ.get("COURSE_SEED", 0)))
+    # one seed: a worker's own --seed also seeds the generators, as the launcher's seed does
+    seed_all(int(params.get("seed", os.environ.get("COURSE_SEED", 0))))
     ctx = init_distributed()
     try:
         out = main(ctx, **params)
