@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from course_utils import reaper
+from course_utils import reaper, scratch
 from course_utils.results import JobCancelled, JobTimeout, RunResult, WorkerFailed, merge_result
 from workers import protocol
 
@@ -64,6 +64,7 @@ class RankJob:
         self.nproc_per_node = world_size // nnodes
         self.label = label
         self.id = f"{os.getpid()}-{next(_job_counter)}-{uuid.uuid4().hex[:6]}"
+        self.log_dir = scratch.job_log_dir(self.id)  # torchrun's per-rank log files, removed by close()
         self.collective_timeout_s = collective_timeout_s
         # Starting torchrun and importing torch takes 5 s on an idle 2-core machine, minutes on a loaded one.
         self.startup_timeout_s = startup_timeout_s or float(os.environ.get("COURSE_STARTUP_TIMEOUT", 300))
@@ -100,8 +101,13 @@ class RankJob:
             "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
         })
         env.update({k: str(v) for k, v in self._env.items()})
+        # --tee=3 makes torchrun write each rank's stdout/stderr to files under --log-dir and tail them to its own
+        # stdout (read by _read_agent); given no --log-dir it makes a torchelastic_* folder in the system temp
+        # directory per launch, which nothing ever removes.
+        self._register()  # on record (for the reaper, should this notebook die) before the folder exists
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         common = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc_per_node}",
-                  "--max-restarts=0", "--monitor-interval=0.1", "--tee=3"]
+                  "--max-restarts=0", "--monitor-interval=0.1", "--tee=3", f"--log-dir={self.log_dir}"]
         if self.nnodes == 1:
             commands = [common + ["--standalone", "-m", "workers.pool"]]
         else:
@@ -172,7 +178,7 @@ class RankJob:
                 self.conns[rank] = conn
                 self.hello[rank] = data
             try:
-                reaper.register(self.id, self.pids())
+                reaper.register(self.id, self.pids(), log_dir=str(self.log_dir))
             except OSError as exc:
                 self.output.append(f"[course] could not update the job registry: {exc}")
 
@@ -415,4 +421,5 @@ class RankJob:
             except OSError:
                 pass
         self._listener.close()
+        scratch.remove_job_log_dir(self.log_dir)  # after the agents are gone: nothing writes there any more
         reaper.unregister(self.id)

@@ -6,7 +6,8 @@ Three layers, because each alone has a hole:
    sent SIGKILL (not SIGTERM: torchrun's SIGTERM handler sometimes hung in its own shutdown with its workers
    already gone, about one kill in six here, and the agent lived on as an orphan); its ranks leave by 1.;
 3. every job is written to a registry (one small JSON file per job in the user's cache). The next time
-   any notebook starts a job, jobs whose owner is dead are killed here ("stale jobs are reaped").
+   any notebook starts a job, jobs whose owner is dead are killed here ("stale jobs are reaped"), and the
+   torchrun log folder each one recorded (``scratch.job_log_dir``) is removed with them.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import threading
 from pathlib import Path
 
 import psutil
+
+from course_utils import scratch
 
 
 def registry_dir() -> Path:
@@ -51,14 +54,15 @@ def _alive(ident: list) -> bool:
     return _process(ident) is not None
 
 
-def register(job_id: str, pids: list[int]) -> None:
-    """Record (or update) a job's processes. Safe to call from several threads and processes at once: each
-    call writes its own temporary file and renames it over the entry (the last rename wins, whole)."""
+def register(job_id: str, pids: list[int], log_dir: str | None = None) -> None:
+    """Record (or update) a job's processes, and the torchrun log folder to remove with them. Safe to call
+    from several threads and processes at once: each call writes its own temporary file and renames it over
+    the entry (the last rename wins, whole)."""
     owner = _identity(os.getpid())
     idents = [i for i in (_identity(p) for p in pids) if i]
     path = registry_dir() / f"{job_id}.json"
     tmp = path.with_name(f".{job_id}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps({"owner": owner, "pids": idents}))
+    tmp.write_text(json.dumps({"owner": owner, "pids": idents, "log_dir": log_dir}))
     os.replace(tmp, path)
 
 
@@ -108,7 +112,8 @@ def kill_tree(pids: list[int | psutil.Process], *, grace_s: float = 0.0) -> None
 
 
 def reap_stale() -> int:
-    """Kill the processes of jobs whose notebook is gone. Returns how many jobs were reaped."""
+    """Kill the processes of jobs whose notebook is gone, and remove their torchrun log folders. Returns how
+    many jobs were reaped."""
     reaped = 0
     for path in registry_dir().glob("*.json"):
         try:
@@ -121,6 +126,8 @@ def reap_stale() -> int:
             continue
         live = [proc for proc in (_process(ident) for ident in entry.get("pids", [])) if proc is not None]
         kill_tree(live)
+        if entry.get("log_dir"):  # after the kill: a live agent would go on writing into it
+            scratch.remove_job_log_dir(entry["log_dir"])
         path.unlink(missing_ok=True)
         reaped += 1
     return reaped

@@ -13,6 +13,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRATCH = ROOT / "build" / "scratch"
+# torchrun writes each rank's stdout/stderr (what ``--tee`` streams back) and error.json under its log
+# directory; without ``--log-dir`` that is a fresh ``torchelastic_*`` folder in the system temp directory per
+# launch, which nothing removes. Each job gets ``build/scratch/torchelastic/<job id>`` instead, removed when
+# the job closes, or by the reaper when its notebook died first.
+TORCHELASTIC_LOGS = SCRATCH / "torchelastic"
 
 
 def scratch_dir(name: str) -> Path:
@@ -23,3 +28,22 @@ def scratch_dir(name: str) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
+
+
+def job_log_dir(job_id: str) -> Path:
+    """``build/scratch/torchelastic/<job_id>``: where one job's torchrun agents keep their log files."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", job_id) or job_id in (".", ".."):
+        raise ValueError(f"job id {job_id!r}: use letters, digits, '_', '-' and '.' only")
+    return TORCHELASTIC_LOGS / job_id
+
+
+def remove_job_log_dir(path: str | Path) -> None:
+    """Remove a folder made by ``job_log_dir``, in this checkout or another one, and nothing else.
+
+    The reaper reads the path from a registry file, which a stray edit or another program could have
+    changed: only a ``build/scratch/torchelastic/<job id>`` folder is ever deleted.
+    """
+    path = Path(path)
+    *where, name = path.parts[-4:]
+    if path.is_absolute() and where == ["build", "scratch", "torchelastic"] and name != "..":
+        shutil.rmtree(path, ignore_errors=True)

@@ -15,7 +15,9 @@ import course_utils as cu
 from course_utils import context_parallel as cpu
 from course_utils.results import InvalidParameter
 from workers.attention.reference import RELATIVE_TOLERANCE
+from workers.context_parallel.attention import ring_attention_backward, ring_attention_forward
 from workers.context_parallel.blocks import block_kind, work_per_rank
+from workers.context_parallel.ring import Exchange, Ring
 from workers.context_parallel.split import chunk_ids, num_chunks
 
 WORKER, WORLD, LIMITS = "workers.ch14_ring_attention", 4, {"timeout": 60}
@@ -85,3 +87,49 @@ def test_each_rank_sends_two_kv_chunks_per_ring_step(cp):
 def test_invalid_input_is_refused_before_launching(params, fragment):
     with pytest.raises(InvalidParameter, match=fragment):
         cu.run(WORKER, world_size=WORLD, **params, **LIMITS)
+
+
+# -- local lengths are checked before the first send (no ranks needed: the ring's links are recorded) ----------
+
+class LoopbackRing(Ring):
+    """Ring position 0 of 2 whose exchanges never reach a network: each is recorded, and "receives" what it sent."""
+
+    def __init__(self):
+        super().__init__(0, 2, 0, torch.device("cpu"), torch.device("cpu"))
+        self.posted = []
+
+    def exchange(self, tensor, phase, tag=0):
+        self.posted.append((phase, tuple(tensor.shape)))
+        return Exchange([], tensor, tensor.detach().clone(), self.device)
+
+
+def _rows(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, n, 4, generator=gen, dtype=torch.float64)  # [b, h, rows, d]
+
+
+def test_zigzag_ring_refuses_an_odd_local_length_before_sending():
+    # A zigzag rank holds two equal chunks; 3 rows would be cut 2 + 1 by chunk(2) and the ring would start
+    # passing K/V of the wrong chunk sizes. The check must fire before the first exchange is posted.
+    q = _rows(3)
+    ring = LoopbackRing()
+    with pytest.raises(ValueError, match=r"this rank holds 3 rows, which do not cut into the 2 equal chunks of the "
+                                         r"zigzag split: take them with take_local from a seq divisible by 4"):
+        ring_attention_forward(q, q, q, ring, "zigzag", causal=True)
+    lse = torch.zeros(1, 2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="this rank holds 3 rows"):
+        ring_attention_backward(q, q, q, q, lse, q, ring, "zigzag", causal=True)
+    assert ring.posted == []  # nothing went on the wire
+
+
+def test_ring_refuses_q_k_v_of_different_lengths_before_sending():
+    ring = LoopbackRing()
+    with pytest.raises(ValueError, match=r"this rank's tensors hold different numbers of rows \({'q': 4, 'k': 6, "
+                                         r"'v': 4}\)"):
+        ring_attention_forward(_rows(4), _rows(6), _rows(4), ring, "zigzag", causal=True)
+    q = _rows(4)
+    with pytest.raises(ValueError, match=r"different numbers of rows \(.*'lse': 2}\)"):
+        ring_attention_backward(q, q, q, q, torch.zeros(1, 2, 2, dtype=torch.float64), q, ring, "zigzag", causal=True)
+    assert ring.posted == []
+    ring_attention_forward(q, q, q, ring, "zigzag", causal=True)  # 4 rows: two chunks of 2, accepted
+    assert ring.posted == [("forward", (2, 1, 2, 4, 4))]  # K and V, one message, at the one step before the last

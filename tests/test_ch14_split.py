@@ -4,13 +4,16 @@ what each classic mistake does to the one-process ring.
 These are properties of the token layout and the merge alone; the rank tests (``test_ch14_ring_attention.py``)
 check that the ranks really do this work and get full attention from it.
 """
+import re
+
 import pytest
+import torch
 
 from workers.attention.reference import attention_reference, relative_error
 from workers.context_parallel.blocks import block_kind, block_plan, work_per_rank
 from workers.context_parallel.inputs import make_inputs
 from workers.context_parallel.simulate import MISTAKES, one_process_ring
-from workers.context_parallel.split import chunk_ranges, local_positions, split_problem
+from workers.context_parallel.split import chunk_ranges, local_positions, split_problem, take_local
 
 
 @pytest.mark.parametrize("split", ["contiguous", "zigzag"])
@@ -63,6 +66,39 @@ def test_seq_that_does_not_split_is_named():
     assert "divisible by 4" in split_problem(10, 4, "contiguous")
 
 
+@pytest.mark.parametrize("seq, cp, split", [
+    (10, 4, "contiguous"),  # 10 // 4 = 2 tokens a rank: rows 8 and 9 held by no rank
+    (6, 2, "zigzag"),  # zigzag cuts 2*cp = 4 chunks: 6 // 4 = 1 token each, rows 4 and 5 held by no rank
+    (4, 4, "zigzag"),  # 4 // 8 = 0 tokens a chunk: no rank holds anything
+])
+def test_a_seq_that_does_not_split_is_refused_not_truncated(seq, cp, split):
+    # Rounding seq / chunks down would silently leave the last tokens out of every rank, so the loss and the
+    # gradients would cover a shorter sequence than the learner passed. Each entry point refuses it with
+    # split_problem's sentence instead.
+    sentence = re.escape(split_problem(seq, cp, split))
+    x = torch.arange(float(seq)).view(1, 1, seq, 1)  # [b, h, seq, d]
+    for rank in range(cp):
+        with pytest.raises(ValueError, match=f"^{sentence}$"):
+            chunk_ranges(seq, cp, rank, split)
+        with pytest.raises(ValueError, match=f"^{sentence}$"):
+            local_positions(seq, cp, rank, split)
+        with pytest.raises(ValueError, match=f"^{sentence}$"):
+            take_local(x, seq, cp, rank, split)
+    with pytest.raises(ValueError, match=f"^{sentence}$"):  # the work counts and the one-process ring too
+        work_per_rank(seq, cp, split, True)
+    with pytest.raises(ValueError, match=f"^{sentence}$"):
+        one_process_ring(x, x, x, cp, split)
+
+
+def test_take_local_refuses_a_tensor_that_is_not_the_whole_sequence():
+    # seq says where the chunk boundaries are; x of another length would be cut at the wrong places (a shorter
+    # x raises an index error, a longer one silently loses its tail).
+    x = torch.zeros(1, 2, 12, 4)  # [b, h, 12, d]
+    with pytest.raises(ValueError, match=r"x of shape \(1, 2, 12, 4\) does not hold seq=8 tokens along dim 2"):
+        take_local(x, 8, 2, 0, "zigzag")
+    assert take_local(x, 12, 2, 0, "contiguous").shape == (1, 2, 6, 4)
+
+
 @pytest.mark.parametrize("split", ["contiguous", "zigzag"])
 def test_each_classic_mistake_is_off_by_order_one(split):
     # The ranks' rule and merge in one process, with each mistake injected: the right ring meets the float64
@@ -100,3 +136,9 @@ def test_memory_vs_communication_by_hand():
     assert cpx.min_tokens_to_hide(4, 2, 8, 1e12, 1e9, causal=True) == pytest.approx(1000)
     # seq 8192: cp 8 leaves 1024 tokens >= 1000, cp 16 leaves 512 < 1000
     assert cpx.largest_hidden_cp(8192, 4, 2, 8, 1e12, 1e9, causal=True) == 8
+
+
+def test_a_rank_outside_the_ring_is_refused():
+    # zigzag "rank 2" of cp=2 would get chunks 2 and 1: rank 1's chunks, held twice and merged twice
+    with pytest.raises(ValueError, match=r"rank=2 is not a position in a ring of cp=2 ranks: choose 0 <= rank < 2"):
+        chunk_ranges(8, 2, 2, "zigzag")

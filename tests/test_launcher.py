@@ -152,8 +152,10 @@ def test_invalid_parameters_are_rejected_before_launch(kwargs, fragment):
     assert set(psutil.Process().children(recursive=True)) == before  # nothing was started
 
 
-def test_ranks_leave_when_their_notebook_is_killed(tmp_path):
+def test_ranks_leave_when_their_notebook_is_killed(tmp_path, monkeypatch):
     # A "notebook" process starts warm ranks, then is killed with SIGKILL (no atexit, no cleanup).
+    from course_utils.scratch import SCRATCH
+
     script = textwrap.dedent("""
         import course_utils as cu
         from course_utils import launcher
@@ -161,19 +163,27 @@ def test_ranks_leave_when_their_notebook_is_killed(tmp_path):
         agents = [a.pid for job in launcher._pools.values() for a in job.agents]
         print(" ".join(str(p) for p in res.gather("pid")), flush=True)
         print(" ".join(str(p) for p in agents), flush=True)
+        print(" ".join(job.id for job in launcher._pools.values()), flush=True)
         import time; time.sleep(600)
     """)
     env = dict(os.environ, COURSE_CACHE_DIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     pids = [int(p) for p in proc.stdout.readline().split()]
     agents = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2 and len(agents) == 1
+    log_dir = SCRATCH / "torchelastic" / proc.stdout.readline().strip()  # the job's torchrun logs
     proc.kill()
     proc.wait()
+    assert len(pids) == 2 and len(agents) == 1
     assert _gone(pids, within=15)  # the ranks saw their socket close and left
     # and the torchrun agent got its parent-death signal: nothing is left for a reaper that may never run
     # (this registry is in a temporary folder no later launch will look at)
     assert _gone(agents, within=15)
+    # Only the job's log folder is left, since close() never ran; the next launch's reaper (here: one with this
+    # registry) finds the dead owner and removes the folder the job recorded.
+    assert log_dir.is_dir(), f"the job's torchrun logs are not in {log_dir}"
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    assert reaper.reap_stale() == 1
+    assert not log_dir.exists()
 
 
 def test_stale_jobs_of_a_dead_owner_are_reaped(tmp_path, monkeypatch):
@@ -215,6 +225,44 @@ def test_reaper_spares_a_process_that_reused_a_recorded_pid(tmp_path, monkeypatc
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_torchrun_logs_stay_in_the_jobs_scratch_folder_and_leave_with_the_job(tmp_path, monkeypatch):
+    # torchrun --tee writes each rank's stdout/stderr to files and tails them back; without --log-dir it makes
+    # a torchelastic_* folder in the temp directory per launch and nobody removes it (thousands piled up).
+    # The job's own folder, build/scratch/torchelastic/<job id>, holds them instead, the lines still reach the
+    # notebook with their rank, and closing the job removes the folder.
+    from course_utils.scratch import SCRATCH
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the agents inherit it: tempfile.mkdtemp would land here
+    job = cu.launch("tests.rank_helpers.say", world_size=2, text="tee check", warm=False, timeout=60)
+    res = job.wait()
+    rank_job = job._rank_job
+    assert rank_job.closed
+    assert not list(tmp_path.glob("torchelastic_*")), sorted(tmp_path.iterdir())
+    log_dir = SCRATCH / "torchelastic" / rank_job.id
+    for rank, r in enumerate(res.ranks):  # the ranks' torchrun files were in the job's folder while it ran
+        assert r["error_file"].startswith(f"{log_dir}{os.sep}"), r["error_file"]
+        for stream in ("stdout", "stderr"):
+            assert f"[rank {rank}] tee check on {stream} from rank {rank}" in rank_job.output, list(rank_job.output)
+    assert not log_dir.exists(), sorted(log_dir.rglob("*"))
+
+
+def test_the_reaper_removes_only_torchrun_log_folders(tmp_path, monkeypatch):
+    # The registry is a file anyone can edit: a recorded path that is not build/scratch/torchelastic/<job id>
+    # must survive, even when its job is reaped.
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path / "cache"))
+    dead_owner = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_owner.wait()
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    logs = tmp_path / "build" / "scratch" / "torchelastic" / "1-1-abcdef"
+    logs.mkdir(parents=True)
+    for name, folder in (("other", precious), ("job", logs)):
+        (reaper.registry_dir() / f"{name}.json").write_text(json.dumps(
+            {"owner": [dead_owner.pid, 1.0], "pids": [], "log_dir": str(folder)}))
+    assert reaper.reap_stale() == 2
+    assert precious.is_dir() and not logs.exists()
 
 
 def test_startup_timeout_says_which_ranks_never_connected_and_leaves_nothing():

@@ -107,3 +107,16 @@ def test_tensor_parallel_groups_inside_one_world(tp_size):
     assert report.ok, report
     broken, cfg = run(4, tp_size=2, fault="drop_forward_all_reduce")
     assert not tp_check.compare(broken, "block", cfg, seq=SEQ, batch=BATCH).ok
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_a_refused_block_creates_no_process_group(activation):
+    # n_kv_heads=1 < tp=2 replicates the KV head, so the attention makes a KV-replica group; ffn_hidden=33 does
+    # not split over 2 ranks. Every size must be checked before any dist.new_group: a group made and then
+    # abandoned by the refusal stays on the warm ranks, one more per failed attempt.
+    res = cu.run("tests.rank_helpers.block_refusals", world_size=2, n_kv_heads=1, ffn_hidden=33,
+                 activation=activation, timeout=60)
+    for r in res.ranks:
+        assert r["new_group_calls"] == 0 and r["groups_added"] == 0, r
+        assert r["error"] == ("ffn_hidden=33 is not divisible by the tensor-parallel size 2: "
+                              "choose a tensor-parallel size that divides 33")

@@ -207,3 +207,25 @@ def test_memory_worker_refuses_empty_runs_before_launch_in_one_sentence():
         cu.run("workers.ch11_memory", 1, **{**SMALL, "steps": 0})
     with pytest.raises(cu.InvalidParameter, match=r"leak='forever' is not known"):
         cu.run("workers.ch11_memory", 1, **{**SMALL, "leak": "forever"})
+
+
+# -- refused constructions touch nothing -----------------------------------------------------------------
+
+@pytest.mark.parametrize("case, message", [
+    ("in_two_groups", "a parameter of group 1 is already in group 0; list each tensor in one parameter group only."),
+    ("twice_in_a_group_then_in_another",
+     "a parameter of group 1 is already in group 0; list each tensor in one parameter group only."),
+    ("later_group_mixes_dtypes", "parameter group 1 mixes dtypes torch.float32, torch.float64; put the parameters "
+                                 "of each dtype in a parameter group of their own."),
+    ("optimizer_refuses_an_option", "Invalid learning rate: -1.0"),  # torch.optim.SGD's own sentence
+])
+def test_a_refused_construction_leaves_every_ranks_parameters_untouched(case, message):
+    # Every check must come before the first flatten and broadcast: group 0 is valid in every case, so a check
+    # made group by group would already have overwritten rank 1's weights with rank 0's (and re-pointed every
+    # rank's p.data into a flat buffer) by the time group 1 is refused.
+    res = cu.run("tests.rank_helpers.zero1_refusals", 2, case=case, timeout=60)
+    for rank, r in enumerate(res.ranks):  # rank 1 first shows a broadcast: its weights became rank 0's
+        assert r["values_kept"] == ["a", "b", "c"], f"rank {rank}'s weights changed: only {r['values_kept']} kept"
+    for rank, r in enumerate(res.ranks):  # a flatten alone re-points p.data, on rank 0 too
+        assert r["memory_kept"] == ["a", "b", "c"], f"rank {rank}'s p.data re-pointed: only {r['memory_kept']} kept"
+        assert r["error"] == message, (rank, r["error"])  # the same one sentence on every rank

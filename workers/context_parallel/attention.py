@@ -21,7 +21,28 @@ from workers.attention.reference import attention_reference
 from workers.attention.tiled import tiled_attention_backward
 from workers.context_parallel.blocks import block_kind, ring_source
 from workers.context_parallel.ring import GRAD_TAG, KV_TAG, Ring
-from workers.context_parallel.split import chunk_ids
+from workers.context_parallel.split import chunk_ids, num_chunks
+
+
+def _local_chunks(ring: Ring, split: str, rows: dict, lse=None) -> int:
+    """How many chunks this rank's rows hold (1 contiguous, 2 zigzag), after checking that they cut into them.
+
+    Checked before the first send: ``chunk(2)`` of an odd length makes two unequal parts without complaint,
+    so a zigzag rank holding 2k+1 rows would compute wrong blocks and pass wrongly sized K/V around the ring.
+    ``rows`` names the tensors ``[b, h, s/cp, d]`` that must all hold the same rows.
+    """
+    n = len(chunk_ids(ring.cp, ring.index, split))
+    lengths = {name: t.shape[-2] for name, t in rows.items()}
+    if lse is not None:
+        lengths["lse"] = lse.shape[-1]  # [b, h, s/cp]
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"this rank's tensors hold different numbers of rows ({lengths}): take each with "
+                         "take_local from the same sequence")
+    local = lengths["q"]
+    if local < n or local % n:
+        raise ValueError(f"this rank holds {local} rows, which do not cut into the {n} equal chunks of the {split} "
+                         f"split: take them with take_local from a seq divisible by {num_chunks(ring.cp, split)}")
+    return n
 
 
 def _blocks(ring: Ring, step: int, split: str, causal: bool):
@@ -36,7 +57,7 @@ def ring_attention_forward(q, k, v, ring: Ring, split: str, causal: bool, softma
 
     ``log``: one ``(step, q_chunk, k_chunk, kind)`` per block met, skipped ones included (what was computed).
     """
-    n = len(chunk_ids(ring.cp, ring.index, split))  # local chunks: 1 (contiguous) or 2 (zigzag)
+    n = _local_chunks(ring, split, {"q": q, "k": k, "v": v})  # local chunks: 1 (contiguous) or 2 (zigzag)
     q_parts = q.chunk(n, dim=-2)  # n x [b, h, s/(n cp), d]
     out = [torch.zeros(p.shape, dtype=torch.float64, device=q.device) for p in q_parts]  # merged so far
     lse = [torch.full(p.shape[:-1], float("-inf"), dtype=torch.float64, device=q.device) for p in q_parts]
@@ -59,7 +80,7 @@ def ring_attention_forward(q, k, v, ring: Ring, split: str, causal: bool, softma
 
 def ring_attention_backward(q, k, v, out, lse, dout, ring: Ring, split: str, causal: bool, softmax_scale=None):
     """``(dq, dk, dv)``, each ``[b, h, s/cp, d]``, for this rank's chunks, from the forward's out and lse."""
-    n = len(chunk_ids(ring.cp, ring.index, split))
+    n = _local_chunks(ring, split, {"q": q, "k": k, "v": v, "out": out, "dout": dout}, lse)
     f64 = lambda t: t.to(torch.float64)  # noqa: E731 - blocks in float64, like the forward
     q_parts, o_parts, do_parts = (f64(t).chunk(n, dim=-2) for t in (q, out, dout))
     l_parts = f64(lse).chunk(n, dim=-1)  # the *final* lse: P of every block is exp(S - lse), already normalised

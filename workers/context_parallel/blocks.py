@@ -11,7 +11,7 @@ score entries those blocks compute (block area): FLOPs are proportional to the s
 """
 from __future__ import annotations
 
-from workers.context_parallel.split import chunk_ids, num_chunks
+from workers.context_parallel.split import check_split, chunk_ids, num_chunks
 
 KINDS = ("full", "diagonal", "skip")
 
@@ -43,6 +43,7 @@ def block_plan(cp: int, split: str, causal: bool) -> list[list[list[tuple[int, i
 
 def work_per_rank(seq: int, cp: int, split: str, causal: bool) -> list[dict]:
     """Per rank: blocks computed (not skipped), of which diagonal, and the score entries computed."""
+    check_split(seq, cp, split)  # seq // chunks would round down and count work for fewer tokens than seq
     size = seq // num_chunks(cp, split)  # tokens per chunk
     rows = []
     for steps in block_plan(cp, split, causal):

@@ -11,7 +11,7 @@ import torch
 from workers.attention.api import online_softmax_merge
 from workers.attention.reference import attention_reference
 from workers.context_parallel.blocks import block_kind, ring_source
-from workers.context_parallel.split import chunk_ids, num_chunks
+from workers.context_parallel.split import check_split, chunk_ids, num_chunks
 
 
 def one_process_ring(q, k, v, cp: int, split: str, causal: bool = True, rule=block_kind,
@@ -21,6 +21,7 @@ def one_process_ring(q, k, v, cp: int, split: str, causal: bool = True, rule=blo
     ``merge`` folds a block into the running (out, lse); ``arrived(rank, step, cp)`` is the rank whose K/V
     really reached ``rank`` at ``step``, while the rank believes it holds ``ring_source``'s (they differ when
     the ring sends the wrong way)."""
+    check_split(q.shape[-2], cp, split)  # an uneven cut would leave the last rows out of every block
     size = q.shape[-2] // num_chunks(cp, split)
     part = lambda t, c: t[:, :, c * size:(c + 1) * size]  # noqa: E731 - chunk c of [b, h, s, d]
     out = torch.zeros(q.shape, dtype=torch.float64)

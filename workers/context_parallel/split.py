@@ -31,8 +31,22 @@ def chunk_ids(cp: int, rank: int, split: str) -> list[int]:
     return [rank]
 
 
+def check_split(seq: int, cp: int, split: str) -> None:
+    """Raise ``split_problem``'s sentence as a ValueError when ``seq`` does not cut into equal chunks.
+
+    Every function that turns a sequence into chunks calls it: ``seq // chunks`` would otherwise round down
+    and drop the last ``seq % chunks`` tokens without a word (seq=10 at cp=4 loses rows 8 and 9).
+    """
+    problem = split_problem(seq, cp, split)
+    if problem:
+        raise ValueError(problem)
+
+
 def chunk_ranges(seq: int, cp: int, rank: int, split: str) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` token ranges of this rank's chunks, in local storage order."""
+    check_split(seq, cp, split)
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} is not a position in a ring of cp={cp} ranks: choose 0 <= rank < {cp}")
     size = seq // num_chunks(cp, split)
     return [(c * size, (c + 1) * size) for c in chunk_ids(cp, rank, split)]
 
@@ -44,6 +58,9 @@ def local_positions(seq: int, cp: int, rank: int, split: str) -> torch.Tensor:
 
 def take_local(x: torch.Tensor, seq: int, cp: int, rank: int, split: str) -> torch.Tensor:
     """This rank's rows of ``x`` [b, h, seq, d] along the sequence dim: ``[b, h, seq/cp, d]``."""
+    if x.dim() < 3 or x.shape[2] != seq:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not hold seq={seq} tokens along dim 2 ([b, h, seq, d]): "
+                         "pass the whole sequence, and its length as seq")
     return x[:, :, local_positions(seq, cp, rank, split).to(x.device)].contiguous()  # [b, h, s/cp, d]
 
 
@@ -51,6 +68,8 @@ def split_problem(seq: int, cp: int, split: str) -> str | None:
     """One sentence saying what to change when ``seq`` cannot be split, else None."""
     if split not in SPLITS:
         return f"split={split!r} is not known: choose one of {', '.join(SPLITS)}"
+    if cp < 1:
+        return f"cp={cp} leaves no rank to hold the sequence: choose cp >= 1"
     n = num_chunks(cp, split)
     if seq < n or seq % n:
         why = f"2*cp = {n} chunks (zigzag)" if split == "zigzag" else f"cp = {n} chunks"

@@ -28,11 +28,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel import mappings
-from workers.parallel.attention import ParallelAttention
+from workers.parallel.attention import ParallelAttention, head_problem
 from workers.parallel.comm_stats import PARAMETER, region
 from workers.parallel.dense import BlockConfig, DenseBlock, SharedMaskDropout
+from workers.parallel.dense import problem as dense_problem
 from workers.parallel.layers import group_size_rank, replicated_parameter
 from workers.parallel.mlp import ParallelMLP
+
+
+def block_problem(cfg: BlockConfig, tp: int) -> str | None:
+    """One sentence saying why ``cfg`` cannot be split over ``tp`` ranks, or None: every rule of the layer.
+
+    The dense shape (hidden % n_heads, n_heads % n_kv_heads, ...), the heads over TP (n_heads % tp, and
+    n_kv_heads and tp dividing one another), the MLP's ffn % tp; hidden % tp follows from hidden % n_heads
+    and n_heads % tp. ``ParallelBlock`` checks all of them before building anything, because the attention
+    creates its KV-replica process groups (when n_kv_heads < tp) before the MLP would find a bad ffn.
+    """
+    return (dense_problem(cfg) or head_problem(cfg.n_heads, cfg.kv_heads, tp)
+            or (f"ffn_hidden={cfg.ffn} is not divisible by the tensor-parallel size {tp}: "
+                f"choose a tensor-parallel size that divides {cfg.ffn}" if cfg.ffn % tp else None))
 
 
 class ParallelLayerNorm(nn.Module):
@@ -67,10 +81,14 @@ class ParallelBlock(nn.Module):
     def __init__(self, cfg: BlockConfig, group=None, *, sequence_parallel: bool = False, device=None, dtype=None,
                  _dense: DenseBlock | None = None):
         super().__init__()
+        self.tp, self.rank = group_size_rank(group)
+        # All sizes first: a refusal after dist.new_group would leave a process group behind on warm ranks.
+        problem = block_problem(cfg, self.tp)
+        if problem:
+            raise ValueError(problem)
         if _dense is None:
             _dense = DenseBlock(cfg, device, dtype)
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
-        self.tp, self.rank = group_size_rank(group)
         sp = dict(sequence_parallel=sequence_parallel)
         self.ln1 = ParallelLayerNorm(_dense.ln1, group, sequence_parallel)
         self.attention = ParallelAttention.from_dense(_dense.attention, group, **sp)

@@ -87,15 +87,26 @@ def params_partition(numels: list[int], n: int) -> tuple[list[int], int, list[li
     return offsets, shard, ranges
 
 
+def group_problem(params: list[torch.nn.Parameter], index: int) -> str | None:
+    """One sentence if parameter group ``index`` cannot share one flat buffer (one dtype, one device), else None."""
+    for what in ("dtype", "device"):
+        kinds = sorted({str(getattr(p, what)) for p in params})
+        if len(kinds) > 1:
+            return (f"parameter group {index} mixes {what}s {', '.join(kinds)}; put the parameters of each "
+                    f"{what} in a parameter group of their own.")
+    return None
+
+
+def _options(spec: dict) -> dict:
+    """A parameter group's own options (lr, weight_decay, ...), without its parameters."""
+    return {k: v for k, v in spec.items() if k != "params"}
+
+
 class _FlatGroup:
     """One parameter group laid out in two flat buffers (parameters, gradients) of n_shards * S elements."""
 
     def __init__(self, params: list[torch.nn.Parameter], partition: str, n_shards: int, rank: int):
-        dtypes = {p.dtype for p in params}
-        devices = {p.device for p in params}
-        if len(dtypes) > 1 or len(devices) > 1:
-            raise ValueError(f"a parameter group mixes dtypes {sorted(map(str, dtypes))} or devices "
-                             f"{sorted(map(str, devices))}; put parameters of different dtype/device in separate groups.")
+        # ``Zero1Optimizer`` has checked that ``params`` share one dtype and one device (``group_problem``).
         self.params = params
         numels = [p.numel() for p in params]
         split = flat_partition if partition == "flat" else params_partition
@@ -156,21 +167,12 @@ class Zero1Optimizer:
         self.partition, self.grad_sync, self.master_weights = partition, grad_sync, master_weights
         self.groups: list[_FlatGroup] = []
         self.inner_params: list[list[torch.nn.Parameter]] = []
+        # Every check comes before the first flatten: the broadcast below overwrites the other ranks' weights,
+        # so a construction refused halfway would hand the learner a model already changed on ranks 1..N-1.
+        specs = self._validated_groups(params)
+        self._check_optimizer_options(optimizer_class, specs, master_weights, defaults)
         inner_groups = []
-        seen: set[int] = set()
-        for spec in self._param_groups(params):
-            unique = []
-            for p in spec["params"]:
-                if not p.requires_grad:
-                    continue
-                if id(p) in seen:
-                    if any(q is p for q in unique):
-                        continue  # listed twice in one group (a tied weight): one tensor, stepped once
-                    raise ValueError("a parameter appears in more than one parameter group; list each tensor in one group.")
-                seen.add(id(p))
-                unique.append(p)
-            if not unique:
-                continue
+        for spec, unique in specs:
             flat = _FlatGroup(unique, partition, self.n_shards, self.shard_rank)
             src = dist.get_global_rank(group, 0) if group is not None else 0
             dist.broadcast(flat.flat_params, src=src, group=group)  # replicas start equal, as in DDP
@@ -183,11 +185,52 @@ class Zero1Optimizer:
                     inner.append(torch.nn.Parameter(view))
             self.groups.append(flat)
             self.inner_params.append(inner)
-            inner_groups.append({**{k: v for k, v in spec.items() if k != "params"}, "params": inner})
-        if not self.groups:
-            raise ValueError("Zero1Optimizer got no parameter that requires a gradient; pass model.parameters().")
+            inner_groups.append({**_options(spec), "params": inner})
         kept = [g for g in inner_groups if g["params"]]
         self.optimizer = optimizer_class(kept, **defaults) if kept else None  # a rank may own nothing (tiny models)
+
+    @classmethod
+    def _validated_groups(cls, params) -> list[tuple[dict, list[torch.nn.Parameter]]]:
+        """``(group spec, its parameters to step)`` for every group that has one, after every check.
+
+        A tensor listed twice in one group is a tied weight (embedding and LM head): kept once. A tensor in
+        two groups would be stepped twice with two sets of options: refused.
+        """
+        specs, group_of = [], {}
+        for index, spec in enumerate(cls._param_groups(params)):
+            unique = []
+            for p in spec["params"]:
+                if not p.requires_grad:
+                    continue
+                if id(p) in group_of:
+                    if group_of[id(p)] == index:
+                        continue  # listed twice in this group (a tied weight): one tensor, stepped once
+                    raise ValueError(f"a parameter of group {index} is already in group {group_of[id(p)]}; "
+                                     "list each tensor in one parameter group only.")
+                group_of[id(p)] = index
+                unique.append(p)
+            if unique:
+                problem = group_problem(unique, index)
+                if problem:
+                    raise ValueError(problem)
+                specs.append((spec, unique))
+        if not specs:
+            raise ValueError("Zero1Optimizer got no parameter that requires a gradient; pass model.parameters().")
+        return specs
+
+    @staticmethod
+    def _check_optimizer_options(optimizer_class: type, specs, master_weights: bool, defaults: dict) -> None:
+        """Let the wrapped optimizer refuse its options (a negative lr, betas out of range) now, on stand-ins.
+
+        Built for real it would refuse them only after the broadcast, and not at all on a rank that owns no
+        element (tiny models): that rank would go on alone and wait forever in the first step's collective.
+        """
+        stand_ins = []
+        for spec, unique in specs:
+            dtype = torch.float32 if master_weights else unique[0].dtype  # what the real shard will hold
+            stand_in = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=unique[0].device))
+            stand_ins.append({**_options(spec), "params": [stand_in]})
+        optimizer_class(stand_ins, **defaults)
 
     @staticmethod
     def _param_groups(params) -> list[dict]:
