@@ -1,7 +1,8 @@
 """Three evaluation gates a post-training run must pass before it ships, as functions with thresholds.
 
-1. training health: every logged loss finite, grad norm (before clipping) bounded, KL to the reference
-   below a limit: a run that broke is not evaluated further;
+1. training health: every logged loss finite, no grad-norm spike (no step's norm before clipping far above
+   the run's typical step), the typical KL to the reference below a limit: a run that broke is not
+   evaluated further;
 2. regression: the held-out loss of the base skill (here the SFT answers) no worse than the starting
    model's by more than a margin: post-training must not forget what it started with;
 3. target and safety: reward / accuracy on the task above a floor, and the rate of forbidden outputs
@@ -9,19 +10,33 @@
 
 Each gate returns a ``Gate`` (name, passed, reasons); ``run_gates`` applies all three to a run's result as
 the workers return it: {"history": [...], "before": {...}, "after": {...}}.
+
+The thresholds are set from the spread of healthy runs and of the lr x 30 run, over seeds and over the CPU
+kernels learners' machines run (``python -m course_utils.cpu_spread ch12_grpo``; the numbers are in
+``Thresholds``). Statistics of one step (the largest grad norm, the largest KL) are the noisiest numbers a
+run logs: the same healthy run peaked at grad norm 9 on one CPU and 112 on an AVX-512 Xeon. A gate compares each
+step with the run's own median instead, as a loss-spike detector does (chapter 09), and reads the KL's
+median over steps.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    max_grad_norm: float = 50.0
-    max_kl: float = 1.5  # mean per-token KL to the reference, nats
-    max_regression: float = 0.25  # held-out loss may rise by at most this much (nats per answer token)
-    min_accuracy: float = 0.30  # greedy exact-match on held-out prompts
+    """Measured over 30 healthy runs and 30 at lr x 30 (seeds 0-5 x native, AVX2, plain, MKL-compatible and
+    2-thread kernels; ``python -m course_utils.cpu_spread ch12_grpo``), each threshold sits well inside the gap:"""
+    # largest grad norm (before clipping) over the run's median: healthy <= 12, lr x 30 >= 320
+    max_grad_norm_ratio: float = 100.0
+    # median over steps of the mean per-token KL to the reference, nats: healthy <= 0.28, lr x 30 >= 1.8
+    max_median_kl: float = 1.0
+    # held-out loss may rise by at most this much (nats per answer token): healthy <= 0.29, lr x 30 >= 1.4
+    max_regression: float = 0.5
+    # greedy exact match on the 20 held-out prompts: healthy >= 0.35 (7 right), lr x 30 <= 0.15 (3 right)
+    min_accuracy: float = 0.25
     max_forbidden_rate: float = 0.01
 
 
@@ -41,11 +56,17 @@ def training_health(history: list[dict], t: Thresholds = Thresholds()) -> Gate:
     if bad:
         reasons.append(f"non-finite loss at step {bad[0]}")
     norms = [h["grad_norm"] for h in history]
-    if norms and not max(norms) <= t.max_grad_norm:
-        reasons.append(f"grad norm {max(norms):.3g} above {t.max_grad_norm:g}")
+    bad = [h["step"] for h in history if not math.isfinite(h["grad_norm"])]
+    if bad:
+        reasons.append(f"non-finite grad norm at step {bad[0]}")
+    elif norms:
+        peak, typical = max(norms), statistics.median(norms)
+        if not peak <= t.max_grad_norm_ratio * typical:  # NaN fails
+            reasons.append(f"grad norm spike: {peak:.3g} at step {norms.index(peak)}, "
+                           f"{peak / typical:.3g}x the median {typical:.3g} (limit {t.max_grad_norm_ratio:g}x)")
     kls = [h["kl"] for h in history if "kl" in h]
-    if kls and not max(kls) <= t.max_kl:
-        reasons.append(f"KL to reference {max(kls):.3g} above {t.max_kl:g}")
+    if kls and not statistics.median(kls) <= t.max_median_kl:
+        reasons.append(f"median KL to reference {statistics.median(kls):.3g} above {t.max_median_kl:g}")
     return Gate("training health", not reasons, reasons)
 
 

@@ -107,12 +107,13 @@ def test_the_solution_is_feasible_and_the_certificate_holds_even_unconverged():
 
 def test_the_tiny_gpt_head_caps_the_answer_loss_near_1_7_nats():
     # seed 0's frozen random head (std 0.02) and the final LayerNorm at init (gain 1, bias 0): every digit's
-    # floor lies in 1.66 .. 1.84 nats, and the answer tokens of the training prompts average 1.70. Blocks-only
-    # LoRA can change the residual stream only, so its answer-token loss can never go below that.
+    # floor lies in 1.6 .. 1.9 nats (1.665 .. 1.839 here, the same under AVX-512, AVX2 and plain kernels), and
+    # the answer tokens of the training prompts average 1.70. Blocks-only LoRA can change the residual stream
+    # only, so its answer-token loss can never go below that.
     model = make_policy(0)
     assert torch.all(model.ln_f.weight == 1) and torch.all(model.ln_f.bias == 0)
     floor = frozen_head_floor(model.head.weight, range(10), model.ln_f.weight, model.ln_f.bias)
-    assert torch.all((floor.floor > 1.66) & (floor.floor < 1.84)), floor.floor
+    assert torch.all((floor.floor > 1.6) & (floor.floor < 1.9)), floor.floor
     answers = task.sequences(task.split_pairs()[0])[:, task.PROMPT_LEN:].reshape(-1).tolist()
     assert floor.mean_over(answers) == pytest.approx(1.70, abs=0.01)
     assert TOY.d_model == floor.z.shape[1]

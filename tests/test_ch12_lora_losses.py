@@ -192,10 +192,35 @@ def test_grpo_loss_at_ratio_one_is_minus_mean_advantage_and_kl_is_nonnegative():
 
 # -- gates -------------------------------------------------------------------------------------------------
 
-def _result(loss=1.0, norm=1.0, kl=0.1, before=1.0, after=1.05, acc=0.5, forbidden=0.0):
-    hist = [{"step": i, "loss": loss, "grad_norm": norm, "kl": kl} for i in range(3)]
+def _result(loss=1.0, norms=(1.0, 1.2, 0.9, 1.1), kl=0.1, before=1.0, after=1.05, acc=0.5, forbidden=0.0):
+    hist = [{"step": i, "loss": loss, "grad_norm": n, "kl": kl} for i, n in enumerate(norms)]
     return {"history": hist, "before": {"heldout_loss": before},
             "after": {"heldout_loss": after, "accuracy": acc, "forbidden_rate": forbidden}}
+
+
+def test_gates_pass_a_healthy_result_and_name_each_failure():
+    assert all(g.passed for g in gates.run_gates(_result()))
+    assert gates.verdict(gates.run_gates(_result())) == "ship"
+    cases = {"training health": _result(loss=float("nan")), "regression": _result(after=2.0)}
+    cases["target and safety"] = _result(forbidden=0.2)
+    for name, res in cases.items():
+        failed = [g.name for g in gates.run_gates(res) if not g.passed]
+        assert failed == [name], (name, failed)
+    assert not gates.training_health(_result(kl=10.0)["history"]).passed
+    assert not gates.target_and_safety({"accuracy": 0.1, "forbidden_rate": 0.0}).passed
+
+
+def test_health_judges_a_grad_norm_against_the_runs_own_median():
+    # Every step's norm large but alike is a run with large gradients, not a broken one; one step 1000x the
+    # median is a spike (lr x 30 peaks at >= 1,900x its median; healthy runs at <= 12x on every CPU measured).
+    assert gates.training_health(_result(norms=(80.0, 120.0, 100.0, 90.0))["history"]).passed
+    spiked = gates.training_health(_result(norms=(1.0, 1.2, 1000.0, 0.9, 1.1))["history"])
+    assert not spiked.passed and "step 2" in spiked.reasons[0] and "1e+03" in spiked.reasons[0]
+    assert not gates.training_health(_result(norms=(1.0, float("nan"), 1.0))["history"]).passed
+    # the KL is read as its median over steps: one noisy step does not fail a run, a run that left does
+    one_step = [{"step": i, "loss": 1.0, "grad_norm": 1.0, "kl": k} for i, k in enumerate((0.1, 0.2, 5.0, 0.1))]
+    assert gates.training_health(one_step).passed
+    assert not gates.training_health(_result(kl=2.0)["history"]).passed
 
 
 def test_gates_pass_a_healthy_result_and_name_each_failure():

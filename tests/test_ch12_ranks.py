@@ -1,5 +1,11 @@
 """Chapter 12 on real ranks (gloo, CPU): SFT, DPO and GRPO as the notebook runs them, and the gates applied
-to their results. Seeds are fixed (seed=0), so every criterion below is checked on one deterministic run."""
+to their results.
+
+A seeded run is deterministic on one machine, not across machines: other CPUs' kernels round differently
+(AVX-512, AVX2, plain; even torch.randn rounds its draws differently), so these tiny training runs follow other
+trajectories elsewhere. Every criterion below therefore has a margin over the spread measured across CPU
+kernels and seeds with ``python -m course_utils.cpu_spread ch12_grpo ch12_sft ch12_lora_dpo`` (the ranges
+are quoted next to each assertion)."""
 import pytest
 
 import course_utils as cu
@@ -19,12 +25,11 @@ def healthy():
 
 @pytest.mark.ranks
 def test_sft_then_grpo_raises_the_reward(healthy):
-    # Criterion (seed 0): the mean reward of the last 10 GRPO steps beats the first 5 steps' by >= 0.08
-    # (binary rewards over 128 samples a step: a standard error near 0.04 per step, ~0.015 averaged), and
-    # greedy accuracy on the 20 held-out prompts, never trained on, does not fall.
-    rewards = [h["reward"] for h in healthy[0]["history"]]
-    assert _mean(rewards[-10:]) >= _mean(rewards[:5]) + 0.08, rewards
-    assert healthy[0]["after"]["accuracy"] >= healthy[0]["before"]["accuracy"]
+    # The expected reward on the training prompts (exact: the probability of the right answer, no sampling)
+    # rises by more than 0.02 (measured +0.04 to +0.24). The sampled rewards' rise, last 10 steps against the
+    # first 5, is too noisy to test: 128 binary samples a step, and +0.04 to +0.21 measured.
+    reward = healthy[0]["expected_reward"]
+    assert reward["after"] > reward["before"] + 0.02, reward
 
 
 @pytest.mark.ranks
@@ -32,8 +37,10 @@ def test_gates_pass_the_healthy_run_and_block_a_too_large_learning_rate(healthy)
     assert verdict(run_gates(healthy[0])) == "ship", [str(g) for g in run_gates(healthy[0])]
     broken = cu.run("workers.ch12_grpo", world_size=1, **LIMITS, lr=3e-2)
     failed = {g.name for g in run_gates(broken[0]) if not g.passed}
-    # lr 30x too large: the policy leaves the reference (KL) and forgets the SFT answers (regression)
-    assert {"training health", "regression"} <= failed, failed
+    # lr 30x too large: its grad norm spikes and the policy leaves the reference (KL; training health), it
+    # forgets the SFT answers (regression) and gets the held-out sums wrong (target). Each by a wide margin:
+    # see course_utils/posttrain_gates.py Thresholds for the healthy and broken ranges.
+    assert failed == {"training health", "regression", "target and safety"}, failed
 
 
 @pytest.mark.ranks
@@ -52,8 +59,13 @@ def test_dpo_widens_the_margin_and_prefers_chosen():
     res = cu.run("workers.ch12_dpo", world_size=1, **LIMITS)
     hist = res[0]["history"]
     assert hist[0]["margin"] == pytest.approx(0.0, abs=1e-6)  # policy = reference at step 0
-    assert _mean([h["margin"] for h in hist[-10:]]) > 0.1
-    assert _mean([h["pref_accuracy"] for h in hist[-10:]]) > 0.7
+    # over the last 10 steps (320 pairs) the margin is positive and the chosen answer wins more often than not:
+    # measured 0.13-0.33 and 0.63-0.84; a DPO with the sign or the reference wrong gives <= 0 and <= 0.5
+    assert _mean([h["margin"] for h in hist[-10:]]) > 0.05
+    assert _mean([h["pref_accuracy"] for h in hist[-10:]]) > 0.55
+    # the rejected answer's implicit reward falls (measured -0.24 to -0.36); the chosen one's mostly falls
+    # too, less (-0.15 to +0.04): DPO widens the margin, it does not promise to raise the chosen answer
+    assert _mean([h["rejected_reward"] for h in hist[-10:]]) < 0
 
 
 @pytest.mark.ranks
@@ -62,8 +74,9 @@ def test_lora_sft_trains_only_the_adapters_and_learns():
     r = res[0]
     assert r["trainable_params"] < 0.2 * r["total_params"]
     # our base is a random init, not a pretrained model: with adapters on every Linear, the LM head included,
-    # seed 0 goes 2.52 -> 0.42 (blocks only stalls near 1.9: with the head frozen no residual stream can get
-    # below ~1.7 nats, test_ch12_head_floor). Demand only that it learns: the answer loss falls by >= 15%
+    # the last step's answer loss is 0.13-0.34 of the first's over CPU kernels and seeds (blocks only stalls:
+    # with the head frozen no residual stream gets below the floor of test_ch12_head_floor). Demand only that
+    # it learns: the answer loss falls by >= 15%
     assert r["history"][-1]["answer_loss"] < 0.85 * r["history"][0]["answer_loss"]
 
 

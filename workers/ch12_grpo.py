@@ -5,10 +5,11 @@ and the rewards have signal); the SFT model is the frozen reference.
 
 World n: every rank runs the same SFT (same seed, so the same weights), then samples its own
 ``prompts_per_rank`` prompts x ``group_size`` answers; gradients are averaged and rewards all-gathered.
-Streams loss, reward, KL to the reference, clip fraction and grad norm; returns the history and the
-held-out evaluation of the SFT model (``before``) and of the GRPO policy (``after``).
+Streams loss, reward, KL to the reference, clip fraction and grad norm; returns the history, the
+held-out evaluation of the SFT model (``before``) and of the GRPO policy (``after``), and the expected
+reward on the training prompts before and after (exact, not sampled).
 """
-from workers.posttrain.train import evaluate, frozen_copy, grpo, make_policy, sft
+from workers.posttrain.train import evaluate, expected_reward, frozen_copy, grpo, make_policy, sft
 from workers.runtime import entrypoint
 
 
@@ -36,11 +37,13 @@ def main(ctx, steps: int = 40, sft_steps: int = 150, lr: float = 1e-3, group_siz
     sft(policy, steps=sft_steps, seed=seed)
     reference = frozen_copy(policy)
     before = evaluate(policy)
+    reward_before = expected_reward(policy)
     # prompts split across ranks: halve prompts_per_rank when doubling ranks to keep the global batch
     history = grpo(policy, reference, steps=steps, lr=lr, group_size=group_size, prompts_per_rank=prompts_per_rank,
                    kl_coef=kl_coef, clip_eps=clip_eps, temperature=temperature, inner_steps=inner_steps, seed=seed,
                    rank=ctx.rank, metric=ctx.metric)
-    return {"history": history, "before": before, "after": evaluate(policy)}
+    return {"history": history, "before": before, "after": evaluate(policy),
+            "expected_reward": {"before": reward_before, "after": expected_reward(policy)}}
 
 
 if __name__ == "__main__":

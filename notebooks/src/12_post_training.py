@@ -37,8 +37,19 @@ print("tiny GPT parameters:", sum(p.numel() for p in make_policy(0).parameters()
 train_pairs, held_out = task.split_pairs()
 print("vocabulary:", task.CHARS, "| a sample:", task.decode(task.sequences([(7, 5)])[0]))
 print("train prompts:", len(train_pairs), "| held-out prompts:", len(held_out))
+print("every digit is a first and a second operand in training:",
+      {a for a, _ in train_pairs} == {b for _, b in train_pairs} == set(range(10)))
 
 # %% [markdown]
+# The 20 held-out sums are the pairs with $(a + 2b) \bmod 5 = 0$: two per value of $a$, two per value of $b$.
+# They test whether a model learned to add, not whether it can guess a digit it never read in that place
+# (holding out $b = 0$ and $b = 5$, say, would ask exactly that).
+#
+# These runs are tiny and chaotic: on another CPU, whose kernels round differently, a seeded run follows
+# another trajectory. The lines this notebook prints as verdicts hold on every CPU kernel measured (AVX-512,
+# AVX2, plain) and seed, with a margin (`python -m course_utils.cpu_spread ch12_sft ch12_lora_dpo ch12_grpo`);
+# the exact losses and accuracies are printed in cells whose numbers will differ on your machine.
+#
 # ## 1. LoRA: a rank-r update to a frozen matrix
 #
 # Full fine-tuning updates every weight $W_0$ ($d\times k$). LoRA (Hu et al. 2021, sec. 4.1) freezes $W_0$
@@ -163,23 +174,31 @@ unmasked = cu.run("workers.ch12_sft", world_size=1, **LIMITS, mask_prompt=False)
 print(masked.describe())
 
 # %%
-answer_end = {name: sum(h["answer_loss"] for h in r[0]["history"][-10:]) / 10
-              for name, r in (("masked", masked), ("unmasked", unmasked))}
 import math
 
+# how fast each run learns the answers: its answer-token loss averaged over all 150 steps (the last steps
+# alone are a noisy read: which run is lower there depends on the seed and on the CPU's kernels)
+answer_mean = {name: sum(h["answer_loss"] for h in r[0]["history"]) / len(r[0]["history"])
+               for name, r in (("masked", masked), ("unmasked", unmasked))}
 # of the 5 predicted tokens, one (b, after "a+") is a uniform digit no model can predict: log 10 nats
 print(f"floor of the every-token loss from the digit b alone: log(10) / {task.SEQ_LEN - 1} = "
       f"{math.log(10) / (task.SEQ_LEN - 1):.3f}")
-print("masked run ends with the lower answer-token loss:", answer_end["masked"] < answer_end["unmasked"])
-print("masked run: held-out accuracy rose from", masked[0]["before"]["accuracy"], "to",
-      masked[0]["after"]["accuracy"])
+print("masked run learns the answers faster (lower answer-token loss over the run):",
+      answer_mean["masked"] < answer_mean["unmasked"])
+print("masked run: held-out accuracy rose from 0:", masked[0]["before"]["accuracy"] == 0 < masked[0]["after"]["accuracy"])
+
+# %% tags=["nbval-ignore-output"]
+print({name: round(v, 3) for name, v in answer_mean.items()}, "| masked run's held-out accuracy:",
+      masked[0]["before"]["accuracy"], "->", masked[0]["after"]["accuracy"])
 
 # %% tags=["nbval-ignore-output"]
 plots.savefig(ch12.draw_sft_masking(masked[0]["history"], unmasked[0]["history"]), "12_sft_masking");
 
 # %% [markdown]
 # The every-token run's loss has a floor set by a prompt digit it can never predict, and part of its
-# gradient chases that digit: its answer-token loss lags.
+# gradient chases that digit: its answer-token loss lags. (By how much varies: over seeds and CPUs the
+# every-token run's mean answer-token loss is 0.08 to 0.19 nats higher; by the last steps the two are
+# within noise of each other, either one ahead.)
 #
 # ## 4. Full fine-tuning vs LoRA on the toy, measured
 #
@@ -329,13 +348,13 @@ print(f"blocks-only LoRA: lowest answer-token loss {min(blocks_loss):.2f}, last 
 with_head_end = sum(h["answer_loss"] for h in lora_r["history"][-10:]) / 10
 print("no step of blocks-only LoRA goes below the lowest per-digit floor:",
       min(blocks_loss) >= head_floor.floor.min().item())
-print("blocks-only LoRA ends within 0.3 nats of the frozen-head floor:", blocks_end - answer_floor < 0.3)
-print("the floor alone is more than 1 nat above LoRA with the head:", answer_floor > with_head_end + 1)
+print("blocks-only LoRA ends within 0.5 nats of the frozen-head floor:", blocks_end - answer_floor < 0.5)
+print("the floor alone is more than 0.5 nats above LoRA with the head:", answer_floor > with_head_end + 0.5)
 
 # %% [markdown]
 # The frozen head, not the adapters, is what stops blocks-only LoRA: its loss ends a few tenths of a nat
-# above the floor (no training of the blocks can take it below), while LoRA with the head ends more than a
-# nat below the floor itself. On a pretrained model the head already reads the right tokens out and LoRA on
+# above the floor (no training of the blocks can take it below), while LoRA with the head ends about a nat
+# below the floor itself (0.9 to 1.3 nats over seeds and CPUs). On a pretrained model the head already reads the right tokens out and LoRA on
 # the blocks is the usual choice; on a new vocabulary or a random base, whatever is frozen must already be
 # able to say the answer.
 #
@@ -355,17 +374,23 @@ dpo_hist = dpo_run[0]["history"]
 print(dpo_run.describe())
 
 # %%
+last10 = {key: sum(h[key] for h in dpo_hist[-10:]) / 10 for key in ("margin", "chosen_reward", "rejected_reward")}
 print("step 0 margin is 0 (policy = reference):", abs(dpo_hist[0]["margin"]) < 1e-6)
-print("margin over the last 10 steps > 0.1:", sum(h["margin"] for h in dpo_hist[-10:]) / 10 > 0.1)
-print("chosen implicit reward ends above 0:", dpo_hist[-1]["chosen_reward"] > 0,
-      "| rejected ends below 0:", dpo_hist[-1]["rejected_reward"] < 0)
+print("margin over the last 10 steps > 0.05:", last10["margin"] > 0.05)
+print("rejected implicit reward ends below 0 (last 10 steps):", last10["rejected_reward"] < 0)
+
+# %% tags=["nbval-ignore-output"]
+print("last 10 steps, implicit reward: chosen", f"{last10['chosen_reward']:+.3f}", "| rejected",
+      f"{last10['rejected_reward']:+.3f}", "| margin", f"{last10['margin']:.3f}")
 
 # %% tags=["nbval-ignore-output"]
 plots.savefig(ch12.draw_dpo(dpo_hist, beta=0.1), "12_dpo");
 
 # %% [markdown]
 # DPO only sees the *margin*: it is free to push both log-probabilities down as long as the rejected one
-# falls faster, a known failure mode on small pair sets; the line above says whether this run did.
+# falls faster, a known failure mode on small pair sets. Here the rejected answer's implicit reward always
+# falls (by 0.24 to 0.36 over seeds and CPUs); the chosen one's ends between -0.15 and +0.04: whether this
+# run's chosen answer rose or fell a little is the line above.
 # Watch both curves, not just the margin.
 #
 # ## 6. GRPO: reinforcement learning with a verifiable reward
@@ -386,23 +411,24 @@ print(grpo_1.describe())
 print(grpo_2.describe())
 
 # %%
-def rise(res):
-    r = [h["reward"] for h in res[0]["history"]]
-    return sum(r[-10:]) / 10 - sum(r[:5]) / 5
-
-
-print("world 1: mean reward rose by more than 0.08:", rise(grpo_1) > 0.08)
+expected = grpo_1[0]["expected_reward"]
+print("world 1: expected reward on the training prompts rose by more than 0.02:",
+      expected["after"] > expected["before"] + 0.02)
 print("world 2: both ranks log the same global rewards:",
       [h["reward"] for h in grpo_2[0]["history"]] == [h["reward"] for h in grpo_2[1]["history"]])
 print("world 2: samples per step:", grpo_2[0]["history"][0]["samples"])
 
 # %% tags=["nbval-ignore-output"]
+print(f"expected reward (exact, no sampling): {expected['before']:.3f} -> {expected['after']:.3f}")
 plots.savefig(ch12.draw_grpo({"world 1, 16 prompts x 8": grpo_1[0]["history"],
                               "world 2, 2 x 8 prompts x 8": grpo_2[0]["history"]}), "12_grpo");
 
 # %% [markdown]
-# The two curves differ (different samples) but have the same global batch and the same trend. The KL to
-# the reference grows as the policy moves: the KL coefficient is the leash.
+# The two curves differ (different samples) but have the same global batch and the same trend. The sampled
+# reward is a noisy read of progress (128 right-or-wrong samples a step: about +-0.04); the **expected**
+# reward, the probability of the right answer averaged over the training prompts, is computed exactly from
+# the policy's log-probabilities and moves without that noise. The KL to the reference grows as the policy
+# moves: the KL coefficient is the leash.
 #
 # ## 7. PPO, DPO and GRPO side by side
 
@@ -412,10 +438,15 @@ print(render_methods())
 # %% [markdown]
 # ## 8. Three evaluation gates
 #
-# Before a post-trained model ships: **(1) training health** (finite loss, bounded grad norm, KL to the
-# reference below a limit), **(2) regression** (the held-out loss of what it could already do, here the SFT
-# answers, may not rise by more than a margin), **(3) target and safety** (accuracy above a floor, forbidden
-# outputs, non-digit answers, below a ceiling). The thresholds are data:
+# Before a post-trained model ships: **(1) training health** (finite loss, no grad-norm spike, the typical
+# KL to the reference below a limit), **(2) regression** (the held-out loss of what it could already do, here
+# the SFT answers, may not rise by more than a margin), **(3) target and safety** (accuracy above a floor,
+# forbidden outputs, non-digit answers, below a ceiling). The thresholds are data, and they are set from
+# measurements, not from one run: the same healthy run, on another CPU, follows another trajectory (its
+# largest grad norm was 9 on one machine and 112 on another), so a gate compares a step's grad norm with
+# the run's own median (a spike detector, as in chapter 09) and reads the KL's median over steps. Over 30
+# healthy runs and 30 at the broken learning rate below (seeds x CPU kernels), every threshold sits well
+# inside the gap between the two (the ranges are in `course_utils/posttrain_gates.py`).
 
 # %%
 print(gates.Thresholds())

@@ -30,11 +30,20 @@ def all_pairs() -> list[tuple[int, int]]:
     return [(a, b) for a in range(MAX_DIGIT + 1) for b in range(MAX_DIGIT + 1)]
 
 
-def split_pairs(held_out_every: int = 5) -> tuple[list, list]:
-    """Train / held-out prompts: every ``held_out_every``-th pair is held out (fixed, no randomness)."""
+def is_held_out(a: int, b: int) -> bool:
+    """The 20 held-out pairs: (a + 2b) % 5 == 0, two per value of a and two per value of b.
+
+    Every digit is still seen as a first and as a second operand in the 80 training pairs, so the held-out
+    prompts test whether the model learned to add, not whether it can guess a digit it never read in that
+    place. (Holding out every fifth pair in order, as this task first did, holds out exactly b = 0 and b = 5:
+    held-out accuracy after the same SFT then ranged from 0.25 to 0.65 over seeds, luck rather than skill.)"""
+    return (a + 2 * b) % 5 == 0
+
+
+def split_pairs() -> tuple[list, list]:
+    """Train / held-out pairs (fixed, no randomness): 80 and 20."""
     pairs = all_pairs()
-    return ([p for i, p in enumerate(pairs) if i % held_out_every],
-            [p for i, p in enumerate(pairs) if i % held_out_every == 0])
+    return [p for p in pairs if not is_held_out(*p)], [p for p in pairs if is_held_out(*p)]
 
 
 def answer_tokens(a: int, b: int) -> list[int]:

@@ -72,6 +72,17 @@ def evaluate(model, pairs=None) -> dict:
             "forbidden_rate": task.forbidden(greedy).mean().item()}
 
 
+@torch.no_grad()
+def expected_reward(model, pairs=None) -> float:
+    """The mean probability that a sampled answer is right, over ``pairs`` (default: the training prompts),
+    computed exactly: the reward is 1 for one answer only, so E[reward | prompt] = pi(right answer | prompt),
+    the product of its two tokens' probabilities. No sampling noise: GRPO's progress, read without the
+    +-0.04 that 128 sampled rewards a step carry."""
+    seqs = task.sequences(task.split_pairs()[0] if pairs is None else pairs)  # [n, 6]
+    logp = answer_logprobs(model, seqs[:, :task.PROMPT_LEN], seqs[:, task.PROMPT_LEN:])  # [n, 2]
+    return logp.sum(-1).exp().mean().item()
+
+
 def sft(model, steps: int = 150, lr: float = 3e-3, batch: int = 32, mask_prompt: bool = True, seed: int = 0,
         max_grad_norm: float = 1.0, metric=_quiet, opt=None, rank: int = 0, world_size: int = 1) -> list[dict]:
     """Supervised fine-tuning on "a+b=cd". Logs the loss trained on and the answer-token loss (what matters).
