@@ -20,8 +20,12 @@ from workers.ch11_model import GPTConfig
 from workers.zero.zero1 import flat_partition, params_partition
 
 pytestmark = pytest.mark.ranks
-ADAM_TOL = 5e-5
-SGD_TOL = 1e-6
+# AdamW divides each update by the size of that element's own gradient, so the fp32 reordering of the sums over
+# ranks (~1e-7 relative) becomes up to ~1e-3 relative on the smallest gradients. The max over 28k weights is an
+# extreme value: measured 1.3e-7 to 3.5e-5 over CPU kernels x seeds (python -m course_utils.cpu_spread
+# ch11_zero1), so 2e-4 = 0.02 x lr; a shard stepped wrong or not gathered moves weights by ~lr = 1e-2.
+ADAM_TOL = 2e-4
+SGD_TOL = 1e-6  # SGD is linear in the gradient: the reordering stays ~1e-7 (measured <= 2.4e-7)
 N_PARAMS = GPTConfig().n_params  # 27,840, divisible by 4: no padding
 
 
@@ -110,8 +114,9 @@ def test_mixed_precision_master_weights_make_the_papers_k_of_12():
         assert s["elementwise"] + s["master"] == _ledger(N_PARAMS, 2, 12) == 12 * N_PARAMS / 2
         assert r["equal_to_rank0"]
         # bf16 weights near 1 (LayerNorm gains) have an ulp of 2^-7; the mixed-precision reference sums its
-        # gradients in another order, which can flip a rounding: a few ulps
-        assert max(r["max_abs_error"]) <= 0.05
+        # gradients in another order, which can flip a rounding, and Adam turns a flipped gradient sign into a
+        # full lr step the other way: a few ulps (measured 0.011 to 0.035 over CPU kernels x seeds)
+        assert max(r["max_abs_error"]) <= 0.1
 
 
 def test_without_sharding_every_rank_holds_the_whole_state():

@@ -52,21 +52,23 @@ def check_params(world_size, global_batch: int = 8, optimizer: str = "adamw", pa
 
 def main(ctx, optimizer: str = "adamw", partition: str = "flat", grad_sync: str = "reduce_scatter",
          steps: int = 3, global_batch: int = 8, dtype: str = "float32", master_weights: bool = False,
-         shard: bool = True, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2):
+         shard: bool = True, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2,
+         seed: int = 0):
     cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
     torch_dtype = DTYPES[dtype]
-    batches = make_batches(cfg, global_batch, steps)
+    base = 100 * seed  # seed 0: models 0, 1, ... per rank, data 1
+    batches = make_batches(cfg, global_batch, steps, seed=base + 1)
     # Rank r starts from its own random weights: the optimizer's broadcast must make the replicas equal.
-    model = make_model(cfg, seed=ctx.rank, dtype=torch_dtype, device=ctx.device)
+    model = make_model(cfg, seed=base + ctx.rank, dtype=torch_dtype, device=ctx.device)
     cls, hyper = OPTIMIZER_CLASSES[optimizer]
     opt = Zero1Optimizer(model.parameters(), cls, partition=partition, grad_sync=grad_sync,
                          master_weights=master_weights, shard=shard, **hyper)
-    reference = train_reference(cfg, optimizer, batches, seed=0, dtype=torch_dtype, master_weights=master_weights)
+    reference = train_reference(cfg, optimizer, batches, seed=base, dtype=torch_dtype, master_weights=master_weights)
     # With grad_sync="all_reduce" the averaged gradient is left in every .grad after the step: feed exactly
     # those numbers to a plain, unsharded torch optimizer on a replica, which isolates the sharded step.
     twin = twin_opt = None
     if grad_sync == "all_reduce" and not master_weights:
-        twin = make_model(cfg, seed=0, dtype=torch_dtype, device=ctx.device)
+        twin = make_model(cfg, seed=base, dtype=torch_dtype, device=ctx.device)
         twin_opt = cls(twin.parameters(), **hyper)
 
     errors = [(flat_params(model) - reference[0]).abs().max().item()]

@@ -120,14 +120,17 @@ for w, res in adamw.items():
 
 # %% [markdown]
 # At world 1 the sharded optimizer *is* the unsharded one, bit for bit. At worlds 2 and 4 the weights differ
-# from the single process by about 1e-5 = 1e-3 x the learning rate: the n ranks add the gradient in a different
-# order than one process does, and **Adam divides each update by the size of that element's own gradient**, so
+# from the single process by up to a few 1e-5, a few 1e-3 x the learning rate (how much depends on the CPU's
+# kernels: 1e-7 to 3.5e-5 over those we measured): the n ranks add the gradient in a different order than one
+# process does, and **Adam divides each update by the size of that element's own gradient**, so
 # a rounding difference of 1e-7 on a gradient of 1e-4 becomes a relative difference of 1e-3 in the update. (SGD,
 # below, stays at 1e-7.) The check that isolates the sharding: feed a plain unsharded AdamW the *same averaged
 # gradient* (`grad_sync="all_reduce"` leaves it in every `.grad`) and compare.
 
 # %%
-TOL_ADAM = 5e-5  # = 5e-3 x lr: fp32 reordering of small gradients, amplified by Adam's normalisation
+# = 0.02 x lr: fp32 reordering of small gradients, amplified by Adam's normalisation. The largest difference
+# is an extreme value that depends on this CPU's kernels: 1e-7 to 3.5e-5 over the CPUs and seeds we measured.
+TOL_ADAM = 2e-4
 same = cu.run("workers.ch11_zero1", 4, optimizer="adamw", grad_sync="all_reduce", timeout=120)
 sgd = {w: cu.run("workers.ch11_zero1", w, optimizer="sgd", timeout=120) for w in (1, 2, 4)}
 for w, res in adamw.items():
