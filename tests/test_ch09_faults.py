@@ -2,6 +2,11 @@
 
 Each test states its criterion next to the assertion. The runs are short (tens of steps) wherever the
 signature allows; the high-learning-rate comparison needs the full 120 steps for the plain run to fall apart.
+
+Training runs follow other trajectories on other CPUs (other kernels round differently): a criterion on a
+number read off a run has a margin over its spread across CPU kernels and seeds, measured with
+``python -m course_utils.cpu_spread ch09_high_lr ch09_garbage ch09_fp16`` and quoted next to it. The
+bit-for-bit claims (rewind + skip equals never seeing the batch, replay) compare two runs on this machine.
 """
 import math
 
@@ -85,9 +90,10 @@ def test_garbage_batch_spikes_at_its_step_and_rewind_plus_skip_equals_never_seei
     bad = _tel(cu.run(TRAIN, world_size=1, **LIMITS, steps=steps, fault="garbage_batch", at_step=at))
     # identical until the bad batch: the fault is in the data of step 65 only
     assert bad["loss"][:at] == clean["loss"][:at]
-    # the signature: the loss jumps above log V (a trained model is confidently wrong about random tokens),
-    # and the grad norm more than doubles, at that step and no other
-    assert bad["loss"][at] > math.log(32) > 2 * clean["loss"][at]
+    # the signature: the loss jumps above log V (a trained model is confidently wrong about random tokens:
+    # measured 1.53-1.55 x log V) to more than twice the clean run's (~3.2x), and the grad norm more than
+    # doubles (2.3-2.6x), at that step and no other
+    assert bad["loss"][at] > math.log(32) and bad["loss"][at] > 2 * clean["loss"][at]
     assert bad["grad_norm"][at] > 2 * clean["grad_norm"][at]
     assert bad["garbage_samples"][at] == 16 and sum(bad["garbage_samples"]) == 16
 
@@ -101,9 +107,11 @@ def test_garbage_batch_spikes_at_its_step_and_rewind_plus_skip_equals_never_seei
     # Criterion 1 (exact): the recovered run IS the run that never saw those samples, bit for bit
     never = _tel(cu.run(TRAIN, world_size=1, **LIMITS, steps=steps, skip_ids=rewinds[0]["skipped_ids"]))
     assert rec["loss"] == never["loss"] and rec["param_checksum"] == never["param_checksum"]
-    assert max(rec["loss"]) < 3.6  # the spike is gone from the committed trajectory (only the first steps are high)
+    # the spike is gone from the committed trajectory: from the snapshot on, no loss comes near log V (the
+    # spike was 5.3; the clean run's losses there are ~1.6)
+    assert max(rec["loss"][60:]) < 2.5
     # Criterion 2 (statistical): it ends where the clean run ends; the data differs by one batch from step 65,
-    # so per-step losses differ by batch noise, the 10-step means by less than 0.05
+    # so per-step losses differ by batch noise, the 10-step means by less than 0.05 (measured <= 0.006)
     assert abs(_mean_last(rec["loss"]) - _mean_last(clean["loss"])) < 0.05
 
 
@@ -112,14 +120,17 @@ def test_garbage_batch_spikes_at_its_step_and_rewind_plus_skip_equals_never_seei
 def test_high_lr_grows_attention_logits_unless_qk_layernorm_and_z_loss_pins_log_z():
     runs = {name: _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="high_lr", **kw)) for name, kw in {
         "plain": {}, "qk": {"qk_layernorm": True}, "z": {"z_loss": 1e-2}}.items()}
-    # Without qk-layernorm, at lr 0.2 the max attention logit grows past 1e3 (it reaches ~1e5) and the loss
-    # ends near log V = 3.47 (it stopped learning); the healthy run ends near 1.5.
+    # Measured over CPU kernels x seeds 0-3 (ranges in brackets):
+    # without qk-layernorm, at lr 0.2 the max attention logit grows past 1e3 [1.3e5 - 4.3e5] and the loss
+    # ends near log V = 3.47 [2.83 - 3.16]: it stopped learning; the healthy run ends near 1.5.
     assert max(runs["plain"]["max_attn_logit"]) > 1e3
     assert _mean_last(runs["plain"]["loss"]) > 2.5
-    # With qk-layernorm the logits stay bounded (< 100; sqrt(d) times the LayerNorm gains) and the run trains.
+    # With qk-layernorm the logits stay bounded (< 100 [34 - 56]; sqrt(d) times the LayerNorm gains) and the
+    # run trains: it ends at least 0.5 below the plain run [0.71 - 1.40 below; its own loss 1.71 - 2.16].
     assert max(runs["qk"]["max_attn_logit"]) < 100
-    assert _mean_last(runs["qk"]["loss"]) < 2.0
-    # z-loss does not touch the attention logits but pins the output log Z near 0 (plain drifts above 3).
+    assert _mean_last(runs["qk"]["loss"]) < _mean_last(runs["plain"]["loss"]) - 0.5
+    # z-loss does not touch the attention logits [> 1.4e5] but pins the output log Z near 0 [|log Z| <= 1.07]
+    # while plain drifts above 3 [3.72 - 4.20].
     assert abs(runs["z"]["log_z_mean"][-1]) < 1.5 < 3 < runs["plain"]["log_z_mean"][-1]
     assert max(runs["z"]["max_attn_logit"]) > 1e3
 
@@ -139,26 +150,29 @@ def test_fp16_without_loss_scaling_zeroes_the_gradients_and_loss_scaling_restore
 
 
 def test_fp16_without_loss_scaling_first_gradients_in_the_body_are_noise_and_turn_the_loss():
-    steps = 60
-    plain = _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", steps=steps, fp32_grad_probe=True))
+    # The notebook's 120 steps: in 60 the turn is still on the edge for some seeds (measured: the lowest loss
+    # 3 steps *before* the wake-up, the end only 0.12 above it); in 120 every CPU kernel and seed shows it.
+    plain = _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", fp32_grad_probe=True))
     body = [s for s in plain["step"] if any(plain["layer_grad_norms"][g][s] > 0 for g in ("embed", "block0", "block1"))]
     wake = body[0]
-    # For the first tens of steps only the head has a gradient: everything behind it underflows (52 here).
-    assert 30 < wake < 58 and all(plain["layer_grad_norms"]["head"][s] > 0 for s in range(wake))
-    # Then thousands of weights get their first nonzero gradient at once (> 1% of the 106k)...
+    # For the first tens of steps only the head has a gradient: everything behind it underflows (50-55).
+    assert 30 < wake < 90 and all(plain["layer_grad_norms"]["head"][s] > 0 for s in range(wake))
+    # Then thousands of weights get their first nonzero gradient at once (> 1% of the 106k; 2,800-7,500)...
     assert plain["woken_elements"][wake] > 1000
     # ... of a few rounding units, with no direction: their signs agree with the exact fp32 gradient's about as
-    # often as a coin's would (0.52 here; a real gradient agrees > 0.9)
+    # often as a coin's would (0.48-0.52; a real gradient agrees > 0.9)
     assert 0.35 < plain["woken_sign_agreement"][wake] < 0.65
     # ... and Adam moves each by its fixed first step, whatever the gradient's size (m = v = 0 before)
     from course_utils.ch09 import adam_steps_after_one_gradient
     assert plain["woken_update"][wake] == pytest.approx(adam_steps_after_one_gradient(wake, 1)[0], rel=1e-2)
-    # The loss turns: it ends above its lowest point, and the lowest point comes after the wake-up.
-    assert plain["loss"][-1] > min(plain["loss"]) + 0.2 and plain["loss"].index(min(plain["loss"])) >= wake
-    # Counterfactual: the same run with those weights frozen from that step keeps learning.
-    frozen = _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", steps=steps, freeze_dormant_from=wake))
+    # The loss turns at the wake-up: its lowest point is within 5 steps of it (3 before to 3 after, measured),
+    # and it ends more than 0.5 above that point (1.2-1.6).
+    assert abs(plain["loss"].index(min(plain["loss"])) - wake) <= 5 and plain["loss"][-1] > min(plain["loss"]) + 0.5
+    # Counterfactual: the same run with those weights frozen from that step keeps learning: it ends below the
+    # unfrozen run's lowest point (by 0.23-0.45).
+    frozen = _tel(cu.run(TRAIN, world_size=1, **LIMITS, fault="fp16_underflow", freeze_dormant_from=wake))
     assert frozen["loss"][:wake + 1] == plain["loss"][:wake + 1]  # the probe changed nothing, nor did the freeze yet
-    assert _mean_last(frozen["loss"], 5) < _mean_last(plain["loss"], 5) - 0.2
+    assert frozen["loss"][-1] < min(plain["loss"])
 
 
 # -- communication: a rank that sums ---------------------------------------------------------------------------

@@ -186,7 +186,7 @@ print("plain: max attention logit above 1,000:", max(high["plain"]["max_attn_log
 print("qk-layernorm: max attention logit stays below 100:",
       all(max(high[k]["max_attn_logit"]) < 100 for k in ("qk-layernorm", "qk-layernorm + z-loss")))
 print("plain: final loss above 2.5 (it stopped learning; log V = 3.47):", final["plain"] > 2.5)
-print("qk-layernorm: final loss below 2.0:", final["qk-layernorm"] < 2.0)
+print("qk-layernorm: final loss at least 0.5 below plain's:", final["qk-layernorm"] < final["plain"] - 0.5)
 print("z-loss: |mean log Z| ends below 1.5, plain above 3:",
       abs(high["z-loss 1e-2"]["log_z_mean"][-1]) < 1.5 and high["plain"]["log_z_mean"][-1] > 3)
 
@@ -197,8 +197,15 @@ plots.savefig(ch09.draw_high_lr(high, run_cfg.high_lr, cfg.vocab), "09_high_lr")
 # Without qk-layernorm the max attention logit climbs from 0.1 past $10^5$ and the loss stalls near 3,
 # barely below $\log V$; with it the logits stay in the tens and the run trains at a learning rate about 70x
 # the default. z-loss alone does nothing for the attention logits (it acts on the output softmax only), but
-# it holds $\log Z$ near 0 where it otherwise drifts to 4-7. All four runs spike around step 5, while
-# warm-up is still raising the learning rate: a longer warm-up is the other classic mitigation.
+# it holds $\log Z$ near 0 where it otherwise drifts to about 4. In the runs stored here all four spike early,
+# while warm-up is still raising the learning rate: a longer warm-up is the other classic mitigation.
+#
+# These are chaotic runs: on your CPU the numbers above will differ (other kernels round differently). Over
+# the CPU kernels and seeds we measured (`python -m course_utils.cpu_spread ch09_high_lr`) the plain run's
+# logits peaked between $1.3\cdot10^5$ and $4.3\cdot10^5$ and its loss ended between 2.8 and 3.2, the
+# qk-layernorm run's logits stayed between 34 and 56 and its loss ended 0.7 to 1.4 below the plain run's, and
+# $\log Z$ ended at 3.7 to 4.2 without z-loss and within 1.1 of 0 with it: the verdicts printed above hold
+# on all of them.
 #
 # Explore: learning rate, qk-layernorm and z-loss (every change is a new run on a real rank). The widget's
 # runs are half as long as the ones above, which is long enough for the logits to run away:
@@ -268,15 +275,16 @@ print("the multiplier is exact in fp32: the fp32 run equals the healthy run, los
       fp16["fp32, same multiplier"]["loss"] == tel["loss"])
 print("without loss scaling the loss turns: it ends more than 0.5 above its lowest point:",
       plain16["loss"][-1] > min(plain16["loss"]) + 0.5)
-print("spikes the detector finds in it:", ch09.spike_steps(plain16))
+print("the spike detector flags no step of it:", ch09.spike_steps(plain16) == [])
 
 # %% tags=["nbval-ignore-output"]
 plots.savefig(ch09.draw_fp16(fp16, cfg.vocab), "09_fp16_underflow");
 
 # %% [markdown]
 # The fp32 curve lies exactly under the loss-scaled fp16 one. Without loss scaling nearly every gradient
-# element is 0, and the loss first falls, more slowly, then turns and climbs back, past $\log V$ by the end
-# of the run, with no step the spike detector would flag. Why does it learn at all, and why does it turn? The per-layer grad
+# element is 0, and the loss first falls, more slowly, then turns and climbs back by more than a nat (to
+# about $\log V$) by the end of the run, with no step the spike detector would flag. Why does it learn at
+# all, and why does it turn? The per-layer grad
 # norms and the count of elements whose gradient is nonzero for the first time (`woken_elements`) say where
 # the gradient goes.
 
@@ -306,7 +314,7 @@ print(f"with no gradient after it, momentum carries such a weight {sum(echo[:8])
       f"{sum(echo):.1f} lr by the end of the run")
 
 # %% [markdown]
-# For its first 52 steps the fp16 run trains only its output layer. A logit's gradient is at most two units
+# For its first 52 steps (50 to 55, whatever the CPU and the seed) the fp16 run trains only its output layer. A logit's gradient is at most two units
 # of fp16's smallest subnormal; the head's weight gradient sums such units over 512 positions and survives,
 # but one matrix product further back (times weights of size 0.02) everything rounds to 0. That is why the
 # loss falls at first (a linear read-out of random features learns something) and why it falls slowly.
