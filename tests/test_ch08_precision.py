@@ -261,26 +261,23 @@ def master_run():
 @ranks
 def test_pure_bf16_stagnates_while_fp32_master_weights_track_fp32(master_run):
     runs = master_run["runs"]
-    fp32, master, pure = (runs[k] for k in ("fp32", "bf16_master_fp32", "pure_bf16"))
-    assert (fp32["param_dtype"], master["param_dtype"], pure["param_dtype"]) == ("float32", "float32", "bfloat16")
-    n = len(fp32["loss"])
-    # Master weights: the same loss as fp32 at every step, within 2%. The only difference is the bf16 forward
-    # and backward (relative rounding 2^-9 per value), which perturbs the gradient, not its direction.
-    assert max(abs(m / f - 1) for m, f in zip(master["loss"], fp32["loss"])) < 0.02
-    # The fp32 master copy keeps the updates: in any step under 1% of them are lost, the odd gradient element
-    # that is itself near zero (at most 1 of 256 here), which the fp32 run loses just the same.
-    assert max(master["vanished"]) < 0.01 and max(fp32["vanished"]) < 0.01
-    # ... although its bf16 copy, the one the matmuls use, often does not change in a step: the small updates
-    # accumulate in fp32 until they cross a bf16 rounding boundary.
-    assert master["bf16_copy_unchanged"][-1] > 0.3
-    # Pure bf16: most updates are below half an ulp of their weight by the end, and are lost.
-    assert pure["vanished"][-1] > 0.5 and pure["vanished"][-1] > pure["vanished"][0]
-    # So the loss stalls: over the last third of training fp32 still halves (at least), pure bf16 barely
-    # moves, and it ends several times above fp32 (5x: the measured ratio is ~12x).
-    third = n // 3
-    assert fp32["loss"][-1] < 0.5 * fp32["loss"][-third]
-    assert pure["loss"][-1] > 0.75 * pure["loss"][-third]
-    assert pure["loss"][-1] > 5 * fp32["loss"][-1]
+    assert [runs[k]["param_dtype"] for k in ("fp32", "bf16_master_fp32", "pure_bf16")] == ["float32", "float32", "bfloat16"]
+    # The claims the notebook prints, each with its reason:
+    # - master weights: the same loss as fp32 at every step, within 2% (measured <= 0.5% over CPU kernels and
+    #   seeds). The only difference is the bf16 forward and backward (relative rounding 2^-9 per value), which
+    #   perturbs the gradient, not its direction;
+    # - the fp32 master copy keeps the updates: in any step under 1% of them are lost, the odd gradient element
+    #   that is itself near zero (at most 1 of 256 here), which the fp32 run loses just the same;
+    # - ... although its bf16 copy, the one the matmuls use, often does not change in a step: the small updates
+    #   accumulate in fp32 until they cross a bf16 rounding boundary;
+    # - pure bf16: most updates are below half an ulp of their weight by the end, and are lost;
+    # - so its loss stalls: over the last third fp32 still halves (at least), pure bf16 barely moves, and it
+    #   ends several times above fp32 (5x asked; ~10-12x measured).
+    claims = P.master_weights_claims(master_run)
+    assert len(claims) == 6 and all(claims.values()), claims
+    # a run whose master copy were bf16 would break the first two claims: the claims can fail
+    broken = {**runs, "bf16_master_fp32": runs["pure_bf16"]}
+    assert not all(P.master_weights_claims({**master_run, "runs": broken}).values())
 
 
 # -- figures ----------------------------------------------------------------------------------------------
