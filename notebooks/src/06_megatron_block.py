@@ -223,7 +223,8 @@ for t, sp in ((1, False), (2, False), (4, False), (4, True)):
     training[f"TP {t}{' + SP' if sp else ''}"] = got[0]
     print(f"TP {t}{' + SP' if sp else '     '}: losses within 1e-5 (relative) of the dense block at every step: "
           f"{worst < 1e-5}; all ranks report the same losses: {all(g == got[0] for g in got)}")
-print("dense losses:", [round(v, 5) for v in dense_losses])
+# 3 decimals: the dense run's float64 losses move by ~1e-8 with the CPU's kernels (AVX-512, AVX2, plain)
+print("dense losses:", [round(v, 3) for v in dense_losses])
 
 # %% tags=["nbval-ignore-output"]
 plots.savefig(tp_figures.training_figure(dense_losses, training), "06_training");
