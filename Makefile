@@ -1,6 +1,7 @@
 # Distributed Training: Parallel Engineering for LLMs
 #   make lab        create the environment if needed, open JupyterLab on the course
 #   make test       create the environment if needed, run the whole test suite (what CI runs)
+#   make test-other-cpu  the tests and nbval again under another CPU's kernels (CI runs it too)
 #   make test-browser  chapter 05 used in the real JupyterLab through headless Chromium (CI runs it too)
 SHELL := /bin/bash
 PY := .venv/bin/python
@@ -11,7 +12,7 @@ NB_OUT := build/executed
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: setup lab test test-browser test-unit test-notebooks nbval notebooks grade bench doctor clean
+.PHONY: setup lab test test-other-cpu test-browser test-unit test-notebooks nbval notebooks grade bench doctor clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml tools/setup_env.sh
@@ -33,6 +34,16 @@ test: $(STAMP)
 	$(PY) -m course_utils.notebooks check
 	$(PY) -m course_utils.notebooks execute --out $(NB_OUT) --timeout 600
 	COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-figures $(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
+
+# The same tests and nbval comparisons once more under another CPU's kernels: AVX2 on an AVX-512 machine, the
+# plain ones on any other (course_utils.cpu_spread.second_variant). A learner's laptop rounds differently from
+# this machine, so what a test or a stored output asserts must hold there too. CI runs it after `make test`.
+test-other-cpu: $(STAMP)
+	@echo "other CPU kernels: $$($(PY) -m course_utils.cpu_spread --second-variant-env)"
+	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) $(PYTEST) -q -p no:cacheprovider
+	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-other-cpu \
+		$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
 
 # A learner's session in a real browser: make lab, chapter 05 run from the menu, its widget used, a kernel

@@ -1,7 +1,7 @@
 """How far the course's chaotic numbers move across CPUs: ``python -m course_utils.cpu_spread``.
 
 A learner's CPU decides which kernels PyTorch runs: AVX-512, AVX2 or plain code in ATen, other paths in
-oneDNN and MKL. They round differently, and even ``torch.randn`` draws other numbers on the plain path, so
+oneDNN and MKL. They round differently (even ``torch.randn`` rounds its draws differently on the plain path), so
 a seeded training run follows another trajectory on another machine. An exact property (a count, float64
 equality, two runs on one machine agreeing bit for bit) holds everywhere; a number read off a chaotic run
 (a loss after 60 steps, the largest grad norm, the step where something first happens) does not. Every
@@ -288,22 +288,22 @@ def ch09_high_lr(seed: int) -> dict[str, float]:
 
 
 @experiment("ch09_fp16", {
-    "wake_60": Criterion("<", 58, f"{T09}::test_fp16..._turn_the_loss (30 < wake < 58)"),
-    "wake_60_low": Criterion(">", 30, f"{T09}::test_fp16..._turn_the_loss (30 < wake < 58)"),
-    "woken_elements_60": Criterion(">", 1000, f"{T09}"),
-    "sign_agreement_60": Criterion("<", 0.65, f"{T09} (0.35 < agreement < 0.65)"),
-    "sign_agreement_60_low": Criterion(">", 0.35, f"{T09} (0.35 < agreement < 0.65)"),
-    "end_minus_min_60": Criterion(">", 0.2, f"{T09}"),
-    "argmin_minus_wake_60": Criterion(">=", 0, f"{T09}"),
-    "frozen_gain_last5_60": Criterion(">", 0.2, f"{T09}: frozen last 5 below plain's by 0.2"),
+    "wake": Criterion("<", 90, f"{T09}::test_fp16..._turn_the_loss (30 < wake < 90)"),
+    "wake_low": Criterion(">", 30, f"{T09}::test_fp16..._turn_the_loss (30 < wake < 90)"),
+    "woken_elements": Criterion(">", 1000, f"{T09}"),
+    "sign_agreement": Criterion("<", 0.65, f"{T09} (0.35 < agreement < 0.65)"),
+    "sign_agreement_low": Criterion(">", 0.35, f"{T09} (0.35 < agreement < 0.65)"),
+    "argmin_minus_wake": Criterion("<=", 5, f"{T09}: the lowest loss within 5 steps of the wake-up"),
+    "argmin_minus_wake_low": Criterion(">=", -5, f"{T09}: the lowest loss within 5 steps of the wake-up"),
+    "end_minus_min": Criterion(">", 0.5, f"{T09}; {NB09}: ends more than 0.5 above its lowest point"),
+    "frozen_gain_last5": Criterion(">", 0.2, f"{T09}: frozen last 5 below plain's by 0.2"),
+    "frozen_final_minus_plain_min": Criterion("<", 0.0, f"{NB09}: frozen ends below plain's lowest"),
+    "zero_frac_mean": Criterion(">", 0.9, f"{NB09}"),
+    "scaled_zero_frac_mean": Criterion("<", 0.01, f"{NB09}"),
+    "spikes_found": Criterion("==", 0, f"{NB09}: the spike detector flags nothing"),
     "zero_frac_min_12": Criterion(">", 0.9, f"{T09}::test_fp16..._restores_them"),
     "scaled_zero_frac_max_12": Criterion("<", 0.01, f"{T09}::test_fp16..._restores_them"),
     "scaled_minus_plain_final_12": Criterion("<", 0.0, f"{T09}::test_fp16..._restores_them"),
-    "zero_frac_mean_120": Criterion(">", 0.9, f"{NB09}"),
-    "scaled_zero_frac_mean_120": Criterion("<", 0.01, f"{NB09}"),
-    "end_minus_min_120": Criterion(">", 0.5, f"{NB09}"),
-    "spikes_found_120": Criterion("==", 0, f"{NB09}: spikes the detector finds: []"),
-    "frozen_final_minus_plain_min_120": Criterion("<", 0.0, f"{NB09}: frozen ends below plain's lowest"),
 })
 def ch09_fp16(seed: int) -> dict[str, float]:
     import course_utils as cu
@@ -312,33 +312,22 @@ def ch09_fp16(seed: int) -> dict[str, float]:
     def run(**kw):
         return _telemetry(cu.run(TRAIN09, world_size=1, **LIMITS, fault="fp16_underflow", seed=seed, **kw))
 
-    def wake_of(t):
-        body = [s for s in t["step"] if any(t["layer_grad_norms"][g][s] > 0 for g in ("embed", "block0", "block1"))]
-        return body[0] if body else len(t["step"])
-
-    out = {}
-    for steps in (60, 120):
-        plain = run(steps=steps, fp32_grad_probe=True)
-        wake = wake_of(plain)
-        frozen = run(steps=steps, freeze_dormant_from=wake)
-        if steps == 60:
-            out.update({"wake_60": wake, "wake_60_low": wake, "woken_elements_60": plain["woken_elements"][wake],
-                        "sign_agreement_60": plain["woken_sign_agreement"][wake],
-                        "sign_agreement_60_low": plain["woken_sign_agreement"][wake],
-                        "end_minus_min_60": plain["loss"][-1] - min(plain["loss"]),
-                        "argmin_minus_wake_60": plain["loss"].index(min(plain["loss"])) - wake,
-                        "frozen_gain_last5_60": _mean(plain["loss"][-5:]) - _mean(frozen["loss"][-5:])})
-        else:
-            scaled = run(steps=steps, loss_scaling=True)
-            out.update({"wake_120": wake, "zero_frac_mean_120": _mean(plain["zero_grad_frac"]),
-                        "scaled_zero_frac_mean_120": _mean(scaled["zero_grad_frac"]),
-                        "end_minus_min_120": plain["loss"][-1] - min(plain["loss"]),
-                        "spikes_found_120": len(ch09.spike_steps(plain)),
-                        "frozen_final_minus_plain_min_120": frozen["loss"][-1] - min(plain["loss"])})
-    plain, scaled = run(steps=12), run(steps=12, loss_scaling=True)
-    out.update({"zero_frac_min_12": min(plain["zero_grad_frac"]), "scaled_zero_frac_max_12": max(scaled["zero_grad_frac"]),
-                "scaled_minus_plain_final_12": scaled["loss"][-1] - plain["loss"][-1]})
-    return out
+    plain = run(fp32_grad_probe=True)  # the notebook's 120 steps
+    body = [s for s in plain["step"] if any(plain["layer_grad_norms"][g][s] > 0 for g in ("embed", "block0", "block1"))]
+    wake = body[0] if body else len(plain["step"])
+    frozen, scaled = run(freeze_dormant_from=wake), run(loss_scaling=True)
+    short, short_scaled = run(steps=12), run(steps=12, loss_scaling=True)
+    low = min(plain["loss"])
+    return {"wake": wake, "wake_low": wake, "woken_elements": plain["woken_elements"][wake],
+            "sign_agreement": plain["woken_sign_agreement"][wake], "sign_agreement_low": plain["woken_sign_agreement"][wake],
+            "argmin_minus_wake": plain["loss"].index(low) - wake, "argmin_minus_wake_low": plain["loss"].index(low) - wake,
+            "end_minus_min": plain["loss"][-1] - low,
+            "frozen_gain_last5": _mean(plain["loss"][-5:]) - _mean(frozen["loss"][-5:]),
+            "frozen_final_minus_plain_min": frozen["loss"][-1] - low,
+            "zero_frac_mean": _mean(plain["zero_grad_frac"]), "scaled_zero_frac_mean": _mean(scaled["zero_grad_frac"]),
+            "spikes_found": len(ch09.spike_steps(plain)),
+            "zero_frac_min_12": min(short["zero_grad_frac"]), "scaled_zero_frac_max_12": max(short_scaled["zero_grad_frac"]),
+            "scaled_minus_plain_final_12": short_scaled["loss"][-1] - short["loss"][-1]}
 
 
 @experiment("ch09_garbage", {
@@ -455,14 +444,14 @@ def ch08_fp16_resume(seed: int) -> dict[str, float]:
 
 
 @experiment("ch11_zero1", {
-    "adamw_world2_max_error": Criterion("<=", 5e-5, "tests/test_zero1.py ADAM_TOL; notebook 11 TOL_ADAM"),
-    "adamw_world4_max_error": Criterion("<=", 5e-5, "tests/test_zero1.py ADAM_TOL; notebook 11 TOL_ADAM"),
-    "adamw_params_world4_max_error": Criterion("<=", 5e-5, "tests/test_zero1.py ADAM_TOL"),
+    "adamw_world2_max_error": Criterion("<=", 2e-4, "tests/test_zero1.py ADAM_TOL; notebook 11 TOL_ADAM"),
+    "adamw_world4_max_error": Criterion("<=", 2e-4, "tests/test_zero1.py ADAM_TOL; notebook 11 TOL_ADAM"),
+    "adamw_params_world4_max_error": Criterion("<=", 2e-4, "tests/test_zero1.py ADAM_TOL"),
     "sgd_world4_max_error": Criterion("<=", 1e-6, "tests/test_zero1.py SGD_TOL"),
-    "bf16_master_world2_max_error": Criterion("<=", 0.05, "tests/test_zero1.py::test_mixed_precision..."),
+    "bf16_master_world2_max_error": Criterion("<=", 0.1, "tests/test_zero1.py::test_mixed_precision..."),
 })
 def ch11_zero1(seed: int) -> dict[str, float]:
-    import course_utils as cu
+    import course_utils as cu  # the worker draws its model and data from `seed`
 
     def worst(world, **kw):
         res = cu.run("workers.ch11_zero1", world, seed=seed, timeout=300, **kw)
