@@ -324,7 +324,10 @@ live_master
 # time, the job restarts in **new processes**
 # from the last checkpoint. A good checkpoint makes that restart invisible: the resumed run computes exactly
 # what the uninterrupted run would have, bit for bit. Anything less and you cannot tell a restart from a bug,
-# and every comparison you make ("did my change help?") carries noise from the restarts.
+# and every comparison you make ("did my change help?") carries noise from the restarts. Bit for bit means on
+# the same kind of machine and the same build: a resume on another CPU or another PyTorch runs other kernels,
+# which round differently, and the run drifts from there (as every run in this course would: its printed
+# losses are this machine's).
 #
 # What must a checkpoint hold? More than the weights:
 #

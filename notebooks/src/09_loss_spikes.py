@@ -410,7 +410,9 @@ plots.savefig(ch09.draw_replay(flipped, "a bit flips in rank 1's gradient at ste
 # replay**: restore a snapshot and run the same steps again, with the same data, comparing a per-step
 # fingerprint (checksums of each rank's local gradient before the all-reduce and of its parameters after
 # the step). On deterministic kernels a replay reproduces every bit, so the first fingerprint that differs is
-# the corrupted step; the rank whose *local gradient* differs first is the faulty one. A fault that a replay
+# the corrupted step; the rank whose *local gradient* differs first is the faulty one. (Every bit on the same
+# hardware and build: the replay must run where the run ran, or on an identical machine. On another CPU the
+# kernels round differently, and every fingerprint differs from the first step.) A fault that a replay
 # does **not** reproduce is hardware; one that it does is software or data. The summing rank of section 5
 # replayed itself the same way: compare.
 
