@@ -11,8 +11,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from course_utils import scratch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED_CSV = "allreduce_8xH200_published.csv"
@@ -71,8 +74,11 @@ def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, 
         script = REPO_ROOT / script
     if not script.exists():
         raise FileNotFoundError(f"there is no script {script}: give a path relative to the repository root")
+    # --tee needs log files: in the course's scratch area, removed below (torchrun's default is a torchelastic_*
+    # folder in the system temp directory that nothing removes)
+    log_dir = scratch.job_log_dir(f"script-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--tee=3", str(script), *map(str, args)]
+           "--tee=3", f"--log-dir={log_dir}", str(script), *map(str, args)]
     full_env = dict(os.environ)
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"})
     full_env.update({k: str(v) for k, v in (env or {}).items()})
@@ -91,6 +97,8 @@ def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, 
         _kill_group(proc.pid)
         proc.communicate()
         raise
+    finally:
+        scratch.remove_job_log_dir(log_dir)
     run = ScriptRun(cmd, nproc, proc.returncode, time.perf_counter() - start, timed_out)
     for line in output.splitlines():
         m = _RANK_PREFIX.match(line)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import course_utils as cu
-from course_utils import ch01
+from course_utils import ch01, scratch
 from course_utils.ledger import bus_bandwidth_factor
 from workers.ch01_collectives import BITWISE, COLLECTIVES, OPS, REDUCING, ROOTED, reference
 
@@ -25,9 +25,14 @@ RUN = dict(timeout=30)  # same pool key as the exercise checks: the warm ranks a
 # -- the minimal script under plain torchrun ------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_minimal_script_sums_to_n_n_plus_1_over_2_on_every_rank(n):
+def test_minimal_script_sums_to_n_n_plus_1_over_2_on_every_rank(n, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where torchrun would leave a torchelastic_* folder
+    before = set(scratch.TORCHELASTIC_LOGS.glob("script-*")) if scratch.TORCHELASTIC_LOGS.exists() else set()
     run = ch01.run_script("workers/ch01_minimal.py", n, timeout=120)
     assert run.ok, str(run) + "\n" + "\n".join(run.agent)
+    # the rank logs torchrun needs for --tee lived in the course's scratch area and left with the run
+    assert not list(tmp_path.glob("torchelastic_*"))
+    assert (set(scratch.TORCHELASTIC_LOGS.glob("script-*")) if scratch.TORCHELASTIC_LOGS.exists() else set()) <= before
     assert sorted(run.by_rank) == list(range(n))
     for rank in range(n):
         # rank r contributed r + 1; all_reduce SUM leaves 1 + ... + n on every rank
