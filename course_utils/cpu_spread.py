@@ -1,12 +1,12 @@
 """How far the course's chaotic numbers move across CPUs: ``python -m course_utils.cpu_spread``.
 
 A learner's CPU decides which kernels PyTorch runs: AVX-512, AVX2 or plain code in ATen, other paths in
-oneDNN and MKL. They round differently (even ``torch.randn`` rounds its draws differently on the plain path), so
-a seeded training run follows another trajectory on another machine. An exact property (a count, float64
-equality, two runs on one machine agreeing bit for bit) holds everywhere; a number read off a chaotic run
-(a loss after 60 steps, the largest grad norm, the step where something first happens) does not. Every
-test and printed verdict of the second kind needs a criterion with a margin over that spread, and this
-module measures the spread.
+oneDNN and MKL. They round differently (even ``torch.randn`` rounds its draws differently on the plain
+path), so a seeded training run follows another trajectory on another machine. An exact property (a count,
+float64 equality, two runs on one machine agreeing bit for bit) holds everywhere; a number read off a
+chaotic run (a loss after 60 steps, the largest grad norm, the step where something first happens) does
+not. Every test and printed verdict of the second kind needs a criterion with a margin over that spread,
+and this module measures the spread.
 
     python -m course_utils.cpu_spread --list
     python -m course_utils.cpu_spread ch12_grpo ch09_high_lr --seeds 0-3
@@ -61,6 +61,17 @@ def capability(env: dict[str, str] | None = None) -> str:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True,
                          text=True, timeout=120)
     return out.stdout.strip() or "unknown"
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def available_variants() -> list[str]:
@@ -554,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_variant(variant, args.experiments, seeds)
         print(f"[{variant}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"cpu": platform.processor() or platform.machine(), "native_capability": capability(),
+    meta = {"cpu": cpu_name(), "native_capability": capability(),
             "torch": __import__("torch").__version__, "date": time.strftime("%Y-%m-%d"),
             "command": "python -m course_utils.cpu_spread " + " ".join(argv if argv is not None else sys.argv[1:])}
     ok = True
