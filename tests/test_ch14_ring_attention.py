@@ -95,7 +95,7 @@ class LoopbackRing(Ring):
     """Ring position 0 of 2 whose exchanges never reach a network: each is recorded, and "receives" what it sent."""
 
     def __init__(self):
-        super().__init__(0, 2, 0, torch.device("cpu"), torch.device("cpu"))
+        super().__init__(0, [0, 1], torch.device("cpu"), torch.device("cpu"))
         self.posted = []
 
     def exchange(self, tensor, phase, tag=0):

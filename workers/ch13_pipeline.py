@@ -17,6 +17,7 @@ import torch
 from workers.pipeline.executor import run_schedule
 from workers.pipeline.model import PipelineConfig, global_names, make_batch, micro_batches as split, stage_module
 from workers.pipeline.p2p import P2P
+from workers.parallel.grid import RankGrid
 from workers.pipeline.schedules import SCHEDULES, peak_stash, schedule as make_schedule, virtual_stage
 from workers.runtime import entrypoint
 
@@ -55,7 +56,8 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, stages: int = 0, c
          lr: float = 0.1, seed: int = 0):
     """``steps`` SGD steps of the pipelined MLP with ``schedule`` over ``micro_batches`` micro-batches."""
     p, v = stages or ctx.world_size, chunks
-    stage, base = ctx.rank % p, ctx.rank - ctx.rank % p  # place in this pipeline, its first rank
+    pipeline = RankGrid.for_world(ctx.world_size, pp=p).group("pp", ctx.rank)  # this rank's pipeline, stage order
+    stage = pipeline.index(ctx.rank)
     cfg = PipelineConfig(n_layers=n_layers, hidden=hidden, micro_batch_size=micro_batch_size,
                          micro_batches=micro_batches, seed=seed)
     # chunk c of this stage is virtual stage c * p + stage of a model cut in p * v
@@ -64,8 +66,8 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, stages: int = 0, c
     opt = torch.optim.SGD([q for mod in modules for q in mod.parameters()], lr=lr)
     actions = make_schedule(schedule, p, micro_batches, stage, v)
     wrap = v > 1  # with chunks the pipeline goes round: rank p-1 feeds rank 0's next chunk
-    prev_rank = base + (stage - 1) % p if stage > 0 or wrap else None
-    next_rank = base + (stage + 1) % p if stage < p - 1 or wrap else None
+    prev_rank = pipeline[(stage - 1) % p] if stage > 0 or wrap else None
+    next_rank = pipeline[(stage + 1) % p] if stage < p - 1 or wrap else None
     out = {"losses": [], "timelines": []}
     for step in range(steps):
         x, y = (t.to(ctx.device) for t in make_batch(cfg, step))  # [B, h]: every rank derives the same batch

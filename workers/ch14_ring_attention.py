@@ -17,6 +17,7 @@ from workers.context_parallel.attention import ring_attention_backward, ring_att
 from workers.context_parallel.inputs import DTYPES, make_inputs
 from workers.context_parallel.ring import Ring
 from workers.context_parallel.split import SPLITS, local_positions, split_problem, take_local
+from workers.parallel.grid import RankGrid
 from workers.runtime import entrypoint
 
 
@@ -41,8 +42,10 @@ def main(ctx, seq: int = 64, heads: int = 2, head_dim: int = 16, batch: int = 1,
          split: str = "zigzag", cp: int = 0, seed: int = 0, dtype: str = "float64", backward: bool = True):
     """One ring-attention forward (and backward) of a [batch, heads, seq, head_dim] problem over cp ranks."""
     ring_size = cp or ctx.world_size
-    index, base = ctx.rank % ring_size, ctx.rank - ctx.rank % ring_size
-    ring = Ring(index, ring_size, base, ctx.device, ctx.comm_device("send"))
+    grid = RankGrid.for_world(ctx.world_size, cp=ring_size)  # the other ranks: rings side by side (dp)
+    members = grid.group("cp", ctx.rank)  # this rank's ring, in ring order
+    index = members.index(ctx.rank)
+    ring = Ring(index, members, ctx.device, ctx.comm_device("send"))
     q, k, v, dout = make_inputs(batch, heads, seq, head_dim, seed, dtype)  # [b, h, s, d] each, whole sequence
     q, k, v, dout = (take_local(t, seq, ring_size, index, split).to(ctx.device) for t in (q, k, v, dout))  # [b, h, s/cp, d]
     with ctx.timer("forward"):
@@ -60,7 +63,7 @@ def main(ctx, seq: int = 64, heads: int = 2, head_dim: int = 16, batch: int = 1,
             "work_diagonal": sum(b[3] == "diagonal" for b in computed),
             "score_entries": len(computed) * chunk_len ** 2,  # FLOPs are proportional to this
             "sent_bytes": dict(ring.sent_bytes), "messages": dict(ring.messages), "kv_chunk_bytes": chunk_bytes,
-            "ring_index": index, "ring": ctx.rank // ring_size, "cp": ring_size,
+            "ring_index": index, "ring": grid.coords(ctx.rank)["dp"], "cp": ring_size,
             "config": {"seq": seq, "heads": heads, "head_dim": head_dim, "batch": batch, "causal": causal,
                        "split": split, "seed": seed, "dtype": dtype}}
 

@@ -6,8 +6,8 @@ overlap that hides ring attention's communication when a block's compute takes l
 Both calls are non-blocking, so no ordering of sends and receives around the ring can deadlock.
 
 Gloo has no CUDA send/recv: on a one-GPU machine the bytes go through host memory (``comm_device``, as in
-``workers/pipeline/p2p.py``). ``base`` is the first global rank of this ring, so a world of 4 can hold two
-rings of 2 (or four of 1) side by side.
+``workers/pipeline/p2p.py``). ``members`` are the ring's global ranks in ring order (a ``cp`` slice of the rank
+grid, ``workers/parallel/grid.py``), so a world of 4 can hold two rings of 2 (or four of 1) side by side.
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ class Exchange:
 
 
 class Ring:
-    """Links of position ``index`` in a ring of ``cp`` ranks starting at global rank ``base``."""
+    """Links of position ``index`` in the ring of global ranks ``members``."""
 
-    def __init__(self, index: int, cp: int, base: int, device: torch.device, comm_device: torch.device):
-        self.index, self.cp = index, cp
-        self.next_rank = base + (index + 1) % cp  # K/V (and dK/dV) go forward around the ring ...
-        self.prev_rank = base + (index - 1) % cp  # ... and arrive from behind
+    def __init__(self, index: int, members: list[int], device: torch.device, comm_device: torch.device):
+        self.index, self.cp = index, len(members)
+        self.next_rank = members[(index + 1) % self.cp]  # K/V (and dK/dV) go forward around the ring ...
+        self.prev_rank = members[(index - 1) % self.cp]  # ... and arrive from behind
         self.device, self.comm_device = device, comm_device
         self.sent_bytes = {"forward": 0, "backward": 0}
         self.messages = {"forward": 0, "backward": 0}

@@ -9,15 +9,15 @@ three on one set of warm ranks. Two rules of ``dist.new_group`` shape this class
 """
 from __future__ import annotations
 
-import datetime
-
 import torch.distributed as dist
 
-from workers.runtime import collective_timeout
+from workers.parallel.grid import RankGrid
 
 
 class TensorParallelGroups:
     """Split the world into groups of ``tp_size`` consecutive ranks (0: one group, the whole world).
+
+    The groups are the ``tp`` slices of ``RankGrid.for_world(world, tp=tp_size)`` (workers/parallel/grid.py).
 
     ``tp.group`` is this rank's group (None means the default group: the whole world, unless ``fresh``),
     ``tp.ranks`` its members, ``tp.index`` which group it is and ``tp.rank`` this rank's place in it.
@@ -32,17 +32,12 @@ class TensorParallelGroups:
         self.size = tp_size or world
         if self.size < 1 or world % self.size:
             raise ValueError(f"tp_size={tp_size} does not divide the world size {world}: choose a divisor of {world}")
-        self.index, self.rank = divmod(rank, self.size)
-        self.ranks = list(range(self.index * self.size, (self.index + 1) * self.size))
-        self.group = None
-        self._created = []
+        grid = RankGrid.for_world(world, tp=self.size)  # the other ranks are data-parallel replicas
+        self.index, self.rank = grid.coords(rank)["dp"], grid.coords(rank)["tp"]
+        self.ranks = grid.group("tp", rank)
+        self.group, self._created = None, []
         if self.size != world or fresh or timeout_s is not None:
-            timeout = collective_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-            for start in range(0, world, self.size):
-                pg = dist.new_group(list(range(start, start + self.size)), timeout=timeout)
-                if start == self.index * self.size:
-                    self.group = pg
-                    self._created.append(pg)
+            self.group, self._created = grid.new_groups("tp", rank, timeout_s=timeout_s, fresh=True)
 
     def __enter__(self) -> "TensorParallelGroups":
         return self
