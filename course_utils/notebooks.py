@@ -1,10 +1,11 @@
-"""Build and execute the course notebooks: ``python -m course_utils.notebooks sync|check|execute``.
+"""Build and execute the course notebooks: ``python -m course_utils.notebooks sync|check|execute|map``.
 
 Each chapter is written as a percent-format script, ``notebooks/src/NN_name.py`` (easy to review and
 diff), and shipped as ``notebooks/NN_name.ipynb`` with its outputs and figures (what learners open and
 what readers see on GitHub). ``sync`` rebuilds the .ipynb files whose source changed; ``check`` fails
 if any .ipynb is out of step with its source; ``execute`` runs notebooks headless with papermill on a
-fresh kernel, in place (``make notebooks``) or into another folder (CI), and prints each runtime.
+fresh kernel, in place (``make notebooks``) or into another folder (CI), and prints each runtime. ``map``
+writes ``docs/CHAPTERS.md``, which files make each chapter (``course_utils/chapter_map.py``).
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def execute(path: Path, output: Path, *, timeout: float = 900) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["sync", "check", "execute"])
+    p.add_argument("command", choices=["sync", "check", "execute", "map"])
     p.add_argument("names", nargs="*", help="notebook stems (default: all)")
     p.add_argument("--out", type=Path, help="execute into this folder instead of in place")
     p.add_argument("--timeout", type=float, default=900, help="per-cell execution timeout (s)")
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "sync":
         for path in sync(a.names):
             print(f"rebuilt {path.relative_to(ROOT)}")
+        return 0
+    if a.command == "map":
+        from course_utils.chapter_map import write
+
+        print(f"wrote {write().relative_to(ROOT)}")
         return 0
     if a.command == "check":
         stale = [s for s in sources() if not in_sync(s)]

@@ -1,0 +1,175 @@
+"""Where files go: the rules of docs/CONTRIBUTING.md ("Where files go"), checked on the tree.
+
+Start here before adding a file. Rank side: a file directly under ``workers/`` is the spine or a torchrun
+script that nothing imports; what is imported lives in a topic package; nothing in ``workers/`` imports
+``course_utils``. Notebook side: ``course_utils/chNN.py`` / ``chNN_<part>.py`` is chapter NN's glue, imported only
+by that chapter's notebook, catalogue and other glue, the tests, and the two tools that measure every chapter;
+what two chapters use gets a topic name. ``docs/CHAPTERS.md`` is regenerated from the code. Each rule is a
+function of the tree's root, so the last tests can show it catching a misplaced file in a scratch copy.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from course_utils.chapter_map import ROOT, SPINE, render, resolve
+
+# Thin re-exports kept because a path is part of the course's public surface (see CONTRIBUTING).
+SHIMS = {
+    "workers/bench_attention.py": "`python -m workers.bench_attention` is printed in chapter 07 and the docs",
+    "workers/ch02_model.py": "outside adapters import it; kept one release, then removed",
+}
+# Tools that measure every chapter, and so may import every chapter's glue.
+CROSS_CHAPTER_TOOLS = {"course_utils/cpu_spread.py", "course_utils/bench.py"}
+# One topic with a notebook side and a rank side, by design: the same name says so.
+TWO_SIDES = {"exercises": "course_utils/exercises.py grades in the notebook; workers/exercises/ checks on ranks"}
+SCANNED = ("workers", "course_utils", "notebooks/src", "tests", "solutions", "tools")
+GLUE = re.compile(r"course_utils/ch(\d\d)(_\w+)?\.py$")
+
+
+def _python_files(root: Path) -> list[Path]:
+    return sorted(p for d in SCANNED if (root / d).is_dir() for p in (root / d).rglob("*.py")
+                  if ".ipynb_checkpoints" not in p.parts)
+
+
+def _imports(path: Path, root: Path) -> set[str]:
+    """Repository files ``path`` imports (``import``/``from`` statements only: a string naming a worker runs it)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {f for f in (resolve(n, root) for n in names) if f}
+
+
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    return {p.relative_to(root).as_posix(): _imports(p, root) for p in _python_files(root)}
+
+
+def _is_script(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    main_guard = any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body)
+    plain_torchrun = any("init_process_group" in ast.unparse(n) for n in tree.body if isinstance(n, ast.Expr))
+    return main_guard or plain_torchrun
+
+
+def rank_side_violations(root: Path) -> list[str]:
+    graph = _import_graph(root)
+    importers: dict[str, set[str]] = {}
+    for f, deps in graph.items():
+        for d in deps:
+            importers.setdefault(d, set()).add(f)
+    out = []
+    for path in sorted((root / "workers").glob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in SPINE:
+            continue
+        if rel in SHIMS:
+            body = [n for n in ast.parse(path.read_text()).body
+                    if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]  # docstring
+            if len(body) > 6 or not all(isinstance(n, (ast.ImportFrom, ast.Import, ast.Assign, ast.If)) for n in body):
+                out.append(f"{rel} is kept as a shim but holds code: a shim only re-exports")
+            continue
+        if not _is_script(path):
+            out.append(f"{rel} is not a torchrun script: move it into a topic package under workers/")
+        users = sorted(importers.get(rel, set()) - {rel})
+        if users:
+            out.append(f"{rel} is a script but {', '.join(users)} import(s) it: move what they use into a topic package")
+    for f, deps in graph.items():
+        if f.startswith("workers/"):
+            bad = sorted(d for d in deps if d.startswith("course_utils/"))
+            if bad:
+                out.append(f"{f} imports {', '.join(bad)}: the rank side never imports course_utils")
+    return out
+
+
+def notebook_side_violations(root: Path) -> list[str]:
+    out = []
+    for f, deps in _import_graph(root).items():
+        for d in sorted(deps):
+            m = GLUE.match(d)
+            if not m:
+                continue
+            nn = m.group(1)
+            allowed = (f.startswith("tests/") or f in CROSS_CHAPTER_TOOLS
+                       or re.match(rf"notebooks/src/{nn}_\w+\.py$", f)
+                       or f == f"course_utils/catalogue/ch{nn}.py" or re.match(rf"course_utils/ch{nn}(_\w+)?\.py$", f))
+            if not allowed:
+                out.append(f"{f} imports {d}, chapter {nn}'s glue: give what two chapters use a topic module")
+    collisions = sorted(p.stem for p in (root / "course_utils").glob("*.py")
+                        if (root / "workers" / p.stem).is_dir() and p.stem not in TWO_SIDES)
+    out += [f"course_utils/{c}.py shares its name with the package workers/{c}/: name it for its chapter or role"
+            for c in collisions]
+    return out
+
+
+def test_the_rank_side_has_only_the_spine_scripts_and_topic_packages():
+    assert rank_side_violations(ROOT) == []
+
+
+def test_chapter_glue_is_imported_only_by_its_own_chapter():
+    assert notebook_side_violations(ROOT) == []
+
+
+def test_every_shim_is_still_used_as_documented():
+    for rel in SHIMS:
+        assert (ROOT / rel).is_file(), f"{rel} is gone: remove it from SHIMS and CONTRIBUTING"
+
+
+def test_the_chapter_map_is_up_to_date():
+    assert (ROOT / "docs" / "CHAPTERS.md").read_text() == render(ROOT), \
+        "docs/CHAPTERS.md is stale: run `python -m course_utils.notebooks map`"
+
+
+# -- the rules catch a misplaced file (in a scratch copy of the tree) ---------------------------------------------
+
+@pytest.fixture()
+def tree(tmp_path):
+    for d in SCANNED + ("docs",):
+        if (ROOT / d).is_dir():
+            shutil.copytree(ROOT / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__", "*.ipynb", "data"))
+    return tmp_path
+
+
+def _new(after: list[str], before: list[str]) -> list[str]:
+    """What the misplaced file added (the copy may hold its own faults; the tests above judge those)."""
+    return [v for v in after if v not in before]
+
+
+def test_a_library_at_the_top_of_workers_is_caught(tree):
+    before = rank_side_violations(tree)
+    (tree / "workers" / "helpers.py").write_text("def double(x):\n    return 2 * x\n")
+    (tree / "workers" / "ch04_tp_layers.py").write_text(
+        (tree / "workers" / "ch04_tp_layers.py").read_text() + "\nfrom workers.helpers import double\n")
+    assert _new(rank_side_violations(tree), before) == ["workers/helpers.py is not a torchrun script: move it into a topic package under workers/",
+                                          "workers/helpers.py is a script but workers/ch04_tp_layers.py import(s) it: "
+                                          "move what they use into a topic package"]
+
+
+def test_a_script_imported_by_another_and_a_rank_importing_course_utils_are_caught(tree):
+    before = rank_side_violations(tree)
+    (tree / "workers" / "parallel" / "extra.py").write_text("from workers.ch13_pipeline import main\nimport course_utils.plots\n")
+    assert _new(rank_side_violations(tree), before) == [
+        "workers/ch13_pipeline.py is a script but workers/parallel/extra.py import(s) it: move what they use into a topic package",
+        "workers/parallel/extra.py imports course_utils/plots.py: the rank side never imports course_utils"]
+
+
+def test_glue_used_by_another_chapter_and_a_colliding_name_are_caught(tree):
+    before = notebook_side_violations(tree)
+    src = next((tree / "notebooks" / "src").glob("04_*.py"))
+    src.write_text(src.read_text() + "\nfrom course_utils.ch03 import *  # noqa\n")
+    (tree / "course_utils" / "attention.py").write_text("X = 1\n")
+    assert _new(notebook_side_violations(tree), before) == [
+        f"notebooks/src/{src.name} imports course_utils/ch03.py, chapter 03's glue: give what two chapters use a topic module",
+        "course_utils/attention.py shares its name with the package workers/attention/: name it for its chapter or role"]
+
+
+def test_a_stale_map_is_caught(tree):
+    (tree / "tests" / "test_ch13_new.py").write_text("def test_x():\n    pass\n")
+    assert render(tree) != (tree / "docs" / "CHAPTERS.md").read_text()
