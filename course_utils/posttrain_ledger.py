@@ -127,25 +127,25 @@ def finetune_memory(shape: ModelShape | str, method: str, r: int = 16, targets=A
 
 # -- the chapter's tiny GPT (``workers/gpt``), so that the ledger can be checked against what a rank holds --
 
-def toy_matrices(d_model: int, vocab: int) -> dict[str, tuple[int, int]]:
+def toy_matrices(hidden: int, vocab: int) -> dict[str, tuple[int, int]]:
     """(d_out, k_in) of each nn.Linear of the tiny GPT: fused qkv, proj, the GELU MLP's fc and out (per
     layer), and the untied LM head (once)."""
-    d = d_model
+    d = hidden
     return {"qkv": (3 * d, d), "proj": (d, d), "fc": (4 * d, d), "out": (d, 4 * d), "head": (vocab, d)}
 
 
-def toy_params(d_model: int, layers: int, vocab: int, seq: int) -> int:
+def toy_params(hidden: int, layers: int, vocab: int, seq: int) -> int:
     """Every parameter of the tiny GPT. Unlike ``ModelShape.n_params`` it counts biases, LayerNorm biases
     and the learned position table, which a 7B model's count can ignore and a 58k-parameter one cannot."""
-    d = d_model
+    d = hidden
     linears = sum(dd * kk + dd for name, (dd, kk) in toy_matrices(d, vocab).items() if name != "head")  # W + bias
     per_layer = linears + 2 * 2 * d  # + two LayerNorms, each a gain and a bias
     return vocab * d + seq * d + layers * per_layer + 2 * d + vocab * d  # embed, pos, blocks, ln_f, head (no bias)
 
 
-def toy_lora_params(d_model: int, layers: int, vocab: int, r: int, targets) -> int:
+def toy_lora_params(hidden: int, layers: int, vocab: int, r: int, targets) -> int:
     """Trainable LoRA numbers on the tiny GPT: r (d + k) per adapted matrix, per layer except the head."""
-    mats = toy_matrices(d_model, vocab)
+    mats = toy_matrices(hidden, vocab)
     missing = [t for t in targets if t not in mats]
     if missing:
         raise ValueError(f"the tiny GPT has no Linear {missing}: choose from {', '.join(mats)}")

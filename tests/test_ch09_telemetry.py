@@ -16,7 +16,7 @@ from workers.gpt.reduce import gradient_fingerprint, projection_probes, reductio
 from workers.gpt.train import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-SMALL = GPTConfig(vocab=16, seq=8, d_model=32, heads=2, layers=2)
+SMALL = GPTConfig(vocab=16, seq=8, hidden=32, heads=2, layers=2)
 
 
 def _one_step(cfg=SMALL, tcfg=TrainConfig(steps=1, global_batch=4)):
@@ -68,7 +68,7 @@ def test_max_attention_logit_is_the_largest_causal_q_dot_k():
     model(tokens)
     attn = model.blocks[0].attn
     x = model.blocks[0].ln1(model.embed(tokens) + model.pos)  # the first block's attention input, [2, 8, 32]
-    q, k, _ = attn.qkv(x).split(SMALL.d_model, dim=-1)
+    q, k, _ = attn.qkv(x).split(SMALL.hidden, dim=-1)
     q = q.view(2, SMALL.seq, SMALL.heads, -1).transpose(1, 2)
     k = k.view(2, SMALL.seq, SMALL.heads, -1).transpose(1, 2)
     scores = q @ k.transpose(-2, -1) / math.sqrt(SMALL.head_dim)  # [2, a, 8, 8]
@@ -80,7 +80,7 @@ def test_qk_layernorm_bounds_the_logits_whatever_the_weights():
     # |LN(q) . LN(k)| / sqrt(d) <= sqrt(d) with unit gains (each normalised vector has norm sqrt(d)),
     # however large the projection weights grow. Without it the logits scale with the weights squared.
     for qk in (False, True):
-        cfg = GPTConfig(vocab=16, seq=8, d_model=32, heads=2, layers=1, qk_layernorm=qk)
+        cfg = GPTConfig(vocab=16, seq=8, hidden=32, heads=2, layers=1, qk_layernorm=qk)
         model = make_model(cfg)
         with torch.no_grad():
             model.blocks[0].attn.qkv.weight.mul_(1000)

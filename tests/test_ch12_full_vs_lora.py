@@ -16,8 +16,8 @@ from workers.posttrain.train import TOY, adamw, make_policy, sft
 LIMITS = {"timeout": 120}
 STEPS, RANK = 20, 4
 FP32_BYTES = 4
-N_BASE = L.toy_params(TOY.d_model, TOY.layers, TOY.vocab, TOY.seq)
-N_LORA = L.toy_lora_params(TOY.d_model, TOY.layers, TOY.vocab, RANK, LORA_TARGETS)
+N_BASE = L.toy_params(TOY.hidden, TOY.layers, TOY.vocab, TOY.seq)
+N_LORA = L.toy_lora_params(TOY.hidden, TOY.layers, TOY.vocab, RANK, LORA_TARGETS)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_measured_state_counts_what_the_optimizer_holds(one_thread):
     assert before["optimizer_bytes"] == 0 and before["grad_bytes"] == 0  # Adam allocates m, v on its first step
     sft(model, steps=1, opt=opt)
     after = measured_state_bytes(model, opt)
-    n = TOY.layers * 2 * (3 * TOY.d_model + TOY.d_model)  # r (d + k) for qkv, per layer
+    n = TOY.layers * 2 * (3 * TOY.hidden + TOY.hidden)  # r (d + k) for qkv, per layer
     assert after["trainable_params"] == n and after["optimizer_moment_bytes"] == 8 * n
     # an optimizer over *every* parameter still holds no state for the frozen ones: they have no .grad
     opt_all = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -116,7 +116,7 @@ def test_the_tiny_gpt_head_caps_the_answer_loss_near_1_7_nats():
     assert torch.all((floor.floor > 1.6) & (floor.floor < 1.9)), floor.floor
     answers = task.sequences(task.split_pairs()[0])[:, task.PROMPT_LEN:].reshape(-1).tolist()
     assert floor.mean_over(answers) == pytest.approx(1.70, abs=0.01)
-    assert TOY.d_model == floor.z.shape[1]
+    assert TOY.hidden == floor.z.shape[1]
 
 
 def test_targets_outside_the_vocabulary_are_refused():

@@ -85,9 +85,9 @@ def test_parameter_counts_are_r_times_d_plus_k():
     model = make_policy(0)
     before = sum(p.numel() for p in model.parameters())
     apply_lora(model, ("qkv",), r=3)
-    d_model, layers = model.cfg.d_model, model.cfg.layers
-    # qkv is d_model -> 3 d_model: r (d + k) = 3 (3 d_model + d_model) per layer
-    assert trainable_params(model) == layers * lora_param_count(3 * d_model, d_model, 3) == layers * 3 * 4 * d_model
+    hidden, layers = model.cfg.hidden, model.cfg.layers
+    # qkv is hidden -> 3 hidden: r (d + k) = 3 (3 hidden + hidden) per layer
+    assert trainable_params(model) == layers * lora_param_count(3 * hidden, hidden, 3) == layers * 3 * 4 * hidden
     assert sum(p.numel() for p in model.parameters()) == before + trainable_params(model)
 
 

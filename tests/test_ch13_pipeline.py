@@ -92,7 +92,7 @@ def test_interleaved_memory_and_messages_measured():
 
 def test_interleaving_shrinks_the_measured_bubble():
     # calibrated waits per stage (a chunk is padded to 1/v of them); 16 layers so v = 2 splits evenly
-    timed = {"micro_batches": 8, "n_layers": 16, "forward_ms": 20.0, "backward_ms": 40.0, **LIMITS}
+    timed = {"micro_batches": 8, "layers": 16, "forward_ms": 20.0, "backward_ms": 40.0, **LIMITS}
     plain = pp.measured_bubble(cu.run(WORKER, world_size=WORLD, schedule="1f1b", **timed))
     inter = cu.run(WORKER, world_size=WORLD, schedule="interleaved", chunks=2, **timed)
     want = pipeline_bubble_fraction(4, 8, 2, denominator="total")  # 3/19 against 1F1B's 3/11
@@ -104,7 +104,7 @@ def test_interleaving_shrinks_the_measured_bubble():
     ({"schedule": "interleaved"}, "chunks=1 is plain 1F1B"),
     ({"schedule": "interleaved", "chunks": 2, "stages": 1}, "needs at least 2 stages"),
     ({"schedule": "interleaved", "chunks": 2, "micro_batches": 6}, "micro_batches=6 is not a multiple of the 4 stages"),
-    ({"schedule": "interleaved", "chunks": 4}, "n_layers=8 does not split into 16 equal chunks"),
+    ({"schedule": "interleaved", "chunks": 4}, "layers=8 does not split into 16 equal chunks"),
     ({"chunks": 2}, "only applies to schedule='interleaved'"),
 ])
 def test_invalid_interleaving_is_refused_before_launch(params, fragment):
@@ -113,7 +113,7 @@ def test_invalid_interleaving_is_refused_before_launch(params, fragment):
 
 
 @pytest.mark.parametrize("params, fragment", [
-    ({"n_layers": 6}, "n_layers=6 does not split into 4 equal stages"),
+    ({"layers": 6}, "layers=6 does not split into 4 equal stages"),
     ({"stages": 3}, "stages=3 does not divide world_size=4"),
     ({"schedule": "zb"}, "schedule='zb' is not known"),
     ({"micro_batches": 0}, "must be >= 1"),

@@ -237,7 +237,7 @@ def test_palm_540b_mfu():
     # Chowdhery et al. 2022, section 4.1: PaLM 540B trains at 238.3K tokens/s on 6144 TPU v4 chips
     # (275e12 peak each); "The MFU of PaLM 540B is 45.7% without self-attention or 46.2% with it".
     # Shape from Table 1: 540.35B parameters, 118 layers, 48 heads; head size 256; T = 2048.
-    # (A head size of d_model/heads = 384 would give 46.5%, so the attention term is really tested.)
+    # (A head size of hidden/heads = 384 would give 46.5%, so the attention term is really tested.)
     with_attention = flops_per_token(540.35e9, 118, 48, 256, 2048)
     assert round(100 * mfu(238.3e3, with_attention, 6144, 275e12), 1) == 46.2
     assert round(100 * mfu(238.3e3, 6 * 540.35e9, 6144, 275e12), 1) == 45.7

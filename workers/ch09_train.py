@@ -29,13 +29,13 @@ TELEMETRY = ("step", "lr", "loss", "local_loss", "grad_norm", "layer_grad_norms"
              "param_checksum")
 
 
-def n_parameters(vocab: int, seq: int, d_model: int, heads: int, layers: int, qk_layernorm: bool) -> int:
+def n_parameters(vocab: int, seq: int, hidden: int, heads: int, layers: int, qk_layernorm: bool) -> int:
     """Elements in the model's flat parameter vector (what flip_index indexes)."""
-    cfg = GPTConfig(vocab=vocab, seq=seq, d_model=d_model, heads=heads, layers=layers, qk_layernorm=qk_layernorm)
+    cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, qk_layernorm=qk_layernorm)
     return sum(p.numel() for p in make_model(cfg).parameters())
 
 
-def check_params(world_size, fault, at_step, fault_rank, steps, global_batch, d_model, heads, snapshot_every,
+def check_params(world_size, fault, at_step, fault_rank, steps, global_batch, hidden, heads, snapshot_every,
                  flip_bit, flip_target, flip_index, dtype, replay_from, lr, high_lr, freeze_dormant_from, vocab, seq,
                  layers, qk_layernorm, **_):
     if fault not in FAULTS:
@@ -45,8 +45,8 @@ def check_params(world_size, fault, at_step, fault_rank, steps, global_batch, d_
     if global_batch < world_size or global_batch % world_size:
         return (f"global_batch={global_batch} does not split into {world_size} equal shards of samples: "
                 f"choose a multiple of {world_size}")
-    if d_model % heads:
-        return f"d_model={d_model} is not divisible by heads={heads}: choose heads that divide {d_model}"
+    if hidden % heads:
+        return f"hidden={hidden} is not divisible by heads={heads}: choose heads that divide {hidden}"
     if fault in STEPPED_FAULTS and not 0 <= at_step < steps:
         return f"at_step={at_step} is outside the run's steps 0..{steps - 1}: inject the fault during the run"
     if fault in ("sum_not_average", "bit_flip") and not 0 <= fault_rank < world_size:
@@ -60,7 +60,7 @@ def check_params(world_size, fault, at_step, fault_rank, steps, global_batch, d_
     if flip_target not in ("grad", "param"):
         return f"flip_target={flip_target!r} must be 'grad' (before the all-reduce) or 'param' (after the step)"
     if fault == "bit_flip":
-        n = n_parameters(vocab, seq, d_model, heads, layers, qk_layernorm)
+        n = n_parameters(vocab, seq, hidden, heads, layers, qk_layernorm)
         if not 0 <= flip_index < n:
             return f"flip_index={flip_index} is not an element of the model's {n} parameters: use 0..{n - 1}"
     if dtype not in ("auto", "float32", "float16"):
@@ -81,7 +81,7 @@ def main(ctx, fault: str = "none", at_step: int = 65, fault_rank: int = 0, steps
          dtype: str = "auto", loss_scaling: bool = False, loss_multiplier: float = 2.0 ** -14,
          flip_bit: int = 20, flip_target: str = "grad", flip_index: int = 1000, recover: bool = False,
          replay: bool = False, replay_from: int = 0, skip_ids: list = (), snapshot_every: int = 10,
-         spike_factor: float = 1.5, seed: int = 0, vocab: int = 32, seq: int = 32, d_model: int = 64, heads: int = 4,
+         spike_factor: float = 1.5, seed: int = 0, vocab: int = 32, seq: int = 32, hidden: int = 64, heads: int = 4,
          layers: int = 2, fp32_grad_probe: bool = False, freeze_dormant_from: int = -1):
     """Train ``steps`` steps with ``fault`` injected; return the telemetry, rewinds, checksum alarm and replay."""
     params = {k: v for k, v in locals().items() if k != "ctx"}

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 workers/ch13_pipeline.py --stages 2 --forward-ms 5 --backward-ms 10
     torchrun --nproc-per-node 4 workers/ch13_pipeline.py --schedule interleaved --chunks 2
 
-``stages`` p (0: the whole world) splits ``n_layers`` into p contiguous stages; a world larger than p runs
+``stages`` p (0: the whole world) splits ``layers`` into p contiguous stages; a world larger than p runs
 world / p identical pipelines side by side (ranks 0..p-1, p..2p-1, ...: each the same model on the same
 batch), so p = 1, 2 and 4 all run on one set of 4 warm ranks. ``chunks`` v > 1 (interleaved only) cuts the
 model into p * v chunks instead, chunk c of stage s holding virtual stage c * p + s. Each rank returns its stage's timeline,
@@ -22,7 +22,7 @@ from workers.pipeline.schedules import SCHEDULES, peak_stash, schedule as make_s
 from workers.runtime import entrypoint
 
 
-def check_params(world_size, schedule="1f1b", micro_batches=8, stages=0, chunks=1, n_layers=8, hidden=16,
+def check_params(world_size, schedule="1f1b", micro_batches=8, stages=0, chunks=1, layers=8, hidden=16,
                  micro_batch_size=4, forward_ms=0.0, backward_ms=0.0, steps=1, lr=0.1, **_):
     p = stages or world_size
     if schedule not in SCHEDULES:
@@ -41,9 +41,9 @@ def check_params(world_size, schedule="1f1b", micro_batches=8, stages=0, chunks=
                     f"sends micro-batches round in groups of p; choose a multiple of {p}")
     elif chunks != 1:
         return f"chunks={chunks} only applies to schedule='interleaved': leave chunks=1 for {schedule!r}"
-    if n_layers % (p * chunks):
+    if layers % (p * chunks):
         parts = f"{p} equal stages" if chunks == 1 else f"{p * chunks} equal chunks ({p} stages x {chunks})"
-        return f"n_layers={n_layers} does not split into {parts}: choose n_layers divisible by {p * chunks}"
+        return f"layers={layers} does not split into {parts}: choose layers divisible by {p * chunks}"
     if forward_ms < 0 or backward_ms < 0 or forward_ms > 200 or backward_ms > 400:
         return f"forward_ms={forward_ms} and backward_ms={backward_ms} must be between 0 and 200 / 400 ms"
     if steps < 1 or lr <= 0:
@@ -51,14 +51,14 @@ def check_params(world_size, schedule="1f1b", micro_batches=8, stages=0, chunks=
     return None
 
 
-def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, stages: int = 0, chunks: int = 1, n_layers: int = 8,
+def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, stages: int = 0, chunks: int = 1, layers: int = 8,
          hidden: int = 16, micro_batch_size: int = 4, forward_ms: float = 0.0, backward_ms: float = 0.0, steps: int = 1,
          lr: float = 0.1, seed: int = 0):
     """``steps`` SGD steps of the pipelined MLP with ``schedule`` over ``micro_batches`` micro-batches."""
     p, v = stages or ctx.world_size, chunks
     pipeline = RankGrid.for_world(ctx.world_size, pp=p).group("pp", ctx.rank)  # this rank's pipeline, stage order
     stage = pipeline.index(ctx.rank)
-    cfg = PipelineConfig(n_layers=n_layers, hidden=hidden, micro_batch_size=micro_batch_size,
+    cfg = PipelineConfig(layers=layers, hidden=hidden, micro_batch_size=micro_batch_size,
                          micro_batches=micro_batches, seed=seed)
     # chunk c of this stage is virtual stage c * p + stage of a model cut in p * v
     modules = [stage_module(cfg, virtual_stage(stage, c, p), p * v).to(ctx.device) for c in range(v)]

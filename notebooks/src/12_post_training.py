@@ -80,7 +80,7 @@ print("after training, merged nn.Linear == adapted layer (fp32, atol 1e-6):",
 # %%
 model = make_policy(0)
 wrapped = apply_lora(model, ("qkv", "proj", "fc", "out"), r=4)
-D = TOY.d_model
+D = TOY.hidden
 by_formula = TOY.layers * sum(lora_param_count(dd, kk, 4) for dd, kk in ((3 * D, D), (D, D), (4 * D, D), (D, 4 * D)))
 print("wrapped:", wrapped)
 print("trainable from the module:", trainable_params(model), "| from r(d+k):", by_formula,
@@ -273,8 +273,8 @@ for method, r in ((m, ft_runs[m][0]) for m in METHOD_RANKS):
 # toy's shapes, must give exactly what the rank counted.
 
 # %%
-n_base = ledger.toy_params(TOY.d_model, TOY.layers, TOY.vocab, TOY.seq)
-n_lora = ledger.toy_lora_params(TOY.d_model, TOY.layers, TOY.vocab, LORA_RANK, LORA_TARGETS)
+n_base = ledger.toy_params(TOY.hidden, TOY.layers, TOY.vocab, TOY.seq)
+n_lora = ledger.toy_lora_params(TOY.hidden, TOY.layers, TOY.vocab, LORA_RANK, LORA_TARGETS)
 print(f"from the shapes: {n_base:,} base parameters; LoRA r={LORA_RANK} on {', '.join(LORA_TARGETS)}: {n_lora:,}")
 predicted = {"full": ledger.memory_from_counts("full", n_base, per=ledger.FP32_ADAM),
              "LoRA": ledger.memory_from_counts("lora", n_lora, n_base, per=ledger.FP32_ADAM)}

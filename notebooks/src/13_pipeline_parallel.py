@@ -57,9 +57,9 @@ def run(**params):
 # The model is a stack of Linear + tanh layers; the partition table gives each stage a contiguous range.
 
 # %%
-print(f"{CFG.n_layers} layers, hidden {CFG.hidden}, micro-batch {CFG.micro_batch_size} rows, m = {CFG.micro_batches}")
+print(f"{CFG.layers} layers, hidden {CFG.hidden}, micro-batch {CFG.micro_batch_size} rows, m = {CFG.micro_batches}")
 for p in (1, 2, 4):
-    print(f"p = {p}: stages own layers", partition_table(CFG.n_layers, p))
+    print(f"p = {p}: stages own layers", partition_table(CFG.layers, p))
 
 # %% [markdown]
 # **Predict** for a GPT-3-sized layer (h = 12288, s = 2048, micro-batch 1, bf16): how many bytes does one
@@ -230,7 +230,7 @@ for p, v in ((2, 2), (4, 2), (2, 4)):
 # the executor (`saved_tensors_hooks`), so the memory is measured, not inferred:
 
 # %%
-INTERLEAVED = {v: run(schedule="1f1b" if v == 1 else "interleaved", chunks=v, micro_batches=M, n_layers=16, **TIMED)
+INTERLEAVED = {v: run(schedule="1f1b" if v == 1 else "interleaved", chunks=v, micro_batches=M, layers=16, **TIMED)
                for v in (1, 2, 4)}
 for v, res in INTERLEAVED.items():
     rows = pp.pipeline_ranks(res)
@@ -325,7 +325,7 @@ gantt_live = LiveRun(WORKER, {"schedule": W.ToggleButtons(options=["1f1b", "gpip
                               "micro_batches": slider("micro-batches m", 8, 1, 16),
                               "stages": W.Dropdown(options=[1, 2, 4], value=4, description="stages p"),
                               "chunks": W.Dropdown(options=[1, 2, 4], value=1, description="chunks v")},
-                     draw_gantt, params={"world_size": WORLD, "n_layers": 16, **TIMED}, timeout=60)
+                     draw_gantt, params={"world_size": WORLD, "layers": 16, **TIMED}, timeout=60)
 gantt_live.wait(60)
 gantt_live
 

@@ -17,7 +17,7 @@ from workers.gpt.model import make_model
 from workers.gpt.reduce import gather_objects
 from workers.gpt.telemetry import flat_params, flip_bit_
 
-CFG = GPTConfig(vocab=16, seq=8, d_model=32, heads=2, layers=1)
+CFG = GPTConfig(vocab=16, seq=8, hidden=32, heads=2, layers=1)
 FLIP_AT = (4, 5)  # (parameter index, element) whose lowest mantissa bit the last rank flips
 SWAP_IN = 4  # parameter whose first two (different) elements rank 0 swaps
 

@@ -99,7 +99,7 @@ class StageComm:
 
 def check_stage_step(ctx, answer) -> None:
     p, stage = ctx.world_size, ctx.rank
-    cfg = PipelineConfig(n_layers=2 * p, hidden=8, micro_batch_size=3, micro_batches=3, seed=4)
+    cfg = PipelineConfig(layers=2 * p, hidden=8, micro_batch_size=3, micro_batches=3, seed=4)
     device = ctx.comm_device("send")  # the whole check on a device gloo can send from
     module = stage_module(cfg, stage, p).to(device)
     x, y = make_batch(cfg)

@@ -10,14 +10,22 @@ FAULTS = ("none", "garbage_batch", "high_lr", "fp16_underflow", "sum_not_average
 class GPTConfig:
     vocab: int = 32
     seq: int = 32  # tokens the model reads; each sample holds seq + 1 (inputs and shifted targets)
-    d_model: int = 64
+    hidden: int = 64
     heads: int = 4
     layers: int = 2
     qk_layernorm: bool = False  # LayerNorm on q and k per head before q.k (Dehghani et al. 2023)
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.heads
+        return self.hidden // self.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads  # multi-head attention: every query head has its own K and V
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden  # GPT-2's MLP: hidden -> 4 hidden -> hidden
 
 
 @dataclass(frozen=True)

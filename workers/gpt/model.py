@@ -21,11 +21,11 @@ from workers.gpt.config import GPTConfig
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.d_model % cfg.heads:
-            raise ValueError(f"d_model={cfg.d_model} is not divisible by heads={cfg.heads}: choose heads that divide it")
+        if cfg.hidden % cfg.heads:
+            raise ValueError(f"hidden={cfg.hidden} is not divisible by heads={cfg.heads}: choose heads that divide it")
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.q_norm = nn.LayerNorm(cfg.head_dim) if cfg.qk_layernorm else nn.Identity()
         self.k_norm = nn.LayerNorm(cfg.head_dim) if cfg.qk_layernorm else nn.Identity()
         self.register_buffer("causal", torch.tril(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool)), persistent=False)
@@ -47,8 +47,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn)  # [.., hidden] -> [.., ffn]
+        self.out = nn.Linear(cfg.ffn, cfg.hidden)
 
     def forward(self, x):  # [b, s, d] -> [b, s, 4d] -> [b, s, d]
         return self.out(F.gelu(self.fc(x)))
@@ -57,8 +57,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.ln1, self.attn = nn.LayerNorm(cfg.hidden), CausalSelfAttention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.hidden), MLP(cfg)
 
     def forward(self, x):  # [b, s, d]
         x = x + self.attn(self.ln1(x))
@@ -69,11 +69,11 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.d_model))
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.hidden))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)  # untied: its logits' scale is free to drift
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)  # untied: its logits' scale is free to drift
 
     def forward(self, tokens):  # [b, s] -> logits [b, s, V]
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]  # [b, s, d]

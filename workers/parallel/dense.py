@@ -22,7 +22,12 @@ from torch import nn
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """One transformer layer's shape. ``ffn_hidden`` 0 means 4h (GeLU) and ``n_kv_heads`` 0 means ``n_heads``."""
+    """One transformer layer's shape. ``ffn_hidden`` 0 means 4h (GeLU) and ``n_kv_heads`` 0 means ``n_heads``.
+
+    The fields keep the names chapters 04-06 take as worker parameters (``n_heads``, ``n_kv_heads``,
+    ``ffn_hidden``: Megatron's spelling, where 0 means "the usual default"); read the resolved shape through the
+    course's one vocabulary, ``hidden``, ``heads``, ``kv_heads``, ``ffn``, as on every other shape.
+    """
 
     hidden: int = 32
     n_heads: int = 4
@@ -33,6 +38,10 @@ class BlockConfig:
     causal: bool = True
     hidden_dropout: float = 0.0
     layernorm_eps: float = 1e-5
+
+    @property
+    def heads(self) -> int:
+        return self.n_heads
 
     @property
     def kv_heads(self) -> int:

@@ -1,4 +1,4 @@
-"""The model a pipeline splits: a stack of ``n_layers`` Linear(h, h) layers, tanh between them.
+"""The model a pipeline splits: a stack of ``layers`` Linear(h, h) layers, tanh between them.
 
 Every rank builds the whole (tiny) model from one seed and keeps only its stage's layers, so the stages
 are exactly the slices of the single-process reference (``reference.py``). The split is data: a partition
@@ -16,7 +16,7 @@ FP32_TOL = {"atol": 1e-6, "rtol": 1e-5}  # pipeline vs one process: same math, o
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    n_layers: int = 8
+    layers: int = 8
     hidden: int = 16
     micro_batch_size: int = 4  # rows per micro-batch
     micro_batches: int = 8  # m: micro-batches per optimizer step (the global batch is m x micro_batch_size)
@@ -47,28 +47,28 @@ def make_model(cfg: PipelineConfig) -> nn.Sequential:
     """The whole stack, from ``cfg.seed``: what the reference trains and every stage slices."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(cfg.seed)
-    model = nn.Sequential(*[Layer(cfg.hidden, last=i == cfg.n_layers - 1) for i in range(cfg.n_layers)])
+    model = nn.Sequential(*[Layer(cfg.hidden, last=i == cfg.layers - 1) for i in range(cfg.layers)])
     torch.random.set_rng_state(gen_state)  # building the model must not move the caller's random stream
     return model
 
 
-def partition_table(n_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """``[(first_layer, last_layer_exclusive)]`` per stage: contiguous, equal ranges (n_layers / p each)."""
-    if num_stages < 1 or n_layers % num_stages:
-        raise ValueError(f"n_layers={n_layers} does not split into {num_stages} equal stages")
-    per = n_layers // num_stages
+def partition_table(layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """``[(first_layer, last_layer_exclusive)]`` per stage: contiguous, equal ranges (layers / p each)."""
+    if num_stages < 1 or layers % num_stages:
+        raise ValueError(f"layers={layers} does not split into {num_stages} equal stages")
+    per = layers // num_stages
     return [(s * per, (s + 1) * per) for s in range(num_stages)]
 
 
 def stage_module(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Sequential:
     """Stage ``stage``'s layers, cut from the seeded whole model (same weights as the reference's)."""
-    first, last = partition_table(cfg.n_layers, num_stages)[stage]
+    first, last = partition_table(cfg.layers, num_stages)[stage]
     return nn.Sequential(*list(make_model(cfg))[first:last])
 
 
 def global_names(cfg: PipelineConfig, stage: int, num_stages: int, module: nn.Module) -> dict[str, torch.Tensor]:
     """This stage's parameters under the whole model's names ("5.linear.weight"), to set against the reference."""
-    first, _ = partition_table(cfg.n_layers, num_stages)[stage]
+    first, _ = partition_table(cfg.layers, num_stages)[stage]
     out = {}
     for name, p in module.named_parameters():
         index, rest = name.split(".", 1)

@@ -21,7 +21,7 @@ from workers.posttrain import task
 from workers.posttrain.losses import answer_mask, dpo_loss, grpo_advantages, grpo_loss, kl_k3, sft_loss
 from workers.posttrain.sampling import answer_logprobs, sample_answers
 
-TOY = GPTConfig(vocab=len(task.CHARS), seq=task.SEQ_LEN, d_model=48, heads=4, layers=2)
+TOY = GPTConfig(vocab=len(task.CHARS), seq=task.SEQ_LEN, hidden=48, heads=4, layers=2)
 
 
 def _quiet(**_):
