@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -152,9 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-notebooks", action="store_true")
     p.add_argument("--notebooks", nargs="*", help="only these notebooks")
     a = p.parse_args(argv)
-    print(f"CPU wall times on {platform.node()} ({os.cpu_count()} cores); gloo on CPU", flush=True)
-    results = {"machine": {"cores": os.cpu_count(), "platform": platform.platform()},
-               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "launch": bench_launch(), "widget": bench_widget()}
+    from workers.provenance import record
+
+    prov = record("python -m course_utils.bench " + " ".join(argv if argv is not None else sys.argv[1:]), device="cpu")
+    print(f"CPU wall times on {prov['device']} ({os.cpu_count()} cores); gloo on CPU", flush=True)
+    results = {"provenance": prov, "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
+               "launch": bench_launch(), "widget": bench_widget()}
     results["gpu"] = bench_gpu()
     if not a.skip_notebooks:
         results["notebooks_s"] = bench_notebooks(a.notebooks)

@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from course_utils import reference_data
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_GLOB = str(ROOT / "data" / "attention" / "h200_*.json")
 
@@ -222,15 +224,7 @@ def tile_walk_widget(n_keys: int = 24, block: int = 4, seed: int = 0):
 
 def load_reference() -> dict:
     """The committed H200 attention run, with its provenance (``course_utils.reference_data``)."""
-    from course_utils import reference_data
-
     return reference_data.load("h200_attention_baseline")
-
-
-def reference_caption(ref: dict) -> str:
-    prov = ref.get("provenance", {})
-    return (f"{ref.get('gpu', '?')}, torch {ref.get('torch', '?')}, Triton {ref.get('triton', '?')}, "
-            f"measured {prov.get('date', '?')} (data/reference/h200_attention_baseline.json)")
 
 
 def reference_rows(ref: dict) -> list[dict]:
@@ -262,12 +256,6 @@ def latest_bench(head_dim: int = 128, pattern: str = BENCH_GLOB):
         if any(r.get("head_dim") == head_dim for r in results.get("rows", [])):
             return path, results
     return None
-
-
-def bench_caption(results: dict) -> str:
-    meta = results.get("meta", {})
-    return (f"{meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, Triton {meta.get('triton', '?')}, "
-            f"measured {str(meta.get('date', '?'))[:10]}")
 
 
 def _n_axis(ax, ns) -> None:
@@ -324,9 +312,9 @@ def comparison_figure(reference: dict, bench: dict | None = None, head_dim: int 
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, -0.06))
-    caption = reference_caption(reference)
+    caption = reference_data.label(reference)
     if bench is not None:
-        caption += f"\ndashed: {bench_caption(bench)}"
+        caption += f"\ndashed: {reference_data.label(bench)}"
     fig.suptitle(title or f"attention, bf16, B=2, H=16, d={head_dim}: {caption}", fontsize=9)
     fig.tight_layout()
     return fig
@@ -386,7 +374,7 @@ def io_figure(rows: list[dict], reference: dict, block_q: int = 128):
     ax_t.set_title("as time on the H200, with the measured forwards", fontsize=10)
     ax_b.legend(fontsize=7)
     ax_t.legend(fontsize=6.5, loc="upper left")
-    fig.suptitle(f"bf16, B=2, H=16, d=128; bandwidth and matmul rate: {reference_caption(reference)}", fontsize=8)
+    fig.suptitle(f"bf16, B=2, H=16, d=128; bandwidth and matmul rate: {reference_data.label(reference)}", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -477,7 +465,7 @@ def memory_figure(reference: dict, saved_rows: list[dict]):
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N")
         ax.legend(fontsize=7)
-    fig.suptitle(f"left: {reference_caption(reference)}; right: counted on this machine's CPU (exact, not timed)",
+    fig.suptitle(f"left: {reference_data.label(reference)}; right: counted on this machine's CPU (exact, not timed)",
                  fontsize=8)
     fig.tight_layout()
     return fig

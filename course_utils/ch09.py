@@ -13,7 +13,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from course_utils.ch09_tables import LLAMA3_SOURCE, LLAMA3_TOTAL_UNEXPECTED, by_category
-from course_utils.plots import CPU_NOTE
 from workers.gpt.config import TrainConfig
 from workers.gpt.detect import SpikeDetector
 
@@ -271,7 +270,3 @@ def draw_interruptions():
     ax.set_title("Llama 3 405B, 54 days on 16,384 H100s: root causes by category", fontsize=10)
     ax.text(0, -0.32, "Source: " + LLAMA3_SOURCE, transform=ax.transAxes, fontsize=6, wrap=True)
     return fig
-
-
-def cpu_label(res) -> str:
-    return f"{res.world_size} rank(s), {res.seconds:.1f} s; {CPU_NOTE}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from course_utils import reference_data
 from course_utils.ledger import (ACTIVATION_TERMS_SBH, DROPOUT_TERMS, GB, activation_bytes_per_layer,
                                  activation_terms_per_layer, model_state_bytes)
 from course_utils.planner import Layout, plan
@@ -249,17 +250,12 @@ def gpu_data(kind: str = "memory") -> dict | None:
     return data
 
 
-def gpu_label(data: dict) -> str:
-    return (f"{data.get('device_name', '?')}, torch {data.get('torch', '?')}, CUDA {data.get('cuda', '?')}, "
-            f"{data.get('date', '?')[:10]} ({data.get('path', '')})")
-
-
 def gpu_memory_report(data: dict, title: str | None = None):
     """Figure and text for a GPU memory record (the JSON ``tools/gpu/ch11_memory.sh`` writes): every run that
     succeeded is drawn (accounted bytes, ledger, ``torch.cuda.memory_allocated``); every run that failed is named."""
     ok = {f"{'DDP' if r['zero_stage'] == 0 else 'ZeRO-1'}, N={r['world_size']}": r["ranks"][0]
           for r in data["runs"] if "ranks" in r}
-    lines = [f"GPU measurement: {gpu_label(data)}"]
+    lines = [f"GPU measurement: {reference_data.label(data)}"]
     lines += [f"  world {r['world_size']} zero {r['zero_stage']} ({r.get('grad_sync', '')}) failed: {r['error']}"
               for r in data["runs"] if "error" in r]
     for label, r in ok.items():
@@ -268,7 +264,7 @@ def gpu_memory_report(data: dict, title: str | None = None):
                           for m in steady if "cuda_allocated" in m)
         lines.append(f"  {label} ({r['n_params'] / 1e9:.2f}e9 parameters), memory_allocated GiB: {alloc}")
     fig = moments_figure(ok, gpu=True, unit=2**30, unit_name="GiB",
-                         title=title or f"{gpu_label(data)}; hatched: torch.cuda.memory_allocated") if ok else None
+                         title=title or f"{reference_data.label(data)}; hatched: torch.cuda.memory_allocated") if ok else None
     return fig, "\n".join(lines)
 
 
@@ -279,16 +275,11 @@ def live_memory_record(shape: dict | None = None, worlds: tuple[int, ...] = (1, 
     record in the format ``tools/gpu/ch11_memory.sh`` commits, for ``gpu_memory_report``. ``shape``: worker
     parameters (default: the worker's own ~1.1B-parameter shape, for a GPU). As in that script, ZeRO-1 falls
     back to ``grad_sync="all_reduce"`` if the reduce-scatter fails, and every failure is recorded, not raised."""
-    import datetime
-
-    import torch
-
     import course_utils as cu
+    from workers.provenance import record as provenance
 
-    cuda = torch.cuda.is_available()
-    record = {"device_name": torch.cuda.get_device_name(0) if cuda else "CPU", "torch": torch.__version__,
-              "cuda": torch.version.cuda, "date": datetime.date.today().isoformat(), "path": "measured live",
-              "runs": []}
+    record = {"provenance": provenance(f"course_utils.ch11.live_memory_record(worlds={tuple(worlds)}, "
+                                       f"zero_stages={tuple(zero_stages)})"), "live": True, "runs": []}
     for world in worlds:
         for zero in zero_stages:
             for grad_sync in ("reduce_scatter", "all_reduce"):
@@ -313,7 +304,7 @@ def gemm_report(g: dict) -> str:
     """Text for an FP8 GEMM record (``workers/ch11_fp8_gemm.py``, live or committed)."""
     if not g.get("available"):
         return f"FP8 GEMM not measured: {g.get('reason') or g.get('error', 'unknown reason')}"
-    lines = [f"{g['size']}^3 GEMM on {g.get('device_name')} (torch {g.get('torch')}, CUDA {g.get('cuda')}):"]
+    lines = [f"{g['size']}^3 GEMM on {reference_data.label(g)}:"]
     for name in ("bf16", "fp8_e4m3_per_tensor"):
         r = g.get(name, {})
         if "error" in r:

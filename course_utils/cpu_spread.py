@@ -27,13 +27,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from workers.provenance import cpu_model, record
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "cpu_spread"
@@ -65,13 +66,7 @@ def capability(env: dict[str, str] | None = None) -> str:
 
 def cpu_name() -> str:
     """The processor's model name (Linux: /proc/cpuinfo), else what the platform module knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def available_variants() -> list[str]:
@@ -533,6 +528,12 @@ def report(name: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def result_file(rows: list[dict], argv: list[str] | None = None) -> dict:
+    """What one experiment's JSON holds: the runs, and the provenance record of this machine and command."""
+    command = "python -m course_utils.cpu_spread " + " ".join(argv if argv is not None else sys.argv[1:])
+    return {"provenance": record(command.strip(), device="cpu"), "runs": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="spread of chaotic numbers across CPU kernels and seeds")
     parser.add_argument("experiments", nargs="*")
@@ -565,13 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_variant(variant, args.experiments, seeds)
         print(f"[{variant}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"cpu": cpu_name(), "native_capability": capability(),
-            "torch": __import__("torch").__version__, "date": time.strftime("%Y-%m-%d"),
-            "command": "python -m course_utils.cpu_spread " + " ".join(argv if argv is not None else sys.argv[1:])}
     ok = True
     for name in args.experiments:
         mine = [r for r in rows if r["experiment"] == name]
-        (OUT / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": mine}, indent=1))
+        (OUT / f"{name}.json").write_text(json.dumps(result_file(mine, argv), indent=1))
         print(report(name, mine) + "\n")
         ok &= all(c.holds(r["values"][q]) for r in mine for q, c in CRITERIA[name].items() if q in r["values"])
     return 0 if ok else 1

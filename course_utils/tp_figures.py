@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from course_utils import reference_data
 from course_utils.plots import CPU_NOTE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,12 +200,6 @@ def training_figure(dense_losses: list[float], runs: dict):
     return fig
 
 
-def gpu_label(result: dict) -> str:
-    """Where a committed GPU run came from: device, versions, date, file."""
-    return (f"{result['device']}, torch {result['torch']}, CUDA {result.get('cuda')}, {result['date']} "
-            f"({result.get('file', 'not committed')})")
-
-
 def gpu_profile_figures(result: dict) -> list:
     """The ``--profile`` part of a committed GPU run: one measured-vs-FLOPs figure per shape (CUDA events)."""
     from course_utils.tp_check import layer_forward_flops
@@ -217,13 +212,13 @@ def gpu_profile_figures(result: dict) -> list:
         flops = layer_forward_flops(prof["seq"], hidden, prof["batch"])
         predicted = {"attention": flops["attention"] / flops["total"], "mlp": flops["mlp"] / flops["total"]}
         title = f"TP 1, h={hidden}, s={prof['seq']}, b={prof['batch']}, {result.get('dtype', '')}"
-        figures.append(profile_figure(prof, predicted, title, device_note=gpu_label(result)))
+        figures.append(profile_figure(prof, predicted, title, device_note=reference_data.label(result)))
     return figures
 
 
 def gpu_table(result: dict) -> str:
     """The committed H200 run as text: course block, plain block and matmul, and activation memory."""
-    lines = [gpu_label(result), f"command: {result['command']}",
+    lines = [reference_data.label(result), f"command: {reference_data.provenance_of(result)['command']}",
              f"bf16 matmul {result['matmul']['n']}^3: {result['matmul']['tflops']:.0f} TFLOP/s"]
     for row in result["shapes"]:
         c, p = row["course_block"], row["plain_block"]

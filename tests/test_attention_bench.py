@@ -39,9 +39,10 @@ def test_quick_arguments_and_unknown_impl():
 
 def test_environment_info_without_gpu():
     info = bench.environment_info(["--out", "r.json"])
-    assert info["torch"] == torch.__version__ and info["command"].endswith("--out r.json")
-    assert info["date"].startswith("20")
-    assert {"triton", "flash_attn", "cuda", "gpu"} <= set(info)
+    prov = info["provenance"]
+    assert prov["torch"] == torch.__version__ and prov["command"] == "python -m workers.bench_attention --out r.json"
+    assert prov["date"].startswith("20") and prov["device_kind"] == "cpu"
+    assert {"flash_attn", "cudnn", "gpu_memory_gib"} <= set(info["environment"])
 
 
 def test_refuses_politely_without_gpu(tmp_path, capsys, monkeypatch):

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from course_utils import attention_io as io  # noqa: E402
-from course_utils import ch07  # noqa: E402
+from course_utils import ch07, reference_data  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -134,12 +134,14 @@ def test_reference_rows_use_the_benchmark_vocabulary():
     flash_16k = [r for r in rows if r["impl"] == "sdpa_flash" and r["n"] == 16384 and not r["causal"]]
     assert flash_16k[0]["fwd_tflops"] == pytest.approx(360.98, abs=0.01)
     assert "not the course's kernel" in ch07.IMPLS["triton_plain"][0]
-    caption = ch07.reference_caption(ch07.load_reference())
-    assert "2026-11-29" in caption and "2.11.0+cu130" in caption and "3.6.0" in caption
+    caption = reference_data.label(ch07.load_reference())
+    assert caption == ("NVIDIA H200 · torch 2.11.0+cu130 · Triton 3.6.0 · 2026-11-29 "
+                       "(data/reference/h200_attention_baseline.json)")
 
 
 def test_comparison_figure_draws_bench_rows_next_to_the_reference(tmp_path):
-    bench = {"meta": {"gpu": "NVIDIA H200", "torch": "x", "triton": "y", "date": "2027-01-01T00:00:00+00:00"},
+    bench = {"provenance": {"device": "NVIDIA H200", "device_kind": "cuda", "torch": "x", "cuda": "13.0", "triton": "y",
+                            "date": "2027-01-01T00:00:00+00:00", "command": "python -m workers.bench_attention"},
              "rows": [{"impl": "course_triton", "n": n, "head_dim": 128, "causal": c, "fwd_tflops": 400.0 + n / 1e3,
                        "fwdbwd_tflops": 300.0} for n in (1024, 4096) for c in (False, True)]
              + [{"impl": "sdpa_math", "n": 16384, "head_dim": 128, "causal": False, "skipped": "too big"}]}

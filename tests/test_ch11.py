@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from course_utils import ch11  # noqa: E402
+from course_utils import ch11, reference_data  # noqa: E402
 from course_utils.ledger import GB, model_state_bytes  # noqa: E402
 
 ROOT = ch11.REPO_ROOT
@@ -53,13 +53,13 @@ def test_gpu_data_is_none_without_a_committed_file_and_read_with_its_label(tmp_p
     monkeypatch.setattr(ch11, "GPU_DATA", tmp_path)
     monkeypatch.setattr(ch11, "REPO_ROOT", tmp_path)
     assert ch11.gpu_data("memory") is None
-    record = {"device_name": "NVIDIA H200", "torch": "2.x", "cuda": "12.x", "date": "2026-12-01T00:00:00+00:00",
-              "command": "bash tools/gpu/ch11_memory.sh", "runs": []}
-    (tmp_path / "ch11_memory_h200.json").write_text(json.dumps(record))
+    prov = {"device": "NVIDIA H200", "device_kind": "cuda", "torch": "2.x", "cuda": "12.x", "triton": None,
+            "python": "3.12", "cpu_capability": "AVX512", "date": "2026-12-01T00:00:00+00:00",
+            "command": "bash tools/gpu/ch11_memory.sh"}
+    (tmp_path / "ch11_memory_h200.json").write_text(json.dumps({"provenance": prov, "runs": []}))
     data = ch11.gpu_data("memory")
-    assert data["device_name"] == "NVIDIA H200" and data["path"] == "ch11_memory_h200.json"
-    label = ch11.gpu_label(data)
-    assert "NVIDIA H200" in label and "2026-12-01" in label and "torch 2.x" in label
+    assert data["provenance"]["device"] == "NVIDIA H200" and data["path"] == "ch11_memory_h200.json"
+    assert reference_data.label(data) == "NVIDIA H200 · torch 2.x · CUDA 12.x · 2026-12-01 (ch11_memory_h200.json)"
 
 
 def test_moments_figure_draws_accounted_bytes_and_allocated_only_when_asked():
@@ -137,6 +137,7 @@ def test_gpu_memory_report_draws_every_successful_run_and_names_every_failed_one
     res = cu.run("workers.ch11_memory", 1, zero_stage=0, timeout=240, hidden=64, heads=4, layers=2, vocab=256,
                  seq=32, micro_batch=2, steps=2)
     rank = res[0]
+    assert rank["provenance"]["command"] == "workers.ch11_memory" and rank["provenance"]["device_kind"] == "cpu"
     for m in rank["moments"]:
         m["cuda_allocated"] = sum(m["accounted"].values())
     data = {"device_name": "stand-in", "torch": "x", "cuda": "y", "date": "2026-12-01", "path": "test",
@@ -156,8 +157,12 @@ def test_gemm_report_states_what_was_measured_or_why_not():
     g = {"available": True, "size": 8192, "device_name": "NVIDIA H200", "torch": "t", "cuda": "c",
          "bf16": {"ms": 2.0, "tflops": 550.0, "rel_error": 0.002},
          "fp8_e4m3_per_tensor": {"ms": 1.0, "tflops": 1100.0, "rel_error": 0.03}}
-    text = ch11.gemm_report(g)
-    assert "FP8 speed-up over bf16: 2.00x" in text and "NVIDIA H200" in text
+    text = ch11.gemm_report(g)  # the layout before workers/provenance.py: still read
+    assert "FP8 speed-up over bf16: 2.00x" in text and "NVIDIA H200 · torch t · CUDA c" in text
+    new = {k: v for k, v in g.items() if k not in ("device_name", "torch", "cuda")}
+    new["provenance"] = {"device": "NVIDIA H200", "device_kind": "cuda", "torch": "t", "cuda": "c",
+                         "date": "2026-12-02T00:00:00+00:00"}
+    assert "8192^3 GEMM on NVIDIA H200 · torch t · CUDA c · 2026-12-02:" in ch11.gemm_report(new)
     failed = ch11.gemm_report({**g, "fp8_e4m3_per_tensor": {"error": "RuntimeError: no FP8"}})
     assert "failed: RuntimeError: no FP8" in failed and "speed-up" not in failed
 

@@ -42,9 +42,10 @@ def test_runs_end_to_end_on_a_cpu_and_chapter_06_reads_its_output(tmp_path, monk
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    for key in ("device", "torch", "date", "command", "matmul", "shapes"):
+    for key in ("provenance", "matmul", "shapes"):
         assert key in data
-    assert data["device"].startswith("cpu")  # never mistaken for a GPU measurement
+    assert data["provenance"]["device_kind"] == "cpu"  # never mistaken for a GPU measurement
+    assert data["provenance"]["command"].startswith("python tools/gpu/tp_block_bench.py --device cpu")
     assert [r["seq"] for r in data["shapes"]] == [16, 32]
     for row in data["shapes"]:
         assert row["max_abs_diff_course_vs_plain"] < 1e-4
@@ -58,7 +59,8 @@ def test_runs_end_to_end_on_a_cpu_and_chapter_06_reads_its_output(tmp_path, monk
     monkeypatch.setattr(tp_figures, "ROOT", tmp_path)
     (run,) = tp_figures.gpu_results("tp_block_*.json")
     table = tp_figures.gpu_table(run)
-    assert "cpu (no GPU)" in table and "tp_block_cpu.json" in table and "s=   16 b=2" in table
+    assert "not GPU numbers" in table and "tp_block_cpu.json" in table and "s=   16 b=2" in table
+    assert table.splitlines()[1] == "command: " + data["provenance"]["command"]
     figures = tp_figures.gpu_profile_figures(run)
     assert len(figures) == 2 and "tp_block_cpu.json" in figures[0].texts[-1].get_text()
     import matplotlib.pyplot as plt

@@ -22,15 +22,15 @@ The math backend materialises N x N matrices; it is skipped where its estimated 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
-import platform
 import statistics
 import sys
 import time
 
 import torch
+
+from workers.provenance import record
 
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (1024, 4096, 16384)
@@ -93,24 +93,19 @@ def _version(dist: str) -> str | None:
 
 
 def environment_info(argv: list[str] | None = None) -> dict:
-    """Device, library versions, date and command line: what a result needs to be read later."""
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m workers.bench_attention " + " ".join(sys.argv[1:] if argv is None else argv),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": _version("triton"),
+    """What a result needs to be read later: ``provenance`` (``workers.provenance.record``: device, versions,
+    date, command line) and the benchmark's own ``environment`` (flash_attn, cuDNN, the GPU's memory)."""
+    env = {
         "flash_attn": _version("flash-attn") or _version("flash_attn"),
-        "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "gpu": None,
         "gpu_memory_gib": None,
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    compute_capability=f"{props.major}.{props.minor}")
-    return info
+        env.update(gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   compute_capability=f"{props.major}.{props.minor}")
+    command = "python -m workers.bench_attention " + " ".join(sys.argv[1:] if argv is None else argv)
+    return {"provenance": record(command.strip()), "environment": env}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -258,7 +253,7 @@ def measure(impl, q, k, v, dout, causal, flops_fwd, reference, target_ms, triton
 
 def run_benchmark(args) -> dict:
     dtype = DTYPES[args.dtype]
-    results = {"meta": environment_info(), "config": {
+    results = {**environment_info(), "config": {
         "batch": args.batch, "heads": args.heads, "dtype": args.dtype, "seqlens": args.seqlens,
         "head_dims": args.head_dims, "causal": args.causal_flags, "impls": args.impls,
         "flops": "4*B*H*N^2*D forward, /2 causal, x3.5 forward+backward",
@@ -284,7 +279,7 @@ def run_benchmark(args) -> dict:
                    "batch": args.batch, "heads": args.heads, "dtype": args.dtype}
             if case["skip"]:
                 row["skipped"] = case["skip"]
-            elif case["impl"] == "flash_attn" and not results["meta"]["flash_attn"]:
+            elif case["impl"] == "flash_attn" and not results["environment"]["flash_attn"]:
                 row["skipped"] = "flash_attn is not installed"
             else:
                 t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.provenance import record
 from workers.runtime import entrypoint
 
 E4M3_MAX = 448.0  # Micikevicius et al. 2022, Table 1
@@ -62,8 +63,7 @@ def main(ctx, size: int = 8192, repeats: int = 20, warmup: int = 3):
     def bf16():
         return a @ b
 
-    out = {"available": True, "size": size, "device_name": torch.cuda.get_device_name(ctx.device),
-           "torch": torch.__version__, "cuda": torch.version.cuda}
+    out = {"available": True, "size": size, "provenance": record("workers.ch11_fp8_gemm", device=ctx.device)}
     for name, fn in (("bf16", bf16), ("fp8_e4m3_per_tensor", fp8)):
         try:
             result = fn()

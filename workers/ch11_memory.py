@@ -28,6 +28,7 @@ import weakref
 import torch
 
 from workers.ch11_model import OPTIMIZER_CLASSES, GPTConfig, loss_fn, make_batches, make_model, shard_rows
+from workers.provenance import record as provenance_record
 from workers.runtime import entrypoint
 from workers.zero.zero1 import GRAD_SYNCS, Zero1Optimizer
 
@@ -205,9 +206,9 @@ def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int 
         "device": str(ctx.device),
         "backend": ctx.backend,
     }
+    out["provenance"] = provenance_record("workers.ch11_memory", device=ctx.device)
     if cuda:
         with contextlib.suppress(Exception):
-            out["device_name"] = torch.cuda.get_device_name(ctx.device)
             out["cuda_total_memory"] = torch.cuda.get_device_properties(ctx.device).total_memory
     return out
 

@@ -302,7 +302,7 @@ else:
           "and commits the file; this cell then shows it.\n")
     ref = reference_data.load("h200_block_fp8_baseline")
     print("For orientation only, a plain PyTorch block (not the course's), one earlier run on "
-          + reference_data.label(ref, "h200_block_fp8_baseline") + ":")
+          + reference_data.label(ref) + ":")
     print(reference_data.block_baseline_table(ref))
 
 # %% [markdown]

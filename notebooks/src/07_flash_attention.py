@@ -38,7 +38,7 @@ if not torch.cuda.is_available():
 import inspect
 
 import course_utils as cu
-from course_utils import ch07, plots
+from course_utils import ch07, plots, reference_data
 from workers.attention import (attention_reference, attention_reference_grads, flash_attention,
                                online_softmax_merge, online_softmax_update)
 from workers.attention.reference import relative_error
@@ -356,7 +356,7 @@ for causal in (False, True):
 # **Predict**: which backend is fastest, and by how much does SDPA flash trail it at 16k?
 
 # %%
-print(ch07.reference_caption(REFERENCE))
+print(reference_data.label(REFERENCE))
 ref_rows = ch07.reference_rows(REFERENCE)
 print(f"{'implementation':>52} {'N':>6} {'causal':>6} {'fwd TFLOP/s':>11} {'fwd+bwd TFLOP/s':>15}")
 for r in sorted(ref_rows, key=lambda r: (r["causal"], r["n"], -(r["fwd_tflops"] or 0))):
@@ -381,7 +381,7 @@ ch07.save_and_show(ch07.comparison_figure(REFERENCE), "07_h200_comparison")
 latest = ch07.latest_bench(head_dim=128)
 BENCH = latest[1] if latest else None
 if latest:
-    print(f"course benchmark: {latest[0].name}, {ch07.bench_caption(BENCH)}")
+    print(f"course benchmark: {latest[0].name}, {reference_data.label(BENCH)}")
 else:
     print("The course's kernels have not been measured on a GPU yet: there is no data/attention/h200_*.json. "
           "Every GPU number in this chapter is the reference run above.")

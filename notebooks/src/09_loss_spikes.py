@@ -29,7 +29,7 @@ import math
 import torch
 
 import course_utils as cu
-from course_utils import ch09, ch09_tables, plots
+from course_utils import ch09, ch09_tables, plots, reference_data
 from workers.gpt.config import GPTConfig, TrainConfig
 from workers.gpt.data import MarkovDataset, entropy_rate
 from workers.gpt.model import make_model
@@ -73,7 +73,8 @@ print("the detector sees no spike in the healthy run:", ch09.spike_steps(tel) ==
 
 # %% tags=["nbval-ignore-output"]
 print("series drawn:", [title for _, title, _ in ch09.telemetry_panels(tel)])
-fig = ch09.draw_telemetry(tel, f"A healthy run's telemetry (lr {run_cfg.lr:g}); {ch09.cpu_label(clean)}", cfg.vocab)
+fig = ch09.draw_telemetry(tel, f"A healthy run's telemetry (lr {run_cfg.lr:g}); {clean.world_size} rank(s), "
+                        f"{clean.seconds:.1f} s; {reference_data.label(reference_data.run_record(clean))}", cfg.vocab)
 plots.savefig(fig, "09_healthy");
 
 # %% tags=["nbval-ignore-output"]

@@ -393,13 +393,13 @@ gemm = ch11.gpu_data("fp8_gemm")
 if torch.cuda.is_available():
     print("measured now:", ch11.gemm_report(cu.run("workers.ch11_fp8_gemm", 1, timeout=300)[0]))
 elif gemm is not None and gemm.get("available"):
-    print("Committed GPU measurement:", ch11.gpu_label(gemm))
+    print("Committed GPU measurement:", reference_data.label(gemm))
     print(ch11.gemm_report(gemm))
 else:
     print("No GPU here and no committed data/gpu/ch11_fp8_gemm_*.json: the FP8 GEMM has not been timed yet "
           "(tools/gpu/ch11_memory.sh does it).")
     ref = reference_data.load("h200_block_fp8_baseline")
-    print(f"For scale, a previous run on {reference_data.label(ref, 'h200_block_fp8_baseline')}: "
+    print(f"For scale, a previous run on {reference_data.label(ref)}: "
           + reference_data.fp8_gemm_summary(ref) + ".")
 
 # %% [markdown]

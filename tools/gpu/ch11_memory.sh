@@ -10,7 +10,7 @@
 # 2. workers/ch11_fp8_gemm.py: an 8192^3 GEMM in bf16 and in FP8 (torch._scaled_mm), time and error.
 #
 # Writes data/gpu/ch11_memory_<gpu>.json and data/gpu/ch11_fp8_gemm_<gpu>.json (<gpu> = h200 on an H200), each
-# with the device name, torch and CUDA versions, the date and this command; commit them, and chapter 11 plots
+# with its provenance (workers/provenance.py: device, versions, date, this command); commit them, and chapter 11 plots
 # them. A run that fails is recorded with its error instead of stopping the others. About 3 minutes on an H200.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +18,6 @@ PY="${PY:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 mkdir -p data/gpu
 "$PY" - <<'PYEOF'
-import datetime
 import json
 import subprocess
 
@@ -26,6 +25,7 @@ import torch
 
 import course_utils as cu
 from course_utils.bench import gpu_slug
+from workers.provenance import record
 
 if not torch.cuda.is_available():
     raise SystemExit("no GPU visible: run this script on a machine with a GPU")
@@ -35,9 +35,8 @@ try:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 except OSError:
     commit = ""
-header = {"device_name": name, "gpu_count": torch.cuda.device_count(), "torch": torch.__version__,
-          "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "command": "bash tools/gpu/ch11_memory.sh", "git_commit": commit}
+header = {"provenance": record("bash tools/gpu/ch11_memory.sh"), "gpu_count": torch.cuda.device_count(),
+          "git_commit": commit}
 
 runs = []
 for world, zero in ((1, 0), (1, 1), (2, 0), (2, 1)):
@@ -62,7 +61,8 @@ try:
 except Exception as exc:  # noqa: BLE001
     gemm = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
 with open(f"data/gpu/ch11_fp8_gemm_{slug}.json", "w") as f:
-    json.dump({**header, "command": "bash tools/gpu/ch11_memory.sh (workers/ch11_fp8_gemm.py)", **gemm}, f, indent=1)
+    json.dump({**header, **gemm, "provenance": record("bash tools/gpu/ch11_memory.sh (workers/ch11_fp8_gemm.py)")},
+              f, indent=1)
 print(f"wrote data/gpu/ch11_memory_{slug}.json and data/gpu/ch11_fp8_gemm_{slug}.json", flush=True)
 cu.shutdown_pools()
 PYEOF

@@ -20,7 +20,7 @@
 #   cp -r "$OUT"/data/. data/
 # puts each file where its notebook reads it: data/gpu/spine_h200.json, data/gpu/tp_block_h200.json,
 # data/gpu/ch11_memory_h200.json, data/gpu/ch11_fp8_gemm_h200.json, data/attention/h200_<date>.json; each JSON
-# carries device, versions, date and command; run_all_<stages>.log sits beside data/. Then re-execute chapters
+# carries a "provenance" record (workers/provenance.py); run_all_<stages>.log sits beside data/. Then re-execute chapters
 # 06, 07 and 11 and commit. A failing stage is logged and the next runs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -47,9 +47,9 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 
-{ echo "run_all $STAGES on $(hostname) at $(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null)";
+{ echo "run_all $STAGES at $(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null)";
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null;
-  "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$LOG"
+  "$PY" -c "import json; from workers.provenance import record; print(json.dumps(record('bash tools/gpu/run_all.sh $STAGES')))"; } | tee "$LOG"
 
 stage spine 240 "$PY" tools/gpu/spine_check.py --chapters 01,02,03,04,05,06 --out "$OUT/data/gpu/spine_h200.json"
 stage tp 240 "$PY" tools/gpu/tp_block_bench.py --profile --out "$OUT/data/gpu/tp_block_h200.json"

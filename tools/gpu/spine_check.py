@@ -9,7 +9,6 @@ outcome as JSON; exits non-zero if a worker failed or a backend choice was not t
 """
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ def main() -> int:
 
     import course_utils as cu
     from course_utils.doctor import report
+    from workers.provenance import record
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=ROOT / "data" / "gpu" / "spine_h200.json")
@@ -58,11 +58,9 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         forced = {"error": str(exc)[:3000]}
     print("forced NCCL at world 2:", (forced["error"] or "")[:300], flush=True)
-    out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU",
-           "torch": torch.__version__, "cuda": torch.version.cuda,
+    out = {"provenance": record(" ".join(["python tools/gpu/spine_check.py"] + sys.argv[1:])),
            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-           "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
-           "command": "python tools/gpu/spine_check.py", "doctor": report(), "runs": runs,
+           "doctor": report(), "runs": runs,
            "forced_nccl_world2": forced, "all_ok": ok}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2))

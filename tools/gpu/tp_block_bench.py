@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -38,6 +37,8 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from workers.provenance import record  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -191,14 +192,12 @@ def bench_shape(hidden: int, heads: int, seq: int, batch: int, device, dtype, *,
             "max_abs_diff_course_vs_plain": diff, **rows, "activation_memory": memory}
 
 
-def environment() -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    if torch.cuda.is_available():
-        env.update(device=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
-                   cudnn=torch.backends.cudnn.version())
-    else:
-        env.update(device="cpu (no GPU): not a GPU measurement")
+def environment(device: str | None = None) -> dict:
+    """``{"provenance": workers.provenance.record(...)}`` for the device measured, plus cuDNN's version on a GPU."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    env = {"provenance": record(" ".join(["python tools/gpu/tp_block_bench.py"] + sys.argv[1:]), device=device)}
+    if torch.device(device).type == "cuda":
+        env["cudnn"] = torch.backends.cudnn.version()
     return env
 
 
@@ -217,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trace-dir", default="", help="write torch.profiler traces here (with --profile)")
     a = p.parse_args(argv)
     dtype = DTYPES[a.dtype]
-    result = {**environment(), "dtype": a.dtype,
+    result = {**environment(a.device), "dtype": a.dtype,
               "matmul": {"n": a.matmul, "tflops": matmul_tflops(a.matmul, a.device, dtype)}, "shapes": []}
     print(f"matmul {a.matmul}^3 {a.dtype}: {result['matmul']['tflops']:.1f} TFLOP/s", flush=True)
     for shape in a.shapes.split(","):
