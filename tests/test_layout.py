@@ -173,3 +173,46 @@ def test_glue_used_by_another_chapter_and_a_colliding_name_are_caught(tree):
 def test_a_stale_map_is_caught(tree):
     (tree / "tests" / "test_ch13_new.py").write_text("def test_x():\n    pass\n")
     assert render(tree) != (tree / "docs" / "CHAPTERS.md").read_text()
+
+
+# -- one vocabulary for a model's shape ---------------------------------------------------------------------------
+
+OTHER_SPELLINGS = {"d_model", "n_layers", "num_layers", "n_layer", "n_embd", "n_head", "hidden_size", "dim",
+                   "num_heads", "num_attention_heads", "ffn_dim", "intermediate_size"}
+
+
+def shape_spelling_violations(root: Path) -> list[str]:
+    """Dataclass fields and worker parameters spelt other than ``layers, hidden, heads, kv_heads, ffn``."""
+    out = []
+    for path in _python_files(root):
+        if not path.relative_to(root).as_posix().startswith(("workers/", "course_utils/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                names = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+            elif isinstance(node, ast.FunctionDef) and node.name in ("main", "check_params"):
+                names = [a.arg for a in node.args.args + node.args.kwonlyargs]
+            out += [f"{path.relative_to(root).as_posix()}:{node.lineno} {node.name} spells {n}" for n in names
+                    if n in OTHER_SPELLINGS]
+    return out
+
+
+def test_a_model_shape_has_one_spelling():
+    assert shape_spelling_violations(ROOT) == []
+
+
+def test_every_shape_reads_the_same_names():
+    from course_utils.planner import ModelShape
+    from workers.gpt.config import GPTConfig
+    from workers.parallel.dense import BlockConfig
+
+    shapes = [GPTConfig(hidden=64, heads=4), BlockConfig(hidden=64, n_heads=4, n_kv_heads=0, ffn_hidden=0),
+              ModelShape("toy", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=32, mlp="gelu")]
+    assert [(s.hidden, s.heads, s.kv_heads, s.ffn) for s in shapes] == [(64, 4, 4, 256)] * 3
+
+
+def test_another_spelling_is_caught(tree):
+    (tree / "workers" / "gpt" / "config.py").write_text(
+        (tree / "workers" / "gpt" / "config.py").read_text().replace("    hidden: int", "    d_model: int", 1))
+    assert [v.split(" ", 1)[1] for v in shape_spelling_violations(tree)] == ["GPTConfig spells d_model"]
