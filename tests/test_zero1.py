@@ -16,7 +16,7 @@ import pytest
 
 import course_utils as cu
 from course_utils.ledger import model_state_bytes
-from workers.ch11_model import GPTConfig
+from workers.zero.model import GPTConfig
 from workers.zero.zero1 import flat_partition, params_partition
 
 pytestmark = pytest.mark.ranks

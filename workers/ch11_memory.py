@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from workers.ch11_model import OPTIMIZER_CLASSES, GPTConfig, loss_fn, make_batches, make_model, shard_rows
+from workers.zero.model import OPTIMIZER_CLASSES, GPTConfig, loss_fn, make_batches, make_model, shard_rows
 from workers.runtime import entrypoint
 from workers.zero.zero1 import GRAD_SYNCS, Zero1Optimizer
 
