@@ -16,7 +16,7 @@ import torch
 import course_utils as cu
 from course_utils import ch01, scratch
 from course_utils.ledger import bus_bandwidth_factor
-from workers.ch01_collectives import BITWISE, COLLECTIVES, OPS, REDUCING, ROOTED, reference
+from workers.collectives.reference import BITWISE, COLLECTIVES, OPS, REDUCING, ROOTED, reference
 
 pytestmark = pytest.mark.ranks
 RUN = dict(timeout=30)  # same pool key as the exercise checks: the warm ranks are shared

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from workers.runtime import entrypoint
 from workers.zero.model import (OPTIMIZER_CLASSES, STATE_BYTES_PER_PARAM, GPTConfig, flat_params, loss_fn,
                                 make_batches, make_model, shard_rows, train_reference)
-from workers.runtime import entrypoint
 from workers.zero.zero1 import GRAD_SYNCS, PARTITIONS, Zero1Optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

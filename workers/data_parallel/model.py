@@ -1,7 +1,7 @@
 """Chapter 02's model, data and single-process baseline: one definition for the ranks and the notebook.
 
-The ranks (``workers/ch02_*.py``, ``workers/exercises/ch02.py``) build their model and read their rows from here; the notebook trains the
-single-process baseline with the same functions. Nothing is copied between the two sides except the
+The ranks (``workers/ch02_*.py``, ``workers/exercises/ch02.py``) build their model and read their rows from
+here; the notebook trains the single-process baseline with the same functions. Nothing is copied between the two sides except the
 seed, so "DDP equals the baseline" compares two independent computations of the same mathematics:
 
     single process:  g = (1/B) sum_{i<B} grad l_i                       (mean loss over the global batch)

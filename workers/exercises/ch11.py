@@ -19,8 +19,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from workers.zero.model import OPTIMIZER_CLASSES, GPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
 from workers.exercises.support import Wrong, agree, run_exercise
+from workers.zero.model import OPTIMIZER_CLASSES, GPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
 
 STEPS = 3
 GLOBAL_BATCH = 8
