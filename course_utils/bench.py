@@ -119,7 +119,7 @@ def gpu_commands(slug: str, day: str) -> dict[str, list[str]]:
     """The GPU measurements and where each writes: the files chapters 06, 07 and 11 read."""
     import sys
 
-    return {"attention": [sys.executable, "-m", "workers.bench_attention", "--quick",
+    return {"attention": [sys.executable, "-m", "workers.attention.bench", "--quick",
                           "--out", str(ROOT / "data" / "attention" / f"{slug}_{day}.json")],
             "tp_block": [sys.executable, str(ROOT / "tools" / "gpu" / "tp_block_bench.py"), "--profile",
                          "--out", str(ROOT / "data" / "gpu" / f"tp_block_{slug}_{day}.json")],

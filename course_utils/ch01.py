@@ -331,7 +331,7 @@ def compare_with_reference(result, collective: str, *, op: str = "sum", chunk: i
     world 8, past float32's exact integers). A barrier moves no data and has nothing to compare: it is
     refused here (use ``barrier_check``), so that no one reads "equal" for a comparison that was not made.
     """
-    from workers.ch01_collectives import reference
+    from workers.collectives.reference import reference
 
     if collective == "barrier":
         raise ValueError("a barrier moves no data, so there is no reference to compare with: "

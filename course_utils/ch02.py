@@ -1,7 +1,8 @@
 """Chapter 02, notebook side: compare DDP's ranks with the single-process baseline, and draw what they did.
 
-Everything here reads a ``RunResult`` from ``workers/ch02_*.py`` and the baseline from ``workers/ch02_model``;
-nothing here computes what the ranks should have computed, except the single-process reference.
+Everything here reads a ``RunResult`` from ``workers/ch02_*.py`` and the baseline from
+``workers/data_parallel/model.py``; nothing here computes what the ranks should have computed, except the
+single-process reference.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from workers.ch02_model import FP32_TOL, Setup, grads_on, make_batches, make_model
+from workers.data_parallel.model import FP32_TOL, Setup, grads_on, make_batches, make_model
 
 FLOOR = 1e-10  # where "exactly 0" is drawn on a log axis
 

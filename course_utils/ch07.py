@@ -3,7 +3,7 @@
 - the online softmax, one key tile at a time: ``online_softmax_trace`` (computed with the course's own
   ``workers.attention.online_softmax_update``), ``tile_walk_figure`` and the ``tile_walk_widget`` (pure drawing);
 - the H200 measurements: ``load_reference`` (``data/reference/h200_attention_baseline.json``), the benchmark
-  files ``data/attention/h200_*.json`` written by ``workers/bench_attention.py``, ``comparison_figure``,
+  files ``data/attention/h200_*.json`` written by ``workers/attention/bench.py``, ``comparison_figure``,
   ``io_figure``, ``memory_figure``;
 - exact, timing-free memory on CPU: ``saved_for_backward_bytes``;
 - the layout pitfall: ``layout_timings`` (CPU) and ``layout_copy_model`` (H200, from its measured numbers).
@@ -239,7 +239,7 @@ def reference_rows(ref: dict) -> list[dict]:
 
 
 def bench_files(pattern: str = BENCH_GLOB) -> list[Path]:
-    """The course's own GPU results (``workers/bench_attention.py`` output committed under data/attention/)."""
+    """The course's own GPU results (``workers/attention/bench.py`` output committed under data/attention/)."""
     return [Path(p) for p in sorted(glob.glob(pattern))]
 
 
@@ -276,7 +276,7 @@ def comparison_figure(reference: dict, bench: dict | None = None, head_dim: int 
                       bench_label: str = "dashed: course benchmark"):
     """TFLOP/s vs N: forward (top) and forward+backward (bottom), non-causal (left) and causal (right).
 
-    Solid lines: the committed reference run. ``bench`` (a ``workers/bench_attention.py`` result, or a live run):
+    Solid lines: the committed reference run. ``bench`` (a ``workers/attention/bench.py`` result, or a live run):
     its rows are drawn dashed with square markers, side by side with the reference in each panel; the dashed
     runs are a different run (and possibly a different machine): compare within a run before across runs.
     """

@@ -25,16 +25,11 @@ from typing import Callable
 from course_utils import reaper, scratch
 from course_utils.results import JobCancelled, JobTimeout, RunResult, WorkerFailed, merge_result
 from workers import protocol
+from workers.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ERROR_GRACE_S = 0.5  # after the first failure, how long other ranks may still report theirs
 _job_counter = itertools.count(1)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def describe_stack(stack: list[list]) -> str:
@@ -57,7 +52,8 @@ class RankJob:
     """Ranks started by torchrun that run tasks sent from this notebook until ``close()``."""
 
     def __init__(self, world_size: int, *, nnodes: int = 1, env: dict | None = None,
-                 collective_timeout_s: float = 60.0, startup_timeout_s: float | None = None, label: str = ""):
+                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, startup_timeout_s: float | None = None,
+                 label: str = ""):
         if world_size % nnodes:
             raise ValueError("world_size must be a multiple of nnodes")
         self.world_size, self.nnodes = world_size, nnodes

@@ -28,9 +28,9 @@ from typing import Any, Callable
 from course_utils.jobs import RankJob
 from course_utils.results import CourseError, InvalidParameter, JobCancelled, RunResult
 from course_utils.validate import check_params, max_world_size, takes_param
+from workers.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL give up on a collective after this (a stuck rank)
 POOL_IDLE_S = float(os.environ.get("COURSE_POOL_IDLE_S", 600))
 MAX_WARM_RANKS = int(os.environ.get("COURSE_MAX_WARM_RANKS", 8))
 

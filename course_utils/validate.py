@@ -7,14 +7,12 @@ wrong types); a worker adds its own rules with ``check_params(world_size, **para
 from __future__ import annotations
 
 import difflib
-import importlib
 import importlib.util
 import inspect
 import os
-from functools import lru_cache
-from pathlib import Path
 
 from course_utils.results import InvalidParameter
+from workers import pool
 
 CPU_MAX_WORLD_SIZE = 8
 
@@ -33,28 +31,20 @@ def max_world_size() -> int:
     return max(CPU_MAX_WORLD_SIZE, gpus)
 
 
-@lru_cache(maxsize=None)
-def _load(worker: str, mtime: float):
-    if worker.endswith(".py"):
-        spec = importlib.util.spec_from_file_location("course_check_" + Path(worker).stem, worker)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    return importlib.import_module(worker)
-
-
 def load_worker(worker: str):
+    """The worker module, loaded as the ranks load it (``workers/pool.py: load_worker``, which re-imports a file
+    that changed); a name or path that leads nowhere is an ``InvalidParameter`` that says what to check."""
     if worker.endswith(".py"):
         if not os.path.exists(worker):
             raise InvalidParameter(f"there is no worker file {worker!r}: check the path (relative to the notebook)")
-        return _load(os.path.abspath(worker), os.path.getmtime(worker))
+        return pool.load_worker(worker)
     try:
         spec = importlib.util.find_spec(worker)
     except ModuleNotFoundError:
         spec = None
     if spec is None:
         raise InvalidParameter(f"there is no worker module {worker!r}: use a name like 'workers.ch01_collectives'")
-    return _load(worker, os.path.getmtime(spec.origin) if spec.origin else 0.0)
+    return pool.load_worker(worker)
 
 
 def _type_ok(value, default) -> bool:

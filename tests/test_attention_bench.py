@@ -1,9 +1,9 @@
-"""workers.bench_attention: the parts that run without a GPU (the sweep itself needs one)."""
+"""workers.attention.bench: the parts that run without a GPU (the sweep itself needs one)."""
 import pytest
 import torch
 
 from course_utils import attention_io
-from workers import bench_attention as bench
+from workers.attention import bench
 
 
 def test_flops_follow_the_reference_convention():

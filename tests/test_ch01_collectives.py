@@ -1,7 +1,7 @@
 """Chapter 01 on real ranks: the minimal script, rank/local_rank on two nodes, every collective against a
 single-process reference, async timing, the bandwidth sweep, and the DETAIL debugging drill.
 
-Every collective is compared with ``workers.ch01_collectives.reference`` (float64, built from the same
+Every collective is compared with ``workers.collectives.reference.reference`` (float64, built from the same
 inputs without communication). The inputs are small integers, so SUM/MIN/MAX/AVG must match exactly;
 PRODUCT is compared with rtol 1e-6 (float32 products of two-digit numbers are exact up to world 4 here,
 the tolerance is for larger worlds).
@@ -16,7 +16,7 @@ import torch
 import course_utils as cu
 from course_utils import ch01, scratch
 from course_utils.ledger import bus_bandwidth_factor
-from workers.ch01_collectives import BITWISE, COLLECTIVES, OPS, REDUCING, ROOTED, reference
+from workers.collectives.reference import BITWISE, COLLECTIVES, OPS, REDUCING, ROOTED, reference
 
 pytestmark = pytest.mark.ranks
 RUN = dict(timeout=30)  # same pool key as the exercise checks: the warm ranks are shared

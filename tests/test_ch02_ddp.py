@@ -1,15 +1,16 @@
 """Chapter 02 on real ranks (gloo, CPU): DDP equals one process, and each part of the one line does its job.
 
 Every rank-side result is compared with a single-process reference computed here from
-``workers/ch02_model.py``, with the fp32 tolerance stated there (atol 1e-6, rtol 1e-5).
+``workers/data_parallel/model.py``, with the fp32 tolerance stated there (atol 1e-6, rtol 1e-5).
 """
 import pytest
 import torch
 
 import course_utils as cu
 from course_utils.ch02 import compare_to_baseline, reduction_ratios, reduction_reference
-from workers.ch02_model import (FP32_TOL, MIB, Setup, accumulated_reference, bucket_assignment, grads_on,
-                                make_batches, make_model, make_stack, predict_ddp_buckets, shard, train_single)
+from workers.data_parallel.buckets import MIB, bucket_assignment, predict_ddp_buckets
+from workers.data_parallel.model import (FP32_TOL, Setup, accumulated_reference, grads_on, make_batches, make_model,
+                                         make_stack, shard, train_single)
 
 LIMITS = {"timeout": 60}  # default collective limit, like the exercise checks: shared warm ranks
 

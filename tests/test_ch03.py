@@ -9,9 +9,9 @@ import torch
 
 import course_utils as cu
 from course_utils import ch03
-from workers.ch03_gradcheck import CIRCUITS, VARIANTS
-from workers.ch03_row_parallel import problem as row_problem
-from workers.ch03_scaling_trap import problem as trap_problem
+from workers.parallel.circuits import CIRCUITS, VARIANTS
+from workers.parallel.problems import row_parallel_problem as row_problem
+from workers.parallel.problems import scaling_trap_problem as trap_problem
 
 pytestmark = pytest.mark.ranks
 

@@ -286,7 +286,7 @@ def test_resume_refuses_a_checkpoint_written_with_other_settings(tmp_path):
 
 @pytest.mark.ranks
 def test_dcp_sharded_save_at_world_2_loads_at_world_1_exactly(tmp_path):
-    from workers.ch08_dcp import make_mlp
+    from workers.checkpointing.sharded import make_mlp
 
     saved = cu.run("workers.ch08_dcp", world_size=2, part="save", ckpt_dir=str(tmp_path), **RUN)
     loaded = cu.run("workers.ch08_dcp", world_size=1, part="load", ckpt_dir=str(tmp_path), **RUN)

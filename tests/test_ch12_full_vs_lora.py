@@ -8,8 +8,7 @@ import torch
 
 import course_utils as cu
 from course_utils import posttrain_ledger as L
-from workers.ch12_sft import LORA_TARGETS
-from workers.posttrain.lora import LoRALinear, apply_lora, merged_copy_and_gap
+from workers.posttrain.lora import LORA_TARGETS, LoRALinear, apply_lora, merged_copy_and_gap
 from workers.posttrain.state import measured_state_bytes
 from workers.posttrain.train import TOY, adamw, make_policy, sft
 

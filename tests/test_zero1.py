@@ -16,7 +16,7 @@ import pytest
 
 import course_utils as cu
 from course_utils.ledger import model_state_bytes
-from workers.ch11_model import GPTConfig
+from workers.zero.model import GPTConfig
 from workers.zero.zero1 import flat_partition, params_partition
 
 pytestmark = pytest.mark.ranks
@@ -187,7 +187,7 @@ def test_activations_kept_past_backward_are_seen(leak):
 def test_saved_activations_count_own_bytes_once_and_only_while_alive():
     import torch
 
-    from workers.ch11_memory import SavedActivations
+    from workers.zero.memory import SavedActivations
 
     base = torch.zeros(4, 9)  # [4, 9] fp32: 144 bytes
     saved = SavedActivations(exclude_ptrs=set())

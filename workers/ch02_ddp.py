@@ -5,13 +5,13 @@
 Every rank builds the same model from the same seed, reads its B/n rows of every global batch, and runs
 plain SGD. The only distributed line is ``DistributedDataParallel(model)``. Each rank sends back, for every
 step, the gradient DDP left in ``.grad``, its own loss and the weights after the step, so the notebook can
-check all three against the single-process baseline (``workers/ch02_model.train_single``) and the ranks
-against each other.
+check all three against the single-process baseline (``workers/data_parallel/model.py: train_single``) and the
+ranks against each other.
 """
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.ch02_model import Setup, flat, flat_grads, loss_fn, make_batches, make_model, rows_of, shard
+from workers.data_parallel.model import Setup, flat, flat_grads, loss_fn, make_batches, make_model, rows_of, shard
 from workers.runtime import entrypoint
 
 

@@ -18,8 +18,9 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.ch02_model import (Setup, flat, flat_grads, grads_on, loss_fn, make_batches, make_model,
-                                make_stack, predict_ddp_buckets, shard)
+from workers.data_parallel.buckets import predict_ddp_buckets
+from workers.data_parallel.model import (Setup, flat, flat_grads, grads_on, loss_fn, make_batches, make_model,
+                                         make_stack, shard)
 from workers.runtime import entrypoint
 
 PARTS = ("broadcast", "average", "buckets")

@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from workers.ch02_model import Setup, flat_grads, loss_fn, make_batches, make_model, shard
+from workers.data_parallel.model import Setup, flat_grads, loss_fn, make_batches, make_model, shard
 from workers.runtime import entrypoint
 
 PARTS = ("sampler", "reduction", "no_sync")

@@ -17,24 +17,10 @@ import torch
 
 from workers.parallel import mappings as M
 from workers.parallel.groups import TensorParallelGroups
+from workers.parallel.problems import row_parallel_problem
 from workers.runtime import entrypoint
 
 MODES = ("row", "mlp")
-
-
-def problem(mode: str, seed: int, batch: int, hidden: int, out: int, ffn: int):
-    """Unsharded tensors, the same on every rank and in the notebook: (x, weights..., bias, grad_output)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def draw(*shape, scale=1.0):
-        return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
-
-    x = draw(batch, hidden)
-    if mode == "row":
-        return {"x": x, "weight": draw(hidden, out, scale=hidden ** -0.5), "bias": draw(out),
-                "grad_output": draw(batch, out)}
-    return {"x": x, "w_in": draw(hidden, ffn, scale=hidden ** -0.5), "w_out": draw(ffn, hidden, scale=ffn ** -0.5),
-            "bias": draw(hidden), "grad_output": draw(batch, hidden)}
 
 
 def check_params(world_size, mode, hidden, ffn, tp_size, **_):
@@ -51,7 +37,7 @@ def check_params(world_size, mode, hidden, ffn, tp_size, **_):
 
 def main(ctx, mode: str = "row", input_is_parallel: bool = False, batch: int = 4, hidden: int = 8, out: int = 6,
          ffn: int = 16, seed: int = 0, tp_size: int = 0):
-    p = {k: v.to(ctx.device) for k, v in problem(mode, seed, batch, hidden, out, ffn).items()}
+    p = {k: v.to(ctx.device) for k, v in row_parallel_problem(mode, seed, batch, hidden, out, ffn).items()}
     with TensorParallelGroups(tp_size) as tp, M.record_communication() as log:
         if mode == "row":
             sent = _row(p, tp.group, tp.rank, tp.size, input_is_parallel)

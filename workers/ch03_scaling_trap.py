@@ -16,12 +16,12 @@ gradient upstream n times too large.
 """
 import warnings
 
-import torch
 import torch.distributed as dist
 
 from workers.parallel import mappings as M
 from workers.parallel.faults import all_reduce_both_ways
 from workers.parallel.groups import TensorParallelGroups
+from workers.parallel.problems import scaling_trap_problem
 from workers.runtime import entrypoint
 
 
@@ -48,14 +48,6 @@ REDUCTIONS = {
 }
 
 
-def problem(seed: int, batch: int, hidden: int, out: int):
-    """The unsharded X and W, the same on every rank (and in the notebook's reference)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((batch, hidden), generator=gen, dtype=torch.float64)
-    w = torch.randn((hidden, out), generator=gen, dtype=torch.float64) / hidden ** 0.5
-    return x, w
-
-
 def check_params(world_size, hidden, tp_size, **_):
     tp = tp_size or world_size
     if world_size % tp:
@@ -67,7 +59,7 @@ def check_params(world_size, hidden, tp_size, **_):
 
 def main(ctx, batch: int = 4, hidden: int = 8, out: int = 4, seed: int = 0, tp_size: int = 0):
     """Gradients of W_r and X under each backward of the all-reduce, for one tensor-parallel group size."""
-    x_full, w_full = problem(seed, batch, hidden, out)
+    x_full, w_full = scaling_trap_problem(seed, batch, hidden, out)
     results = {}
     with TensorParallelGroups(tp_size) as tp:
         rows, me = hidden // tp.size, tp.rank

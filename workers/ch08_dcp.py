@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from workers.checkpointing.sharded import make_mlp
 from workers.runtime import collective_timeout, entrypoint
 
 PARTS = ("save", "load", "async")
@@ -52,17 +53,6 @@ def check_params(world_size, part, ckpt_dir, width, layers, repeats, **_):
     if width < 1 or layers < 1 or repeats < 1:
         return "width, layers and repeats must be at least 1"
     return None
-
-
-def make_mlp(width: int, layers: int, seed: int) -> nn.Sequential:
-    """``layers`` Linears (width -> width + 1 -> ... -> width + 1) with GELU between: an odd row count (7 at the
-    default width), so Shard(0) splits every tensor unevenly over 2 ranks (4 rows + 3 rows)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        mods: list[nn.Module] = []
-        for i in range(layers):
-            mods += [nn.Linear(width + (i > 0), width + 1)] + ([nn.GELU()] if i < layers - 1 else [])
-        return nn.Sequential(*mods)
 
 
 def _cpu_group(ctx):

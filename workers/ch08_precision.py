@@ -10,7 +10,7 @@
     ``scaler.step`` finds it and every rank skips the same step; ``scaler.update`` halves the scale. A small
     ``growth_interval`` lets the scale double until the fp16 backward overflows on its own, then back off:
     the sawtooth of Micikevicius et al. 2018 ("Mixed Precision Training", ICLR, sec 3.2), in ~50 steps.
-``underflow`` and ``master_weights`` need no communication: ``workers/ch08_precision_numerics.py``.
+``underflow`` and ``master_weights`` need no communication: ``workers/precision/numerics.py``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.ch08_precision_numerics import master_weights, underflow
+from workers.precision.numerics import master_weights, underflow
 from workers.runtime import entrypoint
 
 PARTS = ("loss_scaling", "underflow", "master_weights")

@@ -23,13 +23,13 @@ fp32 master weights and AdamW moments (K = 12 bytes per parameter, Rajbhandari e
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 
-from workers.ch11_model import OPTIMIZER_CLASSES, GPTConfig, loss_fn, make_batches, make_model, shard_rows
 from workers.provenance import record as provenance_record
 from workers.runtime import entrypoint
+from workers.zero.memory import SavedActivations
+from workers.zero.model import OPTIMIZER_CLASSES, GPTConfig, loss_fn, make_batches, make_model, shard_rows
 from workers.zero.zero1 import GRAD_SYNCS, Zero1Optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -75,59 +75,6 @@ def check_params(world_size, layers: int = 20, hidden: int = 2048, heads: int = 
             return (f"without a GPU this shape needs about {need / 1e9:.0f} GB of CPU memory for the model states of "
                     f"{world_size} rank(s); pass a small shape such as hidden=256, layers=4, vocab=1024, seq=256")
     return None
-
-
-def _footprint(t: torch.Tensor) -> tuple:
-    """What ``t`` occupies: ("span", start, stop) in bytes when its elements fill [data_ptr, data_ptr + numel *
-    element_size) exactly (contiguous, or a permutation of contiguous: such tensors that start at the same address
-    with the same size are the same memory, whatever their shapes); otherwise ("own", ptr, shape, stride, bytes),
-    a strided view counted for its own elements (q, k and v interleaved in the fused QKV output; the batch's
-    token ids without the last column)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return ("own", t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.numel() * t.element_size())
-        expected *= sz
-    return ("span", t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-
-
-class SavedActivations:
-    """The tensors autograd saves for backward while ``hooks()`` is active, parameters excluded, tracked by weak
-    reference: ``alive_bytes()`` counts those still alive *now*, so it falls to zero only when backward (or the
-    end of the graph) has really released them."""
-
-    def __init__(self, exclude_ptrs: set[int]):
-        self.exclude = exclude_ptrs  # storages of the flat parameter buffers (weights are not activations)
-        self.saved: list[tuple[weakref.ref, tuple]] = []
-
-    def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() not in self.exclude:
-            self.saved.append((weakref.ref(t), _footprint(t)))
-        return t  # the graph keeps the tensor itself: we only watch it
-
-    def alive(self) -> list[tuple]:
-        return [footprint for ref, footprint in self.saved if ref() is not None]
-
-    def alive_bytes(self) -> int:
-        """Distinct bytes of the saved tensors alive now: overlapping spans merged, strided views counted once each."""
-        spans = sorted((a, b) for kind, a, b, *_ in self.alive() if kind == "span")
-        total, end = 0, None
-        for a, b in spans:
-            if end is None or a >= end:
-                total += b - a
-                end = b
-            elif b > end:
-                total += b - end
-                end = b
-        total += sum(f[4] for f in set(f for f in self.alive() if f[0] == "own"))
-        return total
-
-    def alive_count(self) -> int:
-        return len(self.alive())
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
 # A CPU-sized run for a terminal (and for the test that runs every worker under plain torchrun):

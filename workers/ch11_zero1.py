@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 workers/ch11_zero1.py --optimizer adamw --partition flat
 
-Every rank trains the tied-embedding GPT of ``workers/ch11_model.py`` on its B/n rows of each global batch
+Every rank trains the tied-embedding GPT of ``workers/zero/model.py`` on its B/n rows of each global batch
 with ``Zero1Optimizer``, and also trains, alone and without any collective, the single-process reference
 (whole batch, plain unsharded optimizer). Both compute the same mathematics (the mean loss over the global
 batch, then an elementwise update), so the weights agree to fp32 rounding after every step. Each rank also
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from workers.ch11_model import (OPTIMIZER_CLASSES, STATE_BYTES_PER_PARAM, GPTConfig, flat_params, loss_fn,
-                                make_batches, make_model, shard_rows, train_reference)
 from workers.runtime import entrypoint
+from workers.zero.model import (OPTIMIZER_CLASSES, STATE_BYTES_PER_PARAM, GPTConfig, flat_params, loss_fn,
+                                make_batches, make_model, shard_rows, train_reference)
 from workers.zero.zero1 import GRAD_SYNCS, PARTITIONS, Zero1Optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -10,16 +10,11 @@ the last step (weights, gradients, AdamW state, counted from the tensors). With 
 of the trained model and returns how far the merged model's logits are from the adapter model's.
 """
 from workers.posttrain import task
-from workers.posttrain.lora import LoRALinear, apply_lora, merged_copy_and_gap, trainable_params
+from workers.posttrain.lora import (LORA_ALPHA, LORA_TARGETS, LoRALinear, apply_lora, merged_copy_and_gap,
+                                    trainable_params)
 from workers.posttrain.state import measured_state_bytes
 from workers.posttrain.train import adamw, evaluate, make_policy, sft
 from workers.runtime import entrypoint
-
-# Every nn.Linear of the tiny GPT, by attribute name: the default LoRA targets and the only names allowed.
-# The LM head is included because this base is a random init: with the head and final LayerNorm frozen, the
-# answer-token loss cannot go below ~1.7 nats whatever the blocks learn (course_utils.posttrain_floor).
-LORA_TARGETS = ("qkv", "proj", "fc", "out", "head")
-LORA_ALPHA = 8.0
 
 
 def check_params(world_size, steps, lr, batch, lora_rank, lora_alpha, lora_targets, **_):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from workers import protocol
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL give up on a collective after this (a stuck rank)
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn that they
 # are deprecated). Both names reach the same backend call, on gloo and on NCCL.
@@ -234,7 +234,7 @@ def init_distributed(collective_timeout_s: float | None = None, sock: socket.soc
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("COURSE_THREADS_PER_RANK", 1)))
     if "MASTER_ADDR" not in os.environ:  # run as plain `python worker.py`: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if not dist.is_initialized():
         kwargs = {}
         if placement.backend == "nccl":
@@ -250,9 +250,10 @@ def init_distributed(collective_timeout_s: float | None = None, sock: socket.soc
     )
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS picks it): never a fixed port, so two runs cannot collide."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

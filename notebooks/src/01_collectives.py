@@ -152,7 +152,7 @@ print(ch01.device_table(two_nodes))
 # After `reduce` to rank 0, what is in rank 2's buffer?
 
 # %%
-from workers.ch01_collectives import BITWISE, COLLECTIVES, OPS
+from workers.collectives.reference import BITWISE, COLLECTIVES, OPS
 
 WORLD = 4
 collective_runs = {c: cu.run("workers.ch01_collectives", world_size=WORLD, collective=c, **RUN) for c in COLLECTIVES}
@@ -167,7 +167,7 @@ for c, res in collective_runs.items():
     print(f"{c:15s} {ok}")
 
 # %% [markdown]
-# Each line compares what the ranks hold with `workers.ch01_collectives.reference`, which computes the same
+# Each line compares what the ranks hold with `workers.collectives.reference`, which computes the same
 # thing in one process from the same inputs, without any communication. A barrier has no output to
 # compare; its line checks its promise instead, from each rank's own clock: rank *r* arrives *r*·100 ms
 # late, and no rank may leave before the last arrival (`ch01.barrier_check`). (On a machine with one GPU and

@@ -27,7 +27,7 @@ import torch
 
 import course_utils as cu
 from course_utils import ch02, plots
-from workers.ch02_model import FP32_TOL, Setup, make_model, train_single
+from workers.data_parallel.model import FP32_TOL, Setup, make_model, train_single
 
 plots.style()
 LIMITS = {"timeout": 60}  # seconds per run; collectives keep the default limit, so runs and checks share warm ranks
@@ -54,7 +54,7 @@ print("parameters:", sum(p.numel() for p in make_model(setup).parameters()))
 #
 # The model is a small MLP (`x * in_scale -> Linear -> tanh -> Linear`, with `in_scale` a buffer), the
 # data a fixed random regression problem, and the optimizer plain SGD. The single-process baseline runs
-# here, in the notebook process, from the same module the ranks use (`workers/ch02_model.py`):
+# here, in the notebook process, from the same module the ranks use (`workers/data_parallel/model.py`):
 
 # %%
 baseline = train_single(setup)
@@ -342,7 +342,7 @@ plots.savefig(ch02.draw_reduction(ratios), "02_reduction");
 # without `no_sync`? Are the two gradients equal, and equal to one big batch of $4B$ rows in one process?
 
 # %%
-from workers.ch02_model import accumulated_reference
+from workers.data_parallel.model import accumulated_reference
 
 rows = []
 for k in (1, 2, 4, 8):

@@ -288,9 +288,9 @@ if RUN_WORLD_8 and max_world_size() >= 8:
     print(trap[8].describe())
 
 # %%
-from workers.ch03_scaling_trap import problem  # noqa: E402
+from workers.parallel.problems import scaling_trap_problem  # noqa: E402
 
-x_full, w_full = problem(TRAP["seed"], TRAP["batch"], TRAP["hidden"], TRAP["out"])
+x_full, w_full = scaling_trap_problem(TRAP["seed"], TRAP["batch"], TRAP["hidden"], TRAP["out"])
 scaling = ch03.scaling_rows(trap, x_full, w_full)
 print(ch03.scaling_table([r for r in scaling if r["n"] <= 4]))
 
@@ -350,7 +350,7 @@ plots.savefig(ch03.draw_scaling(scaling), "03_scaling_trap");
 # split; with a replicated input it must split first; the whole MLP.
 
 # %%
-from workers.ch03_row_parallel import problem as row_problem  # noqa: E402
+from workers.parallel.problems import row_parallel_problem as row_problem  # noqa: E402
 
 for mode, input_is_parallel in (("row", True), ("row", False), ("mlp", False)):
     res = cu.run("workers.ch03_row_parallel", world_size=WORLD, mode=mode, input_is_parallel=input_is_parallel,

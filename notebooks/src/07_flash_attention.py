@@ -374,7 +374,7 @@ ch07.save_and_show(ch07.comparison_figure(REFERENCE), "07_h200_comparison")
 # one fp32 copy of its N x N matrix alone would take 32 GiB there. At 1k every kernel is short and fixed
 # costs weigh: cuDNN's forward + backward is then the slowest fused one.
 #
-# And the course's own kernels? `workers/bench_attention.py` measures them side by side with every backend
+# And the course's own kernels? `workers/attention/bench.py` measures them side by side with every backend
 # and writes `data/attention/h200_<date>.json`; this cell draws whatever has been committed.
 
 # %%
@@ -397,12 +397,12 @@ if BENCH is not None:
 
 # %% [markdown]
 # With a GPU, measure here and now (a short sweep, untuned Triton configs so it compiles only once per
-# kernel; `python -m workers.bench_attention --out ...` runs the full one). The dashed lines are this run:
+# kernel; `python -m workers.attention.bench --out ...` runs the full one). The dashed lines are this run:
 # compare within a run first, then with the reference.
 
 # %% tags=["nbval-ignore-output"]
 if torch.cuda.is_available():
-    from workers import bench_attention
+    from workers.attention import bench as bench_attention
 
     live_args = bench_attention.parse_args(["--out", "unused.json", "--seqlens", "1024,4096", "--head-dims", "128",
                                             "--impls", "sdpa_efficient,sdpa_flash,sdpa_cudnn,course_triton",

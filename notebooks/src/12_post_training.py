@@ -25,9 +25,8 @@ from course_utils import ch12, plots
 from course_utils import posttrain_gates as gates
 from course_utils import posttrain_ledger as ledger
 from course_utils.posttrain_methods import render_methods
-from workers.ch12_sft import LORA_TARGETS
 from workers.posttrain import task
-from workers.posttrain.lora import LoRALinear, apply_lora, lora_param_count, trainable_params
+from workers.posttrain.lora import LORA_TARGETS, LoRALinear, apply_lora, lora_param_count, trainable_params
 from workers.posttrain.train import TOY, make_policy
 
 plots.style()

@@ -11,7 +11,7 @@
 #   spine      tools/gpu/spine_check.py: chapter 01-06 workers at world 1 (NCCL) and 2 (gloo on CUDA)  (issue 2;
 #              04-06 also exercise the host-staged all_gather/reduce_scatter of the one-GPU path)
 #   tp         tools/gpu/tp_block_bench.py --profile: Megatron block vs plain block, memory       (issue 5)
-#   attention  workers.bench_attention --quick --no-autotune: the Triton kernels vs SDPA            (issue 3)
+#   attention  workers.attention.bench --quick --no-autotune: the Triton kernels vs SDPA            (issue 3)
 #   ch11       tools/gpu/ch11_memory.sh: ZeRO memory at four moments, FP8 GEMM                      (issue 4)
 #
 # Rehearse first on the CPU, under the device image's versions: bash tools/gpu/compat_check.sh.
@@ -53,7 +53,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 
 stage spine 240 "$PY" tools/gpu/spine_check.py --chapters 01,02,03,04,05,06 --out "$OUT/data/gpu/spine_h200.json"
 stage tp 240 "$PY" tools/gpu/tp_block_bench.py --profile --out "$OUT/data/gpu/tp_block_h200.json"
-stage attention 270 "$PY" -m workers.bench_attention --quick --no-autotune --out "$OUT/data/attention/h200_$(date -u +%F).json"
+stage attention 270 "$PY" -m workers.attention.bench --quick --no-autotune --out "$OUT/data/attention/h200_$(date -u +%F).json"
 if stage ch11 270 bash tools/gpu/ch11_memory.sh; then
     case ",$STAGES," in *",ch11,"*) cp data/gpu/ch11_memory_*.json data/gpu/ch11_fp8_gemm_*.json "$OUT/data/gpu/" 2>/dev/null ;; esac
 fi

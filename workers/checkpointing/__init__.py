@@ -5,6 +5,7 @@
 - ``sampler``: a seeded shuffling data order that knows its position (epoch, batch), so it can be saved;
 - ``state``: capture and restore of the full training state, every RNG stream included;
 - ``atomic``: temporary name, fsync, ``os.replace``, a manifest written last, the newest *complete* checkpoint;
+- ``sharded``: the small MLP the DCP demo shards with FSDP2 (uneven rows, so the shards differ in size);
 - ``faults``: how saves die in the demos: a writer that kills its own process after N bytes, and the naive
   writer (``torch.save`` straight to the final names) it is compared with.
 

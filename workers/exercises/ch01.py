@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from workers.exercise_support import Wrong, expect_close, run_exercise
+from workers.exercises.support import Wrong, expect_close, run_exercise
 from workers.runtime import entrypoint
 
 READY_MADE = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",

@@ -1,7 +1,7 @@
 """Rank-side checks for chapter 02's exercises: DDP by hand, bucketed averaging, sampler sharding.
 
 Each check runs the learner's function on every rank of a real process group and compares with the
-single-process reference of ``workers/ch02_model``. Ranks agree on a verdict before anyone raises
+single-process reference of ``workers/data_parallel/model.py``. Ranks agree on a verdict before anyone raises
 (``agree``): a rank that stopped early while the others went on into the learner's collectives would
 turn a wrong answer into a hang.
 """
@@ -12,9 +12,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from workers.ch02_model import (FP32_TOL, Setup, bucket_assignment, flat, flat_grads, grads_on, loss_fn,
-                                make_batches, make_model, shard, train_single)
-from workers.exercise_support import Wrong, agree, expect_close, run_exercise, scaled_by
+from workers.data_parallel.buckets import bucket_assignment
+from workers.data_parallel.model import (FP32_TOL, Setup, flat, flat_grads, grads_on, loss_fn, make_batches,
+                                         make_model, shard, train_single)
+from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
 
 STEPS = 3
 START_SEED_OFFSET = 1000  # rank r starts from seed + 1000 r: different weights until someone broadcasts

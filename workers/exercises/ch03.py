@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.exercise_support import Wrong, agree, expect_close, run_exercise, scaled_by
+from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
 from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.reference import example, reference
 from workers.runtime import entrypoint

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.exercise_support import Wrong, agree, expect_close, run_exercise, scaled_by
+from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
 from workers.parallel.dense import BlockConfig, build, inputs
 from workers.parallel.layers import contiguous_index
 from workers.parallel.mlp import ParallelMLP, naive_rows, swiglu_rows

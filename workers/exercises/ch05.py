@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from workers.exercise_support import Wrong, agree, run_exercise
+from workers.exercises.support import Wrong, agree, run_exercise
 from workers.parallel.attention import (ParallelAttention, destroy_owned_groups, kv_heads_for_rank, naive_qkv_rows,
                                         qkv_rows)
 from workers.parallel.dense import BlockConfig, build, inputs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.exercise_support import Wrong, agree, expect_close, run_exercise, scaled_by
+from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
 from workers.parallel import mappings
 from workers.parallel.block import ParallelBlock
 from workers.parallel.dense import BlockConfig, build, reference, inputs

@@ -36,7 +36,7 @@ from workers.checkpointing.state import restore_training_state
 from workers.checkpointing.training import (RunConfig, flat_params, make_dataset, make_model, make_optimizer,
                                             make_sampler, make_scaler, make_scheduler, next_batch, rank_seed,
                                             seed_rngs, train_step)
-from workers.exercise_support import Wrong, agree, run_exercise
+from workers.exercises.support import Wrong, agree, run_exercise
 
 # 4 steps per epoch (an epoch boundary after step 4), warmup to step 4, save after step 3: every part matters.
 # fp16 with growth_interval=2: the scale has grown by the save (131072 after step 3), and a real overflow-skipped

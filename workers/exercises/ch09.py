@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.exercise_support import Wrong, agree, run_exercise
+from workers.exercises.support import Wrong, agree, run_exercise
 from workers.gpt.config import GPTConfig
 from workers.gpt.model import make_model
 from workers.gpt.reduce import gather_objects

@@ -1,7 +1,7 @@
 """Rank-side check for chapter 11's sharded optimizer step (ZeRO-1), on real ranks.
 
 The learner writes ``zero1_step(params, state, make_optimizer)``. Every rank trains the tied-embedding GPT of
-``workers/ch11_model.py`` on its B/n rows for a few steps, calling the learner's step, and compares with the
+``workers/zero/model.py`` on its B/n rows for a few steps, calling the learner's step, and compares with the
 single-process reference (whole batch, unsharded SGD with momentum). SGD, not Adam: Adam divides each update
 by the size of its own gradient, so a gradient that is n times too large (a sum instead of a mean) moves Adam's
 weights by almost exactly the same amount, and a missing average would go unnoticed.
@@ -19,8 +19,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from workers.ch11_model import OPTIMIZER_CLASSES, GPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
-from workers.exercise_support import Wrong, agree, run_exercise
+from workers.exercises.support import Wrong, agree, run_exercise
+from workers.zero.model import OPTIMIZER_CLASSES, GPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
 
 STEPS = 3
 GLOBAL_BATCH = 8

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.exercise_support import Wrong, agree, expect_close, run_exercise
+from workers.exercises.support import Wrong, agree, expect_close, run_exercise
 from workers.pipeline.model import FP32_TOL, PipelineConfig, global_names, loss_fn, make_batch, micro_batches, stage_module
 from workers.pipeline.p2p import P2P
 from workers.pipeline.reference import reference_step

@@ -1,0 +1,6 @@
+"""Data parallelism by hand (chapter 02), rank side.
+
+- ``model``: the tiny MLP, its data, the row split per rank and the single-process baseline, one definition for
+  the ranks, the notebook and the tests;
+- ``buckets``: DDP's rule for packing gradients into buckets, and what it predicts for a chain of layers.
+"""
