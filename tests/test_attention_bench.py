@@ -40,7 +40,7 @@ def test_quick_arguments_and_unknown_impl():
 def test_environment_info_without_gpu():
     info = bench.environment_info(["--out", "r.json"])
     prov = info["provenance"]
-    assert prov["torch"] == torch.__version__ and prov["command"] == "python -m workers.bench_attention --out r.json"
+    assert prov["torch"] == torch.__version__ and prov["command"] == "python -m workers.attention.bench --out r.json"
     assert prov["date"].startswith("20") and prov["device_kind"] == "cpu"
     assert {"flash_attn", "cudnn", "gpu_memory_gib"} <= set(info["environment"])
 

@@ -139,10 +139,10 @@ def _readable(rec: dict) -> str:
 
 
 def test_bench_attention_results_carry_a_record():
-    from workers import bench_attention
+    from workers.attention import bench as bench_attention
 
     info = bench_attention.environment_info(["--quick", "--out", "r.json"])
-    assert info["provenance"]["command"] == "python -m workers.bench_attention --quick --out r.json"
+    assert info["provenance"]["command"] == "python -m workers.attention.bench --quick --out r.json"
     _readable(info)
 
 

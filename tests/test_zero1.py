@@ -16,7 +16,7 @@ import pytest
 
 import course_utils as cu
 from course_utils.ledger import model_state_bytes
-from workers.zero.model import GPTConfig
+from workers.zero.model import TiedGPTConfig
 from workers.zero.zero1 import flat_partition, params_partition
 
 pytestmark = pytest.mark.ranks
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.ranks
 # ch11_zero1), so 2e-4 = 0.02 x lr; a shard stepped wrong or not gathered moves weights by ~lr = 1e-2.
 ADAM_TOL = 2e-4
 SGD_TOL = 1e-6  # SGD is linear in the gradient: the reordering stays ~1e-7 (measured <= 2.4e-7)
-N_PARAMS = GPTConfig().n_params  # 27,840, divisible by 4: no padding
+N_PARAMS = TiedGPTConfig().n_params  # 27,840, divisible by 4: no padding
 
 
 def _ledger(n_params, world, k):
@@ -95,7 +95,7 @@ def test_whole_tensor_partition_is_exact_but_only_balanced_within_a_tensor():
 
 def test_padding_when_the_world_size_does_not_divide_the_parameters():
     cfg = dict(vocab=61, hidden=30, heads=3)
-    n = GPTConfig(**cfg).n_params
+    n = TiedGPTConfig(**cfg).n_params
     assert n % 4 == 2
     res = cu.run("workers.ch11_zero1", 4, optimizer="sgd", timeout=180, **cfg)
     shard = -(-n // 4)

@@ -29,7 +29,7 @@ import torch
 from workers.provenance import record as provenance_record
 from workers.runtime import entrypoint
 from workers.zero.memory import SavedActivations
-from workers.zero.model import OPTIMIZER_CLASSES, GPTConfig, loss_fn, make_batches, make_model, shard_rows
+from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, loss_fn, make_batches, make_model, shard_rows
 from workers.zero.zero1 import GRAD_SYNCS, Zero1Optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -45,7 +45,7 @@ CPU_LIMIT_BYTES = 4e9  # refuse CPU runs whose model states alone would exceed t
 
 
 def model_state_estimate(layers: int, hidden: int, vocab: int, seq: int, dtype: str) -> float:
-    n = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=1, layers=layers).n_params
+    n = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=1, layers=layers).n_params
     return n * (2 * (2 if dtype == "bfloat16" else 4) + (12 if dtype == "bfloat16" else 8))
 
 
@@ -86,7 +86,7 @@ CPU_EXAMPLE_ARGS = ["--layers", "2", "--hidden", "128", "--heads", "4", "--vocab
 def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int = 32000, seq: int = 2048,
          micro_batch: int = 2, steps: int = 2, dtype: str = "bfloat16", optimizer: str = "adamw",
          zero_stage: int = 1, grad_sync: str = "reduce_scatter", leak: str = "none"):
-    cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    cfg = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
     torch_dtype = DTYPES[dtype]
     cuda = ctx.device.type == "cuda"
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from workers.runtime import entrypoint
-from workers.zero.model import (OPTIMIZER_CLASSES, STATE_BYTES_PER_PARAM, GPTConfig, flat_params, loss_fn,
+from workers.zero.model import (OPTIMIZER_CLASSES, STATE_BYTES_PER_PARAM, TiedGPTConfig, flat_params, loss_fn,
                                 make_batches, make_model, shard_rows, train_reference)
 from workers.zero.zero1 import GRAD_SYNCS, PARTITIONS, Zero1Optimizer
 
@@ -54,7 +54,7 @@ def main(ctx, optimizer: str = "adamw", partition: str = "flat", grad_sync: str 
          steps: int = 3, global_batch: int = 8, dtype: str = "float32", master_weights: bool = False,
          shard: bool = True, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2,
          seed: int = 0):
-    cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    cfg = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
     torch_dtype = DTYPES[dtype]
     base = 100 * seed  # seed 0: models 0, 1, ... per rank, data 1
     batches = make_batches(cfg, global_batch, steps, seed=base + 1)

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from workers.exercises.support import Wrong, agree, run_exercise
-from workers.zero.model import OPTIMIZER_CLASSES, GPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
+from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
 
 STEPS = 3
 GLOBAL_BATCH = 8
-CFG = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2)
+CFG = TiedGPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2)
 # SGD with momentum is linear in the gradient: reordered fp32 sums (any correct sync) stay at ~1e-7.
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 

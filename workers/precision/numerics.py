@@ -28,12 +28,12 @@ EXPONENT_RANGE = (-60, 20)  # floor(log2 |g|) histogram bins: fp16's subnormals 
 class TinyLM(nn.Module):
     """Embedding -> one residual MLP block -> vocabulary head: logits' gradients are (p - onehot) / tokens."""
 
-    def __init__(self, vocab: int = 512, d_model: int = 64):
+    def __init__(self, vocab: int = 512, hidden: int = 64):
         super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        self.up = nn.Linear(d_model, 4 * d_model)
-        self.down = nn.Linear(4 * d_model, d_model)
-        self.head = nn.Linear(d_model, vocab)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
 
     def forward(self, tokens):  # [t] -> [t, vocab]
         h = self.embed(tokens)  # [t, d]

@@ -30,7 +30,10 @@ FP32_TOL = {"atol": 1e-6, "rtol": 1e-5}
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class TiedGPTConfig:
+    """Chapter 11's GPT: the same shape names as chapter 09's ``workers.gpt.GPTConfig``, but its head shares the
+    embedding's weight (tied), which is what the ZeRO ledger's parameter count assumes; hence its own class."""
+
     vocab: int = 64
     seq: int = 16
     hidden: int = 32
@@ -39,6 +42,14 @@ class GPTConfig:
 
     def as_params(self) -> dict:
         return asdict(self)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden
 
     @property
     def n_params(self) -> int:
@@ -67,7 +78,7 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: TiedGPTConfig):
         super().__init__()
         if cfg.hidden % cfg.heads:
             raise ValueError(f"hidden={cfg.hidden} is not divisible by heads={cfg.heads}; choose heads that divide it.")
@@ -86,7 +97,7 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))  # [b, s, V]
 
 
-def make_model(cfg: GPTConfig = GPTConfig(), seed: int = 0, dtype: torch.dtype = torch.float32,
+def make_model(cfg: TiedGPTConfig = TiedGPTConfig(), seed: int = 0, dtype: torch.dtype = torch.float32,
                device="cpu") -> TinyGPT:
     """The model, initialised from ``seed`` without touching the global RNG."""
     with torch.random.fork_rng(devices=[]):
@@ -103,7 +114,7 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def make_batches(cfg: GPTConfig, global_batch: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
+def make_batches(cfg: TiedGPTConfig, global_batch: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
     """``steps`` global batches of token ids [global_batch, seq + 1]: the same on every rank."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, cfg.vocab, (global_batch, cfg.seq + 1), generator=g) for _ in range(steps)]
@@ -136,7 +147,7 @@ def make_optimizer(name: str, params):
 STATE_BYTES_PER_PARAM = {"adamw": 8, "sgd": 4}  # fp32 exp_avg + exp_avg_sq; fp32 momentum_buffer
 
 
-def train_reference(cfg: GPTConfig, optimizer: str, batches, seed: int = 0, dtype=torch.float32,
+def train_reference(cfg: TiedGPTConfig, optimizer: str, batches, seed: int = 0, dtype=torch.float32,
                     master_weights: bool = False) -> list[torch.Tensor]:
     """Single process, unsharded optimizer, the whole global batch: weights after each step (index 0 = start).
 
