@@ -192,7 +192,7 @@ def ch12_sft(seed: int) -> dict[str, float]:
 })
 def ch12_lora_dpo(seed: int) -> dict[str, float]:
     import course_utils as cu
-    from course_utils.posttrain_floor import frozen_head_floor
+    from course_utils.ch12_floor import frozen_head_floor
     from workers.ch12_sft import LORA_TARGETS
     from workers.posttrain import task
     from workers.posttrain.train import make_policy
