@@ -5,46 +5,18 @@ module only lays them out. Pure Python plus matplotlib/ipywidgets: no ranks are 
 from __future__ import annotations
 
 import csv
-import html
-from dataclasses import dataclass
 from pathlib import Path
 
 from course_utils.ledger import GB, collective_time, flops_per_token, pipeline_bubble_fraction, tp_comm_bytes_per_layer
 from course_utils.planner import (CLUSTERS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan, model_shape,
                                   plan, zero_collectives_per_step)
 from course_utils.published_configs import PUBLISHED_CONFIGS, PublishedConfig
+from course_utils.tables import Table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
 TIME_COLOURS = {"compute": "#4C72B0", "bubble": "#BBBBBB", "tp": "#DD8452", "cp": "#8172B3", "pp": "#937860",
                 "dp": "#55A868"}
-
-
-# -- a plain table, readable as text (nbval compares it) and as HTML -------------------------------------------
-
-@dataclass
-class Table:
-    header: list[str]
-    rows: list[list[str]]
-    caption: str = ""
-
-    def __str__(self) -> str:
-        cols = list(zip(self.header, *self.rows))
-        widths = [max(len(str(c)) for c in col) for col in cols]
-        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-        out = [self.caption] if self.caption else []
-        out += [line(self.header), line(["-" * w for w in widths])] + [line(r) for r in self.rows]
-        return "\n".join(out)
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        esc = lambda s: html.escape(str(s))  # noqa: E731
-        head = "".join(f"<th style='text-align:left'>{esc(h)}</th>" for h in self.header)
-        body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{esc(c)}</td>" for c in r) + "</tr>"
-                       for r in self.rows)
-        cap = f"<caption style='text-align:left'>{esc(self.caption)}</caption>" if self.caption else ""
-        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _mb(nbytes: float) -> str:

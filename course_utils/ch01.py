@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_utils import scratch
+from course_utils.tables import Table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED_CSV = "allreduce_8xH200_published.csv"
@@ -141,37 +142,13 @@ TORCHRUN_ENV = [
 ]
 
 
-def text_table(rows: list[dict] | list[list], columns: list[str] | None = None) -> str:
-    """A plain-text table (deterministic, so nbval can compare it)."""
-    if rows and isinstance(rows[0], dict):
-        columns = columns or list(rows[0])
-        body = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    else:
-        body = [[_fmt(v) for v in r] for r in rows]
-    header = list(columns or [])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if header else \
-        [max(len(x) for x in col) for col in zip(*body)]
-    lines = []
-    if header:
-        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-        lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in body]
-    return "\n".join(lines)
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def env_table(result) -> str:
     """rank / node / local_rank / world_size per rank of a ``workers.ch01_env`` run."""
     rows = [{"RANK": d["env"]["RANK"], "GROUP_RANK (node)": d["env"]["GROUP_RANK"],
              "LOCAL_RANK": d["env"]["LOCAL_RANK"], "WORLD_SIZE": d["env"]["WORLD_SIZE"],
              "LOCAL_WORLD_SIZE": d["env"]["LOCAL_WORLD_SIZE"],
              "same MASTER_PORT": d["env"]["MASTER_PORT"] == result[0]["env"]["MASTER_PORT"]} for d in result.ranks]
-    return text_table(rows)
+    return str(Table.of(rows))
 
 
 def device_table(result) -> str:
@@ -181,7 +158,7 @@ def device_table(result) -> str:
         rows.append({"rank": d["rank"], "node": d["node_rank"], "local_rank": d["local_rank"],
                      "cuda:local_rank": d["device_by_local_rank"],
                      "cuda:rank": d["device_by_rank"] + ("" if d["device_by_rank_exists"] else "  <- no such GPU on the node")})
-    return text_table(rows)
+    return str(Table.of(rows))
 
 
 def drill_outcome(job):
@@ -484,4 +461,4 @@ def async_table(result) -> str:
     for name in names:
         per_rank = [d["ms"][name] for d in result.ranks]
         rows.append({"measurement": name, "ms (slowest rank)": max(per_rank), "ms (fastest rank)": min(per_rank)})
-    return text_table(rows)
+    return str(Table.of(rows))

@@ -48,14 +48,6 @@ def test_published_sweep_is_in_the_repository_with_its_source():
         assert shared.read_text() == path.read_text()
 
 
-def test_text_table_aligns_columns():
-    out = ch01.text_table([{"a": 1, "bb": 2.5}, {"a": 10, "bb": 0.125}])
-    lines = out.splitlines()
-    assert lines[0].split() == ["a", "bb"] and set(lines[1]) <= {"-", " "}
-    assert lines[2].split() == ["1", "2.5"] and lines[3].split() == ["10", "0.125"]
-    assert len({line.index("b") for line in lines[:1]}) == 1
-
-
 def test_origin_decodes_the_source_rank():
     assert ch01._origin(23.0, 4, 4) == 1  # 10 * (1 + 1) + 3
     assert ch01._origin(100.0, 4, 4) is None  # a sum: no single origin
