@@ -5,15 +5,14 @@ module only lays them out. Pure Python plus matplotlib/ipywidgets: no ranks are 
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 from course_utils.ledger import GB, collective_time, flops_per_token, pipeline_bubble_fraction, tp_comm_bytes_per_layer
+from course_utils.paths import DATA, ROOT
 from course_utils.planner import (CLUSTERS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan, model_shape,
                                   plan, zero_collectives_per_step)
 from course_utils.published_configs import PUBLISHED_CONFIGS, PublishedConfig
 from course_utils.tables import Table
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
 TIME_COLOURS = {"compute": "#4C72B0", "bubble": "#BBBBBB", "tp": "#DD8452", "cp": "#8172B3", "pp": "#937860",
                 "dp": "#55A868"}
@@ -218,8 +217,8 @@ def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
 
 def published_allreduce() -> list[dict]:
     """The 8x H200 all_reduce sweep (stas00/ml-engineering, CC-BY-SA 4.0), from data/reference or ../shared."""
-    for path in (REPO_ROOT / "data" / "reference" / "allreduce_8xH200_published.csv",
-                 REPO_ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"):
+    for path in (DATA / "reference" / "allreduce_8xH200_published.csv",
+                 ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"):
         if path.exists():
             lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
             return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(lines)]

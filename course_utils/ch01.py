@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_utils import scratch
+from course_utils.paths import DATA, ROOT
 from course_utils.tables import Table
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED_CSV = "allreduce_8xH200_published.csv"
 
 # -- 1. a plain torchrun, from the notebook ---------------------------------------------------------
@@ -72,7 +72,7 @@ def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, 
         raise ValueError(f"nproc={nproc!r} must be a whole number of processes, 1 or more")
     script = Path(script)
     if not script.is_absolute():
-        script = REPO_ROOT / script
+        script = ROOT / script
     if not script.exists():
         raise FileNotFoundError(f"there is no script {script}: give a path relative to the repository root")
     # --tee needs log files: in the course's scratch area, removed below (torchrun's default is a torchelastic_*
@@ -84,7 +84,7 @@ def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, 
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"})
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=full_env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=full_env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=reaper.die_with_parent)  # own session + dies with the notebook
     timed_out = False
@@ -180,7 +180,7 @@ def traceback_from(traceback_text: str, filename: str) -> str:
     frames = [i for i, line in enumerate(lines)
               if line.lstrip().startswith("File ") and re.search(rf'[/\\]{re.escape(filename)}"', line)]
     tail = lines[frames[-1]:] if frames else lines
-    return "\n".join(line.replace(f"{REPO_ROOT}{os.sep}", "") for line in tail)
+    return "\n".join(line.replace(f"{ROOT}{os.sep}", "") for line in tail)
 
 
 # -- 3. collectives: before/after grids ---------------------------------------------------------------
@@ -384,8 +384,8 @@ def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
 
 def published_csv_path() -> Path:
     """The published 8xH200 sweep: the repository's copy, else ../shared/reference beside the clone."""
-    candidates = [REPO_ROOT / "data" / "reference" / PUBLISHED_CSV,
-                  REPO_ROOT.parent / "shared" / "reference" / PUBLISHED_CSV]
+    candidates = [DATA / "reference" / PUBLISHED_CSV,
+                  ROOT.parent / "shared" / "reference" / PUBLISHED_CSV]
     for path in candidates:
         if path.exists():
             return path

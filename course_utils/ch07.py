@@ -18,8 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH_GLOB = str(ROOT / "data" / "attention" / "h200_*.json")
+from course_utils.paths import DATA, ROOT
+
+BENCH_GLOB = str(DATA / "attention" / "h200_*.json")
 
 # One name, label and colour per implementation, whichever file it comes from.
 IMPLS = {

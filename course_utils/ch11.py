@@ -8,14 +8,13 @@ files written by ``tools/gpu/ch11_memory.sh`` on a real GPU. Nothing here invent
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from course_utils.ledger import (ACTIVATION_TERMS_SBH, DROPOUT_TERMS, GB, activation_bytes_per_layer,
                                  activation_terms_per_layer, model_state_bytes)
+from course_utils.paths import DATA, ROOT
 from course_utils.planner import Layout, plan
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GPU_DATA = REPO_ROOT / "data" / "gpu"
+GPU_DATA = DATA / "gpu"
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
 MOMENTS = ("init", "forward", "backward", "step")
 
@@ -245,7 +244,7 @@ def gpu_data(kind: str = "memory") -> dict | None:
     if not paths:
         return None
     data = json.loads(paths[0].read_text())
-    data["path"] = str(paths[0].relative_to(REPO_ROOT))
+    data["path"] = str(paths[0].relative_to(ROOT))
     return data
 
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent
+from course_utils.paths import ROOT
+
 OUT = ROOT / "build" / "cpu_spread"
 
 # Environment variables read when a process starts: ATen's kernels (ATEN_CPU_CAPABILITY), oneDNN's (bf16

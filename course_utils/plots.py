@@ -8,11 +8,11 @@ they never overwrite the committed figures with a run whose printed outputs are 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import matplotlib
 
-FIGURES = Path(os.environ.get("COURSE_FIGURES_DIR") or Path(__file__).resolve().parent.parent / "notebooks" / "figures")
+from course_utils.paths import FIGURES
+
 CPU_NOTE = "measured on this machine's CPU (gloo): not GPU numbers"
 CPU_NOTE_LOCAL = "measured on this machine's CPU, one process: not GPU numbers"
 

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+from course_utils.paths import DATA, ROOT
 from course_utils.plots import CPU_NOTE
 
-ROOT = Path(__file__).resolve().parent.parent
-GPU_DATA = ROOT / "data" / "gpu"
+GPU_DATA = DATA / "gpu"
 
 
 def equivalence_figure(reports: dict, title: str = "sharded vs dense: largest error of every tensor"):

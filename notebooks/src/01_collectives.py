@@ -22,6 +22,7 @@
 import course_utils as cu
 from course_utils import ch01, plots
 from course_utils.exercises import check
+from course_utils.paths import ROOT
 from course_utils.tables import Table
 
 plots.style()
@@ -36,7 +37,7 @@ RUN = dict(timeout=30)  # 30 s per run, counted once every rank has loaded the w
 # script you would run unchanged on a cluster:
 
 # %%
-print((ch01.REPO_ROOT / "workers" / "ch01_minimal.py").read_text())
+print((ROOT / "workers" / "ch01_minimal.py").read_text())
 
 # %% [markdown]
 # Three things to notice before running it:
