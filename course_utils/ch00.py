@@ -189,6 +189,8 @@ def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
     """Two panels, one per denominator: bubble / ideal compute, and the idle share of the whole step."""
     import matplotlib.pyplot as plt
 
+    from course_utils.plots import log2_axis
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
     ms = list(range(1, max_m + 1))
     styles = {1: "-", 2: "--", 4: ":"}
@@ -200,8 +202,7 @@ def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
                 pts = [(m, y) for m, y in zip(ms, ys) if y is not None]
                 ax.plot([a for a, _ in pts], [b for _, b in pts], styles.get(v, "-"), color=f"C{i}",
                         label=f"p={p}, v={v}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("micro-batches per step, m")
+        log2_axis(ax, label="micro-batches per step, m")
         ax.axhline(0.1, color="grey", linewidth=0.8)
     axes[0].set_title("bubble / ideal compute = (1/v)(p-1)/m", fontsize=10)
     axes[0].set_ylim(0, 2)

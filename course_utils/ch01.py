@@ -415,7 +415,7 @@ def bandwidth_figure(measured: dict[str, list[dict]], published: list[dict] | No
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from course_utils.plots import CPU_NOTE
+    from course_utils.plots import CPU_NOTE, log2_axis
 
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     for label, rows in measured.items():
@@ -438,9 +438,8 @@ def bandwidth_figure(measured: dict[str, list[dict]], published: list[dict] | No
             ax_t.plot(grid, (alpha + grid / B) * 1e6, "-", color="black", alpha=0.5,
                       label=f"fit: {alpha * 1e6:.0f} us + S / {B / 1e9:.0f} GB/s")
     for ax in (ax_bw, ax_t):
-        ax.set_xscale("log", base=2)
+        log2_axis(ax, label="message size S (bytes)")
         ax.set_yscale("log")
-        ax.set_xlabel("message size S (bytes)")
     ax_bw.set_ylabel("busbw (GB/s)")
     ax_bw.set_title("all_reduce bus bandwidth")
     ax_t.set_ylabel("time per all_reduce (us)")

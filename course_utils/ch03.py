@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from course_utils.plots import log2_axis
 from course_utils.tables import Table
 from workers.parallel.reference import (compare, layouts, linear_reference, mlp_reference,
                                         replicated_loss_reference)
@@ -172,11 +173,8 @@ def draw_scaling(rows: list[dict]):
         ax.plot([r["n"] for r in mine], [r["grad_weight_ratio"] for r in mine], marker=marker, ms=size,
                 label=name, alpha=0.85)
     ax.plot(ns, ns, "k:", lw=1, label="ratio = n")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.set_yticks(ns, [str(n) for n in ns])
-    ax.set_xlabel("tensor-parallel ranks n (real gloo ranks)")
+    log2_axis(ax, ns, "tensor-parallel ranks n (real gloo ranks)")
+    log2_axis(ax, ns, axis="y")
     ax.set_ylabel("|dL/dW| / |dL/dW| single process")
     ax.set_title("Replicated loss behind an all-reduce: gradient scale vs n")
     ax.legend(fontsize=8)

@@ -273,9 +273,9 @@ def bench_caption(results: dict) -> str:
 
 def _n_axis(ax, ns) -> None:
     """Log2 x axis labelled with the sequence lengths themselves (1k, 4k, ...)."""
-    ax.set_xscale("log", base=2)
-    ns = sorted(set(ns))
-    ax.set_xticks(ns, [f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n) for n in ns])
+    from course_utils.plots import log2_axis
+
+    log2_axis(ax, ns)
     ax.minorticks_off()
 
 

@@ -87,6 +87,8 @@ def bytes_figure(flat: dict, params: dict, ax=None):
     """Per-rank optimizer bytes against world size: the ledger's K*P/N line, each rank's measurement as a dot."""
     import matplotlib.pyplot as plt
 
+    from course_utils.plots import log2_axis
+
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.6))
     any_res = next(iter(flat.values()))
@@ -99,9 +101,7 @@ def bytes_figure(flat: dict, params: dict, ax=None):
             ys = [s["elementwise"] + s["master"] for s in res.gather("state_bytes")]
             ax.scatter([w] * len(ys), ys, marker=marker, color=colour, s=40, zorder=3,
                        label=name if w == min(results) else None)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(worlds, [str(w) for w in worlds])
-    ax.set_xlabel("data-parallel ranks N")
+    log2_axis(ax, worlds, "data-parallel ranks N")
     ax.set_ylabel("optimizer-state bytes on each rank")
     ax.set_title(f"measured on real ranks (gloo, CPU): {n:,} parameters, K = {k}", fontsize=10)
     ax.legend(fontsize=8)

@@ -42,6 +42,24 @@ def savefig(fig, name: str):
     return None
 
 
+def log2_axis(ax, values=None, label: str | None = None, *, axis: str = "x") -> None:
+    """A log2 scale on ``ax``'s x axis (``axis="y"``: its y axis). ``values``: ticks at exactly these values,
+    labelled with the values themselves (``1k``, ``4k`` for multiples of 1024) instead of matplotlib's powers of
+    two; ``label``: the axis label."""
+    getattr(ax, f"set_{axis}scale")("log", base=2)
+    if values is not None:
+        ticks = sorted(set(values))
+        getattr(ax, f"set_{axis}ticks")(ticks, [_tick_label(v) for v in ticks])
+    if label is not None:
+        getattr(ax, f"set_{axis}label")(label)
+
+
+def _tick_label(v) -> str:
+    if v >= 1024 and v % 1024 == 0:
+        return f"{int(v) // 1024}k"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def style() -> None:
     matplotlib.rcParams.update({"figure.figsize": (7.5, 3.6), "axes.grid": True, "grid.alpha": 0.3,
                                 "axes.spines.top": False, "axes.spines.right": False, "font.size": 10})

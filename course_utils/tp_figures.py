@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from course_utils.paths import DATA, ROOT
-from course_utils.plots import CPU_NOTE
+from course_utils.plots import CPU_NOTE, log2_axis
 
 GPU_DATA = DATA / "gpu"
 
@@ -111,9 +111,8 @@ def attention_share_figure(seqs: list[int], measured: list[float], hidden: int, 
     ax.plot(fine, [attention_flop_share(s, hidden) for s in fine], color="grey",
             label="FLOPs: (8bsh² + 4bs²h) / (24bsh² + 4bs²h)")
     ax.plot(seqs, measured, "o-", color="C3", label="measured share of forward time")
-    ax.set_xscale("log", base=2)
+    log2_axis(ax, label="sequence length s")
     ax.set_ylim(0, 1)
-    ax.set_xlabel("sequence length s")
     ax.set_ylabel("attention share")
     ax.set_title(f"attention vs MLP as s grows (h = {hidden})", fontsize=10)
     ax.legend(fontsize=8)

@@ -59,8 +59,7 @@ print(f"parsed {len(report.rows)} rows; busbw/algbw from {min(ratio):.3f} to {ma
 fig, ax = plt.subplots()
 ax.plot([r.size_bytes for r in report.rows], [r.out_of_place.busbw_GBps for r in report.rows], "s-", color="black",
         label="8xH200 NVLink, NCCL (published: stas00/ml-engineering), parsed back")
-ax.set_xscale("log", base=2)
-ax.set_xlabel("message size S (bytes)")
+plots.log2_axis(ax, label="message size S (bytes)")
 ax.set_ylabel("busbw (GB/s)")
 ax.set_title("published all_reduce busbw, read through course_utils.nccl_tests")
 ax.legend(fontsize=8)
@@ -82,9 +81,8 @@ print(nccl_tests.format_table(gloo_rows, comments=("CPU/gloo on this machine, 4 
 fig, ax = plt.subplots()
 ax.plot([r.size_bytes for r in gloo_rows], [r.out_of_place.busbw_GBps for r in gloo_rows], "o-",
         label="CPU, gloo, this machine, 4 ranks")
-ax.set_xscale("log", base=2)
+plots.log2_axis(ax, label="message size S (bytes)")
 ax.set_yscale("log")
-ax.set_xlabel("message size S (bytes)")
 ax.set_ylabel("busbw (GB/s)")
 ax.set_title(f"all_reduce busbw: {plots.CPU_NOTE}", fontsize=9)
 ax.legend(fontsize=8)
@@ -233,8 +231,7 @@ for ax, nodes in zip(axes, (32, 1024)):
     cross = cm.crossover_bytes(nodes)
     if cross and cross <= sizes[-1]:
         ax.axvline(cross, color="grey", ls=":", label="crossover")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size S (bytes)")
+    plots.log2_axis(ax, label="message size S (bytes)")
     ax.set_title(f"MODELLED (NCCL {cm.ModelParams().nccl.version} constants): {nodes} nodes x 8 GPUs", fontsize=9)
     ax.legend(fontsize=8)
 axes[0].set_ylabel("modelled busbw (GB/s)")
@@ -273,7 +270,7 @@ for nodes in (32, 1024):
     ax.plot([f for f, c in zip(grid, cross) if c], [c for c in cross if c], "o-", ms=3, label=f"{nodes} nodes")
 for (name, ratio), ls in zip(cm.TREE_RING_RATIOS.items(), ("-", "--", ":")):
     ax.axvline(ratio, color="grey", ls=ls, lw=1, label=name.split(":")[0])
-ax.set_yscale("log", base=2)
+plots.log2_axis(ax, axis="y")
 ax.set_xlabel("tree/ring bus-bandwidth ratio (the model's one disputed input)")
 ax.set_ylabel("crossover: ring always wins from (bytes)")
 ax.set_title("MODELLED: sensitivity of the ring/tree crossover", fontsize=9)
