@@ -121,12 +121,10 @@ for kind in nccl_env.KINDS:
 # (realistic) script it objects to, then run it:
 
 # %%
-from course_utils.catalogue.ch10 import BAD_ENV
-
-for name, value in BAD_ENV.items():
+for name, value in nccl_env.BAD_ENV.items():
     print(f"export {name}={value}")
 print()
-for finding in nccl_env.validate_env(BAD_ENV):
+for finding in nccl_env.validate_env(nccl_env.BAD_ENV):
     print(finding)
 
 # %% [markdown]
