@@ -37,14 +37,6 @@ _REFERENCE_BACKENDS = {"math": "sdpa_math", "efficient": "sdpa_efficient", "flas
                        "cudnn": "sdpa_cudnn", "triton_course": "triton_plain"}
 
 
-def save_and_show(fig, name: str):
-    """``plots.savefig``: in a notebook it shows the saved PNG and closes the figure, so the figure is rendered
-    once for the file and not a second time for the notebook (rendering dominates this chapter's CPU time)."""
-    from course_utils import plots
-
-    plots.savefig(fig, name)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # 1. The online softmax, tile by tile
 # ----------------------------------------------------------------------------------------------------------

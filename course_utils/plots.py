@@ -14,7 +14,6 @@ import matplotlib
 from course_utils.paths import FIGURES
 
 CPU_NOTE = "measured on this machine's CPU (gloo): not GPU numbers"
-CPU_NOTE_LOCAL = "measured on this machine's CPU, one process: not GPU numbers"
 
 
 def _in_kernel() -> bool:

@@ -68,9 +68,6 @@ def fault_table(verdicts: dict) -> str:
 
 # -- chapter 06: profiles ----------------------------------------------------------------------------------
 
-SEGMENTS = ("ln1", "attention", "residual1", "ln2", "mlp", "residual2")
-
-
 def profile_figure(profile: dict, predicted: dict, title: str = "", device_note: str | None = None):
     """Measured share of the forward time per segment (comm split out) next to the FLOPs-predicted share."""
     import matplotlib.pyplot as plt
