@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import course_utils as cu
-from course_utils import collective_models as cm, ecmp, nccl_env, nccl_tests, plots, runbook
+from course_utils import ch01, collective_models as cm, ecmp, nccl_env, nccl_tests, plots, runbook
 from course_utils.exercises import check
 from course_utils.ledger import bus_bandwidth_factor
 from course_utils.tables import Table
