@@ -16,9 +16,8 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from course_utils.paths import DATA, ROOT
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -120,9 +119,9 @@ def gpu_commands(slug: str, day: str) -> dict[str, list[str]]:
     import sys
 
     return {"attention": [sys.executable, "-m", "workers.attention.bench", "--quick",
-                          "--out", str(ROOT / "data" / "attention" / f"{slug}_{day}.json")],
+                          "--out", str(DATA / "attention" / f"{slug}_{day}.json")],
             "tp_block": [sys.executable, str(ROOT / "tools" / "gpu" / "tp_block_bench.py"), "--profile",
-                         "--out", str(ROOT / "data" / "gpu" / f"tp_block_{slug}_{day}.json")],
+                         "--out", str(DATA / "gpu" / f"tp_block_{slug}_{day}.json")],
             "ch11_memory": ["bash", str(ROOT / "tools" / "gpu" / "ch11_memory.sh")]}
 
 

@@ -5,46 +5,17 @@ module only lays them out. Pure Python plus matplotlib/ipywidgets: no ranks are 
 from __future__ import annotations
 
 import csv
-import html
-from dataclasses import dataclass
-from pathlib import Path
 
 from course_utils.ledger import GB, collective_time, flops_per_token, pipeline_bubble_fraction, tp_comm_bytes_per_layer
+from course_utils.paths import DATA, ROOT
 from course_utils.planner import (CLUSTERS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan, model_shape,
                                   plan, zero_collectives_per_step)
 from course_utils.published_configs import PUBLISHED_CONFIGS, PublishedConfig
+from course_utils.tables import Table
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
 TIME_COLOURS = {"compute": "#4C72B0", "bubble": "#BBBBBB", "tp": "#DD8452", "cp": "#8172B3", "pp": "#937860",
                 "dp": "#55A868"}
-
-
-# -- a plain table, readable as text (nbval compares it) and as HTML -------------------------------------------
-
-@dataclass
-class Table:
-    header: list[str]
-    rows: list[list[str]]
-    caption: str = ""
-
-    def __str__(self) -> str:
-        cols = list(zip(self.header, *self.rows))
-        widths = [max(len(str(c)) for c in col) for col in cols]
-        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-        out = [self.caption] if self.caption else []
-        out += [line(self.header), line(["-" * w for w in widths])] + [line(r) for r in self.rows]
-        return "\n".join(out)
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        esc = lambda s: html.escape(str(s))  # noqa: E731
-        head = "".join(f"<th style='text-align:left'>{esc(h)}</th>" for h in self.header)
-        body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{esc(c)}</td>" for c in r) + "</tr>"
-                       for r in self.rows)
-        cap = f"<caption style='text-align:left'>{esc(self.caption)}</caption>" if self.caption else ""
-        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _mb(nbytes: float) -> str:
@@ -218,6 +189,8 @@ def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
     """Two panels, one per denominator: bubble / ideal compute, and the idle share of the whole step."""
     import matplotlib.pyplot as plt
 
+    from course_utils.plots import log2_axis
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
     ms = list(range(1, max_m + 1))
     styles = {1: "-", 2: "--", 4: ":"}
@@ -229,8 +202,7 @@ def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
                 pts = [(m, y) for m, y in zip(ms, ys) if y is not None]
                 ax.plot([a for a, _ in pts], [b for _, b in pts], styles.get(v, "-"), color=f"C{i}",
                         label=f"p={p}, v={v}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("micro-batches per step, m")
+        log2_axis(ax, label="micro-batches per step, m")
         ax.axhline(0.1, color="grey", linewidth=0.8)
     axes[0].set_title("bubble / ideal compute = (1/v)(p-1)/m", fontsize=10)
     axes[0].set_ylim(0, 2)
@@ -246,8 +218,8 @@ def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
 
 def published_allreduce() -> list[dict]:
     """The 8x H200 all_reduce sweep (stas00/ml-engineering, CC-BY-SA 4.0), from data/reference or ../shared."""
-    for path in (REPO_ROOT / "data" / "reference" / "allreduce_8xH200_published.csv",
-                 REPO_ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"):
+    for path in (DATA / "reference" / "allreduce_8xH200_published.csv",
+                 ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"):
         if path.exists():
             lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
             return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(lines)]

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_utils import scratch
+from course_utils.paths import DATA, ROOT
+from course_utils.tables import Table
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED_CSV = "allreduce_8xH200_published.csv"
 
 # -- 1. a plain torchrun, from the notebook ---------------------------------------------------------
@@ -71,7 +72,7 @@ def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, 
         raise ValueError(f"nproc={nproc!r} must be a whole number of processes, 1 or more")
     script = Path(script)
     if not script.is_absolute():
-        script = REPO_ROOT / script
+        script = ROOT / script
     if not script.exists():
         raise FileNotFoundError(f"there is no script {script}: give a path relative to the repository root")
     # --tee needs log files: in the course's scratch area, removed below (torchrun's default is a torchelastic_*
@@ -83,7 +84,7 @@ def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, 
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"})
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=full_env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=full_env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=reaper.die_with_parent)  # own session + dies with the notebook
     timed_out = False
@@ -141,37 +142,13 @@ TORCHRUN_ENV = [
 ]
 
 
-def text_table(rows: list[dict] | list[list], columns: list[str] | None = None) -> str:
-    """A plain-text table (deterministic, so nbval can compare it)."""
-    if rows and isinstance(rows[0], dict):
-        columns = columns or list(rows[0])
-        body = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    else:
-        body = [[_fmt(v) for v in r] for r in rows]
-    header = list(columns or [])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if header else \
-        [max(len(x) for x in col) for col in zip(*body)]
-    lines = []
-    if header:
-        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-        lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in body]
-    return "\n".join(lines)
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def env_table(result) -> str:
     """rank / node / local_rank / world_size per rank of a ``workers.ch01_env`` run."""
     rows = [{"RANK": d["env"]["RANK"], "GROUP_RANK (node)": d["env"]["GROUP_RANK"],
              "LOCAL_RANK": d["env"]["LOCAL_RANK"], "WORLD_SIZE": d["env"]["WORLD_SIZE"],
              "LOCAL_WORLD_SIZE": d["env"]["LOCAL_WORLD_SIZE"],
              "same MASTER_PORT": d["env"]["MASTER_PORT"] == result[0]["env"]["MASTER_PORT"]} for d in result.ranks]
-    return text_table(rows)
+    return str(Table.of(rows))
 
 
 def device_table(result) -> str:
@@ -181,7 +158,7 @@ def device_table(result) -> str:
         rows.append({"rank": d["rank"], "node": d["node_rank"], "local_rank": d["local_rank"],
                      "cuda:local_rank": d["device_by_local_rank"],
                      "cuda:rank": d["device_by_rank"] + ("" if d["device_by_rank_exists"] else "  <- no such GPU on the node")})
-    return text_table(rows)
+    return str(Table.of(rows))
 
 
 def drill_outcome(job):
@@ -203,7 +180,7 @@ def traceback_from(traceback_text: str, filename: str) -> str:
     frames = [i for i, line in enumerate(lines)
               if line.lstrip().startswith("File ") and re.search(rf'[/\\]{re.escape(filename)}"', line)]
     tail = lines[frames[-1]:] if frames else lines
-    return "\n".join(line.replace(f"{REPO_ROOT}{os.sep}", "") for line in tail)
+    return "\n".join(line.replace(f"{ROOT}{os.sep}", "") for line in tail)
 
 
 # -- 3. collectives: before/after grids ---------------------------------------------------------------
@@ -407,8 +384,8 @@ def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
 
 def published_csv_path() -> Path:
     """The published 8xH200 sweep: the repository's copy, else ../shared/reference beside the clone."""
-    candidates = [REPO_ROOT / "data" / "reference" / PUBLISHED_CSV,
-                  REPO_ROOT.parent / "shared" / "reference" / PUBLISHED_CSV]
+    candidates = [DATA / "reference" / PUBLISHED_CSV,
+                  ROOT.parent / "shared" / "reference" / PUBLISHED_CSV]
     for path in candidates:
         if path.exists():
             return path
@@ -438,7 +415,7 @@ def bandwidth_figure(measured: dict[str, list[dict]], published: list[dict] | No
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from course_utils.plots import CPU_NOTE
+    from course_utils.plots import CPU_NOTE, log2_axis
 
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     for label, rows in measured.items():
@@ -461,9 +438,8 @@ def bandwidth_figure(measured: dict[str, list[dict]], published: list[dict] | No
             ax_t.plot(grid, (alpha + grid / B) * 1e6, "-", color="black", alpha=0.5,
                       label=f"fit: {alpha * 1e6:.0f} us + S / {B / 1e9:.0f} GB/s")
     for ax in (ax_bw, ax_t):
-        ax.set_xscale("log", base=2)
+        log2_axis(ax, label="message size S (bytes)")
         ax.set_yscale("log")
-        ax.set_xlabel("message size S (bytes)")
     ax_bw.set_ylabel("busbw (GB/s)")
     ax_bw.set_title("all_reduce bus bandwidth")
     ax_t.set_ylabel("time per all_reduce (us)")
@@ -484,4 +460,4 @@ def async_table(result) -> str:
     for name in names:
         per_rank = [d["ms"][name] for d in result.ranks]
         rows.append({"measurement": name, "ms (slowest rank)": max(per_rank), "ms (fastest rank)": min(per_rank)})
-    return text_table(rows)
+    return str(Table.of(rows))

@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from course_utils.plots import log2_axis
 from workers.data_parallel.model import FP32_TOL, Setup, grads_on, make_batches, make_model
 
 FLOOR = 1e-10  # where "exactly 0" is drawn on a log axis
@@ -210,9 +211,7 @@ def draw_reduction(ratios: dict):
     ax.plot(worlds, [ratios[w]["mean"] for w in worlds], marker="o", label="reduction='mean': DDP / single")
     ax.plot(worlds, [ratios[w]["sum"] for w in worlds], marker="s", label="reduction='sum': DDP / single")
     ax.plot(worlds, [1 / w for w in worlds], ls=":", color="k", label="1 / world size")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(worlds, [str(w) for w in worlds])
-    ax.set_xlabel("world size")
+    log2_axis(ax, worlds, "world size")
     ax.set_ylabel("gradient scale vs one process")
     ax.set_title("DDP averages over ranks: right for a mean loss, not for a sum")
     ax.legend(fontsize=8)

@@ -9,6 +9,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from course_utils.plots import log2_axis
+from course_utils.tables import Table
 from workers.parallel.reference import (compare, layouts, linear_reference, mlp_reference,
                                         replicated_loss_reference)
 
@@ -24,17 +26,6 @@ SHORT = {  # the names a table has room for
     "reduce_scatter_to_sequence_parallel_region": "reduce_scatter_to_sequence",
     "all_to_all": "all_to_all",
 }
-
-
-def table(rows: list[dict], columns: list[str], formats: dict | None = None) -> str:
-    """A fixed-width text table (deterministic, so nbval can compare it)."""
-    formats = formats or {}
-    cells = [[(formats.get(c, "{}")).format(r[c]) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
 
 
 # -- every mapping vs the reference -----------------------------------------------------------------------
@@ -64,14 +55,14 @@ def mapping_rows(res) -> list[dict]:
 
 
 def mapping_table(res) -> str:
-    return table(mapping_rows(res), ["group", "mapping", "layouts", "output_error", "grad_error", "exact"],
-                 {"output_error": "{:.1e}", "grad_error": "{:.1e}"})
+    return str(Table.of(mapping_rows(res), ["group", "mapping", "layouts", "output_error", "grad_error", "exact"],
+                        formats={"output_error": "{:.1e}", "grad_error": "{:.1e}"}))
 
 
 def communication_table(log: list[dict]) -> str:
     rows = [{"mapping": SHORT.get(e["mapping"], e["mapping"]), "pass": e["pass"], "collective": e["collective"],
              "shape": "x".join(map(str, e["shape"])), "bytes": e["bytes"]} for e in log]
-    return table(rows, ["mapping", "pass", "collective", "shape", "bytes"])
+    return str(Table.of(rows, ["mapping", "pass", "collective", "shape", "bytes"]))
 
 
 def draw_mapping(res, name: str, group: int = 0):
@@ -170,8 +161,8 @@ def scaling_rows(results: dict, x: torch.Tensor, w: torch.Tensor) -> list[dict]:
 
 
 def scaling_table(rows: list[dict]) -> str:
-    return table(rows, ["n", "backward", "loss_equal", "grad_weight_ratio", "grad_input_ratio", "weight_matches"],
-                 {"grad_weight_ratio": "{:.6f}", "grad_input_ratio": "{:.6f}"})
+    return str(Table.of(rows, ["n", "backward", "loss_equal", "grad_weight_ratio", "grad_input_ratio", "weight_matches"],
+                        formats={"grad_weight_ratio": "{:.6f}", "grad_input_ratio": "{:.6f}"}))
 
 
 def draw_scaling(rows: list[dict]):
@@ -182,11 +173,8 @@ def draw_scaling(rows: list[dict]):
         ax.plot([r["n"] for r in mine], [r["grad_weight_ratio"] for r in mine], marker=marker, ms=size,
                 label=name, alpha=0.85)
     ax.plot(ns, ns, "k:", lw=1, label="ratio = n")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.set_yticks(ns, [str(n) for n in ns])
-    ax.set_xlabel("tensor-parallel ranks n (real gloo ranks)")
+    log2_axis(ax, ns, "tensor-parallel ranks n (real gloo ranks)")
+    log2_axis(ax, ns, axis="y")
     ax.set_ylabel("|dL/dW| / |dL/dW| single process")
     ax.set_title("Replicated loss behind an all-reduce: gradient scale vs n")
     ax.legend(fontsize=8)

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from course_utils import reference_data
+from course_utils.paths import DATA, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH_GLOB = str(ROOT / "data" / "attention" / "h200_*.json")
+BENCH_GLOB = str(DATA / "attention" / "h200_*.json")
 
 # One name, label and colour per implementation, whichever file it comes from.
 IMPLS = {
@@ -36,14 +36,6 @@ IMPLS = {
 }
 _REFERENCE_BACKENDS = {"math": "sdpa_math", "efficient": "sdpa_efficient", "flash": "sdpa_flash",
                        "cudnn": "sdpa_cudnn", "triton_course": "triton_plain"}
-
-
-def save_and_show(fig, name: str):
-    """``plots.savefig``: in a notebook it shows the saved PNG and closes the figure, so the figure is rendered
-    once for the file and not a second time for the notebook (rendering dominates this chapter's CPU time)."""
-    from course_utils import plots
-
-    plots.savefig(fig, name)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,9 +252,9 @@ def latest_bench(head_dim: int = 128, pattern: str = BENCH_GLOB):
 
 def _n_axis(ax, ns) -> None:
     """Log2 x axis labelled with the sequence lengths themselves (1k, 4k, ...)."""
-    ax.set_xscale("log", base=2)
-    ns = sorted(set(ns))
-    ax.set_xticks(ns, [f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n) for n in ns])
+    from course_utils.plots import log2_axis
+
+    log2_axis(ax, ns)
     ax.minorticks_off()
 
 

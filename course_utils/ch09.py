@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from course_utils.ch09_tables import LLAMA3_SOURCE, LLAMA3_TOTAL_UNEXPECTED, by_category
+from course_utils.plots import CPU_NOTE, log2_axis
 from workers.gpt.config import TrainConfig
 from workers.gpt.detect import SpikeDetector
 
@@ -159,7 +160,7 @@ def draw_fp16(runs: dict[str, dict], vocab: int | None = None):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
     axes[2].set_yscale("log")
-    axes[3].set_yscale("log", base=2)
+    log2_axis(axes[3], axis="y")
     axes[0].legend(fontsize=7, loc="lower left")
     fig.suptitle("Numeric fault: fp16 backward with small gradients, with and without loss scaling", y=1.03)
     return fig

@@ -8,15 +8,14 @@ files written by ``tools/gpu/ch11_memory.sh`` on a real GPU. Nothing here invent
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from course_utils import reference_data
 from course_utils.ledger import (ACTIVATION_TERMS_SBH, DROPOUT_TERMS, GB, activation_bytes_per_layer,
                                  activation_terms_per_layer, model_state_bytes)
+from course_utils.paths import DATA, ROOT
 from course_utils.planner import Layout, plan
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GPU_DATA = REPO_ROOT / "data" / "gpu"
+GPU_DATA = DATA / "gpu"
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
 MOMENTS = ("init", "forward", "backward", "step")
 
@@ -89,6 +88,8 @@ def bytes_figure(flat: dict, params: dict, ax=None):
     """Per-rank optimizer bytes against world size: the ledger's K*P/N line, each rank's measurement as a dot."""
     import matplotlib.pyplot as plt
 
+    from course_utils.plots import log2_axis
+
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.6))
     any_res = next(iter(flat.values()))
@@ -101,9 +102,7 @@ def bytes_figure(flat: dict, params: dict, ax=None):
             ys = [s["elementwise"] + s["master"] for s in res.gather("state_bytes")]
             ax.scatter([w] * len(ys), ys, marker=marker, color=colour, s=40, zorder=3,
                        label=name if w == min(results) else None)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(worlds, [str(w) for w in worlds])
-    ax.set_xlabel("data-parallel ranks N")
+    log2_axis(ax, worlds, "data-parallel ranks N")
     ax.set_ylabel("optimizer-state bytes on each rank")
     ax.set_title(f"measured on real ranks (gloo, CPU): {n:,} parameters, K = {k}", fontsize=10)
     ax.legend(fontsize=8)
@@ -246,7 +245,7 @@ def gpu_data(kind: str = "memory") -> dict | None:
     if not paths:
         return None
     data = json.loads(paths[0].read_text())
-    data["path"] = str(paths[0].relative_to(REPO_ROOT))
+    data["path"] = str(paths[0].relative_to(ROOT))
     return data
 
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from course_utils.paths import ROOT
 from workers.provenance import cpu_model, record
 
-ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "cpu_spread"
 
 # Environment variables read when a process starts: ATen's kernels (ATEN_CPU_CAPABILITY), oneDNN's (bf16
@@ -187,7 +187,7 @@ def ch12_sft(seed: int) -> dict[str, float]:
 })
 def ch12_lora_dpo(seed: int) -> dict[str, float]:
     import course_utils as cu
-    from course_utils.posttrain_floor import frozen_head_floor
+    from course_utils.ch12_floor import frozen_head_floor
     from workers.posttrain import task
     from workers.posttrain.lora import LORA_TARGETS
     from workers.posttrain.train import make_policy

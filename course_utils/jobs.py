@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Callable
 
 from course_utils import reaper, scratch
+from course_utils.paths import ROOT
 from course_utils.results import JobCancelled, JobTimeout, RunResult, WorkerFailed, merge_result
 from workers import protocol
 from workers.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 ERROR_GRACE_S = 0.5  # after the first failure, how long other ranks may still report theirs
 _job_counter = itertools.count(1)
 
@@ -93,7 +93,7 @@ class RankJob:
             "COURSE_COLLECTIVE_TIMEOUT": str(self.collective_timeout_s),
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
             "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
         })
         env.update({k: str(v) for k, v in self._env.items()})
@@ -115,7 +115,7 @@ class RankJob:
         self.commands = commands
         self._t0 = time.perf_counter()
         for node, cmd in enumerate(commands):
-            agent = subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+            agent = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      preexec_fn=reaper.die_with_parent)
             self.agents.append(agent)

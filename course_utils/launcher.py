@@ -78,9 +78,9 @@ def _evict_for(world_size: int) -> None:
 
 def _workers_version() -> float:
     """Newest modification time under workers/: warm ranks must not run code older than the files."""
-    from course_utils.jobs import REPO_ROOT
+    from course_utils.paths import ROOT
 
-    return max((p.stat().st_mtime for p in (REPO_ROOT / "workers").rglob("*.py")), default=0.0)
+    return max((p.stat().st_mtime for p in (ROOT / "workers").rglob("*.py")), default=0.0)
 
 
 def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm) -> tuple[RankJob, bool]:

@@ -346,3 +346,17 @@ def table_rows(kind: str | None = None) -> list[dict]:
     """The table for display: name, kind, what it does, values, source."""
     return [{"variable": v.name, "kind": v.kind, "what it does": v.what, "values": v.values}
             for v in VARIABLES if kind is None or v.kind == kind]
+
+
+# A realistic script's environment with something wrong on most lines: notebook 10 runs ``validate_env`` on it
+# and its exercise asks for the fix (course_utils/catalogue/ch10.py checks the answer).
+BAD_ENV = {
+    "NCCL_DEBUG": "INFO",
+    "NCCL_ALGO": "Tree",
+    "NCCL_SOCKET_IFNAME": "=eth0",
+    "NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
+    "NCCL_IB_QPS_PER_CONECTION": "4",
+    "NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",  # someone turned the flight recorder off "for speed"...
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ...and still expects its dump after a hang
+}

@@ -18,10 +18,10 @@ from pathlib import Path
 import jupytext
 import nbformat
 
-ROOT = Path(__file__).resolve().parent.parent
+from course_utils.paths import COMMITTED_FIGURES, ROOT
+
 NB_DIR = ROOT / "notebooks"
 SRC_DIR = NB_DIR / "src"
-FIGURES = NB_DIR / "figures"
 
 
 def sources() -> list[Path]:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{notebook_for(s).relative_to(ROOT)} is out of step with {s.relative_to(ROOT)}: run `make notebooks`")
         return 1 if stale else 0
     sync(a.names)
-    FIGURES.mkdir(exist_ok=True)
+    COMMITTED_FIGURES.mkdir(exist_ok=True)
     if a.out:  # a run that does not write the notebook back must not rewrite the committed figures either
         os.environ["COURSE_FIGURES_DIR"] = str((a.out / "figures").resolve())
     failed = 0

@@ -8,13 +8,12 @@ they never overwrite the committed figures with a run whose printed outputs are 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import matplotlib
 
-FIGURES = Path(os.environ.get("COURSE_FIGURES_DIR") or Path(__file__).resolve().parent.parent / "notebooks" / "figures")
+from course_utils.paths import FIGURES
+
 CPU_NOTE = "measured on this machine's CPU (gloo): not GPU numbers"
-CPU_NOTE_LOCAL = "measured on this machine's CPU, one process: not GPU numbers"
 
 
 def _in_kernel() -> bool:
@@ -40,6 +39,24 @@ def savefig(fig, name: str):
     plt.close(fig)
     display(Image(data=path.read_bytes(), format="png"))
     return None
+
+
+def log2_axis(ax, values=None, label: str | None = None, *, axis: str = "x") -> None:
+    """A log2 scale on ``ax``'s x axis (``axis="y"``: its y axis). ``values``: ticks at exactly these values,
+    labelled with the values themselves (``1k``, ``4k`` for multiples of 1024) instead of matplotlib's powers of
+    two; ``label``: the axis label."""
+    getattr(ax, f"set_{axis}scale")("log", base=2)
+    if values is not None:
+        ticks = sorted(set(values))
+        getattr(ax, f"set_{axis}ticks")(ticks, [_tick_label(v) for v in ticks])
+    if label is not None:
+        getattr(ax, f"set_{axis}label")(label)
+
+
+def _tick_label(v) -> str:
+    if v >= 1024 and v % 1024 == 0:
+        return f"{int(v) // 1024}k"
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def style() -> None:

@@ -13,7 +13,7 @@ Units: sequences for ``global_batch``, tokens for ``seq``, FLOP/s for ``flops_pe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,6 @@ class PublishedConfig:
                 f"{self.name}: TP*CP*PP*DP = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {self.product}, "
                 f"not the {self.gpus} GPUs the source reports."
             )
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "product": self.product}
 
 
 _KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models"
@@ -135,8 +132,3 @@ PUBLISHED_CONFIGS = (
     BLOOM_176B,
     OPT_175B,
 )
-
-
-def as_rows() -> list[dict]:
-    """All configurations as plain dicts (one per row), e.g. for ``pandas.DataFrame(as_rows())``."""
-    return [config.as_dict() for config in PUBLISHED_CONFIGS]

@@ -11,7 +11,8 @@ import re
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from course_utils.paths import ROOT
+
 SCRATCH = ROOT / "build" / "scratch"
 # torchrun writes each rank's stdout/stderr (what ``--tee`` streams back) and error.json under its log
 # directory; without ``--log-dir`` that is a fresh ``torchelastic_*`` folder in the system temp directory per

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from course_utils import reference_data
-from course_utils.plots import CPU_NOTE
+from course_utils.paths import DATA, ROOT
+from course_utils.plots import CPU_NOTE, log2_axis
 
-ROOT = Path(__file__).resolve().parent.parent
-GPU_DATA = ROOT / "data" / "gpu"
+GPU_DATA = DATA / "gpu"
 
 
 def equivalence_figure(reports: dict, title: str = "sharded vs dense: largest error of every tensor"):
@@ -70,9 +69,6 @@ def fault_table(verdicts: dict) -> str:
 
 # -- chapter 06: profiles ----------------------------------------------------------------------------------
 
-SEGMENTS = ("ln1", "attention", "residual1", "ln2", "mlp", "residual2")
-
-
 def profile_figure(profile: dict, predicted: dict, title: str = "", device_note: str | None = None):
     """Measured share of the forward time per segment (comm split out) next to the FLOPs-predicted share."""
     import matplotlib.pyplot as plt
@@ -113,9 +109,8 @@ def attention_share_figure(seqs: list[int], measured: list[float], hidden: int, 
     ax.plot(fine, [attention_flop_share(s, hidden) for s in fine], color="grey",
             label="FLOPs: (8bsh² + 4bs²h) / (24bsh² + 4bs²h)")
     ax.plot(seqs, measured, "o-", color="C3", label="measured share of forward time")
-    ax.set_xscale("log", base=2)
+    log2_axis(ax, label="sequence length s")
     ax.set_ylim(0, 1)
-    ax.set_xlabel("sequence length s")
     ax.set_ylabel("attention share")
     ax.set_title(f"attention vs MLP as s grows (h = {hidden})", fontsize=10)
     ax.legend(fontsize=8)

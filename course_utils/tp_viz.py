@@ -14,28 +14,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_utils.ledger import tp_comm_bytes_per_layer
+from workers.parallel.attention import head_problem
 
 BYTES = {"bf16": 2, "fp32": 4}
 
 
 def problem(hidden: int, ffn: int, n_heads: int, n_kv_heads: int, tp: int, seq: int = 0) -> str | None:
-    """One sentence saying why this layer cannot be split over ``tp`` ranks this way, or None."""
+    """One sentence saying why this layer cannot be split over ``tp`` ranks this way, or None. The heads and KV
+    heads follow the ranks' own rule (``workers.parallel.attention.head_problem``)."""
     for name, value in (("hidden", hidden), ("ffn", ffn), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
                         ("TP", tp)):
         if value < 1:
             return f"{name}={value} must be at least 1"
     if hidden % n_heads:
         return f"hidden={hidden} is not divisible by n_heads={n_heads}: the head size hidden/n_heads must be whole"
-    if n_heads % n_kv_heads:
-        return (f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}: in GQA every KV head serves the "
-                "same number of query heads")
-    if n_heads % tp:
-        return (f"n_heads={n_heads} is not divisible by TP={tp}: attention is split by whole heads, so each rank "
-                f"needs n_heads/TP of them; choose a TP that divides {n_heads}")
-    if n_kv_heads % tp and tp % n_kv_heads:
-        return (f"TP={tp} and n_kv_heads={n_kv_heads} do not divide one another: KV heads can be split (TP divides "
-                f"them) or replicated (they divide TP), not both; choose a TP that divides {n_kv_heads} or is a "
-                "multiple of it")
+    bad = head_problem(n_heads, n_kv_heads, tp)
+    if bad:
+        return bad
     if ffn % tp:
         return f"ffn={ffn} is not divisible by TP={tp}: each rank holds ffn/TP columns of fc1 and rows of fc2"
     if seq and seq % tp:

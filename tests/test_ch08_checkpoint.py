@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import course_utils as cu
-from course_utils.ch08 import (ckpt_async_times, ckpt_compare, ckpt_dcp_compare, ckpt_draw_scaler,
+from course_utils.ch08_checkpoint import (ckpt_async_times, ckpt_compare, ckpt_dcp_compare, ckpt_draw_scaler,
                                ckpt_first_difference, ckpt_scale_table, ckpt_scan_table)
 from course_utils.exercises import FAIL, PASS, TODO, check
 from workers.checkpointing import atomic

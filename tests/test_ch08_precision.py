@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import course_utils as cu
-from course_utils import precision as P
+from course_utils import ch08_precision as P
 from course_utils.exercises import FAIL, PASS, TODO, check
 
 ranks = pytest.mark.ranks

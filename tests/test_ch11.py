@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from course_utils import ch11, reference_data  # noqa: E402
 from course_utils.ledger import GB, model_state_bytes  # noqa: E402
 
-ROOT = ch11.REPO_ROOT
+ROOT = ch11.ROOT
 
 
 def test_ledger_figure_bars_are_the_plans_memory_and_zero_shards_one_state_per_stage():
@@ -51,7 +51,7 @@ def test_ledger_moment_is_the_zero_ledger_with_adam_allocated_at_the_first_step(
 
 def test_gpu_data_is_none_without_a_committed_file_and_read_with_its_label(tmp_path, monkeypatch):
     monkeypatch.setattr(ch11, "GPU_DATA", tmp_path)
-    monkeypatch.setattr(ch11, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(ch11, "ROOT", tmp_path)
     assert ch11.gpu_data("memory") is None
     prov = {"device": "NVIDIA H200", "device_kind": "cuda", "torch": "2.x", "cuda": "12.x", "triton": None,
             "python": "3.12", "cpu_capability": "AVX512", "date": "2026-12-01T00:00:00+00:00",

@@ -1,4 +1,4 @@
-"""Chapter 12, the frozen-head floor (``course_utils.posttrain_floor``): the lowest loss on a target token
+"""Chapter 12, the frozen-head floor (``course_utils.ch12_floor``): the lowest loss on a target token
 that any residual stream can reach through a frozen final LayerNorm and LM head. Checked against a closed
 form (two tokens), a brute-force grid (a 3-feature head), a real ``nn.LayerNorm`` fed random and optimised
 inputs, and the tiny GPT's own head (why blocks-only LoRA stalls in the notebook)."""
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_utils.posttrain_floor import frozen_head_floor
+from course_utils.ch12_floor import frozen_head_floor
 from workers.posttrain import task
 from workers.posttrain.train import TOY, make_policy
 

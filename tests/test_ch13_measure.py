@@ -1,6 +1,6 @@
 """Chapter 13's notebook-side measurement (no ranks): the idle share read off a timeline is the schedule's.
 
-``course_utils.pipeline.idle_fractions`` is what every bubble number in the notebook comes from. Fed the
+``course_utils.ch13.idle_fractions`` is what every bubble number in the notebook comes from. Fed the
 ideal timeline of ``schedules.simulate`` (t_F = 1, t_B = 2) it must give exactly (p-1)/(m+p-1) per stage,
 the ledger's idle / total; a helper that divided by the rank's own span, or by the ideal time, would not.
 """
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import matplotlib
 import pytest
 
-from course_utils import pipeline as pp
+from course_utils import ch13 as pp
 from course_utils.ledger import pipeline_bubble_fraction
 from workers.pipeline.model import PipelineConfig
 from workers.pipeline.schedules import all_stages, simulate

@@ -8,7 +8,7 @@ warm ranks; p = 1 and 2 run as 4 and 2 identical pipelines inside it (each copy 
 import pytest
 
 import course_utils as cu
-from course_utils import pipeline as pp
+from course_utils import ch13 as pp
 from course_utils.ledger import pipeline_bubble_fraction
 from course_utils.results import InvalidParameter
 

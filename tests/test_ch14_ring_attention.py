@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import course_utils as cu
-from course_utils import context_parallel as cpu
+from course_utils import ch14 as cpu
 from course_utils.results import InvalidParameter
 from workers.attention.reference import RELATIVE_TOLERANCE
 from workers.context_parallel.attention import ring_attention_backward, ring_attention_forward

@@ -122,7 +122,7 @@ def test_a_wrong_way_ring_only_matters_under_a_mask():
 
 
 def test_memory_vs_communication_by_hand():
-    from course_utils import context_parallel as cpx
+    from course_utils import ch14 as cpx
 
     # seq 1024 at cp 4, 4 query heads and 2 KV heads of 8, bf16: 256 tokens per rank
     m = cpx.memory_vs_communication(1024, 4, heads=4, kv_heads=2, head_dim=8)

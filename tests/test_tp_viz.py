@@ -30,7 +30,7 @@ def test_parameter_count_matches_the_real_modules():
 
 @pytest.mark.parametrize("args,fragment", [
     ((64, 256, 6, 6, 4), "hidden=64 is not divisible by n_heads=6"),
-    ((48, 192, 6, 6, 4), "n_heads=6 is not divisible by TP=4"),
+    ((48, 192, 6, 6, 4), "n_heads=6 is not divisible by the tensor-parallel size 4"),
     ((96, 384, 12, 6, 4), "do not divide one another"),
     ((64, 250, 8, 8, 4), "ffn=250 is not divisible by TP=4"),
     ((64, 256, 8, 3, 1), "not a multiple of n_kv_heads=3"),
@@ -46,7 +46,7 @@ def test_widget_shows_a_sentence_for_an_invalid_choice_and_a_figure_otherwise():
     w = tp_viz.ShardingWidget()
     assert w.message == "" and "image/png" in w.out.outputs[0]["data"]
     w.controls["tp"].value = 3  # 8 heads over 3 ranks
-    assert "n_heads=8 is not divisible by TP=3" in w.message
+    assert "n_heads=8 is not divisible by the tensor-parallel size 3" in w.message
     assert w.out.outputs[0]["text"].startswith("n_heads=8")
     w.controls["tp"].value = 8  # 4 KV heads, TP 8: replicated twice, a valid split
     assert w.message == ""

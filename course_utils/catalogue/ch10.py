@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from course_utils.exercises import FAIL, PASS, Exercise, register
+from course_utils.nccl_env import BAD_ENV
 
 # -- 1. the ring all-reduce time -----------------------------------------------------------------------------
 
@@ -52,16 +53,6 @@ def check_ring_allreduce_time(answer) -> tuple[str, str]:
 
 # -- 2. fix a debugging environment ----------------------------------------------------------------------------
 
-BAD_ENV = {
-    "NCCL_DEBUG": "INFO",
-    "NCCL_ALGO": "Tree",
-    "NCCL_SOCKET_IFNAME": "=eth0",
-    "NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
-    "NCCL_IB_QPS_PER_CONECTION": "4",
-    "NCCL_ASYNC_ERROR_HANDLING": "1",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",  # someone turned the flight recorder off "for speed"...
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ...and still expects its dump after a hang
-}
 MUST_KEEP = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")  # the system configuration: without it NCCL picks the wrong ports
 FR_SIZES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch 2.13's name, and the deprecated one
 

@@ -29,6 +29,7 @@ from course_utils.ledger import (GB, GiB, activation_bytes_per_layer, flops_per_
                                  pipeline_bubble_fraction, training_days, training_flops)
 from course_utils.planner import (GPUS, H100_80GB_NVIDIA_SMI_BYTES, Layout, candidate_layouts, min_gpus_to_fit,
                                    model_shape, plan)
+from course_utils.tables import Table
 
 plots.style()
 
@@ -165,9 +166,9 @@ LAYOUTS_70B = {
     "... full recomputation": Layout(tp=8, pp=4, zero_stage=1, recompute="full"),
 }
 plans_70b = {name: plan("70B", layout, 256, global_batch=GLOBAL_BATCH) for name, layout in LAYOUTS_70B.items()}
-display(ch00.Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in plans_70b.items()],
-                   f"Llama 3 70B on 256 H100s (8 per node, NVLink 4, InfiniBand NDR 400), seq 4096, micro-batch 1, "
-                   f"global batch {GLOBAL_BATCH} (m = micro-batches per replica)"))
+display(Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in plans_70b.items()],
+              f"Llama 3 70B on 256 H100s (8 per node, NVLink 4, InfiniBand NDR 400), seq 4096, micro-batch 1, "
+              f"global batch {GLOBAL_BATCH} (m = micro-batches per replica)"))
 print(f"fastest layout that fits (most tokens/s): {ch00.fastest_fitting(plans_70b)}")
 
 # %% [markdown]
@@ -226,8 +227,8 @@ TYPICAL = {
     "Llama 3.1 405B": ("405B", 1024, Layout(tp=8, pp=16, zero_stage=1)),
 }
 typical = {name: plan(model, layout, n) for name, (model, n, layout) in TYPICAL.items()}
-display(ch00.Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in typical.items()],
-                   "H100 80 GB nodes, seq 4096, micro-batch 1, selective recomputation"))
+display(Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in typical.items()],
+              "H100 80 GB nodes, seq 4096, micro-batch 1, selective recomputation"))
 
 # %% tags=["nbval-ignore-output"]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.6))
@@ -254,8 +255,8 @@ plots.savefig(fig, "00_typical_configs");
 # %%
 for key in ("405B", "70B"):
     best = candidate_layouts(key, 1024, global_batch=2048)[:4]
-    display(ch00.Table(ch00.PLAN_HEADER, [ch00.plan_row(f"#{i + 1}", p) for i, p in enumerate(best)],
-                       f"{model_shape(key).name} on 1024 H100s, global batch 2048 x 4096: the planner's top 4"))
+    display(Table(ch00.PLAN_HEADER, [ch00.plan_row(f"#{i + 1}", p) for i, p in enumerate(best)],
+                  f"{model_shape(key).name} on 1024 H100s, global batch 2048 x 4096: the planner's top 4"))
 
 # %% [markdown]
 # ### Exercise 2: a layout for 70B on 256 H100s

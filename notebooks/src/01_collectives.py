@@ -22,6 +22,8 @@
 import course_utils as cu
 from course_utils import ch01, plots
 from course_utils.exercises import check
+from course_utils.paths import ROOT
+from course_utils.tables import Table
 
 plots.style()
 RUN = dict(timeout=30)  # 30 s per run, counted once every rank has loaded the worker; past it: JobTimeout, no hang
@@ -35,7 +37,7 @@ RUN = dict(timeout=30)  # 30 s per run, counted once every rank has loaded the w
 # script you would run unchanged on a cluster:
 
 # %%
-print((ch01.REPO_ROOT / "workers" / "ch01_minimal.py").read_text())
+print((ROOT / "workers" / "ch01_minimal.py").read_text())
 
 # %% [markdown]
 # Three things to notice before running it:
@@ -112,7 +114,7 @@ for name, meaning in ch01.TORCHRUN_ENV:
     if "MASTER_PORT" in name:
         value = f"{rank3['MASTER_ADDR']} / (a free port, the same on every rank)"
     rows.append([name, value, meaning])
-print(ch01.text_table(rows, ["variable", "rank 3", "meaning"]))
+print(Table.of(rows, ["variable", "rank 3", "meaning"]))
 
 # %% [markdown]
 # ### Wrong device mapping
@@ -394,9 +396,9 @@ print(err.summary.split(" (ranks")[0].replace("Rank 1 is running", "\nRank 1 is 
 # %%
 from course_utils.ledger import bus_bandwidth_factor
 
-print(ch01.text_table([[c] + [f"{bus_bandwidth_factor(c, n):.3f}" for n in (2, 4, 8)]
-                       for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")],
-                      ["collective", "n=2", "n=4", "n=8"]))
+print(Table.of([[c] + [f"{bus_bandwidth_factor(c, n):.3f}" for n in (2, 4, 8)]
+                for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")],
+               ["collective", "n=2", "n=4", "n=8"]))
 
 # %% [markdown]
 # **Predict.** An 8×H200 node with NVLink 4 reaches about 480 GB/s of all-reduce busbw on large messages
@@ -416,9 +418,9 @@ for c in ("all_gather", "reduce_scatter"):
     res = cu.run("workers.ch01_bandwidth", world_size=4, collective=c, sizes=SIZES, **RUN)
     sweeps[f"CPU, gloo, this machine: {c} n=4"] = ch01.bandwidth_rows(res)
 rows = [r for rs in sweeps.values() for r in rs]
-print(ch01.text_table([{"collective": r["collective"], "n": r["world_size"], "S (bytes)": r["bytes"],
-                        "t (ms)": r["seconds"] * 1e3, "algbw (GB/s)": r["algbw"] / 1e9,
-                        "busbw (GB/s)": r["busbw"] / 1e9} for r in rows]))
+print(Table.of([{"collective": r["collective"], "n": r["world_size"], "S (bytes)": r["bytes"],
+                 "t (ms)": r["seconds"] * 1e3, "algbw (GB/s)": r["algbw"] / 1e9,
+                 "busbw (GB/s)": r["busbw"] / 1e9} for r in rows]))
 
 # %% [markdown]
 # The published curve: one 8×H200 node, NCCL, from the file's own header (the course keeps a copy in

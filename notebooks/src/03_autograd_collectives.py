@@ -37,6 +37,7 @@ import inspect
 
 import course_utils as cu
 from course_utils import ch03, plots
+from course_utils.tables import Table
 from workers.parallel import mappings
 from workers.parallel.reference import LAYOUTS, MAPPING_NAMES
 
@@ -83,9 +84,9 @@ for name in MAPPING_NAMES:
                  "forward / backward": doc.split(" (conjugate")[0].rstrip("."),
                  "conjugate": ch03.SHORT[mappings.CONJUGATE[name].split("(")[0]]
                  + (" (tensor_parallel_output_grad=False)" if "False" in mappings.CONJUGATE[name] else "")})
-print(ch03.table(rows, ["mapping", "input -> output", "forward / backward"]))
+print(Table.of(rows, ["mapping", "input -> output", "forward / backward"]))
 print()
-print(ch03.table(rows, ["mapping", "conjugate"]))
+print(Table.of(rows, ["mapping", "conjugate"]))
 
 # %% [markdown]
 # Notice the **conjugate** column: each mapping's backward is its conjugate's forward. This is not a
@@ -230,7 +231,7 @@ explorer.wait(60)  # headless: let the first run finish before the next cells us
 
 # %%
 gradchecks = {"correct": cu.run("workers.ch03_gradcheck", world_size=WORLD, **LIMITS)}
-print(ch03.table(ch03.gradcheck_rows(gradchecks), ["ranks", "circuit", "gradcheck", "ratio"]))
+print(Table.of(ch03.gradcheck_rows(gradchecks), ["ranks", "circuit", "gradcheck", "ratio"]))
 
 # %%
 wrong_variants = ["f_backward_identity", "g_backward_all_reduce", "gather_backward_sums", "scatter_wrong_chunk"]
@@ -242,7 +243,7 @@ gradcheck_rows = ch03.gradcheck_rows(at_two)
 plots.savefig(ch03.draw_gradcheck(gradcheck_rows), "03_gradcheck");
 
 # %%
-print(ch03.table([r for r in gradcheck_rows if r["gradcheck"] != "pass"], ["variant", "circuit", "gradcheck", "ratio"]))
+print(Table.of([r for r in gradcheck_rows if r["gradcheck"] != "pass"], ["variant", "circuit", "gradcheck", "ratio"]))
 
 # %% [markdown]
 # Each wrong mapping fails exactly the circuits that use it, on every rank, and passes the others. The

@@ -87,7 +87,7 @@ print(f"walk ends equal to it (to 1e-12): max {abs(walk[-1]['m_new'] - exact['ma
 # far*. That is what makes partial results mergeable (section 3). The same walk as a figure:
 
 # %% tags=["nbval-ignore-output"]
-ch07.save_and_show(ch07.tile_walk_figure(scores, values, block=4), "07_online_softmax")
+plots.savefig(ch07.tile_walk_figure(scores, values, block=4), "07_online_softmax")
 
 # %% [markdown]
 # Explore it: move through the tiles, change the block size (1 key per tile is the classic streaming
@@ -268,7 +268,7 @@ for r in io_rows:
           f"{r['naive_ms']:>9.3f} {r['tiled_ms']:>9.3f} {r['compute_ms']:>10.3f}")
 
 # %% tags=["nbval-ignore-output"]
-ch07.save_and_show(ch07.io_figure(io_rows, REFERENCE), "07_io_bytes")
+plots.savefig(ch07.io_figure(io_rows, REFERENCE), "07_io_bytes")
 
 # %% [markdown]
 # Naive attention moves 138 GB at N = 16k and does 32 FLOP per byte whatever N is: deeply memory-bound,
@@ -365,7 +365,7 @@ for r in sorted(ref_rows, key=lambda r: (r["causal"], r["n"], -(r["fwd_tflops"] 
         print(f"{ch07.IMPLS[r['impl']][0]:>52} {r['n']:>6} {r['causal']!s:>6} {r['fwd_tflops']:>11.0f} {fb:>15}")
 
 # %% tags=["nbval-ignore-output"]
-ch07.save_and_show(ch07.comparison_figure(REFERENCE), "07_h200_comparison")
+plots.savefig(ch07.comparison_figure(REFERENCE), "07_h200_comparison")
 
 # %% [markdown]
 # cuDNN leads from 4k on (540-660 TFLOP/s forward; 625-660 non-causal, about 80% of the matmul rate), SDPA's
@@ -388,8 +388,8 @@ else:
 
 # %% tags=["nbval-ignore-output"]
 if BENCH is not None:
-    display(ch07.save_and_show(ch07.comparison_figure(REFERENCE, BENCH, bench_label="dashed: course benchmark"),
-                               "07_course_vs_sdpa"))
+    display(plots.savefig(ch07.comparison_figure(REFERENCE, BENCH, bench_label="dashed: course benchmark"),
+                          "07_course_vs_sdpa"))
     for r in BENCH["rows"]:
         if r["impl"] in ("course_triton", "sdpa_flash", "sdpa_cudnn") and r.get("head_dim") == 128 and "fwd_tflops" in r:
             print(f"{r['impl']:>14} N={r['n']:>6} causal={r['causal']!s:5} fwd {r['fwd_tflops']:.0f} TFLOP/s, "
@@ -441,7 +441,7 @@ for r in saved:
 # not record how the peak was taken), so read the left panel for its slopes, the right one for exact bytes.
 
 # %% tags=["nbval-ignore-output"]
-ch07.save_and_show(ch07.memory_figure(REFERENCE, saved), "07_memory")
+plots.savefig(ch07.memory_figure(REFERENCE, saved), "07_memory")
 
 # %% [markdown]
 # ## 9. The layout pitfall: (B, S, H, D) vs (B, H, S, D)
@@ -499,7 +499,7 @@ for r in layout_gpu:
           f"{r['flash_fwd_ms'] * 1e3:6.0f} us: {100 * r['copy_share']:.0f}%")
 
 # %% tags=["nbval-ignore-output"]
-ch07.save_and_show(ch07.layout_figure(layout_cpu, layout_gpu, REFERENCE), "07_layout_copy")
+plots.savefig(ch07.layout_figure(layout_cpu, layout_gpu, REFERENCE), "07_layout_copy")
 
 # %% [markdown]
 # On a CPU attention is slow arithmetic and the copies are about a percent (noisy: other work shares this

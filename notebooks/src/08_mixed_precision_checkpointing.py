@@ -32,7 +32,7 @@ import torch
 
 import course_utils as cu
 from course_utils import plots
-from course_utils import precision as P
+from course_utils import ch08_precision as P
 from course_utils.exercises import check
 
 plots.style()
@@ -352,7 +352,7 @@ live_master
 # replace them instead of piling up (the async-save experiment below writes about 100 MB):
 
 # %%
-from course_utils import ch08
+from course_utils import ch08_checkpoint as ch08
 from course_utils.scratch import scratch_dir
 
 CKPT_ROOT = scratch_dir("08_checkpoints")

@@ -19,6 +19,7 @@ import course_utils as cu
 from course_utils import ch01, collective_models as cm, ecmp, nccl_env, nccl_tests, plots, runbook
 from course_utils.exercises import check
 from course_utils.ledger import bus_bandwidth_factor
+from course_utils.tables import Table
 
 plots.style()
 
@@ -33,9 +34,9 @@ plots.style()
 # The course's ledger holds the factors:
 
 # %%
-print(ch01.text_table([[c] + [f"{bus_bandwidth_factor(c, n):.4f}" for n in (2, 8, 256, 8192)]
-                       for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")],
-                      ["collective", "n=2", "n=8", "n=256", "n=8192"]))
+print(Table.of([[c] + [f"{bus_bandwidth_factor(c, n):.4f}" for n in (2, 8, 256, 8192)]
+                for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")],
+               ["collective", "n=2", "n=8", "n=256", "n=8192"]))
 
 # %% [markdown]
 # The parser (`course_utils.nccl_tests.parse`) reads the tables nccl-tests prints, column variants included.
@@ -58,8 +59,7 @@ print(f"parsed {len(report.rows)} rows; busbw/algbw from {min(ratio):.3f} to {ma
 fig, ax = plt.subplots()
 ax.plot([r.size_bytes for r in report.rows], [r.out_of_place.busbw_GBps for r in report.rows], "s-", color="black",
         label="8xH200 NVLink, NCCL (published: stas00/ml-engineering), parsed back")
-ax.set_xscale("log", base=2)
-ax.set_xlabel("message size S (bytes)")
+plots.log2_axis(ax, label="message size S (bytes)")
 ax.set_ylabel("busbw (GB/s)")
 ax.set_title("published all_reduce busbw, read through course_utils.nccl_tests")
 ax.legend(fontsize=8)
@@ -81,9 +81,8 @@ print(nccl_tests.format_table(gloo_rows, comments=("CPU/gloo on this machine, 4 
 fig, ax = plt.subplots()
 ax.plot([r.size_bytes for r in gloo_rows], [r.out_of_place.busbw_GBps for r in gloo_rows], "o-",
         label="CPU, gloo, this machine, 4 ranks")
-ax.set_xscale("log", base=2)
+plots.log2_axis(ax, label="message size S (bytes)")
 ax.set_yscale("log")
-ax.set_xlabel("message size S (bytes)")
 ax.set_ylabel("busbw (GB/s)")
 ax.set_title(f"all_reduce busbw: {plots.CPU_NOTE}", fontsize=9)
 ax.legend(fontsize=8)
@@ -108,7 +107,7 @@ print([r.size_bytes for r in back.rows] == SIZES, f"{back.avg_busbw_GBps:.3f} GB
 # %%
 for kind in nccl_env.KINDS:
     print(f"== {kind}")
-    print(ch01.text_table([[v["variable"], v["what it does"]] for v in nccl_env.table_rows(kind)]))
+    print(Table.of([[v["variable"], v["what it does"]] for v in nccl_env.table_rows(kind)]))
 
 # %% [markdown]
 # One PyTorch entry needs its version. The flight recorder (a ring buffer of recent collectives that
@@ -122,12 +121,10 @@ for kind in nccl_env.KINDS:
 # (realistic) script it objects to, then run it:
 
 # %%
-from course_utils.catalogue.ch10 import BAD_ENV
-
-for name, value in BAD_ENV.items():
+for name, value in nccl_env.BAD_ENV.items():
     print(f"export {name}={value}")
 print()
-for finding in nccl_env.validate_env(BAD_ENV):
+for finding in nccl_env.validate_env(nccl_env.BAD_ENV):
     print(finding)
 
 # %% [markdown]
@@ -167,7 +164,7 @@ check("fix_nccl_env", fix_nccl_env)
 print(cm.ModelParams())
 for c in (cm.NCCL_2_28_3, cm.NCCL_2_20_3):
     print(f"\nNCCL {c.version}: {c.source}")
-    print(ch01.text_table(cm.constants_table(c)))
+    print(Table.of(cm.constants_table(c)))
 
 # %% [markdown]
 # **Is the re-implementation NCCL's model?** NCCL prints its model's numbers with
@@ -181,8 +178,8 @@ from pathlib import Path
 log = Path(cm.__file__).resolve().parents[1] / "tests" / "data" / "nccl_2_29_7_tuning_2nodes_1gpu.txt"
 printed = nccl_tests.parse_tuning_table(log.read_text())["AllReduce"]
 new, old = (cm.tuning_table(2, cm.ModelParams(gpus_per_node=1, nccl=c)) for c in (cm.NCCL_2_28_3, cm.NCCL_2_20_3))
-print(ch01.text_table([[col, f"{printed[col][0]:.1f}", f"{new[col][0]:.1f}", f"{old[col][0]:.1f}"] for col in new],
-                      ["AllReduce", "NCCL 2.29.7 printed (us)", "model, 2.28.3 constants", "model, 2.20.3 constants"]))
+print(Table.of([[col, f"{printed[col][0]:.1f}", f"{new[col][0]:.1f}", f"{old[col][0]:.1f}"] for col in new],
+               ["AllReduce", "NCCL 2.29.7 printed (us)", "model, 2.28.3 constants", "model, 2.20.3 constants"]))
 
 # %% [markdown]
 # The 2.28.3 constants give all six latencies to the printed 0.1 µs; the 2.20.3 ones do not (their Tree/Simple
@@ -206,7 +203,7 @@ print(ch01.text_table([[col, f"{printed[col][0]:.1f}", f"{new[col][0]:.1f}", f"{
 # what the model would pick, algorithm/protocol, for a 1 MiB, 64 MiB and 1 GiB all-reduce:
 
 # %%
-print(ch01.text_table(cm.scaling_table()))
+print(Table.of(cm.scaling_table()))
 
 # %% [markdown]
 # The 8-node window is the tree correction at work: NCCL scales the tree's Simple bandwidth by 0.9 from 256 to
@@ -232,8 +229,7 @@ for ax, nodes in zip(axes, (32, 1024)):
     cross = cm.crossover_bytes(nodes)
     if cross and cross <= sizes[-1]:
         ax.axvline(cross, color="grey", ls=":", label="crossover")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size S (bytes)")
+    plots.log2_axis(ax, label="message size S (bytes)")
     ax.set_title(f"MODELLED (NCCL {cm.ModelParams().nccl.version} constants): {nodes} nodes x 8 GPUs", fontsize=9)
     ax.legend(fontsize=8)
 axes[0].set_ylabel("modelled busbw (GB/s)")
@@ -257,8 +253,8 @@ ratios = [0.75, *sorted(cm.TREE_RING_RATIOS.values()), 0.92, 0.96, 0.99]
 ratios = sorted(set(round(r, 3) for r in ratios))
 rows = cm.crossover_sensitivity(ratios, nodes_list=(32, 1024))
 cell = lambda s: "tree up to 1 TiB" if s is None else cm.human_bytes(s)  # noqa: E731
-print(ch01.text_table([[r["tree/ring ratio"], cell(r[32]), cell(r[1024])] for r in rows],
-                      ["tree/ring bandwidth ratio", "crossover, 32 nodes", "crossover, 1024 nodes"]))
+print(Table.of([[r["tree/ring ratio"], cell(r[32]), cell(r[1024])] for r in rows],
+               ["tree/ring bandwidth ratio", "crossover, 32 nodes", "crossover, 1024 nodes"]))
 for name, ratio in cm.TREE_RING_RATIOS.items():
     print(f"{ratio:.3f}  {name}")
 print("\nsame model, NCCL 2.20.3 constants:",
@@ -272,7 +268,7 @@ for nodes in (32, 1024):
     ax.plot([f for f, c in zip(grid, cross) if c], [c for c in cross if c], "o-", ms=3, label=f"{nodes} nodes")
 for (name, ratio), ls in zip(cm.TREE_RING_RATIOS.items(), ("-", "--", ":")):
     ax.axvline(ratio, color="grey", ls=ls, lw=1, label=name.split(":")[0])
-ax.set_yscale("log", base=2)
+plots.log2_axis(ax, axis="y")
 ax.set_xlabel("tree/ring bus-bandwidth ratio (the model's one disputed input)")
 ax.set_ylabel("crossover: ring always wins from (bytes)")
 ax.set_title("MODELLED: sensitivity of the ring/tree crossover", fontsize=9)
@@ -331,7 +327,7 @@ W.VBox([nodes_exp, size_exp, out])
 
 # %%
 rows = ecmp.qp_sweep(pairs=16, links=16)
-print(ch01.text_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]))
+print(Table.of([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]))
 
 # %% tags=["nbval-ignore-output"]
 loads = {q: ecmp.simulate_link_loads(16 * q, 16, trials=4000).max(axis=1) / q for q in (1, 4, 8)}

@@ -19,11 +19,11 @@ from IPython.display import display
 
 import course_utils as cu
 from course_utils import ch11, plots, reference_data
-from course_utils.ch00 import Table
 from course_utils.exercises import check
 from course_utils.fp8 import E4M3, E5M2
 from course_utils.ledger import (GB, LINEAR_INPUT_TERMS, activation_bytes_per_layer, activation_terms_per_layer,
                                  fp8_linear_inputs_activation_bytes_per_layer, model_state_bytes)
+from course_utils.tables import Table
 
 plots.style()
 torch.set_num_threads(1)  # the notebook's own tensors are small; one thread leaves the cores to the ranks

@@ -319,12 +319,12 @@ print(f"max |logit difference| = {merge['max_abs_logit_diff']:.2e} with max |log
 # $z$ has **mean 0** over its $d$ features and **norm** $\sqrt{d\,\mathrm{var}/(\mathrm{var}+\epsilon)} < \sqrt d$.
 # With both layers frozen, the lowest loss on a target digit $t$ is therefore
 # $\min_z -\log\mathrm{softmax}(Wz)_t$ over that zero-mean ball: a convex problem (a logsumexp minus a
-# linear function, over a convex set), which `course_utils/posttrain_floor.py` solves to its global minimum,
+# linear function, over a convex set), which `course_utils/ch12_floor.py` solves to its global minimum,
 # with a certificate that the number it returns is a true lower bound.
 # **Predict**: LoRA on the blocks only, at the same rate: how low does the answer-token loss get?
 
 # %%
-from course_utils.posttrain_floor import frozen_head_floor
+from course_utils.ch12_floor import frozen_head_floor
 
 base_model = make_policy(0)  # blocks-only LoRA freezes its head and final LayerNorm as they are here
 head_floor = frozen_head_floor(base_model.head.weight, range(10), base_model.ln_f.weight, base_model.ln_f.bias)

@@ -34,7 +34,7 @@
 
 # %%
 import course_utils as cu
-from course_utils import pipeline as pp
+from course_utils import ch13 as pp
 from course_utils import plots
 from course_utils.ledger import pipeline_bubble_fraction, tp_comm_bytes_per_layer
 from workers.pipeline.model import PipelineConfig, partition_table

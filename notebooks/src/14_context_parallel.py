@@ -31,7 +31,7 @@
 import torch
 
 import course_utils as cu
-from course_utils import context_parallel as cpx
+from course_utils import ch14 as cpx
 from course_utils import plots
 from workers.attention import attention_reference, online_softmax_merge
 from workers.attention.reference import RELATIVE_TOLERANCE, relative_error

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from course_utils.plots import CPU_NOTE
+from course_utils.plots import CPU_NOTE, log2_axis
 
 FLOOR = 1e-10  # where "exactly 0" is drawn on a log axis
 
@@ -152,8 +152,7 @@ def ckpt_draw_scaler(straight, runs: dict, save_at: int, rank: int = 0):
         ax.plot(np.array([j["steps"][i] for i in sk]) + 0.08 * (k + 1), [j["scales"][i] for i in sk], "x",
                 color=line.get_color(), ms=9, mew=2)
     _mark_save((ax, ax_d), save_at)
-    ax.set_yscale("log", base=2)
-    ax.set_ylabel("loss scale (log2)")
+    log2_axis(ax, label="loss scale (log2)", axis="y")
     ax.set_title("GradScaler's scale: saved, or started again")
     ax.legend(fontsize=7)
     _draw_loss_diff(ax_d, s, runs, save_at, rank)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from course_utils.ledger import pipeline_bubble_fraction
-from course_utils.plots import CPU_NOTE
+from course_utils.plots import CPU_NOTE, log2_axis
 from workers.pipeline.model import FP32_TOL, PipelineConfig
 from workers.pipeline.reference import reference_step
 from workers.pipeline.schedules import ideal_bubble
@@ -149,9 +149,7 @@ def bubble_figure(sweep: dict, p: int):
             label="(p-1)/m: bubble / ideal time (clipped)")
     for (name, rows), marker in zip(sweep.items(), ("o", "s", "^")):
         ax.plot([m for m, _ in rows], [v for _, v in rows], marker, ms=7, label=f"{name}, measured")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ms, [str(m) for m in ms])
-    ax.set_xlabel("micro-batches m")
+    log2_axis(ax, ms, "micro-batches m")
     ax.set_ylabel("bubble fraction")
     ax.set_title(f"Pipeline bubble at p={p}: {CPU_NOTE}", fontsize=9)
     ax.legend(fontsize=8)

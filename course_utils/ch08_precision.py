@@ -21,7 +21,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from course_utils.ch00 import Table
+from course_utils.plots import log2_axis
+from course_utils.tables import Table
 
 FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -317,10 +318,9 @@ def draw_fp8_grid():
         v = v[torch.isfinite(v) & (v > 0)].unique().numpy()
         ax.vlines(v, i - 0.3, i + 0.3, color=FORMAT_COLOURS[fmt], lw=0.8)
         ax.text(v.max() * 1.3, i, f"{len(v)} values, max {v.max():g}", va="center", fontsize=8)
-    ax.set_xscale("log", base=2)
+    log2_axis(ax, label="positive finite values (log2 axis)")
     ax.set_yticks([0, 1], ["E4M3", "E5M2"])
     ax.set_xlim(2**-17, 2**19)
-    ax.set_xlabel("positive finite values (log2 axis)")
     ax.set_title("FP8: 3 mantissa bits (E4M3) trade range for precision; 2 bits (E5M2) the reverse")
     ax.grid(False)
     return fig
