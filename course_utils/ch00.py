@@ -4,10 +4,9 @@ module only lays them out. Pure Python plus matplotlib/ipywidgets: no ranks are 
 """
 from __future__ import annotations
 
-import csv
 
 from course_utils.ledger import GB, collective_time, flops_per_token, pipeline_bubble_fraction, tp_comm_bytes_per_layer
-from course_utils.paths import DATA, ROOT
+from course_utils import reference_data
 from course_utils.planner import (CLUSTERS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan, model_shape,
                                   plan, zero_collectives_per_step)
 from course_utils.published_configs import PUBLISHED_CONFIGS, PublishedConfig
@@ -216,16 +215,6 @@ def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
 
 # -- 4. why TP stays inside the NVLink domain ----------------------------------------------------------------
 
-def published_allreduce() -> list[dict]:
-    """The 8x H200 all_reduce sweep (stas00/ml-engineering, CC-BY-SA 4.0), from data/reference or ../shared."""
-    for path in (DATA / "reference" / "allreduce_8xH200_published.csv",
-                 ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"):
-        if path.exists():
-            lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
-            return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(lines)]
-    return []
-
-
 def tp_layer_times(model: str = "70B", *, tp: int = 8, micro_batch: int = 1, seq: int = 4096,
                    compute_efficiency: float = 0.6, gpu: str = "h100-ib") -> dict:
     """One layer, one micro-batch: matmul time per TP rank vs the 4 TP all-reduces over each tier."""
@@ -265,9 +254,9 @@ def bandwidth_figure(model: str = "70B", tp: int = 8):
     _log_ticks(ax1, [10, 30, 100, 300])
     ax1.set_xlim(5, 700)
     ax1.set_xlabel("GB/s per GPU, one direction (datasheets)")
-    rows = published_allreduce()
+    rows, _ = reference_data.published_allreduce()
     if rows:
-        best = max(r["busbw_GBps"] for r in rows)
+        best = max(r["busbw"] for r in rows) / 1e9
         ax1.axvline(best, color="#C44E52", linestyle="--", linewidth=1)
         ax1.text(best * 0.95, len(keys) - 1, f"measured all_reduce\nbusbw, 8x H200:\n{best:.0f} GB/s", color="#C44E52",
                  fontsize=7, va="center", ha="right")

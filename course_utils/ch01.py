@@ -4,7 +4,6 @@ Everything here runs in the notebook process. The ranks' side lives in ``workers
 """
 from __future__ import annotations
 
-import csv
 import os
 import re
 import signal
@@ -16,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_utils import scratch
-from course_utils.paths import DATA, ROOT
+from course_utils.paths import ROOT
 from course_utils.tables import Table
 
-PUBLISHED_CSV = "allreduce_8xH200_published.csv"
 
 # -- 1. a plain torchrun, from the notebook ---------------------------------------------------------
 
@@ -380,33 +378,6 @@ def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
         alpha = 0.0
         inv_b = float(np.sum(S / t) / np.sum((S / t) ** 2))  # min sum (S/(B t) - 1)^2
     return float(alpha), float(1.0 / inv_b)
-
-
-def published_csv_path() -> Path:
-    """The published 8xH200 sweep: the repository's copy, else ../shared/reference beside the clone."""
-    candidates = [DATA / "reference" / PUBLISHED_CSV,
-                  ROOT.parent / "shared" / "reference" / PUBLISHED_CSV]
-    for path in candidates:
-        if path.exists():
-            return path
-    raise FileNotFoundError(f"{PUBLISHED_CSV} is missing: expected it at {candidates[0]}")
-
-
-def load_published(path: str | os.PathLike | None = None) -> tuple[list[dict], list[str]]:
-    """Rows (bytes, busbw and algbw in bytes/s) and the header comment lines (source, licence, setup)."""
-    path = Path(path) if path else published_csv_path()
-    header, data = [], []
-    with open(path) as f:
-        for line in f:
-            if line.startswith("#"):
-                header.append(line[1:].strip())
-            elif line.strip():
-                data.append(line)
-    rows = []
-    for rec in csv.DictReader(data):
-        rows.append({"bytes": int(rec["payload_bytes"]), "busbw": float(rec["busbw_GBps"]) * 1e9,
-                     "algbw": float(rec["algbw_GBps"]) * 1e9})
-    return rows, header
 
 
 def bandwidth_figure(measured: dict[str, list[dict]], published: list[dict] | None = None,

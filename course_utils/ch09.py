@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from course_utils.ch09_tables import LLAMA3_SOURCE, LLAMA3_TOTAL_UNEXPECTED, by_category
-from course_utils.plots import CPU_NOTE, log2_axis
+from course_utils.plots import log2_axis
 from workers.gpt.config import TrainConfig
 from workers.gpt.detect import SpikeDetector
 

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from workers.attention.reference import LSE_TOLERANCE, RELATIVE_TOLERANCE, attention_reference_grads, relative_error
-from workers.context_parallel.blocks import work_per_rank
 from workers.context_parallel.inputs import DTYPES, make_inputs
 from workers.context_parallel.split import chunk_ids, num_chunks
 

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from course_utils.paths import ROOT

@@ -7,7 +7,6 @@ they never overwrite the committed figures with a run whose printed outputs are 
 """
 from __future__ import annotations
 
-import os
 
 import matplotlib
 

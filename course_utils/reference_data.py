@@ -11,13 +11,42 @@ older layouts (``"device"``, ``"device_name"``, ``meta``) that ``provenance_of``
 """
 from __future__ import annotations
 
+import csv
 import json
+import os
 from pathlib import Path
 
+from course_utils.paths import DATA, ROOT
 from workers.provenance import FIELDS, record
 
-ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_DIR = ROOT / "data" / "reference"
+REFERENCE_DIR = DATA / "reference"
+
+
+PUBLISHED_ALLREDUCE = "allreduce_8xH200_published.csv"
+
+
+def published_allreduce_path() -> Path:
+    """The published 8xH200 all_reduce sweep: the repository's copy, else ../shared/reference beside the clone."""
+    candidates = [REFERENCE_DIR / PUBLISHED_ALLREDUCE, ROOT.parent / "shared" / "reference" / PUBLISHED_ALLREDUCE]
+    for path in candidates:
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"{PUBLISHED_ALLREDUCE} is missing: expected it at {candidates[0]}")
+
+
+def published_allreduce(path: str | os.PathLike | None = None) -> tuple[list[dict], list[str]]:
+    """The sweep's rows (bytes, and busbw and algbw in bytes/s) and its header comment lines (source, licence,
+    setup). Chapters 00, 01 and 10 draw it (stas00/ml-engineering, CC-BY-SA 4.0)."""
+    path = Path(path) if path else published_allreduce_path()
+    header, data = [], []
+    for line in Path(path).read_text().splitlines(keepends=True):
+        if line.startswith("#"):
+            header.append(line[1:].strip())
+        elif line.strip():
+            data.append(line)
+    rows = [{"bytes": int(rec["payload_bytes"]), "busbw": float(rec["busbw_GBps"]) * 1e9,
+             "algbw": float(rec["algbw_GBps"]) * 1e9} for rec in csv.DictReader(data)]
+    return rows, header
 
 
 def load(name: str) -> dict:

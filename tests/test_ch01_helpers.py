@@ -2,7 +2,8 @@
 
 import pytest
 
-from course_utils import ch01
+from course_utils import ch01, reference_data
+from course_utils.paths import ROOT
 
 
 def test_alpha_beta_fit_recovers_known_parameters():
@@ -35,15 +36,15 @@ def test_alpha_beta_fit_never_returns_a_negative_latency():
 
 
 def test_published_sweep_is_in_the_repository_with_its_source():
-    path = ch01.published_csv_path()
-    assert path == ch01.ROOT / "data" / "reference" / "allreduce_8xH200_published.csv"
-    rows, header = ch01.load_published()
+    path = reference_data.published_allreduce_path()
+    assert path == ROOT / "data" / "reference" / "allreduce_8xH200_published.csv"
+    rows, header = reference_data.published_allreduce()
     assert any("source:" in h and "CC-BY-SA" in h for h in header)
     assert len(rows) == 20 and rows[0]["bytes"] == 32768 and rows[-1]["bytes"] == 16 * 2**30
     # busbw / algbw is the all-reduce factor 2(n-1)/n = 1.75 for n = 8 (to the CSV's rounding)
     for r in rows:
         assert r["busbw"] / r["algbw"] == pytest.approx(1.75, rel=0.01)
-    shared = ch01.ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"
+    shared = ROOT.parent / "shared" / "reference" / "allreduce_8xH200_published.csv"
     if shared.exists():  # the copy must not drift from the course's shared reference
         assert shared.read_text() == path.read_text()
 

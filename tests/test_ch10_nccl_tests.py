@@ -117,9 +117,9 @@ def test_formatter_round_trips_through_the_parser():
 
 def test_published_8xh200_sweep_busbw_over_algbw_is_the_ledger_factor():
     # data/reference/allreduce_8xH200_published.csv (stas00/ml-engineering): 8 ranks, so busbw/algbw = 1.75.
-    from course_utils.ch01 import load_published
+    from course_utils.reference_data import published_allreduce
 
-    rows, _ = load_published()
+    rows, _ = published_allreduce()
     for r in rows:
         assert r["busbw"] / r["algbw"] == pytest.approx(bus_bandwidth_factor("all_reduce", 8), abs=0.02)
 

@@ -11,8 +11,6 @@ Each rank returns its output rows, lse, dq, dk, dv (with the global positions of
 it computed at each ring step, its work and the bytes it sent. Ground truth:
 ``workers/attention/reference.attention_reference_grads`` on the whole sequence in one process.
 """
-import torch
-
 from workers.context_parallel.attention import ring_attention_backward, ring_attention_forward
 from workers.context_parallel.inputs import DTYPES, make_inputs
 from workers.context_parallel.ring import Ring

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import course_utils as cu
-from course_utils import ch01, collective_models as cm, ecmp, nccl_env, nccl_tests, plots, runbook
+from course_utils import collective_models as cm, ecmp, nccl_env, nccl_tests, plots, reference_data, runbook
 from course_utils.exercises import check
 from course_utils.ledger import bus_bandwidth_factor
 from course_utils.tables import Table
@@ -44,7 +44,7 @@ print(Table.of([[c] + [f"{bus_bandwidth_factor(c, n):.4f}" for n in (2, 8, 256, 
 # the time column is S / algbw, and the parsed busbw must equal algbw × 1.75 (n = 8) to the printed rounding.
 
 # %%
-published, header = ch01.load_published()
+published, header = reference_data.published_allreduce()
 pub_rows = [nccl_tests.NcclTestsRow(size_bytes=r["bytes"], count=r["bytes"] // 4, dtype="float", redop="sum", root=None,
                                     out_of_place=nccl_tests.Measurement(r["bytes"] / r["algbw"] * 1e6, r["algbw"] / 1e9,
                                                                         r["busbw"] / 1e9, 0)) for r in published]
