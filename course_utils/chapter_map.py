@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from course_utils.paths import ROOT
+
 MAP_PATH = ROOT / "docs" / "CHAPTERS.md"
 SPINE = {"workers/__init__.py", "workers/runtime.py", "workers/protocol.py", "workers/pool.py", "workers/provenance.py"}
 _MODULE_STRING = re.compile(r"^(workers|course_utils|tests\.rank_helpers)(\.\w+)+$")

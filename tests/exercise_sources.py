@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import importlib
 import linecache
-from pathlib import Path
 
 import jupytext
+from course_utils.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def define(source: str, filename: str) -> dict:

@@ -11,7 +11,6 @@ import math
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ import torch.nn.functional as F
 from workers.attention import (attention_reference, attention_reference_grads, flash_attention,
                                online_softmax_merge, online_softmax_update, tiled_flash_attention)
 from workers.attention.reference import LSE_TOLERANCE, RELATIVE_TOLERANCE, assert_close_to_reference
+from course_utils.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture

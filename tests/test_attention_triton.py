@@ -18,7 +18,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything below imports the kernels
 
 import zlib  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -29,7 +28,8 @@ from workers.attention import triton_kernels as tk  # noqa: E402
 from workers.attention.reference import (LSE_TOLERANCE, RELATIVE_TOLERANCE, assert_close_to_reference,  # noqa: E402
                                          attention_reference_grads, tf32_tolerances)
 
-ROOT = Path(__file__).resolve().parent.parent
+from course_utils.paths import ROOT  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_SOURCE = ROOT / "workers" / "attention" / "triton_kernels.py"
 

@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton path is optional")
 
-ROOT = Path(__file__).resolve().parent.parent
+from course_utils.paths import ROOT  # noqa: E402
+
 HOPPER_SHARED_MEMORY = 227 * 1024  # the most one thread block may use on an H100/H200
 
 SCRIPT = """

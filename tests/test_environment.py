@@ -1,11 +1,10 @@
 """environment.yml and pyproject.toml must ask for the same packages at the same minimum versions."""
 import re
 import tomllib
-from pathlib import Path
 
 import yaml
+from course_utils.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _split(spec: str) -> tuple[str, str]:

@@ -13,9 +13,9 @@ import pytest
 from course_utils import grade
 from course_utils.exercises import exercises
 from tests.exercise_sources import solutions
+from course_utils.paths import ROOT
 
 pytestmark = pytest.mark.ranks
-ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted({e.chapter for e in exercises()})
 assert CHAPTERS, "no chapter registers exercises"
 # The batch pipeline is proven on two chapters, one checked on real ranks and one in the notebook process;

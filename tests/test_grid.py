@@ -10,6 +10,7 @@ import re
 import pytest
 
 import course_utils as cu
+from course_utils.paths import ROOT
 from workers.parallel.grid import DIMS, RankGrid
 
 
@@ -92,8 +93,6 @@ def test_the_chapters_take_their_groups_from_the_grid():
     for a, b in ((0, 2), (1, 3)):  # the same place in each ring: the same rows, the same output
         assert list(ring[a]["positions"]) == list(ring[b]["positions"]) and ring[a]["out"].equal(ring[b]["out"])
     assert list(ring[0]["positions"]) != list(ring[1]["positions"])
-    import pathlib
-    root = pathlib.Path(__file__).resolve().parents[1]
-    arithmetic = [str(p.relative_to(root)) for p in (root / "workers").rglob("*.py")
+    arithmetic = [str(p.relative_to(ROOT)) for p in (ROOT / "workers").rglob("*.py")
                   if re.search(r"rank\s*-\s*\S*rank\s*%|rank\s*//\s*\w+_size", p.read_text())]
     assert arithmetic == [], f"group arithmetic outside the grid in {arithmetic}"

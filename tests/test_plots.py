@@ -5,13 +5,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from course_utils import notebooks
+from course_utils.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_figures_go_where_the_environment_says(tmp_path):

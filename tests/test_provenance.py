@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from course_utils import reference_data
+from course_utils.paths import ROOT
 from workers import provenance
 
-ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "reference"
 
 

@@ -1,12 +1,11 @@
 """Notebook scratch folders: one run's files at most, under build/, never in /tmp."""
 import re
-from pathlib import Path
 
 import pytest
 
 from course_utils.scratch import SCRATCH, scratch_dir
+from course_utils.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_asking_again_empties_the_folder():

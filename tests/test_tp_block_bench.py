@@ -6,11 +6,11 @@ from here: this only proves the script would run and that its two blocks compute
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from course_utils.paths import ROOT
+
 sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 
 import tp_block_bench as bench  # noqa: E402

@@ -19,9 +19,9 @@ import pytest
 
 import course_utils as cu
 from workers.runtime import _cli_params
+from course_utils.paths import ROOT
 
 pytestmark = pytest.mark.ranks
-ROOT = Path(__file__).resolve().parent.parent
 WORKERS = sorted(p for p in (ROOT / "workers").glob("*.py")
                  if "entrypoint(main)" in p.read_text() and p.name != "runtime.py")
 UNDER_PLAIN_TORCHRUN = ["ch03_mappings.py", "ch11_zero1.py"]  # groups; a model, an optimizer, broadcast
