@@ -15,7 +15,6 @@ from pathlib import Path
 
 from course_utils.paths import ROOT
 
-MAP_PATH = ROOT / "docs" / "CHAPTERS.md"
 SPINE = {"workers/__init__.py", "workers/runtime.py", "workers/protocol.py", "workers/pool.py", "workers/provenance.py"}
 _MODULE_STRING = re.compile(r"^(workers|course_utils|tests\.rank_helpers)(\.\w+)+$")
 _PATH_STRING = re.compile(r"^workers/[\w/]+\.py$")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from course_utils.paths import ROOT
-from workers.provenance import cpu_model, record
+from workers.provenance import record
 
 OUT = ROOT / "build" / "cpu_spread"
 
@@ -61,11 +61,6 @@ def capability(env: dict[str, str] | None = None) -> str:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True,
                          text=True, timeout=120)
     return out.stdout.strip() or "unknown"
-
-
-def cpu_name() -> str:
-    """The processor's model name (Linux: /proc/cpuinfo), else what the platform module knows."""
-    return cpu_model()
 
 
 def available_variants() -> list[str]:

@@ -330,3 +330,12 @@ def test_warm_ranks_restart_when_a_worker_dependency_changes():
     os.utime(dep)  # "edit" a module the worker imports
     after = cu.run("workers.hello", world_size=1)
     assert after.launch == "cold" and after.gather("pid") != first.gather("pid")
+
+
+def test_a_frame_of_unknown_kind_is_refused_at_the_sender():
+    from workers import protocol
+
+    with pytest.raises(ValueError, match="unknown frame kind 'reslut'"):
+        protocol.encode("reslut", {"x": 1})
+    frame = protocol.encode("result", {"x": 1}, rank=0)
+    assert protocol.decode(frame[protocol.HEADER.size:])["data"] == {"x": 1}

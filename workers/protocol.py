@@ -67,6 +67,11 @@ def to_wire(value: Any) -> Any:
 
 
 def encode(kind: str, data: Any, *, rank: int | None = None, task: int | None = None) -> bytes:
+    """One frame: a header with the payload's length, then ``{kind, rank, task, time, data}``. ``kind`` is one of
+    ``RANK_KINDS`` (rank to notebook) or ``NOTEBOOK_KINDS`` (notebook to rank): a misspelt kind fails here, at
+    the sender, instead of being dropped by a receiver that does not know it."""
+    if kind not in RANK_KINDS + NOTEBOOK_KINDS:
+        raise ValueError(f"unknown frame kind {kind!r}: the protocol has {', '.join(RANK_KINDS + NOTEBOOK_KINDS)}")
     buf = io.BytesIO()
     torch.save({"kind": kind, "rank": rank, "task": task, "time": time.time(), "data": to_wire(data)}, buf)
     payload = buf.getvalue()

@@ -15,9 +15,6 @@ PROMPT_LEN = 4  # "a+b="
 ANSWER_LEN = 2  # two digits, zero-padded
 SEQ_LEN = PROMPT_LEN + ANSWER_LEN  # 6 tokens; the model reads the first 5
 MAX_DIGIT = 9
-DIGITS = torch.arange(10)
-
-
 def encode(text: str) -> list[int]:
     return [STOI[c] for c in text]
 
@@ -44,10 +41,6 @@ def split_pairs() -> tuple[list, list]:
     """Train / held-out pairs (fixed, no randomness): 80 and 20."""
     pairs = all_pairs()
     return [p for p in pairs if not is_held_out(*p)], [p for p in pairs if is_held_out(*p)]
-
-
-def answer_tokens(a: int, b: int) -> list[int]:
-    return encode(f"{a + b:02d}")
 
 
 def prompts(pairs) -> torch.Tensor:
