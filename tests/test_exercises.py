@@ -8,6 +8,10 @@
 Exercises live in ``course_utils/catalogue/chNN.py``, reference solutions in ``solutions/chNN.py``, wrong
 answers in ``tests/wrong_answers/chNN.py``. What is particular to one chapter's checker (a deadlocking
 answer, world 4, malformed answers) is tested in ``tests/test_chNN_exercises.py``.
+
+Start here when adding an exercise: register its checker in the chapter's catalogue, put the reference
+answer in ``solutions/chNN.py`` and at least one plausible mistake in ``tests/wrong_answers/chNN.py``; this
+file then runs all three without a line added (``docs/CHAPTERS.md`` lists each chapter's four files).
 """
 import pytest
 

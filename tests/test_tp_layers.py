@@ -4,6 +4,10 @@ Each run: every rank builds the same dense module from one seed, keeps its shard
 runs forward and backward on its part of one input; the test rebuilds the full output, input gradient
 and every parameter gradient from the ranks' shards and compares them with the dense module computed
 here in float64 (``course_utils.tp_check``: |got - want| <= 1e-5 + 1e-5 |want|, float32 on the ranks).
+
+Start here when adding a tensor-parallel layer: write its ``from_dense``, add a case below that runs it through
+``workers/ch04_tp_layers.py`` (or a worker of its own), and compare with ``tp_check.compare``: outputs and every
+gradient, against the dense module, at every TP size the world allows.
 """
 import pytest
 import torch
