@@ -94,7 +94,19 @@ def execute(path: Path, output: Path, *, timeout: float = 900) -> float:
     start = time.perf_counter()
     papermill.execute_notebook(str(path), str(output), kernel_name="python3", cwd=str(NB_DIR),
                                execution_timeout=timeout, progress_bar=False, log_output=False)
+    _relative_paths(output)
     return time.perf_counter() - start
+
+
+def _relative_paths(path: Path) -> None:
+    """Papermill records where it read and wrote the notebook; a committed notebook must not carry this machine's
+    folders, so the paths are stored relative to the repository."""
+    nb = nbformat.read(str(path), as_version=4)
+    meta = nb.metadata.get("papermill", {})
+    for key in ("input_path", "output_path"):
+        if meta.get(key):
+            meta[key] = os.path.relpath(Path(meta[key]).resolve(), ROOT)
+    nbformat.write(nb, str(path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,10 +23,12 @@
 # few optimizer steps, count its communication, and look at where its time goes.
 
 # %%
+import os
+
 import torch
 
 import course_utils as cu
-from course_utils import plots, reference_data, tp_check, tp_figures
+from course_utils import paths, plots, reference_data, tp_check, tp_figures
 from course_utils.ledger import activation_bytes_per_layer, tp_comm_bytes_per_layer
 from course_utils.scratch import scratch_dir
 
@@ -263,7 +265,7 @@ for t, profs in profiles.items():
         print(f"TP {t}, s={p['seq']:>5}: forward {p['forward_s'] * 1e3:6.1f} ms, backward {p['backward_s'] * 1e3:6.1f} ms; "
               "shares " + ", ".join(f"{k} {v:.0%}" for k, v in p["forward_share"].items()))
 print("torch.profiler traces (open in chrome://tracing or https://ui.perfetto.dev):",
-      sorted({p["trace"] for p in profiles[2]}))
+      sorted({os.path.relpath(p["trace"], paths.ROOT) for p in profiles[2]}))
 
 # %% tags=["nbval-ignore-output"]
 one = profiles[1][-1]
