@@ -1,8 +1,10 @@
-"""Tensor-parallel building blocks in Megatron-LM's vocabulary (chapter 03 onwards).
+"""Tensor-parallel building blocks in Megatron-LM's vocabulary (chapter 03 onwards): the package's public surface.
 
 ``mappings``: the collectives inside autograd (``f``/``g`` and their relatives), each a
 ``torch.autograd.Function`` plus a one-line public function. ``reference``: the single-process ground
-truth they are tested against.
+truth they are tested against. The layers built on them (chapters 04-06): ``ColumnParallelLinear``,
+``RowParallelLinear``, ``ParallelMLP``, ``ParallelAttention``, ``ParallelBlock``, each with ``from_dense``. And
+``RankGrid`` (``grid.py``), the one layout of the world every chapter's process groups are sliced from.
 """
 from workers.parallel.mappings import (CONJUGATE, MAPPINGS, all_to_all, copy_to_tensor_model_parallel_region,
                                        gather_from_sequence_parallel_region,
@@ -11,8 +13,14 @@ from workers.parallel.mappings import (CONJUGATE, MAPPINGS, all_to_all, copy_to_
                                        reduce_scatter_to_sequence_parallel_region,
                                        scatter_to_sequence_parallel_region,
                                        scatter_to_tensor_model_parallel_region)
+from workers.parallel.grid import RankGrid  # noqa: E402  (after mappings: the layers import them)
+from workers.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from workers.parallel.mlp import ParallelMLP  # noqa: E402
+from workers.parallel.attention import ParallelAttention  # noqa: E402
+from workers.parallel.block import ParallelBlock  # noqa: E402
 
-__all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention", "ParallelBlock", "RankGrid",
+           "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
            "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
            "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
            "reduce_scatter_to_sequence_parallel_region", "all_to_all", "record_communication", "MAPPINGS",
