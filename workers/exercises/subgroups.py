@@ -45,8 +45,9 @@ class SubGroup:
 
 
 def layouts(world_size: int) -> tuple[str, ...]:
-    """The sub-group layouts a check runs at this world size: none below 4 ranks."""
-    return ("tp", "dp") if world_size >= 2 * SIZE else ()
+    """The sub-group layouts a check runs at this world size (none below 4 ranks): non-contiguous first, where
+    a rank's place in its group differs from its rank in the world on every group."""
+    return ("dp", "tp") if world_size >= 2 * SIZE else ()
 
 
 @contextlib.contextmanager
