@@ -73,4 +73,9 @@ def in_sub_group(sg: SubGroup, stage):
     try:
         stage()
     except Wrong as exc:
-        raise Wrong(f"{sg.describe()}: {exc}") from None
+        message = str(exc)
+        if "default (world) group" not in message:
+            message += (". The same answer was right with the whole world as its group, so look first for a "
+                        "collective on the default (world) group instead of the group it was given, or a size or "
+                        "rank taken from the world (dist.get_world_size() / dist.get_rank() without group=)")
+        raise Wrong(f"{sg.describe()}: {message}") from None
