@@ -235,11 +235,119 @@ def scatter_backward_own_slice_only():
     return lambda x, group=None: Scatter.apply(x, group), lambda x, group=None: Gather.apply(x, group)
 
 
+def g_reduces_on_world():
+    """f is right; g's all_reduce forgets group= (sums over the world): right only when the group is the world."""
+    import torch
+    import torch.distributed as dist
+
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            x = x.clone()
+            dist.all_reduce(x)  # wrong: group= forgotten
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    return lambda x, group=None: Copy.apply(x, group), lambda x, group=None: Reduce.apply(x, group)
+
+
+def gather_on_world_group():
+    """The split honours the group; the gather all-gathers over the world (its size and its collective)."""
+    import torch
+    import torch.distributed as dist
+
+    def split(t, group):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        return t.chunk(n, dim=-1)[r].contiguous()
+
+    def gather(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]  # wrong: the world
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return split(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return gather(grad, ctx.group), None
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return gather(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return split(grad, ctx.group), None
+
+    return lambda x, group=None: Scatter.apply(x, group), lambda x, group=None: Gather.apply(x, group)
+
+
+def split_with_world_rank():
+    """The group's size but the world's rank (dist.get_rank() without group=): right only when they coincide."""
+    import torch
+    import torch.distributed as dist
+
+    def split(t, group):
+        n, r = dist.get_world_size(group), dist.get_rank()  # wrong: the rank in the world
+        return t.chunk(n, dim=-1)[r].contiguous()
+
+    def gather(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return split(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return gather(grad, ctx.group), None
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return gather(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return split(grad, ctx.group), None
+
+    return lambda x, group=None: Scatter.apply(x, group), lambda x, group=None: Gather.apply(x, group)
+
+
 WRONG = [
     ("f_and_g", g_backward_all_reduces, "world-size scaling trap"),
     ("f_and_g", f_backward_identity, "sum of all ranks' gradients"),
     ("f_and_g", g_in_place, "changed its input in place"),
-    ("f_and_g", f_and_g_ignore_group, "pass group=group"),
+    ("f_and_g", f_and_g_ignore_group, "used the default (world) group instead of the group it was given"),
+    ("f_and_g", g_reduces_on_world, "sum over all 4 ranks of the world"),
+    ("split_and_gather", gather_on_world_group, "used the default (world) group instead of the group it was given"),
+    ("split_and_gather", split_with_world_rank, "its rank in the world"),
     ("split_and_gather", split_takes_next_rank_slice, "kept slice"),
     ("split_and_gather", gather_backward_all_reduces, "do not sum it"),
     ("split_and_gather", scatter_backward_own_slice_only, "all_gather the slices' gradients"),

@@ -57,6 +57,36 @@ def row_bias_on_rank_zero(x, weight, bias, group):
     return reduce_from_tensor_model_parallel_region(partial, group)
 
 
+def column_f_on_world_group(x, weight, bias, group):
+    # A hand-written f whose backward all-reduces on the default group: right when the group is the whole
+    # world, wrong inside a tensor-parallel group of a larger world (it sums the other groups' gradients in).
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    class CopyTo(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad)  # group= forgotten
+            return grad
+
+    return F.linear(CopyTo.apply(x), weight, bias)
+
+
+def row_g_on_world_group(x, weight, bias, group):
+    # g called without its group argument: it sums over the whole world.
+    import torch.nn.functional as F
+
+    from workers.parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(F.linear(x, weight)) + bias
+
+
 def swiglu_naive_chunk(w, rank, world_size):
     return w.chunk(world_size, dim=0)[rank]
 
@@ -84,6 +114,8 @@ def swiglu_up_off_by_one(w, rank, world_size):
 WRONG = [
     ("column_parallel_forward", column_without_f, "only this rank's contribution"),
     ("column_parallel_forward", column_gathers_output, "whole output"),
+    ("column_parallel_forward", column_f_on_world_group, "used the default (world) group instead of the group"),
+    ("row_parallel_forward", row_g_on_world_group, "used the default (world) group instead of the group"),
     ("row_parallel_forward", row_bias_on_every_rank, "added it on every rank before the all-reduce"),
     ("row_parallel_forward", row_without_reduce, "partial product"),
     ("row_parallel_forward", row_bias_divided, "bias gradient"),

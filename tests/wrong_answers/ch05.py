@@ -39,10 +39,37 @@ def kv_one_per_rank(n_heads, n_kv_heads, world_size, rank):
     return [rank]
 
 
+def qkv_float32_buffer(w, n_heads, n_kv_heads, head_dim, rank, world_size):
+    # The right rows, copied into a buffer made with the default dtype: a bf16 checkpoint comes out float32.
+    import torch
+
+    d, t = head_dim, world_size
+    q_per = n_heads // t
+    if n_kv_heads % t == 0:
+        kv = list(range(rank * n_kv_heads // t, (rank + 1) * n_kv_heads // t))
+    else:
+        kv = [rank // (t // n_kv_heads)]
+    rows = list(range(rank * q_per * d, (rank + 1) * q_per * d))
+    for base in (n_heads * d, (n_heads + n_kv_heads) * d):
+        rows += [base + j * d + i for j in kv for i in range(d)]
+    out = torch.zeros((len(rows),) + tuple(w.shape[1:]))  # dtype forgotten
+    for k, row in enumerate(rows):
+        out[k] = w[row]
+    return out
+
+
+def kv_one_per_query_head(n_heads, n_kv_heads, world_size, rank):
+    # The right formula, one entry per query head: shared KV heads are listed several times.
+    q_per = n_heads // world_size
+    return [j // (n_heads // n_kv_heads) for j in range(rank * q_per, (rank + 1) * q_per)]
+
+
 WRONG = [
     ("split_fused_qkv", qkv_naive_chunk, "contiguous chunk"),
     ("split_fused_qkv", qkv_chunk_each_part, "cannot be split"),
     ("split_fused_qkv", qkv_k_and_v_swapped, "in that order"),
+    ("split_fused_qkv", qkv_float32_buffer, "it must keep w's dtype"),
+    ("kv_heads_for_rank", kv_one_per_query_head, "repeats some"),
     ("kv_heads_for_rank", kv_round_robin, "reads KV head j // 4"),
     ("kv_heads_for_rank", kv_one_per_rank, "query head j reads KV head"),
 ]

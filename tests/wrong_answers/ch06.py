@@ -72,6 +72,25 @@ def share_only_scores(seq, hidden):
     return 4 * seq / (24 * hidden + 4 * seq)
 
 
+def block_g_without_group(x, parts, group):
+    # g called without its group: right when the group is the whole world, wrong inside a TP group of a larger world.
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    h = x + g(parts.attention_partial(f(parts.ln1(x), group))) + parts.attention_bias
+    return h + g(parts.mlp_partial(f(parts.ln2(h), group))) + parts.mlp_bias
+
+
+def block_f_without_group(x, parts, group):
+    # f called without its group: the forward is right everywhere (f is the identity); the backward all-reduces
+    # the LayerNorm outputs' gradients over the whole world, mixing in the other group's gradients.
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    h = x + g(parts.attention_partial(f(parts.ln1(x))), group) + parts.attention_bias
+    return h + g(parts.mlp_partial(f(parts.ln2(h))), group) + parts.mlp_bias
+
+
 WRONG = [
     ("block_forward", block_without_f, "Pass the LayerNorm outputs through f"),
     ("block_forward", block_bias_inside_g, "holds each bias"),
@@ -79,6 +98,8 @@ WRONG = [
     ("block_forward", block_three_all_reduces, "needs exactly two"),
     ("block_forward", block_biases_on_rank_zero, "each copy must get the full gradient"),
     ("block_forward", block_detached_off_rank_zero, "not requiring grad"),
+    ("block_forward", block_g_without_group, "used the default (world) group instead of the group it was given"),
+    ("block_forward", block_f_without_group, "in the backward pass, copy_to_tensor_model_parallel_region ran over 4"),
     ("attention_flop_share", share_without_s_squared, "does not change with s"),
     ("attention_flop_share", share_only_scores, "only the s² part"),
 ]

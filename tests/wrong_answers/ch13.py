@@ -61,11 +61,28 @@ def stage_step_own_loss(stage, comm):
         comm.send_backward(x.grad)
 
 
+def stage_step_zero_grad_each_micro_batch(stage, comm):
+    # Right for one micro-batch, but the gradients are zeroed at every micro-batch: only the last one's survive.
+    import torch
+
+    stage.zero_grad()
+    x = comm.input() if comm.is_first else comm.recv_forward().requires_grad_()
+    y = stage(x)
+    if comm.is_last:
+        comm.loss(y).backward()
+    else:
+        comm.send_forward(y)
+        torch.autograd.backward(y, grad_tensors=comm.recv_backward())
+    if not comm.is_first:
+        comm.send_backward(x.grad)
+
+
 WRONG = [
     ("one_f_one_b_schedule", schedule_gpipe_order, "GPipe's order"),
     ("one_f_one_b_schedule", schedule_warmup_one_too_many, "a warm-up of p - stage - 1"),
     ("one_f_one_b_schedule", schedule_warmup_too_short, "a warm-up shorter than p - stage - 1"),
     ("stage_step", stage_step_no_requires_grad, "requires_grad_()"),
     ("stage_step", stage_step_no_send_backward, "never sent the gradient of its input back"),
-    ("stage_step", stage_step_own_loss, "backpropagate the gradient received from the next stage"),
+    ("stage_step", stage_step_own_loss, "that of a loss of its own"),
+    ("stage_step", stage_step_zero_grad_each_micro_batch, "the last micro-batch's alone"),
 ]

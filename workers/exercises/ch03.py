@@ -5,14 +5,17 @@ float64, so a correct answer matches bit for bit), runs the learner's functions 
 its own, and compares with the single-process reference (``reference.reference``). Each check names the
 mistake it sees: a backward that sums twice (the scaling trap), a backward that forgets to sum, the
 wrong slice for the rank, a forward that overwrites its input. Then a float64 gradcheck through the
-learner's collectives, and the same functions inside a sub-group, to be sure ``group=`` is honoured.
+learner's collectives, and at world 4 the same functions, forward and backward, inside two groups of 2
+(non-contiguous [0, 2] [1, 3], then consecutive [0, 1] [2, 3]; ``workers/exercises/subgroups.py``) with
+different data per group, to be sure ``group=`` is honoured: a collective, a size or a rank taken from the
+world instead of the group is named as such.
 """
 from __future__ import annotations
 
 import torch
 
+from workers.exercises.subgroups import DEFAULT_GROUP, in_sub_group, layouts, sub_group
 from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
-from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.reference import example, reference
 from workers.runtime import entrypoint
 
@@ -102,25 +105,10 @@ def check_f_and_g(ctx, answer) -> None:
         w_r, x = w_r.to(ctx.device), x.to(ctx.device).requires_grad_()
         _gradcheck("g(tanh(f(x) W_r))", lambda t: reduce_from(torch.tanh(copy_to(t, None) @ w_r), None), x)
 
-    def in_a_group():  # two tensor-parallel groups side by side: f and g must stay inside their own group
-        size = max(n // 2, 1)
-        with TensorParallelGroups(size, fresh=True) as groups:
-            mine = groups.group
-            xs, gs = example(F, size, seed=33 + r // size)
-            _, want_dx = reference(F, xs, gs)
-            _, dx = _run(ctx, copy_to, "copy_to (f) in a group", xs[r % size], gs[r % size], group=mine)
-            if not torch.equal(dx, want_dx[r % size]):
-                raise Wrong(f"with group= a sub-group of {size} rank(s), copy_to's backward did not sum over "
-                            "that group only: pass group=group to every dist call (None means the whole world)")
-            xs, gs = example(G, size, seed=34 + r // size)
-            want_y, _ = reference(G, xs, gs)
-            y, _ = _run(ctx, reduce_from, "reduce_from (g) in a group", xs[r % size], gs[r % size], group=mine)
-            if not torch.equal(y, want_y[r % size]):
-                raise Wrong(f"with group= a sub-group of {size} rank(s), reduce_from's forward did not sum over "
-                            "that group only: pass group=group to every dist call (None means the whole world)")
-
-    for stage in (f_alone, g_alone, together, in_a_group):
+    for stage in (f_alone, g_alone, together):
         agree(stage)
+    # then inside sub-groups: f and g must stay inside the group they are given
+    _in_sub_groups(ctx, [(copy_to, "copy_to (f)", F, 33), (reduce_from, "reduce_from (g)", G, 35)])
 
 
 # -- exercise 2: split and gather along the last dimension ----------------------------------------------
@@ -178,21 +166,99 @@ def check_split_and_gather(ctx, answer) -> None:
         _gradcheck("gather(tanh(scatter(x) * w_r))",
                    lambda t: gather_from(torch.tanh(scatter_to(t, None) * w_r), None), x)
 
-    def in_a_group():  # slices are taken and gathered within the group
-        size = max(n // 2, 1)
-        with TensorParallelGroups(size, fresh=True) as groups:
-            mine = groups.group
-            xs, gs = example(SCATTER, size, seed=43)
-            want_y, want_dx = reference(SCATTER, xs, gs)
-            y, dx = _run(ctx, scatter_to, "scatter_to in a group", xs[r % size], gs[r % size], group=mine,
-                         shape_hint=f"in a group of {size}, split into {size} slices: use the group's size")
-            if not (torch.equal(y, want_y[r % size]) and torch.equal(dx, want_dx[r % size])):
-                raise Wrong(f"with group= a sub-group of {size} rank(s), scatter_to did not keep slice "
-                            "dist.get_rank(group) or did not gather within the group: use the group's rank and "
-                            "size, and pass group=group to every dist call")
-
-    for stage in (scatter_alone, gather_alone, together, in_a_group):
+    for stage in (scatter_alone, gather_alone, together):
         agree(stage)
+    # then inside sub-groups: slices are taken, and gathered, within the group, at the rank's place in it
+    _in_sub_groups(ctx, [(scatter_to, "scatter_to", SCATTER, 43), (gather_from, "gather_from", GATHER, 45)])
+
+
+# -- both exercises: the same functions inside sub-groups ---------------------------------------------
+
+def _in_sub_groups(ctx, cases) -> None:
+    """At world 4, each ``(fn, what, mapping, seed)`` forward and backward inside two groups of 2, consecutive
+    ([0, 1] [2, 3]) then non-contiguous ([0, 2] [1, 3]), each group with its own data (seed + group index)."""
+    for dim in layouts(ctx.world_size):
+        with sub_group(ctx, dim) as sg:
+            for fn, what, mapping, seed in cases:
+                _group_case(ctx, sg, fn, what, mapping, seed)
+
+
+def _world_symptom(ctx, sg, mapping: str, pass_: str, got: torch.Tensor, mine: torch.Tensor, every) -> str | None:
+    """What the learner's result looks like if a collective, a size or a rank was the world's, not the group's.
+
+    ``mine`` is this rank's input (forward) or output gradient (backward); ``every`` the reference
+    ``(outputs, input gradients)`` of every group, from which a sum over the whole world is predicted.
+    """
+    n, world = sg.size, ctx.world_size
+    summed = {(F, "backward"): 1, (G, "forward"): 0}.get((mapping, pass_))
+    if summed is not None:  # a sum over the group; over the world it also adds the other group's terms
+        if torch.equal(got, sum(ref[summed][0] for ref in every)):
+            return f"it is the sum over all {world} ranks of the world, not over the {n} ranks of the group: the all_reduce"
+        return None
+    splits = (mapping, pass_) in ((SCATTER, "forward"), (GATHER, "backward"))
+    if splits:
+        width = mine.shape[-1]
+        if got.shape[-1] == width // world:
+            return f"it is 1/{world} of the last dimension: the split used the world's size, not the group's {n}; it"
+        k = _which_slice(got, mine, n)
+        if k is not None and k == ctx.rank != sg.rank:
+            return (f"rank {ctx.rank} kept slice {k}, its rank in the world, where its place in the group is "
+                    f"{sg.rank} (dist.get_rank() without group=): the split")
+        return None
+    if got.shape[-1] == world * mine.shape[-1]:  # a gather
+        return f"it concatenates the slices of all {world} ranks of the world, not the group's {n}: the all_gather"
+    return None
+
+
+def _error(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__} ({text[:160]})" if text else type(exc).__name__
+
+
+def _group_case(ctx, sg, fn, what: str, mapping: str, seed: int) -> None:
+    every_input = [example(mapping, sg.size, seed=seed + i) for i in range(sg.n_groups)]
+    every = [reference(mapping, xs, gs) for xs, gs in every_input]
+    xs, gs = every_input[sg.index]
+    want_y, want_dx = every[sg.index]
+    i, box = sg.rank, {}
+    where = f"{what} in a group"
+
+    def forward():
+        x = xs[i].clone().to(ctx.device).requires_grad_()
+        try:
+            y = fn(x, sg.group)
+        except Exception as exc:  # noqa: BLE001 - right with the world as its group, so it is the group
+            raise Wrong(f"{what} raised {_error(exc)} although it ran with the whole world as its group: it "
+                        "probably " + DEFAULT_GROUP) from None
+        if not isinstance(y, torch.Tensor):
+            raise Wrong(f"{what} should return a tensor, not {type(y).__name__}")
+        got = y.detach().cpu()
+        symptom = _world_symptom(ctx, sg, mapping, "forward", got, xs[i], every)
+        if symptom:
+            raise Wrong(f"{what}'s forward is wrong: {symptom} " + DEFAULT_GROUP)
+        expect_close(got, want_y[i], f"{where}: the forward", atol=0, rtol=0)
+        if not y.requires_grad:
+            raise Wrong(f"{what}'s output does not require grad")
+        box["x"], box["y"] = x, y
+
+    agree(lambda: in_sub_group(sg, forward))
+    try:
+        box["y"].backward(gs[i].to(ctx.device))
+    except Exception as exc:  # noqa: BLE001
+        raise Wrong(f"{sg.describe()}: {what}'s backward raised {_error(exc)} although it ran with the whole world "
+                    "as its group: it probably " + DEFAULT_GROUP) from None
+
+    def backward():
+        dx = box["x"].grad
+        if dx is None:
+            raise Wrong(f"{what}'s backward gave x no gradient")
+        dx = dx.detach().cpu()
+        symptom = _world_symptom(ctx, sg, mapping, "backward", dx, gs[i], every)
+        if symptom:
+            raise Wrong(f"{what}'s backward is wrong: {symptom} " + DEFAULT_GROUP)
+        expect_close(dx, want_dx[i], f"{where}: the backward (the input gradient)", atol=0, rtol=0)
+
+    agree(lambda: in_sub_group(sg, backward))
 
 
 CHECKS = {"f_and_g": check_f_and_g, "split_and_gather": check_split_and_gather}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.exercises.subgroups import DEFAULT_GROUP, in_sub_group, layouts, sub_group
 from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
 from workers.parallel.dense import BlockConfig, build, inputs
 from workers.parallel.layers import contiguous_index
@@ -45,16 +46,32 @@ def _dense_grads(linear, x, grad_output):
 
 # -- exercise 1: column-parallel forward ----------------------------------------------------------------
 
+def _stage(sg, stage):
+    """``stage`` as run in ``agree``: in a sub-group, its message says which group it was seen in."""
+    return stage if sg is None else (lambda: in_sub_group(sg, stage))
+
+
 def check_column_parallel_forward(ctx, answer) -> None:
-    t, r = ctx.world_size, ctx.rank
+    # The whole world as the group first (the chapter's picture), then, at world 4, two groups of 2 side by side
+    # with different layers and data: consecutive ranks, then non-contiguous ones.
+    _column_case(ctx, answer, None, ctx.world_size, ctx.rank, seeds=[4], index=0)
+    for dim in layouts(ctx.world_size):
+        with sub_group(ctx, dim) as sg:
+            _column_case(ctx, answer, sg.group, sg.size, sg.rank, seeds=[40 + i for i in range(sg.n_groups)],
+                         index=sg.index, sg=sg)
+
+
+def _column_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
+    """One forward and backward of the learner's column layer, ``t`` ranks in ``group``, this one at place ``r``;
+    the layer and data of group ``index`` come from ``seeds[index]`` (one seed per group)."""
     cfg = BlockConfig(hidden=8, ffn_hidden=16)
-    dense = build("column", cfg, seed=4)  # Linear(8, 16), the same on every rank
-    x_full, g_full = inputs("column", cfg, SEQ, BATCH, seed=4)
+    dense = build("column", cfg, seed=seeds[index])  # Linear(8, 16), the same on every rank of the group
+    x_full, g_full = inputs("column", cfg, SEQ, BATCH, seed=seeds[index])
     cols = contiguous_index(cfg.ffn, t, r, "ffn")
     weight = dense.weight.detach()[cols].clone().to(ctx.device).requires_grad_()  # [16/t, 8]
     bias = dense.bias.detach()[cols].clone().to(ctx.device).requires_grad_()
     x = x_full.clone().to(ctx.device).requires_grad_()
-    y = answer(x, weight, bias, None)
+    y = answer(x, weight, bias, group)
     want_y, want_dx, want_dw, want_db = _dense_grads(dense, x_full, g_full)
 
     def forward_verdict():
@@ -68,7 +85,7 @@ def check_column_parallel_forward(ctx, answer) -> None:
             raise Wrong("the output does not require grad: compute it from x, weight and bias with differentiable ops")
 
     # The backward may run the learner's collectives (f's all-reduce): every rank runs it, or none does.
-    agree(forward_verdict)
+    agree(_stage(sg, forward_verdict))
     y.backward(g_full[..., cols].to(ctx.device))
 
     def backward_verdict():
@@ -82,26 +99,44 @@ def check_column_parallel_forward(ctx, answer) -> None:
             raise Wrong("the output is right, but the input gradient is only this rank's contribution "
                         "(g_r W_r): every rank's columns read all of x, so dL/dx is the sum over ranks. Pass x "
                         "through copy_to_tensor_model_parallel_region (f): identity forward, all-reduce backward")
+        if sg is not None:  # every group's dense gradient, summed: what an all-reduce over the world gives
+            world = sum(_dense_grads(build("column", cfg, seed=s), *inputs("column", cfg, SEQ, BATCH, seed=s))[1]
+                        for s in seeds)
+            if _same(dx, world):
+                raise Wrong(f"the input gradient is the sum over all {ctx.world_size} ranks of the world, not over "
+                            f"the {t} ranks of your group: the all-reduce in f's backward " + DEFAULT_GROUP)
         expect_close(dx, want_dx, "the input gradient (after backward)", **TOL,
                      hints=[(scaled_by(t), f"it is {t} times too large: the gradient is all-reduced twice")])
 
-    agree(backward_verdict)
+    agree(_stage(sg, backward_verdict))
 
 
 # -- exercise 2: row-parallel forward, bias once -------------------------------------------------------------
 
 def check_row_parallel_forward(ctx, answer) -> None:
-    t, r = ctx.world_size, ctx.rank
-    cfg = BlockConfig(hidden=8, ffn_hidden=16)
-    dense = build("row", cfg, seed=5)  # Linear(16, 8)
+    _row_case(ctx, answer, None, ctx.world_size, ctx.rank, seeds=[5], index=0)
+    for dim in layouts(ctx.world_size):
+        with sub_group(ctx, dim) as sg:
+            _row_case(ctx, answer, sg.group, sg.size, sg.rank, seeds=[50 + i for i in range(sg.n_groups)],
+                      index=sg.index, sg=sg)
+
+
+def _row_dense(cfg, seed):
+    dense = build("row", cfg, seed=seed)  # Linear(16, 8)
     with torch.no_grad():
         dense.bias.add_(1.0)  # a bias far from zero, so adding it t times cannot hide in the tolerance
-    x_full, g_full = inputs("row", cfg, SEQ, BATCH, seed=5)
+    return dense
+
+
+def _row_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
+    cfg = BlockConfig(hidden=8, ffn_hidden=16)
+    dense = _row_dense(cfg, seeds[index])
+    x_full, g_full = inputs("row", cfg, SEQ, BATCH, seed=seeds[index])
     rows = contiguous_index(cfg.ffn, t, r, "ffn")
     x = x_full[..., rows].clone().to(ctx.device).requires_grad_()  # [s, b, 16/t]
     weight = dense.weight.detach()[:, rows].clone().to(ctx.device).requires_grad_()  # [8, 16/t]
     bias = dense.bias.detach().clone().to(ctx.device).requires_grad_()  # [8], whole on every rank
-    y = answer(x, weight, bias, None)
+    y = answer(x, weight, bias, group)
     want_y, want_dx, want_dw, want_db = _dense_grads(dense, x_full, g_full)
     b = dense.bias.detach().double()
 
@@ -110,6 +145,16 @@ def check_row_parallel_forward(ctx, answer) -> None:
             raise Wrong(f"row_parallel_forward should return a tensor, not {type(y).__name__}")
         got = y.detach().cpu().double()
         partial = x_full[..., rows].double() @ dense.weight.detach()[:, rows].double().T
+        if sg is not None and got.shape == want_y.shape:
+            # every group's sum of partial products, summed again: what an all-reduce over the world gives
+            sums = []
+            for s in seeds:
+                other = _row_dense(cfg, s)
+                sums.append(_dense_grads(other, *inputs("row", cfg, SEQ, BATCH, seed=s))[0] - other.bias.double())
+            world = sum(sums)
+            if _same(got, world + b):
+                raise Wrong(f"the output sums the partial products of all {ctx.world_size} ranks of the world, not "
+                            f"of the {t} ranks of your group: the all-reduce in g " + DEFAULT_GROUP)
         if t > 1 and got.shape == want_y.shape:
             if _same(got, want_y + (t - 1) * b):
                 raise Wrong(f"the output holds the bias {t} times: you added it on every rank before the all-reduce, "
@@ -124,7 +169,7 @@ def check_row_parallel_forward(ctx, answer) -> None:
             raise Wrong("the output does not require grad: compute it from x, weight and bias with differentiable ops")
 
     # The backward may run the learner's collectives: every rank runs it, or none does.
-    agree(forward_verdict)
+    agree(_stage(sg, forward_verdict))
     y.backward(g_full.to(ctx.device))
 
     def backward_verdict():
@@ -143,7 +188,7 @@ def check_row_parallel_forward(ctx, answer) -> None:
         expect_close(_grad(x, "this rank's input shard"), want_dx[..., rows], "the gradient of this rank's input shard",
                      **TOL)
 
-    agree(backward_verdict)
+    agree(_stage(sg, backward_verdict))
 
 
 # -- exercise 3: SwiGLU split -----------------------------------------------------------------------------

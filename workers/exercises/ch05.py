@@ -93,6 +93,25 @@ def check_split_fused_qkv(ctx, answer) -> None:
 
         agree(verdict)
 
+    # Checkpoints hold bf16 weights: the shard is rows of w, in w's dtype, not a float32 copy of them.
+    cfg = configs(t)[0]
+    w16 = build("attention", cfg, seed=20).qkv.weight.detach().to(torch.bfloat16)
+    got16 = answer(w16.clone(), cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t)
+    want16 = w16[qkv_rows(cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t)]
+
+    def dtype_verdict():
+        if not isinstance(got16, torch.Tensor):
+            raise Wrong(f"split_fused_qkv should return a tensor, not {type(got16).__name__}")
+        if got16.dtype != torch.bfloat16:
+            raise Wrong(f"given a bfloat16 weight, your shard is {got16.dtype}: it must keep w's dtype (take rows "
+                        "of w with indexing or torch.cat of slices; a buffer from torch.empty/zeros without "
+                        "dtype=w.dtype is float32, doubling the memory of every shard)")
+        if not torch.equal(got16.cpu(), want16):
+            raise Wrong("given a bfloat16 weight, your shard's rows differ from the float32 case's: take rows of w, "
+                        "do not compute with them")
+
+    agree(dtype_verdict)
+
 
 def check_kv_heads_for_rank(ctx, answer) -> None:
     t, r = ctx.world_size, ctx.rank
@@ -111,6 +130,11 @@ def check_kv_heads_for_rank(ctx, answer) -> None:
         if got_list != want:
             q = list(range(r * n_heads // t, (r + 1) * n_heads // t))
             group = n_heads // n_kv
+            if len(got_list) > len(set(got_list)) and sorted(set(got_list)) == want:
+                problems.append(f"n_heads={n_heads}, n_kv_heads={n_kv}, TP={t}: rank {r} needs KV heads {want}, "
+                                f"each once; {got_list} repeats some (one entry per query head: several query heads "
+                                "share a KV head, and the rank holds it once)")
+                break
             problems.append(f"n_heads={n_heads}, n_kv_heads={n_kv}, TP={t}: rank {r} holds query heads {q}; query "
                             f"head j reads KV head j // {group} (n_heads / n_kv_heads), so the rank needs KV heads "
                             f"{want}, not {got_list}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.exercises.subgroups import DEFAULT_GROUP, in_sub_group, layouts, sub_group
 from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
 from workers.parallel import mappings
 from workers.parallel.block import ParallelBlock
@@ -38,9 +39,9 @@ class BlockParts:
         self.mlp_bias = block.mlp.fc2.bias
 
 
-def _dense_with_biases_times(cfg: BlockConfig, factor: int, x: torch.Tensor) -> torch.Tensor:
+def _dense_with_biases_times(cfg: BlockConfig, factor: int, x: torch.Tensor, seed: int) -> torch.Tensor:
     """The dense block's output if both output-projection biases counted ``factor`` times (bias inside g)."""
-    dense = build("block", cfg, seed=30).double()
+    dense = build("block", cfg, seed=seed).double()
     with torch.no_grad():
         dense.attention.proj.bias.mul_(factor)
         dense.mlp.fc2.bias.mul_(factor)
@@ -48,20 +49,45 @@ def _dense_with_biases_times(cfg: BlockConfig, factor: int, x: torch.Tensor) -> 
 
 
 def check_block_forward(ctx, answer) -> None:
-    t, r = ctx.world_size, ctx.rank
+    # The whole world as the group first, then, at world 4, two groups of 2 side by side (non-contiguous
+    # [0, 2] [1, 3], then consecutive [0, 1] [2, 3]), each group with its own block and data.
+    _block_case(ctx, answer, None, ctx.world_size, ctx.rank, seed=30)
+    for dim in layouts(ctx.world_size):
+        with sub_group(ctx, dim) as sg:
+            _block_case(ctx, answer, sg.group, sg.size, sg.rank, seed=300 + sg.index, sg=sg)
+
+
+def _stage(sg, stage):
+    return stage if sg is None else (lambda: in_sub_group(sg, stage))
+
+
+def _off_group(log, pass_: str, t: int, world: int) -> str | None:
+    """A collective of the mappings that ran over more ranks than the group's ``t`` (None passed as group)."""
+    sizes = sorted({e["group_size"] for e in log if e["pass"] == pass_ and e["group_size"] != t})
+    if not sizes:
+        return None
+    names = sorted({e["mapping"] for e in log if e["pass"] == pass_ and e["group_size"] != t})
+    return (f"in the {pass_} pass, {', '.join(names)} ran over {sizes[-1]} ranks (the world has {world}), where "
+            f"the group has {t}: it " + DEFAULT_GROUP)
+
+
+def _block_case(ctx, answer, group, t, r, *, seed, sg=None) -> None:
     cfg = BlockConfig(hidden=16, n_heads=4)
-    block = ParallelBlock.from_dense(build("block", cfg, seed=30)).to(ctx.device)
+    block = ParallelBlock.from_dense(build("block", cfg, seed=seed), group).to(ctx.device)
     parts = BlockParts(block)
-    x_full, g_full = inputs("block", cfg, SEQ, BATCH, seed=30)
+    x_full, g_full = inputs("block", cfg, SEQ, BATCH, seed=seed)
     x = x_full.clone().to(ctx.device).requires_grad_()
-    ref = reference("block", cfg, SEQ, BATCH, seed=30)
+    ref = reference("block", cfg, SEQ, BATCH, seed=seed)
     with mappings.record_communication() as log:
-        y = answer(x, parts, None)
+        y = answer(x, parts, group)
         forward_ar = sum(1 for e in log if e["collective"] == "all_reduce" and e["pass"] == "forward")
 
         def forward_verdict():
             if not isinstance(y, torch.Tensor):
                 raise Wrong(f"block_forward should return a tensor, not {type(y).__name__}")
+            off = _off_group(log, "forward", t, ctx.world_size) if sg is not None else None
+            if off:
+                raise Wrong(off)
             if y.shape != x.shape:
                 raise Wrong(f"rank {r}'s output has shape {tuple(y.shape)}: it should have the input's shape "
                             f"{tuple(x.shape)}")
@@ -74,7 +100,7 @@ def check_block_forward(ctx, answer) -> None:
                             "after each sub-layer's partial output")
             got = y.detach().cpu().double()
             want = ref["output"]
-            if t > 1 and torch.allclose(got, _dense_with_biases_times(cfg, t, x_full), atol=1e-4):
+            if t > 1 and torch.allclose(got, _dense_with_biases_times(cfg, t, x_full, seed), atol=1e-4):
                 raise Wrong(f"the output holds each bias {t} times: you added it inside g (before the all-reduce); "
                             "add it after the sum")
             if not torch.allclose(got, want, **TOL):
@@ -84,11 +110,14 @@ def check_block_forward(ctx, answer) -> None:
                             "added after the sum")
 
         # The backward runs the learner's f all-reduces: every rank runs it, or none does.
-        agree(forward_verdict)
+        agree(_stage(sg, forward_verdict))
         y.backward(g_full.to(ctx.device))
     backward_ar = sum(1 for e in log if e["collective"] == "all_reduce" and e["pass"] == "backward")
 
     def backward_verdict():
+        off = _off_group(log, "backward", t, ctx.world_size) if sg is not None else None
+        if off:
+            raise Wrong(off)
         wrong = []
         for name, p in block.named_parameters():
             dense_grad = ref["grads"][name]
@@ -116,7 +145,7 @@ def check_block_forward(ctx, answer) -> None:
             raise Wrong(f"outputs and gradients are right, but the backward ran {backward_ar} all-reduces through the "
                         "regions, where the block needs exactly two (one f per sub-layer)")
 
-    agree(backward_verdict)
+    agree(_stage(sg, backward_verdict))
 
 
 CHECKS = {"block_forward": check_block_forward}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from workers.exercises.support import Wrong, agree, expect_close, run_exercise
-from workers.pipeline.model import FP32_TOL, PipelineConfig, global_names, loss_fn, make_batch, micro_batches, stage_module
+from workers.pipeline.model import (FP32_TOL, PipelineConfig, global_names, loss_fn, make_batch, make_model,
+                                   micro_batches, partition_table, stage_module)
 from workers.pipeline.p2p import P2P
 from workers.pipeline.reference import reference_step
 
@@ -123,18 +124,61 @@ def check_stage_step(ctx, answer) -> None:
 
     agree(protocol_kept)
     want = reference_step(cfg)["grads"]
+    names = global_names(cfg, stage, p, module)
+    last_only, own_loss = _what_mistakes_give(cfg, stage, p, list(names))
 
     def gradients_right():
-        for name, param in global_names(cfg, stage, p, module).items():
+        for name, param in names.items():
             if param.grad is None:
                 raise Wrong(f"stage {stage}'s {name} has no gradient: run the backward on every stage")
-            last = stage == p - 1
-            expect_close(param.grad, want[name], f"stage {stage}'s gradient of {name}", **FP32_TOL, hints=[
-                (lambda got, w: not last, "backpropagate the gradient received from the next stage "
-                                          "(torch.autograd.backward(output, grad)), not a loss of your own"),
+            got = param.grad.detach().cpu()
+            if torch.allclose(got, want[name], **FP32_TOL):
+                continue
+            if torch.allclose(got, last_only[name], **FP32_TOL):
+                raise Wrong(f"stage {stage}'s gradient of {name} is the last micro-batch's alone: the gradients of "
+                            f"the {cfg.micro_batches - 1} earlier micro-batches were lost. Do not zero the gradients "
+                            "(zero_grad) or overwrite .grad in the step of one micro-batch: the m micro-batches' "
+                            "gradients add up in .grad until the optimizer step, and the trainer zeroes them once "
+                            "per step")
+            if own_loss is not None and torch.allclose(got, own_loss[name], **FP32_TOL):
+                raise Wrong(f"stage {stage}'s gradient of {name} is that of a loss of its own (output.sum()): "
+                            "backpropagate the gradient received from the next stage "
+                            "(torch.autograd.backward(output, grad)), not a loss of your own")
+            expect_close(got, want[name], f"stage {stage}'s gradient of {name}", **FP32_TOL, hints=[
+                (lambda g, w: stage < p - 1, "it differs from the unsplit model's. Check that the backward uses the "
+                 "gradient received from the next stage (torch.autograd.backward(output, grad)), not a loss of "
+                 "its own, and that the m micro-batches' gradients accumulate in .grad (no zero_grad inside the "
+                 "step)"),
             ])
 
     agree(gradients_right)
+
+
+def _what_mistakes_give(cfg: PipelineConfig, stage: int, p: int, names: list[str]):
+    """This stage's gradients (by global name) under two mistakes, from the unsplit model in this process:
+    only the last micro-batch's (gradients zeroed or overwritten every micro-batch), and, for a stage before
+    the last, a made-up loss ``output.sum()`` backpropagated instead of the received gradient."""
+    model = make_model(cfg)
+    params = dict(model.named_parameters())
+    first, end = partition_table(cfg.layers, p)[stage]
+    x, y = make_batch(cfg)
+    own = {n: torch.zeros_like(params[n]) for n in names} if stage < p - 1 else None
+    last = {}
+    for i, (xi, yi) in enumerate(zip(micro_batches(cfg, x), micro_batches(cfg, y))):
+        h = xi
+        for layer in list(model)[:end]:
+            h = layer(h)
+        if i == cfg.micro_batches - 1:
+            out = h
+            for layer in list(model)[end:]:
+                out = layer(out)
+            grads = torch.autograd.grad(loss_fn(out, yi) / cfg.micro_batches, [params[n] for n in names],
+                                        retain_graph=own is not None)
+            last = {n: g.detach() for n, g in zip(names, grads)}
+        if own is not None:
+            for n, g in zip(names, torch.autograd.grad(h.sum(), [params[n] for n in names])):
+                own[n] += g.detach()
+    return last, own
 
 
 CHECKS = {"stage_step": check_stage_step}
