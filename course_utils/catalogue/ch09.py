@@ -14,11 +14,18 @@ DIVERGENCE_CASES = [
     ([1.0, 2.0, 3.0], [1.0, 2.0], 0.0, 2),  # a replay that stopped early diverges where it stops
     ([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, float("nan"), 4.0], 1e-3, 2),  # NaN is never close to anything
     ([1e4, 2e4, 3e4], [1e4 + 1e-3, 2e4 + 1e-3, 3e4 * 1.01], 1e-6, 2),  # rtol is relative: 1e-3 on 1e4 is rounding
+    # relative to the LARGER value: 0.6 apart is within 0.25 * 2.6 = 0.65, but not within 0.25 * 2.0 = 0.5
+    ([1.0, 2.0, 3.0], [1.0, 2.6, 6.0], 0.25, 2),  # trace_b holds the larger value at step 1
+    ([1.0, 2.6, 6.0], [1.0, 2.0, 3.0], 0.25, 2),  # trace_a holds it
+    ([0.0, 1.0, 0.0, 2.0], [0.0, 1.0, 0.0, 2.5], 0.1, 3),  # steps where both traces are exactly 0 agree
 ]
 
 
 def _why(case, got) -> str:
     a, b, rtol, want = case
+    if want is None and got == 0 and a == b:
+        return ("the traces are identical: |a - b| = 0 is within any tolerance, rtol = 0 included; test "
+                "|a - b| <= rtol * max(|a|, |b|), with <=, not <")
     if want == 4 and got == 2:
         return ("step 2 differs by 1e-9 relative, within rtol=1e-6: that is rounding, not divergence; compare "
                 "|a - b| <= rtol * max(|a|, |b|)")
@@ -31,13 +38,31 @@ def _why(case, got) -> str:
                 "NaN counts as a divergence")
     if want == 2 and got == 0 and a[0] == 1e4:
         return "you compared |a - b| with rtol itself: rtol is relative, so scale it by max(|a|, |b|)"
+    if want == 2 and got == 1 and rtol == 0.25:
+        x, y = a[1], b[1]
+        side = "trace_a's" if abs(x) < abs(y) else "trace_b's"
+        return (f"step 1 differs by {abs(x - y):.2g}, within rtol * max(|a|, |b|) = {rtol * max(abs(x), abs(y)):.2g}: "
+                f"the relative tolerance is taken against the wrong operand ({side} value, or the smaller of the two, "
+                f"gives {rtol * min(abs(x), abs(y)):.2g}); scale rtol by the larger, max(|a|, |b|), so that swapping "
+                "the traces changes nothing")
+    if want == 3 and got in (0, 2):
+        return (f"at step {got} both traces are exactly 0, which is no divergence: compare |a - b| <= rtol * max(|a|, "
+                "|b|) (0 <= 0 holds) rather than dividing by a value that can be 0")
     return ""
 
 
 def check_first_divergence(answer) -> tuple[str, str]:
     for case in DIVERGENCE_CASES:
         a, b, rtol, want = case
-        got = answer(list(a), list(b), rtol)
+        copy_a, copy_b = list(a), list(b)
+        try:
+            got = answer(copy_a, copy_b, rtol)
+        except ZeroDivisionError:
+            return FAIL, (f"first_divergence({a}, {b}, rtol={rtol:g}) divided by zero: where both values are 0 a "
+                          "ratio such as |a - b| / max(|a|, |b|) is 0 / 0. Compare without dividing: |a - b| <= rtol * max(|a|, |b|)")
+        if repr(copy_a) != repr(a) or repr(copy_b) != repr(b):
+            return FAIL, (f"first_divergence({a}, {b}, rtol={rtol:g}) changed the traces it was given (now {copy_a}, "
+                          f"{copy_b}): only read them, the caller keeps using them")
         if got != want or (want is not None and isinstance(got, bool)):
             hint = _why(case, got)
             return FAIL, (f"first_divergence({a}, {b}, rtol={rtol:g}) returned {got!r}, expected {want!r}"
@@ -51,32 +76,62 @@ def _z_loss_reference(logits, coeff):
     return coeff * (torch.logsumexp(logits.float(), dim=-1) ** 2).mean()
 
 
+Z_CASES = (  # (shape, coeff, shift added to N(0, 2^2) logits, dtype of the logits)
+    ((2, 5, 11), 1e-4, 0.0, "float32"),
+    ((3, 7), 0.5, 4.0, "float32"),
+    ((1, 4, 6), 1e-2, -3.0, "float32"),
+    ((4, 9), 1e-3, 100.0, "float32"),  # exp(100) overflows fp32 (max about e^88.7)
+    ((4, 9), 1e-3, -120.0, "float32"),  # exp(-120) underflows fp32 to 0 (smallest about e^-103)
+    ((2, 3, 10), 1e-2, 30.0, "bfloat16"),  # what a mixed-precision model's head hands over
+)
+
+
 def check_z_loss(answer) -> tuple[str, str]:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    for shape, coeff, shift in (((2, 5, 11), 1e-4, 0.0), ((3, 7), 0.5, 4.0), ((1, 4, 6), 1e-2, -3.0)):
-        logits = (torch.randn(*shape, generator=g) * 2 + shift).requires_grad_()
+    for shape, coeff, shift, dtype in Z_CASES:
+        logits = (torch.randn(*shape, generator=g) * 2 + shift).to(getattr(torch, dtype)).requires_grad_()
+        before = logits.detach().clone()
         got = answer(logits, coeff)
         want = _z_loss_reference(logits.detach(), coeff)
+        where = f"shape {tuple(shape)}, coeff {coeff:g}, {dtype} logits around {shift:g}"
         if not isinstance(got, torch.Tensor) or got.dim() != 0:
             return FAIL, f"return a scalar tensor (a loss term to add before backward), got {got!r}"
+        if not torch.equal(logits.detach(), before):
+            return FAIL, f"{where}: you changed the logits in place: the cross-entropy still needs them; compute into new tensors"
         if not got.requires_grad:
             return FAIL, "the z-loss has no gradient: compute it from the logits with torch ops, not .item()"
+        if not math.isfinite(got.item()):
+            return FAIL, (f"{where}: got {got.item()}: an unstable log(sum(exp)): exp of logits around {shift:g} "
+                          f"{'overflows to inf' if shift > 0 else 'underflows to 0'} in fp32. Use torch.logsumexp, which "
+                          "subtracts the largest logit before exponentiating")
         if math.isclose(got.item(), want.item(), rel_tol=1e-5, abs_tol=1e-8):
+            (grad,) = torch.autograd.grad(got, logits)
+            want_logits = logits.detach().float().requires_grad_()
+            (want_grad,) = torch.autograd.grad(_z_loss_reference(want_logits, coeff), want_logits)
+            grad_tol = 1e-3 if dtype == "float32" else 2e-2  # a bf16 gradient is rounded to 8 bits
+            if not torch.allclose(grad.float(), want_grad, rtol=grad_tol, atol=1e-8 * coeff):
+                return FAIL, (f"{where}: the value is right but its gradient with respect to the logits is not "
+                              "(a detached factor, or a value computed outside autograd?): every op from the logits "
+                              "to the loss must stay in the graph")
             continue
-        lse = torch.logsumexp(logits.detach(), dim=-1)
-        where = f"shape {tuple(shape)}, coeff {coeff:g}"
+        if dtype != "float32" and math.isclose(got.item(), (coeff * (torch.logsumexp(logits.detach(), -1).float() ** 2)
+                                                            .mean()).item(), rel_tol=1e-5):
+            return FAIL, (f"{where}: you computed log Z in {dtype}, which keeps 8 bits of mantissa: cast the logits "
+                          "to float32 first (logits.float()), as the loss is")
+        lse = torch.logsumexp(logits.detach().float(), dim=-1)
         if math.isclose(got.item(), (coeff * lse.mean()).item(), rel_tol=1e-5):
             return FAIL, f"{where}: you did not square log Z: the z-loss is coeff * mean(log Z ** 2)"
         if math.isclose(got.item(), (coeff * lse.mean() ** 2).item(), rel_tol=1e-5):
             return FAIL, f"{where}: you squared the mean of log Z; square each position's log Z, then average"
-        if math.isclose(got.item(), (coeff * (logits.detach().amax(-1) ** 2).mean()).item(), rel_tol=1e-5):
+        if math.isclose(got.item(), (coeff * (logits.detach().float().amax(-1) ** 2).mean()).item(), rel_tol=1e-5):
             return FAIL, f"{where}: log Z is the logsumexp over the vocabulary, not the largest logit"
         if math.isclose(got.item(), (coeff * (lse ** 2).sum()).item(), rel_tol=1e-5):
             return FAIL, f"{where}: you summed over positions: average, so the term does not grow with the batch"
         return FAIL, f"{where}: got {got.item():.6g}, expected {want.item():.6g}"
-    return PASS, "correct: coeff * mean over positions of logsumexp(logits)^2, with a gradient"
+    return PASS, ("correct: coeff * mean over positions of logsumexp(logits)^2, with its gradient, stable for huge "
+                  "and very negative logits")
 
 
 register(Exercise("cross_rank_checksum", "09", "cross_rank_checksum",

@@ -45,6 +45,9 @@ def check_ring_allreduce_time(answer) -> tuple[str, str]:
             hint = "each of the 2(n-1) steps moves a chunk of S/n, not the whole S"
         elif abs(got - bwt) <= 1e-9 * want:
             hint = "the latency term 2(n-1) x alpha is missing"
+        elif abs(got - (lat + (2 * (n - 1) // n) * size / bw)) <= 1e-9 * want or abs(got - lat) <= 1e-9 * want:
+            hint = (f"integer division: 2(n-1)//n is {2 * (n - 1) // n} (and (n-1)//n is 0) where 2(n-1)/n is "
+                    f"{2 * (n - 1) / n:g}; use / for the bandwidth factor")
         else:
             hint = f"expected 2(n-1) alpha + 2(n-1)/n S/B = {want:.6g} s"
         return FAIL, f"for {case} you returned {got:.6g} s: {hint}"
@@ -60,9 +63,21 @@ FR_SIZES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch 2.1
 def check_fix_nccl_env(answer) -> tuple[str, str]:
     from course_utils.nccl_env import FR_DEFAULT_ENTRIES, read_int, validate_env
 
-    got = answer(dict(BAD_ENV))
+    given = dict(BAD_ENV)
+    got = answer(given)
+    if given != BAD_ENV:
+        changed = sorted(set(given) ^ set(BAD_ENV) | {k for k in given if k in BAD_ENV and given[k] != BAD_ENV[k]})
+        return FAIL, (f"your function changed the environment it was given ({', '.join(changed[:3])}...): return a "
+                      "corrected copy (fixed = dict(env), then edit fixed); the caller may still need the original, "
+                      "to diff it or to launch the debugging run again")
     if not isinstance(got, dict):
         return FAIL, f"return the corrected environment as a dict of name -> value, got {type(got).__name__}"
+    not_str = [(k, v) for k, v in got.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if not_str:
+        k, v = not_str[0]
+        return FAIL, (f"{k}={v!r} is of type {type(v).__name__}, not str: an environment holds strings only "
+                      f"(os.environ refuses anything else, and NCCL and PyTorch read their settings as text): "
+                      f"write {str(v)!r}")
     for name in MUST_KEEP:
         if got.get(name) != BAD_ENV[name]:
             return FAIL, (f"keep {name}={BAD_ENV[name]}: it is system configuration (which ports to use), "

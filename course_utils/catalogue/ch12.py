@@ -18,7 +18,8 @@ def _close(got, want, tol=1e-6) -> bool:
 
 # -- 1. LoRA merge --------------------------------------------------------------------------------------
 
-MERGE_CASES = [(6, 5, 2, 4.0), (8, 3, 1, 1.0), (4, 7, 4, 16.0)]  # (d, k, r, alpha): alpha = r once, on purpose
+# (d, k, r, alpha): alpha = r once, on purpose; then ints as configs write them, where r does not divide alpha
+MERGE_CASES = [(6, 5, 2, 4.0), (8, 3, 1, 1.0), (4, 7, 4, 16.0), (5, 6, 3, 8), (6, 4, 8, 4)]
 
 
 def check_lora_merge(answer) -> tuple[str, str]:
@@ -27,16 +28,22 @@ def check_lora_merge(answer) -> tuple[str, str]:
     g = torch.Generator().manual_seed(0)
     for d, k, r, alpha in MERGE_CASES:
         W, A, B = (torch.randn(d, k, generator=g), torch.randn(r, k, generator=g), torch.randn(d, r, generator=g))
-        W_before = W.clone()
+        W_before, A_before, B_before = W.clone(), A.clone(), B.clone()
         got = answer(W, A, B, alpha, r)
         want = W_before + (alpha / r) * B @ A
         where = f"d={d}, k={k}, r={r}, alpha={alpha:g}"
         if not torch.equal(W, W_before):
             return FAIL, f"{where}: you changed W in place: return a new merged matrix and leave the base weight alone"
+        if not (torch.equal(A, A_before) and torch.equal(B, B_before)):
+            return FAIL, f"{where}: you changed A or B in place: the adapter must survive the merge (to unmerge, or save)"
         if not isinstance(got, torch.Tensor) or got.shape != (d, k):
             return FAIL, f"{where}: return a [d, k] = [{d}, {k}] tensor (W's shape), got {getattr(got, 'shape', got)}"
         if _close(got, want):
             continue
+        if alpha % r and _close(got, W_before + (alpha // r) * B @ A):
+            return FAIL, (f"{where}: you scaled by alpha // r = {alpha // r} (floor division) instead of alpha / r = "
+                          f"{alpha / r:.4g}: with integer alpha and r, // rounds down, which only shows when r does "
+                          "not divide alpha; use /")
         if _close(got, W_before + B @ A) and alpha != r:
             return FAIL, f"{where}: you forgot the scale alpha / r: W = W0 + (alpha / r) * B @ A"
         if _close(got, W_before + alpha * B @ A):
@@ -57,40 +64,70 @@ def _dpo_reference(pc, pr, rc, rr, beta):
     return -F.logsigmoid(beta * ((pc - rc) - (pr - rr))).mean()
 
 
+DPO_CASES = [  # (n, beta, log-prob centre, spread): sequence log-probs are sums over tokens, often hundreds below 0
+    (5, 0.1, -5.0, 3.0), (3, 0.5, -5.0, 3.0), (4, 2.0, -5.0, 3.0),
+    (6, 1.0, -300.0, 150.0),  # margins of hundreds: sigmoid(margin) rounds to 0 or 1 in fp32
+]
+
+
 def check_dpo_loss(answer) -> tuple[str, str]:
     import torch
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(1)
-    for n, beta in ((5, 0.1), (3, 0.5), (4, 2.0)):
-        pc, pr, rc, rr = (torch.randn(n, generator=g) * 3 - 5 for _ in range(4))
+    for n, beta, centre, spread in DPO_CASES:
+        pc, pr, rc, rr = (torch.randn(n, generator=g) * spread + centre for _ in range(4))
         pc.requires_grad_()
+        pr.requires_grad_()
+        before = [t.detach().clone() for t in (pc, pr, rc, rr)]
         got = answer(pc, pr, rc, rr, beta)
-        want = _dpo_reference(pc.detach(), pr, rc, rr, beta)
-        where = f"n={n}, beta={beta:g}"
+        want = _dpo_reference(pc.detach(), pr.detach(), rc, rr, beta)
+        where = f"n={n}, beta={beta:g}" + (f", log-probs around {centre:g}" if centre < -100 else "")
         if not isinstance(got, torch.Tensor) or got.dim() != 0:
             return FAIL, f"{where}: return a scalar tensor (the mean loss over pairs), got {got!r}"
+        if not all(torch.equal(t.detach(), b) for t, b in zip((pc, pr, rc, rr), before)):
+            return FAIL, f"{where}: you changed the log-probs in place: compute into new tensors"
         if not got.requires_grad:
             return FAIL, f"{where}: the loss has no gradient: compute it with torch ops from the log-probs"
+        if not torch.isfinite(got):
+            return FAIL, (f"{where}: got {got.item()}: log(sigmoid(x)) is -inf once sigmoid(x) rounds to 0 (x below "
+                          "about -100 in fp32): an unstable form. Use F.logsigmoid(x), which never takes the log of 0")
         if _close(got.detach(), want, 1e-5):
+            grads = torch.autograd.grad(got, (pc, pr), allow_unused=True)
+            ref_pc, ref_pr = pc.detach().clone().requires_grad_(), pr.detach().clone().requires_grad_()
+            want_grads = torch.autograd.grad(_dpo_reference(ref_pc, ref_pr, rc, rr, beta), (ref_pc, ref_pr))
+            for name, grad, want_grad in zip(("policy_chosen", "policy_rejected"), grads, want_grads):
+                grad = torch.zeros_like(want_grad) if grad is None else grad
+                scale = want_grad.abs().max().item()
+                if torch.allclose(grad.double(), want_grad.double(), rtol=1e-4, atol=1e-5 * scale + 1e-12):
+                    continue
+                if not grad.any():
+                    return FAIL, (f"{where}: the loss is right but its gradient with respect to {name} is zero: "
+                                  f"{name} is detached from the graph (.detach(), .item() or torch.no_grad()), so "
+                                  f"training never moves {'the rejected answer down' if 'rejected' in name else 'the chosen answer up'}; "
+                                  "keep both policy log-probs in the graph")
+                return FAIL, (f"{where}: the loss is right but its gradient with respect to {name} is not "
+                              f"({grad.tolist()[:3]}... instead of {want_grad.tolist()[:3]}...): part of it is detached")
             continue
         v = got.detach()
+        pc_, pr_ = pc.detach(), pr.detach()
         alt = {
             "the sign is flipped: the loss must fall as the chosen answer gains on the rejected one, "
             "-log sigmoid(beta * (chosen log-ratio - rejected log-ratio))":
-                -F.logsigmoid(-beta * ((pc - rc) - (pr - rr))).mean(),
+                -F.logsigmoid(-beta * ((pc_ - rc) - (pr_ - rr))).mean(),
             "beta is missing: the margin is beta * (log-ratio of chosen - log-ratio of rejected)":
-                -F.logsigmoid((pc - rc) - (pr - rr)).mean(),
+                -F.logsigmoid((pc_ - rc) - (pr_ - rr)).mean(),
             "the reference is not subtracted: DPO compares log(pi / pi_ref), not log pi alone":
-                -F.logsigmoid(beta * (pc - pr)).mean(),
+                -F.logsigmoid(beta * (pc_ - pr_)).mean(),
             "you summed over pairs: average, so the loss does not grow with the batch":
-                -F.logsigmoid(beta * ((pc - rc) - (pr - rr))).sum(),
+                -F.logsigmoid(beta * ((pc_ - rc) - (pr_ - rr))).sum(),
         }
         for why, value in alt.items():
             if _close(v, value.detach(), 1e-5):
                 return FAIL, f"{where}: {why}"
         return FAIL, f"{where}: got {v.item():.6g}, expected {want.item():.6g}"
-    return PASS, "correct: -mean log sigmoid(beta * [(log pi_w - log ref_w) - (log pi_l - log ref_l)])"
+    return PASS, ("correct: -mean log sigmoid(beta * [(log pi_w - log ref_w) - (log pi_l - log ref_l)]), with the "
+                  "gradient of both policy log-probs, stable for margins of hundreds")
 
 
 # -- 3. GRPO advantages ---------------------------------------------------------------------------------
@@ -110,8 +147,13 @@ def check_grpo_advantages(answer) -> tuple[str, str]:
         (torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]), 4),
     ]
     for rewards, G in cases:
-        got = answer(rewards.clone(), G)
+        given = rewards.clone()
+        got = answer(given, G)
         where = f"rewards={rewards.tolist()}, group_size={G}"
+        if not torch.equal(given, rewards):
+            return FAIL, (f"{where}: your function changed the rewards it was given (now {given.tolist()}): "
+                          "rewards.view(...) shares their memory, so -= or /= on it writes into the caller's tensor, "
+                          "which the logger and the next step still read. Compute the advantages into a new tensor")
         if not isinstance(got, torch.Tensor) or got.shape != rewards.shape:
             return FAIL, f"{where}: return one advantage per reward, a tensor of shape {tuple(rewards.shape)}"
         if torch.isnan(got).any():

@@ -2,11 +2,17 @@
 holds) and the causal block rule of ring attention (which blocks a rank computes, masks, or skips)."""
 from course_utils.exercises import FAIL, PASS, Exercise, register
 
-SPLIT_SHAPES = ((8, 2), (16, 4), (48, 4), (32, 8), (4, 1))  # (seq, cp)
+SPLIT_SHAPES = ((8, 2), (16, 4), (48, 4), (32, 8), (4, 1), (24, 4), (6, 1))  # (seq, cp); the last two: odd chunks
 
 
 def _ranges(got) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in got]
+
+
+def _not_ints(got) -> bool:
+    """True if a bound is a float (seq / (2 * cp)), Python's or a tensor's."""
+    return any(isinstance(x, float) or (hasattr(x, "is_floating_point") and x.is_floating_point())
+               for pair in got for x in pair)
 
 
 def check_zigzag_chunks(answer) -> tuple[str, str]:
@@ -23,6 +29,9 @@ def check_zigzag_chunks(answer) -> tuple[str, str]:
             except (TypeError, ValueError):
                 return FAIL, f"{where}: return a list of two (start, stop) pairs, like [(0, 2), (6, 8)]"
             want = chunk_ranges(seq, cp, rank, "zigzag")
+            if got == want and _not_ints(answer(seq, cp, rank)):
+                return FAIL, (f"{where}: the bounds are right but not ints ({answer(seq, cp, rank)}): seq / (2 * cp) is "
+                              "a float, and a float cannot index or slice a tensor; use seq // (2 * cp)")
             if got == want:
                 continue
             per = seq // cp
@@ -35,6 +44,15 @@ def check_zigzag_chunks(answer) -> tuple[str, str]:
             if len(got) == 2 and got[0] == want[0] and got[1] == ((cp + rank) * size, (cp + rank + 1) * size):
                 return FAIL, (f"{where}: you pair chunk r with chunk cp + r, a shift, not a mirror: the late chunks "
                               f"still grow with r; the second chunk is 2*cp-1-r, counted from the end")
+            if got == want[::-1]:
+                return FAIL, (f"{where}: the right two chunks in the wrong order: return the early chunk (chunk r) "
+                              f"first, then its mirror, {want}: the local rows are stored in that order")
+            if len(got) == 2 and got[0] == want[0] and got[1] in [((m) * size, (m + 1) * size)
+                                                                  for m in (2 * cp - rank, 2 * cp - 2 - rank)]:
+                m = got[1][0] // size
+                return FAIL, (f"{where}: the mirror is off by one: you took chunk {m}, but the mirror of chunk r among "
+                              f"2*cp chunks numbered 0..2*cp-1 is 2*cp-1-r = {2 * cp - 1 - rank}"
+                              + (" (chunk 2*cp is past the end of the sequence)" if m == 2 * cp else ""))
             return FAIL, f"{where}: got {got}, expected chunks of {size} tokens, chunk r and chunk 2*cp-1-r: {want}"
     return PASS, f"chunk r and its mirror 2*cp-1-r for every rank at (seq, cp) in {list(SPLIT_SHAPES)}"
 
@@ -54,6 +72,10 @@ def check_block_kind(answer) -> tuple[str, str]:
             where = f"block (q_chunk={qc}, k_chunk={kc})"
             if got not in ("full", "diagonal", "skip"):
                 return FAIL, f"{where}: return one of 'full', 'diagonal', 'skip', not {got!r}"
+            if all(answer(a, b) == block_kind(b, a) for a in range(6) for b in range(6)):
+                return FAIL, (f"{where}: q_chunk and k_chunk swapped: your rule says 'full' when the keys come after "
+                              "the queries. A causal query sees keys at or before it: 'full' when q_chunk > k_chunk, "
+                              "'skip' when q_chunk < k_chunk")
             q, k, v, _ = make_inputs(1, 1, 16, 8, seed=3)
             out, _ = one_process_ring(q, k, v, cp=4, split="contiguous", rule=answer)
             err = relative_error(out, attention_reference(q, k, v, causal=True)[0])

@@ -146,7 +146,8 @@ print("naive fp32 vs float64:", f"{relative_error(naive32, attention_reference(q
 # tiles of `block` rows, carrying `m`, `l` and `acc` as above; never build a `[Nq, Nk]` tensor (the check
 # watches the size of every tensor your code creates). With `causal=True`, query $i$ sees key $j$ iff
 # $j \le i$: mind the positions inside a tile. The check climbs a ladder (one tile, several tiles, causal,
-# scores large enough to overflow `exp`), and the first rung that fails names the missing idea.
+# scores large enough to overflow `exp`, scores so negative that `exp` underflows), and the first rung that
+# fails names the missing idea.
 
 # %% tags=["exercise"]
 def forward_tile_loop(q, k, v, causal=False, block=16):
@@ -185,9 +186,10 @@ print("plain average of the two parts instead:", f"relative error {relative_erro
 # ### Exercise 2: merge two partial attentions
 #
 # `out_a [N, D]`, `lse_a [N]` is attention over one set of keys, `out_b`, `lse_b` over another (fp32).
-# Return `(out, lse)` over their union. Two traps the check sets: a part that saw **no** keys (a causal row
-# before its keys start) has `lse = -inf` and `out = 0`, and must not turn into `nan`; and LSEs around 200,
-# where `exp(lse)` overflows fp32. (`workers/attention/api.py: online_softmax_merge` is the course's version;
+# Return `(out, lse)` over their union, without changing the inputs. Three traps the check sets: a part that
+# saw **no** keys (a causal row before its keys start) has `lse = -inf` and `out = 0`, and must not turn into
+# `nan`; when both parts are empty the union is empty too (`out = 0`, `lse = -inf`); and LSEs around 200, or
+# two LSEs 100 apart, where `exp` overflows fp32. (`workers/attention/api.py: online_softmax_merge` is the course's version;
 # write your own.)
 
 # %% tags=["exercise"]

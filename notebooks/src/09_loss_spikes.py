@@ -516,7 +516,8 @@ check("first_divergence", first_divergence)
 #
 # Write `z_loss(logits, coeff)`: for logits of shape `[..., V]`, return the scalar tensor
 # `coeff * mean over positions of (log Z)^2`, with `log Z = logsumexp` over the last dimension
-# (PaLM, sec. 5). It is added to the cross-entropy before `backward()`, so it must carry a gradient.
+# (PaLM, sec. 5), computed in float32 (the logits may come in bfloat16). It is added to the cross-entropy
+# before `backward()`, so it must carry a gradient; the check includes logits around +100 and -120.
 
 # %% tags=["exercise"]
 def z_loss(logits, coeff):

@@ -488,7 +488,8 @@ check("lora_merge", lora_merge)
 # ### Exercise 2: the DPO loss
 #
 # Write `dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)`: each argument but
-# `beta` is a tensor `[n]` of sequence log-probs. Return the mean DPO loss (eq. 7), a scalar with a gradient.
+# `beta` is a tensor `[n]` of sequence log-probs (sums over tokens: they can be hundreds below 0). Return the
+# mean DPO loss (eq. 7), a scalar with a gradient with respect to both policy log-probs.
 
 # %% tags=["exercise"]
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
@@ -502,7 +503,8 @@ check("dpo_loss", dpo_loss)
 # ### Exercise 3: group-relative advantages
 #
 # Write `grpo_advantages(rewards, group_size)`: `rewards` is `[n_prompts * group_size]`, each prompt's
-# answers consecutive. Return `(r - group mean) / (group std + 1e-4)`, one per reward.
+# answers consecutive. Return `(r - group mean) / (group std + 1e-4)`, one per reward, in a new tensor
+# (leave `rewards` unchanged).
 
 # %% tags=["exercise"]
 def grpo_advantages(rewards, group_size):

@@ -25,14 +25,74 @@ def merge_without_max(out_a, lse_a, out_b, lse_b):
     return (ea[:, None] * out_a + eb[:, None] * out_b) / (ea + eb)[:, None], torch.log(ea + eb)
 
 
-def _tile_loop(q, k, v, causal, block, rescale=True, mask="absolute", subtract_max=True, lse_kind="m+log(l)"):
+def merge_unguarded(out_a, lse_a, out_b, lse_b):
+    # The reference without its guard: when both parts are empty, max is -inf and -inf - (-inf) is nan.
+    import torch
+
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    return (w_a[:, None] * out_a + w_b[:, None] * out_b) / (w_a + w_b)[:, None], m + torch.log(w_a + w_b)
+
+
+def merge_logaddexp_unguarded(out_a, lse_a, out_b, lse_b):
+    # torch.logaddexp gets the LSE right (-inf for two empty parts), but the weights exp(-inf - -inf) are nan.
+    import torch
+
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_a - lse)[:, None] * out_a + torch.exp(lse_b - lse)[:, None] * out_b, lse
+
+
+def merge_anchored_on_a(out_a, lse_a, out_b, lse_b):
+    # Subtracts part a's LSE instead of the larger one: exp(lse_b - lse_a) overflows when b outweighs a by e^88.
+    import torch
+
+    r = torch.exp(lse_b - lse_a)
+    lse = lse_a + torch.log1p(r)
+    return (out_a + r[:, None] * out_b) / (1 + r)[:, None], lse
+
+
+def merge_anchored_on_b_guarded(out_a, lse_a, out_b, lse_b):
+    # Anchored on part b, with a guard for an empty b: still overflows when a outweighs b by more than e^88.
+    import torch
+
+    anchor = torch.where(torch.isinf(lse_b), lse_a, lse_b)
+    anchor = torch.where(torch.isinf(anchor), torch.zeros_like(anchor), anchor)
+    w_a, w_b = torch.exp(lse_a - anchor), torch.exp(lse_b - anchor)
+    return (w_a[:, None] * out_a + w_b[:, None] * out_b) / (w_a + w_b).clamp_min(1e-30)[:, None], \
+        anchor + torch.log(w_a + w_b)
+
+
+def merge_clamped_lse(out_a, lse_a, out_b, lse_b):
+    # Guards the empty rows with a clamp inside the log: out is right, but an empty union gets lse = -69, not -inf.
+    import torch
+
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = (w_a + w_b).clamp_min(1e-30)
+    return (w_a[:, None] * out_a + w_b[:, None] * out_b) / total[:, None], m + torch.log(total)
+
+
+def merge_in_place(out_a, lse_a, out_b, lse_b):
+    # Right values, but accumulates into the caller's out_a and lse_a.
+    import torch
+
+    lse = torch.logaddexp(lse_a, lse_b)
+    m = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out_a.mul_(torch.exp(lse_a - m)[:, None]).add_(torch.exp(lse_b - m)[:, None] * out_b)
+    lse_a.copy_(lse)
+    return out_a, lse_a
+
+
+def _tile_loop(q, k, v, causal, block, rescale=True, mask="absolute", subtract_max=True, lse_kind="m+log(l)",
+               m_start=float("-inf")):
     import math
 
     import torch
 
     n_q, d = q.shape
     scale = 1.0 / math.sqrt(d)
-    m = torch.full((n_q,), float("-inf"))
+    m = torch.full((n_q,), m_start)
     l = torch.zeros(n_q)
     acc = torch.zeros(n_q, v.shape[1])
     for start in range(0, k.shape[0], block):
@@ -72,6 +132,11 @@ def forward_lse_without_max(q, k, v, causal=False, block=16):
     return _tile_loop(q, k, v, causal, block, lse_kind="log(l)")
 
 
+def forward_max_starts_at_zero(q, k, v, causal=False, block=16):
+    # The running max initialised at 0: right whenever some score is near or above 0.
+    return _tile_loop(q, k, v, causal, block, m_start=0.0)
+
+
 def forward_full_matrix(q, k, v, causal=False, block=16):
     # Right numbers, but materialises the whole score matrix: not FlashAttention.
     import math
@@ -83,6 +148,13 @@ def forward_full_matrix(q, k, v, causal=False, block=16):
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
     lse = torch.logsumexp(s, dim=1)
     return torch.exp(s - lse[:, None]) @ v, lse
+
+
+def backward_p_as_a_ratio(q, k, v, out, dout, lse, scale):
+    # exp(s) / exp(lse): the same P in real numbers, inf / inf once a score passes about 88.7.
+    p = (q @ k.T * scale).exp() / lse.exp()[:, None]
+    dp = dout @ v.T
+    return p.T @ dout, p * (dp - (dout * out).sum(dim=1, keepdim=True))
 
 
 def backward_without_delta(q, k, v, out, dout, lse, scale):
@@ -108,12 +180,20 @@ WRONG = [
     ("merge_attention", merge_by_averaging, "missing rescale"),
     ("merge_attention", merge_lse_is_max, "not the larger of the two"),
     ("merge_attention", merge_without_max, "forgetting the max subtraction"),
+    ("merge_attention", merge_unguarded, "both parts are empty (lse_a = lse_b = -inf): the merge is unguarded"),
+    ("merge_attention", merge_logaddexp_unguarded, "the merge is unguarded"),
+    ("merge_attention", merge_anchored_on_a, "anchored on one side's maximum"),
+    ("merge_attention", merge_anchored_on_b_guarded, "anchored on one side's maximum"),
+    ("merge_attention", merge_clamped_lse, "lse should be -inf (the log of an empty sum)"),
+    ("merge_attention", merge_in_place, "changed its inputs in place"),
     ("forward_tile_loop", forward_missing_rescale, "missing rescale"),
     ("forward_tile_loop", forward_tile_local_mask, "wrong mask"),
     ("forward_tile_loop", forward_no_max_subtraction, "forgetting the max subtraction"),
     ("forward_tile_loop", forward_lse_without_max, "wrong LSE"),
     ("forward_tile_loop", forward_full_matrix, "whole"),
+    ("forward_tile_loop", forward_max_starts_at_zero, "the running max starts at 0 instead of -inf"),
     ("backward_tile", backward_without_delta, "left out delta"),
+    ("backward_tile", backward_p_as_a_ratio, "rebuild P in one exponent"),
     ("backward_tile", backward_delta_over_tile, "this tile's keys only"),
     ("backward_tile", backward_softmax_over_tile, "saved LSE"),
 ]

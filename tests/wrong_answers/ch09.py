@@ -35,6 +35,35 @@ def checksum_only_mine(params):
     return [total]
 
 
+def checksum_first_param_only(params):
+    # Integer bits weighted by position, as asked, but of params[0] only: the other tensors never count.
+    import torch
+    import torch.distributed as dist
+
+    bits = params[0].detach().reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64)
+    total = int(((bits & 0xFFFF) * weights).sum()) + 65536 * int(((bits >> 16) * weights).sum())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, total)
+    return everyone
+
+
+def checksum_all_but_last(params):
+    # A good checksum over params[:-1]: an off-by-one that drops the last tensor (often the output head).
+    import torch
+    import torch.distributed as dist
+
+    total, offset = 0, 0
+    for p in params[:-1]:
+        bits = p.detach().reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        weights = torch.arange(offset + 1, offset + bits.numel() + 1, dtype=torch.int64)
+        total += int(((bits & 0xFFFF) * weights).sum()) + 65536 * int(((bits >> 16) * weights).sum())
+        offset += bits.numel()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, total)
+    return everyone
+
+
 def divergence_exact(trace_a, trace_b, rtol):
     for i, (a, b) in enumerate(zip(trace_a, trace_b)):
         if a != b:  # rtol ignored: rounding counts as divergence
@@ -71,6 +100,54 @@ def divergence_absolute(trace_a, trace_b, rtol):
     return None if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
 
 
+def divergence_tolerance_from_a(trace_a, trace_b, rtol):
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if not abs(a - b) <= rtol * abs(a):  # relative to trace_a's value only: not symmetric
+            return i
+    return None if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
+
+
+def divergence_tolerance_from_b(trace_a, trace_b, rtol):
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if not abs(a / b - 1) <= rtol:  # a ratio: relative to trace_b's value, and 0 / 0 where both are 0
+            return i
+    return None if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
+
+
+def divergence_relative_difference(trace_a, trace_b, rtol):
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if not abs(a - b) / max(abs(a), abs(b)) <= rtol:  # right operand, but 0 / 0 where both values are 0
+            return i
+    return None if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
+
+
+def divergence_strict(trace_a, trace_b, rtol):
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if not abs(a - b) < rtol * max(abs(a), abs(b)):  # < where <= is meant: equal values "diverge" at rtol 0
+            return i
+    return None if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
+
+
+def z_loss_unstable(logits, coeff):
+    import torch
+
+    log_z = torch.log(torch.exp(logits.float()).sum(dim=-1))  # exp overflows above e^88.7 in fp32
+    return coeff * (log_z ** 2).mean()
+
+
+def z_loss_in_bf16(logits, coeff):
+    import torch
+
+    return coeff * (torch.logsumexp(logits, dim=-1).float() ** 2).mean()  # log Z rounded to bf16
+
+
+def z_loss_half_detached(logits, coeff):
+    import torch
+
+    log_z = torch.logsumexp(logits.float(), dim=-1)
+    return coeff * (log_z * log_z.detach()).mean()  # the right value, half the gradient
+
+
 def z_loss_not_squared(logits, coeff):
     import torch
 
@@ -95,6 +172,8 @@ def z_loss_square_of_mean(logits, coeff):
 
 WRONG = [
     ("cross_rank_checksum", checksum_float_sum, "a float sum rounds such a change away"),
+    ("cross_rank_checksum", checksum_first_param_only, "does not read every parameter (only the first?"),
+    ("cross_rank_checksum", checksum_all_but_last, "does not read every parameter"),
     ("cross_rank_checksum", checksum_bits_without_positions, "Weight each element by its position"),
     ("cross_rank_checksum", checksum_only_mine, "not only your own"),
     ("first_divergence", divergence_exact, "that is rounding, not divergence"),
@@ -102,8 +181,15 @@ WRONG = [
     ("first_divergence", divergence_zip_only, "zip stops silently"),
     ("first_divergence", divergence_blind_to_nan, "so that NaN counts as a divergence"),
     ("first_divergence", divergence_absolute, "rtol is relative"),
+    ("first_divergence", divergence_tolerance_from_a, "taken against the wrong operand"),
+    ("first_divergence", divergence_tolerance_from_b, "taken against the wrong operand"),
+    ("first_divergence", divergence_relative_difference, "divided by zero"),
+    ("first_divergence", divergence_strict, "with <=, not <"),
     ("z_loss", z_loss_not_squared, "you did not square log Z"),
     ("z_loss", z_loss_max_logit, "not the largest logit"),
     ("z_loss", z_loss_summed, "you summed over positions"),
     ("z_loss", z_loss_square_of_mean, "you squared the mean of log Z"),
+    ("z_loss", z_loss_unstable, "an unstable log(sum(exp))"),
+    ("z_loss", z_loss_in_bf16, "cast the logits to float32 first"),
+    ("z_loss", z_loss_half_detached, "the value is right but its gradient"),
 ]

@@ -27,6 +27,37 @@ def ring_time_one_rank_pays(n, size_bytes, alpha, bandwidth):
     return 2 * max(n - 1, 1) * alpha + 2 * (n - 1) / n * size_bytes / bandwidth  # n=1 still pays latency
 
 
+def ring_time_integer_factor(n, size_bytes, alpha, bandwidth):
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) // n * size_bytes / bandwidth  # // : the factor becomes 1
+
+
+def _reference_fix(fixed):
+    for name in ("NCCL_DEBUG", "NCCL_ALGO"):
+        fixed.pop(name, None)
+    fixed["NCCL_IB_QPS_PER_CONNECTION"] = fixed.pop("NCCL_IB_QPS_PER_CONECTION")
+    fixed["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = fixed.pop("NCCL_ASYNC_ERROR_HANDLING")
+    fixed.pop("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    return fixed
+
+
+def fix_env_in_place(env):
+    return _reference_fix(env)  # right values, but the caller's dict is edited
+
+
+def fix_env_int_value(env):
+    fixed = _reference_fix(dict(env))
+    fixed["NCCL_IB_QPS_PER_CONNECTION"] = 4  # the number measured earlier, written as an int
+    return fixed
+
+
+def fix_env_int_buffer_size(env):
+    fixed = _reference_fix(dict(env))
+    fixed["TORCH_FR_BUFFER_SIZE"] = 2000  # the recorder back on, with an int
+    return fixed
+
+
 def fix_env_only_debug(env):
     fixed = dict(env)
     fixed["NCCL_DEBUG"] = "WARN"
@@ -84,6 +115,7 @@ WRONG = [
     ("ring_allreduce_time", ring_time_whole_buffer_per_step, "not the whole S"),
     ("ring_allreduce_time", ring_time_no_latency, "latency term 2(n-1) x alpha is missing"),
     ("ring_allreduce_time", ring_time_one_rank_pays, "the time is 0"),
+    ("ring_allreduce_time", ring_time_integer_factor, "integer division"),
     ("fix_nccl_env", fix_env_only_debug, "rename it to TORCH_NCCL_ASYNC_ERROR_HANDLING"),
     ("fix_nccl_env", fix_env_drops_everything, "it is system configuration"),
     ("fix_nccl_env", fix_env_keeps_algo, "NCCL_ALGO"),
@@ -91,4 +123,7 @@ WRONG = [
     ("fix_nccl_env", fix_env_recorder_still_off, "TORCH_FR_BUFFER_SIZE=0 turns off the flight recorder"),
     ("fix_nccl_env", fix_env_drops_the_dump, "keep TORCH_NCCL_DUMP_ON_TIMEOUT=1"),
     ("fix_nccl_env", fix_env_old_buffer_name, "deprecated in favour of TORCH_FR_BUFFER_SIZE"),
+    ("fix_nccl_env", fix_env_in_place, "changed the environment it was given"),
+    ("fix_nccl_env", fix_env_int_value, "NCCL_IB_QPS_PER_CONNECTION=4 is of type int, not str"),
+    ("fix_nccl_env", fix_env_int_buffer_size, "an environment holds strings only"),
 ]

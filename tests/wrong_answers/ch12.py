@@ -14,6 +14,10 @@ def merge_in_place(W, A, B, alpha, r):
     return W
 
 
+def merge_floor_division(W, A, B, alpha, r):
+    return W + (alpha // r) * (B @ A)  # the same as / while r divides alpha, 2 instead of 2.67 for alpha=8, r=3
+
+
 def dpo_sign_flipped(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
     import torch.nn.functional as F
 
@@ -30,6 +34,28 @@ def dpo_without_reference(policy_chosen, policy_rejected, ref_chosen, ref_reject
     import torch.nn.functional as F
 
     return -F.logsigmoid(beta * (policy_chosen - policy_rejected)).mean()
+
+
+def dpo_rejected_detached(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
+    import torch.nn.functional as F
+
+    margin = (policy_chosen - ref_chosen) - (policy_rejected.detach() - ref_rejected)  # the right value, half the signal
+    return -F.logsigmoid(beta * margin).mean()
+
+
+def dpo_log_of_sigmoid(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
+    import torch
+
+    margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    return -torch.log(torch.sigmoid(beta * margin)).mean()  # log(0) = -inf once the margin is about -100
+
+
+def advantages_in_place(rewards, group_size):
+    groups = rewards.view(-1, group_size)  # a view: the caller's memory
+    std = groups.std(1, keepdim=True)
+    groups -= groups.mean(1, keepdim=True)
+    groups /= std + 1e-4
+    return rewards
 
 
 def advantages_global(rewards, group_size):
@@ -50,10 +76,14 @@ WRONG = [
     ("lora_merge", merge_without_scale, "you forgot the scale alpha / r"),
     ("lora_merge", merge_scaled_by_alpha, "you scaled by alpha instead of alpha / r"),
     ("lora_merge", merge_in_place, "you changed W in place"),
+    ("lora_merge", merge_floor_division, "(floor division) instead of alpha / r"),
     ("dpo_loss", dpo_sign_flipped, "the sign is flipped"),
     ("dpo_loss", dpo_without_beta, "beta is missing"),
     ("dpo_loss", dpo_without_reference, "the reference is not subtracted"),
+    ("dpo_loss", dpo_rejected_detached, "gradient with respect to policy_rejected is zero"),
+    ("dpo_loss", dpo_log_of_sigmoid, "Use F.logsigmoid"),
     ("grpo_advantages", advantages_global, "you normalised over the whole batch"),
     ("grpo_advantages", advantages_no_std, "did not divide by the group's std"),
     ("grpo_advantages", advantages_no_eps, "add a small eps"),
+    ("grpo_advantages", advantages_in_place, "changed the rewards it was given"),
 ]

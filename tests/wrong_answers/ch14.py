@@ -11,6 +11,32 @@ def zigzag_shifted_pairing(seq, cp, rank):
     return [(rank * size, (rank + 1) * size), ((cp + rank) * size, (cp + rank + 1) * size)]  # shift, not mirror
 
 
+def zigzag_mirror_off_by_one(seq, cp, rank):
+    size = seq // (2 * cp)
+    mirror = 2 * cp - rank  # counted from 2*cp, not from the last chunk 2*cp-1
+    return [(rank * size, (rank + 1) * size), (mirror * size, (mirror + 1) * size)]
+
+
+def zigzag_float_bounds(seq, cp, rank):
+    size = seq / (2 * cp)  # a float: 2.0, and every bound after it
+    mirror = 2 * cp - 1 - rank
+    return [(rank * size, (rank + 1) * size), (mirror * size, (mirror + 1) * size)]
+
+
+def zigzag_late_chunk_first(seq, cp, rank):
+    size = seq // (2 * cp)
+    mirror = 2 * cp - 1 - rank
+    return [(mirror * size, (mirror + 1) * size), (rank * size, (rank + 1) * size)]
+
+
+def block_kind_swapped(q_chunk, k_chunk):
+    if k_chunk > q_chunk:
+        return "full"  # the roles of queries and keys exchanged
+    if q_chunk == k_chunk:
+        return "diagonal"
+    return "skip"
+
+
 def block_kind_diagonal_skipped(q_chunk, k_chunk):
     return "full" if q_chunk > k_chunk else "skip"  # the diagonal masked fully: no query sees its own chunk
 
@@ -26,7 +52,11 @@ def block_kind_no_future_skip(q_chunk, k_chunk):
 WRONG = [
     ("zigzag_chunks", zigzag_contiguous, "that is the contiguous split"),
     ("zigzag_chunks", zigzag_shifted_pairing, "a shift, not a mirror"),
+    ("zigzag_chunks", zigzag_mirror_off_by_one, "the mirror is off by one"),
+    ("zigzag_chunks", zigzag_float_bounds, "not ints"),
+    ("zigzag_chunks", zigzag_late_chunk_first, "the wrong order"),
     ("block_kind", block_kind_diagonal_skipped, "you skipped the diagonal block"),
     ("block_kind", block_kind_diagonal_unmasked, "the diagonal block needs the causal mask inside it"),
     ("block_kind", block_kind_no_future_skip, "skip future blocks"),
+    ("block_kind", block_kind_swapped, "q_chunk and k_chunk swapped"),
 ]

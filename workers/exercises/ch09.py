@@ -2,9 +2,11 @@
 
 The learner writes ``cross_rank_checksum(params) -> list``: every rank's checksum of its parameters, by rank,
 the same list on every rank. Every rank builds the same tiny GPT (``workers/gpt``), then the check runs the
-learner's function on four situations: all ranks equal; the last rank with the lowest mantissa bit of one
-element flipped (what a plain float sum rounds away); rank 0 with two elements swapped (what any
-order-blind sum misses); and a second call on unchanged weights (a checksum must be deterministic). Ranks
+learner's function on these situations: all ranks equal; a second call on unchanged weights (a checksum must
+be deterministic); the last rank with one element of its last parameter changed by 1.0 (a checksum that
+reads only some parameters misses it); the last rank with the lowest mantissa bit of one element flipped
+(what a plain float sum rounds away; when missed, the same element changed by 1.0 tells a float sum from a
+parameter never read); and rank 0 with two elements swapped (what any order-blind sum misses). Ranks
 agree on a verdict before anyone raises (``agree``), so a wrong answer never turns into a hang.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from workers.gpt.telemetry import flat_params, flip_bit_
 CFG = GPTConfig(vocab=16, seq=8, hidden=32, heads=2, layers=1)
 FLIP_AT = (4, 5)  # (parameter index, element) whose lowest mantissa bit the last rank flips
 SWAP_IN = 4  # parameter whose first two (different) elements rank 0 swaps
+BUMP = 1.0  # added to one element in the coverage stages: a change no checksum, float sum included, may miss
 
 
 def _params():
@@ -71,16 +74,44 @@ def check_cross_rank_checksum(ctx, answer) -> None:
 
     agree(deterministic)
 
+    # Every parameter must count: the last one changed by a whole 1.0 on the last rank (a checksum that reads
+    # only params[0], or stops early, misses it; a float sum does not).
+    bumped = _params()
+    if ctx.rank == last:
+        bumped[-1].data.view(-1)[0] += BUMP
+    after_bump = _call(answer, bumped, f"rank {last} with one element of its last parameter changed by {BUMP:g}")
+
+    def bump_seen():
+        if after_bump[last] == after_bump[0] and n > 1:
+            raise Wrong(f"rank {last} added {BUMP:g} to one element of its last parameter (params[-1]) and its checksum "
+                        "did not change: your checksum does not read every parameter (only the first? a loop that "
+                        "returns early?). Every tensor in params must count")
+
+    agree(bump_seen)
+
     flipped = _params()
     if ctx.rank == last:
         flip_bit_(flipped[FLIP_AT[0]].data, FLIP_AT[1], 0)  # the lowest mantissa bit: a change of ~1e-8 relative
     after_flip = _call(answer, flipped, f"rank {last} with one low bit flipped")
+    missed = after_flip[last] == after_flip[0] and n > 1  # the same on every rank: the lists agree
+    if missed:
+        # Which mistake? The same element changed by a whole 1.0: a float sum sees that, a checksum that never
+        # reads this parameter does not.
+        big = _params()
+        if ctx.rank == last:
+            big[FLIP_AT[0]].data.view(-1)[FLIP_AT[1]] += BUMP
+        after_big = _call(answer, big, f"rank {last} with one element of parameter {FLIP_AT[0]} changed by {BUMP:g}")
+        big_missed = after_big[last] == after_big[0]
 
     def flip_seen():
-        if after_flip[last] == after_flip[0] and n > 1:
+        if missed and big_missed:
+            raise Wrong(f"rank {last} changed element {FLIP_AT[1]} of parameter {FLIP_AT[0]} (by one low bit, then by "
+                        f"{BUMP:g}) and its checksum never changed: your checksum does not read params[{FLIP_AT[0]}] "
+                        "(only some of the parameters?). Every tensor in params must count")
+        if missed:
             raise Wrong(f"rank {last} has one element whose lowest mantissa bit flipped, and its checksum still equals "
-                        "rank 0's: a float sum rounds such a change away. Checksum the bits "
-                        "(t.view(torch.int32)), in integer arithmetic")
+                        f"rank 0's, though a change of {BUMP:g} in the same element shows: a float sum rounds such a "
+                        "change away. Checksum the bits (t.view(torch.int32)), in integer arithmetic")
         others = [c for r, c in enumerate(after_flip) if r != last]
         if len(set(map(repr, others))) > 1:
             raise Wrong("only the last rank changed, but the other ranks' checksums now differ from each other")
