@@ -3,6 +3,7 @@
 #   make test       create the environment if needed, run the whole test suite (what CI runs)
 #   make test-other-cpu  the tests and nbval again under another CPU's kernels (CI runs it too)
 #   make test-browser  chapter 05 used in the real JupyterLab through headless Chromium (CI runs it too)
+#   make mutants    every wrong answer against its exercise check, with a report per exercise
 SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
@@ -12,7 +13,7 @@ NB_OUT := build/executed
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: setup lab test test-other-cpu test-browser test-unit test-notebooks nbval notebooks grade bench doctor clean
+.PHONY: setup lab test test-other-cpu test-browser mutants test-unit test-notebooks nbval notebooks grade bench doctor clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml tools/setup_env.sh
@@ -41,7 +42,7 @@ test: $(STAMP)
 # this machine, so what a test or a stored output asserts must hold there too. CI runs it after `make test`.
 test-other-cpu: $(STAMP)
 	@echo "other CPU kernels: $$($(PY) -m course_utils.cpu_spread --second-variant-env)"
-	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) $(PYTEST) -q -p no:cacheprovider
+	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) $(PYTEST) -q -p no:cacheprovider -m "not browser and not load"
 	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-other-cpu \
 		$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
@@ -52,6 +53,11 @@ test-other-cpu: $(STAMP)
 test-browser: $(STAMP)
 	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "playwright>=1.40"
 	$(PYTEST) -q -s -p no:cacheprovider -m browser tests/browser
+
+# Every wrong answer in tests/wrong_answers/ against its exercise's check, with a report per exercise of which
+# ones the check catches and with the right reason (make test runs the same tests and prints the same report).
+mutants: $(STAMP)
+	$(PYTEST) -q -p no:cacheprovider tests/test_exercises.py -k wrong_answer_is_caught
 
 test-unit: $(STAMP)
 	$(PYTEST) -q

@@ -106,18 +106,56 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[-1] if text.strip() else ""
 
 
-def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
+def rank_world_sizes(chapter: str) -> list[int]:
+    """Every world size the chapter's rank-side checks run at."""
+    return sorted({w for e in exercises(chapter) if e.worker for w in e.world_sizes})
+
+
+def warm_up(chapter: str) -> str:
+    """Start (or find warm) the ranks every rank-side check of ``chapter`` uses, before any check runs.
+
+    Starting ranks is the slow, load-dependent part of a check (torchrun and ``import torch`` on every rank);
+    the batch grader calls this in a cell of its own, with a limit of its own, so that no answer's cell is
+    charged for it. Returns one line saying what it did."""
     from course_utils.launcher import run
 
+    start = time.perf_counter()
+    sizes = rank_world_sizes(chapter)
+    for world_size in sizes:
+        run("workers.hello", world_size=world_size, timeout=60)
+    if not sizes:
+        return f"chapter {chapter}: every check runs in this process, no ranks to start"
+    return (f"chapter {chapter}: ranks ready at world size {', '.join(map(str, sizes))} in "
+            f"{time.perf_counter() - start:.1f} s (not counted against any answer)")
+
+
+def _started(ex: Exercise, world_size: int, answer: Callable):
+    """Run the check at one world size. Ranks that never started say nothing about the answer: that failure is
+    retried once on fresh ranks, and if it happens again the verdict says so instead of blaming the answer."""
+    from course_utils.launcher import run
+
+    for attempt in (1, 2):
+        try:
+            return run(ex.worker, world_size=world_size, exercise=ex.name, answer=answer,
+                       timeout=ex.timeout_s, **ex.params)
+        except WorkerFailed as exc:
+            if not exc.startup or attempt == 2:
+                raise
+
+
+def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
     for world_size in ex.world_sizes:
         try:
-            res = run(ex.worker, world_size=world_size, exercise=ex.name, answer=answer,
-                      timeout=ex.timeout_s, **ex.params)
+            res = _started(ex, world_size, answer)
         except JobTimeout as exc:
             where = "; ".join(f"rank {r} {w}" for r, w in exc.stuck.items())
             return FAIL, (f"at world size {world_size} your code did not finish within {ex.timeout_s:g} s ({where}). "
                           "Does every rank call the same collectives, in the same order?")
         except WorkerFailed as exc:
+            if exc.startup:
+                return FAIL, (f"not graded: the ranks for world size {world_size} did not start, twice "
+                              f"({exc.summary.splitlines()[0]}). This says nothing about your answer: run the check "
+                              "again when the machine is less loaded")
             if exc.error_type == "NotImplementedError":
                 return TODO, "not attempted yet: replace the `raise NotImplementedError` with your code"
             return FAIL, (f"at world size {world_size}, rank {exc.rank} raised {exc.error_type}: "

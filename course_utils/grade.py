@@ -3,9 +3,11 @@
 SUBMISSIONS holds learners' notebooks, either ``<learner>/<NN_chapter>.ipynb`` or ``<learner>__<NN_chapter>.ipynb``.
 For each one the grader builds a grading notebook from the learner's answer cells (tagged ``exercise``)
 followed by the course's own checks for that chapter (the learner's ``check`` cells are not trusted),
-executes it headless in a separate process with a per-cell and a total time limit, and collects the
+starts the ranks those checks use in a cell of its own (its time is not charged to any answer), executes it headless in a separate process with a per-cell and a total time limit, and collects the
 verdicts. A submission that crashes, loops forever or leaves ranks behind costs only its own points:
-the process tree is killed at the limit and every check that did not run scores zero with a reason.
+the process tree is killed at the limit and every check that did not run scores zero with a reason. A
+submission whose checks did not run for a reason that is not the answer's (ranks that never started) is
+graded once more, and its feedback says so if that happens again.
 
 Writes ``gradebook.csv`` (one row per learner and exercise) and ``feedback/<learner>.md``.
 """
@@ -27,6 +29,10 @@ from course_utils import exercises as ex_mod
 from course_utils import reaper
 
 CHAPTER_RE = re.compile(r"(\d\d)_")
+STARTUP_CELL_TAG = "grading-startup"
+ANSWER_CELL_TAG = "grading-answer"
+ANSWER_TIMEOUT = "the answer ran too long"
+NOT_GRADED = "not graded"  # the start of a verdict that says nothing about the answer (ranks never started)
 
 
 def chapter_of(path: Path) -> str:
@@ -48,9 +54,13 @@ def grading_notebook(submission: nbformat.NotebookNode, chapter: str) -> nbforma
     nb = nbformat.v4.new_notebook()
     nb.metadata = submission.metadata
     nb.cells.append(nbformat.v4.new_code_cell("import course_utils.exercises as _grader"))
+    # Start the ranks before any answer runs, in a cell with a limit of its own (STARTUP_CELL_TAG): on a loaded
+    # machine starting them can take longer than a check's cell may, and that time is not the learner's.
+    nb.cells.append(nbformat.v4.new_code_cell(f"print(_grader.warm_up({chapter!r}))",
+                                              metadata={"tags": [STARTUP_CELL_TAG]}))
     for cell in submission.cells:
         if cell.cell_type == "code" and "exercise" in cell.get("metadata", {}).get("tags", []):
-            nb.cells.append(nbformat.v4.new_code_cell(cell.source))
+            nb.cells.append(nbformat.v4.new_code_cell(cell.source, metadata={"tags": [ANSWER_CELL_TAG]}))
     for ex in ex_mod.exercises(chapter):
         nb.cells.append(nbformat.v4.new_code_cell(
             f"_grader.check({ex.name!r}, globals().get({ex.function!r}))"))
@@ -77,12 +87,37 @@ def execute(nb_path: Path, log_path: Path, *, cell_timeout: float, total_timeout
     return ""
 
 
+def startup_limit() -> float:
+    """How long the rank start-up cell may take: the launcher's own start-up limit for each world size, plus a margin."""
+    return float(os.environ.get("COURSE_STARTUP_TIMEOUT", 300)) * 2 + 60
+
+
 def _execute_here(nb_path: str, cell_timeout: float) -> None:
     from nbclient import NotebookClient
 
     nb = nbformat.read(nb_path, as_version=4)
+    limit = startup_limit()
+
+    def timeout_for(cell) -> float:
+        return limit if STARTUP_CELL_TAG in cell.get("metadata", {}).get("tags", []) else cell_timeout
+
+    current: dict = {}
+
+    def started(cell, cell_index, **_):
+        current["cell"] = cell
+
     # allow_errors: a syntax error in one answer must not cost the learner the other exercises.
-    NotebookClient(nb, timeout=cell_timeout, allow_errors=True, kernel_name="python3").execute()
+    client = NotebookClient(nb, timeout=cell_timeout, timeout_func=timeout_for, allow_errors=True,
+                            kernel_name="python3", on_cell_start=started)
+    try:
+        client.execute()
+    except TimeoutError:  # nbclient's CellTimeoutError: say whose cell it was, for the gradebook
+        cell = current.get("cell", {})
+        if ANSWER_CELL_TAG in cell.get("metadata", {}).get("tags", []):
+            print(f"{ANSWER_TIMEOUT}: an exercise cell ran past the {cell_timeout:g} s limit (a loop that never ends?)")
+        else:
+            print(f"a check ran past the {timeout_for(cell):g} s limit of its cell")
+        sys.exit(3)
 
 
 def grade_submission(path: Path, root: Path, *, cell_timeout: float, total_timeout: float) -> list[dict]:
@@ -107,12 +142,19 @@ def grade_submission(path: Path, root: Path, *, cell_timeout: float, total_timeo
     out = []
     for e in expected:
         v = rows.get(e.name)
-        if v is None:
+        if v is None and ANSWER_TIMEOUT in problem:  # the learner's own cell stopped the notebook
             v = {"status": "fail", "points": 0, "max_points": e.points,
-                 "message": f"not graded: {problem or 'the check did not run'}"}
+                 "message": "the check did not run: " + problem.split(f"{ANSWER_TIMEOUT}: ", 1)[1][:-1]}
+        elif v is None:
+            v = {"status": "fail", "points": 0, "max_points": e.points,
+                 "message": f"{NOT_GRADED}: {problem or 'the check did not run'}"}
         out.append({"learner": learner, "chapter": chapter, "exercise": e.name, "points": v["points"],
                     "max_points": e.points, "status": v["status"], "message": v["message"]})
     return out
+
+
+def _first_problem(rows: list[dict]) -> str:
+    return next(r["message"] for r in rows if r["message"].startswith(NOT_GRADED))[:160]
 
 
 def write_reports(rows: list[dict], out_dir: Path) -> None:
@@ -137,7 +179,17 @@ def grade_all(submissions: Path, out_dir: Path, *, cell_timeout: float = 120, to
     paths = sorted(p for p in submissions.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
     rows: list[dict] = []
     for path in paths:
-        rows += grade_submission(path, submissions, cell_timeout=cell_timeout, total_timeout=total_timeout)
+        mine = grade_submission(path, submissions, cell_timeout=cell_timeout, total_timeout=total_timeout)
+        if any(r["message"].startswith(NOT_GRADED) for r in mine):
+            # Ranks that never started (or a notebook stopped before its checks ran) grade the machine, not the
+            # answer: grade it once more, and say so if it happens again.
+            print(f"{path.relative_to(submissions)}: some checks did not run ({_first_problem(mine)}); grading it again",
+                  flush=True)
+            mine = grade_submission(path, submissions, cell_timeout=cell_timeout, total_timeout=total_timeout)
+            for r in mine:
+                if r["message"].startswith(NOT_GRADED):
+                    r["message"] += " (graded twice; grade this submission again on a less loaded machine)"
+        rows += mine
         got = sum(r["points"] for r in rows if r["learner"] == learner_of(path, submissions) and r["chapter"] == chapter_of(path))
         print(f"graded {path.relative_to(submissions)}: {got:g} points", flush=True)
     write_reports(rows, out_dir)

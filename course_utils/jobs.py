@@ -254,7 +254,7 @@ class RankJob:
         first = min(errors) if errors else None
         tb = errors[first]["traceback"] if errors else ""
         raise WorkerFailed(summary + (f": {errors[first]['message']}" if errors else "") + self._output_tail(40),
-                           rank=first, rank_traceback=tb, errors=errors, logs=list(self.output))
+                           rank=first, rank_traceback=tb, errors=errors, logs=list(self.output), startup=True)
 
     # -- running ---------------------------------------------------------------------------------
     def send_all(self, kind: str, data: dict, task: int | None = None) -> None:

@@ -14,11 +14,13 @@ class InvalidParameter(CourseError, ValueError):
 
 
 class WorkerFailed(CourseError, RuntimeError):
-    """A rank raised or died. ``rank``, ``error_type`` and ``rank_traceback`` say where and why."""
+    """A rank raised or died. ``rank``, ``error_type`` and ``rank_traceback`` say where and why; ``startup`` is True
+    when the ranks never got ready (torchrun, ``import torch`` or the rendezvous), before any task ran."""
 
     def __init__(self, summary: str, *, rank: int | None = None, error_type: str = "", rank_traceback: str = "",
-                 errors: dict[int, dict] | None = None, logs: list[str] | None = None):
+                 errors: dict[int, dict] | None = None, logs: list[str] | None = None, startup: bool = False):
         self.summary = summary
+        self.startup = startup  # the ranks never became ready: nothing of the task (or a learner's answer) ran
         self.rank = rank
         self.error_type = error_type
         self.rank_traceback = rank_traceback

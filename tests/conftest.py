@@ -27,3 +27,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The mutation report (tests/exercise_sources.py: mutation_report) after any run of the wrong-answer tests."""
+    from tests.exercise_sources import MUTANTS, mutation_report
+
+    if MUTANTS:
+        terminalreporter.write_sep("-", "mutation report: every wrong answer in tests/wrong_answers/ against its check")
+        terminalreporter.write_line(mutation_report(MUTANTS))

@@ -5,8 +5,12 @@ import importlib
 import linecache
 
 import jupytext
+
 from course_utils.paths import ROOT
 
+# What each wrong answer got from its check, filled by tests/test_exercises.py and printed at the end of the
+# run by tests/conftest.py (`make mutants` runs only those tests): the per-exercise mutation report.
+MUTANTS: list[dict] = []
 
 
 def define(source: str, filename: str) -> dict:
@@ -41,3 +45,22 @@ def wrong_answers(chapter: str) -> list:
         return importlib.import_module(f"tests.wrong_answers.ch{chapter}").WRONG
     except ModuleNotFoundError:
         return []
+
+
+def mutation_report(rows: list[dict]) -> str:
+    """Per exercise: how many wrong answers its check caught with the right reason, and which escaped."""
+    by_ex: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by_ex.setdefault((r["chapter"], r["exercise"]), []).append(r)
+    lines = [f"{'chapter':<8}{'exercise':<34}{'wrong answers':>14}{'caught':>8}{'right reason':>14}{'slowest s':>11}  escaped"]
+    for (chapter, name), rs in sorted(by_ex.items()):
+        caught = sum(r["caught"] for r in rs)
+        reason = sum(r["caught"] and r["reason"] for r in rs)
+        escaped = [r["answer"] + ("" if not r["caught"] else " (wrong reason)") for r in rs
+                   if not (r["caught"] and r["reason"])]
+        lines.append(f"{chapter:<8}{name:<34}{len(rs):>14}{caught:>8}{reason:>14}{max(r['seconds'] for r in rs):>11.1f}  "
+                     + (", ".join(escaped) or "none"))
+    total = len(rows)
+    good = sum(r["caught"] and r["reason"] for r in rows)
+    lines.append(f"{len(by_ex)} exercises, {total} wrong answers, {good} caught with their reason, {total - good} not")
+    return "\n".join(lines)

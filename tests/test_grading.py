@@ -5,6 +5,11 @@ hangs or does not even parse must cost only its own points: the grader survives 
 """
 import csv
 import inspect
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -12,7 +17,7 @@ import pytest
 
 from course_utils import grade
 from course_utils.exercises import exercises
-from tests.exercise_sources import solutions
+from tests.exercise_sources import solutions, wrong_answers
 from course_utils.paths import ROOT
 
 pytestmark = pytest.mark.ranks
@@ -93,10 +98,97 @@ def test_hanging_and_broken_submissions_cost_only_their_points(tmp_path):
     write(with_answers(chapter, broken_first), subs, "typo", chapter)
     grade.grade_all(subs, tmp_path / "out", cell_timeout=30, total_timeout=300)
     book = {(r["learner"], r["exercise"]): r for r in read_gradebook(tmp_path / "out")}
-    # The hanging cell stops that notebook: its checks did not run and say why.
+    # The hanging cell stops that notebook: its checks did not run and say why (the answer's own cell, so it
+    # is not graded again as a machine problem would be).
     assert float(book[("hangs", first.name)]["points"]) == 0
-    assert "not graded" in book[("hangs", first.name)]["message"]
+    assert "the check did not run: an exercise cell ran past the 30 s limit" in book[("hangs", first.name)]["message"]
     # A syntax error costs that exercise only; the others still run and pass.
     assert book[("typo", first.name)]["status"] in ("todo", "fail")
     for ex in rest:
         assert book[("typo", ex.name)]["status"] == "pass", book[("typo", ex.name)]
+
+
+def _burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@pytest.mark.load
+@pytest.mark.timeout(1800)
+def test_parallel_graders_on_a_loaded_machine_give_the_gradebook_of_one_grader(tmp_path):
+    """Grades must not depend on load. Two graders at once, with every core also kept busy, on a chapter checked
+    on real ranks, with a cell limit of 30 s: starting ranks under that load takes longer than 30 s, and it
+    happens in the grader's own start-up cell, not in an answer's. The gradebooks equal one grader's alone."""
+    chapter = ON_RANKS[0]
+    sol = solutions(chapter)
+    wrong = {name: fn for name, fn, _ in wrong_answers(chapter)}
+    first = exercises(chapter)[0]
+    subs = tmp_path / "subs"
+    write(with_answers(chapter, lambda ex: inspect.getsource(getattr(sol, ex.function))), subs, "ada", chapter)
+
+    def one_wrong(ex):
+        if ex is first:  # a plausible mistake, renamed to the function the notebook defines
+            src = inspect.getsource(wrong[first.name])
+            return src.replace(f"def {wrong[first.name].__name__}(", f"def {ex.function}(", 1)
+        return inspect.getsource(getattr(sol, ex.function))
+
+    write(with_answers(chapter, one_wrong), subs, "cy", chapter)
+
+    def book(out):
+        return sorted((r["learner"], r["exercise"], r["status"], r["points"]) for r in read_gradebook(out))
+
+    grade.grade_all(subs, tmp_path / "alone", cell_timeout=120, total_timeout=900)
+    alone = book(tmp_path / "alone")
+    assert [(l, s) for l, _, s, _ in alone].count(("ada", "pass")) == len(exercises(chapter))
+    assert ("cy", first.name, "fail", "0") in alone
+
+    burners = [multiprocessing.Process(target=_burn, args=(900,), daemon=True) for _ in range(os.cpu_count() or 2)]
+    for b in burners:
+        b.start()
+    try:
+        graders = [subprocess.Popen([sys.executable, "-m", "course_utils.grade", str(subs), "--out", str(tmp_path / f"g{i}"),
+                                     "--cell-timeout", "30", "--total-timeout", "1200"], cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                   for i in range(2)]
+        outputs = [g.communicate(timeout=1500)[0] for g in graders]
+    finally:
+        for b in burners:
+            b.kill()
+    for i, out in enumerate(outputs):
+        assert graders[i].returncode == 0, out
+        assert book(tmp_path / f"g{i}") == alone, out
+
+
+def test_ranks_that_never_start_are_retried_and_never_blamed_on_the_answer(monkeypatch):
+    """A start-up failure (torchrun, import torch, rendezvous) happens before the answer runs: the check starts
+    fresh ranks once more, and if they fail again the verdict says the answer was not graded."""
+    from course_utils import exercises as ex_mod
+    from course_utils import launcher
+    from course_utils.results import WorkerFailed
+
+    ex = next(e for e in exercises() if e.worker)
+    calls = []
+
+    def never_starts(worker, world_size, **kw):
+        calls.append(world_size)
+        raise WorkerFailed("ranks [1] did not start within 300 s; load average 9.0 on 2 cores", startup=True)
+
+    monkeypatch.setattr(launcher, "run", never_starts)
+    verdict = ex_mod.check(ex.name, lambda *a: None)
+    assert len(calls) == 2 and verdict.points == 0
+    assert verdict.message.startswith(f"{grade.NOT_GRADED}: the ranks for world size {ex.world_sizes[0]} did not start, twice")
+    assert "says nothing about your answer" in verdict.message
+
+    calls.clear()
+
+    def starts_the_second_time(worker, world_size, **kw):
+        calls.append(world_size)
+        if len(calls) == 1:
+            raise WorkerFailed("ranks [0] never connected", startup=True)
+        raise WorkerFailed("rank 0 raised ValueError", rank=0, error_type="ValueError", rank_traceback="ValueError: x")
+
+    monkeypatch.setattr(launcher, "run", starts_the_second_time)
+    verdict = ex_mod.check(ex.name, lambda *a: None)
+    assert calls == [ex.world_sizes[0]] * 2  # retried once, then the answer's own error is reported
+    assert "rank 0 raised ValueError" in verdict.message
