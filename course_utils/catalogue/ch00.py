@@ -41,6 +41,12 @@ def check_layout_70b(answer) -> tuple[str, str]:
         p = plan_layout_70b(got)
     except LayoutError as exc:  # includes tp > 8: Llama 3 70B's 8 KV heads refuse it before the node size does
         return FAIL, str(exc)
+    layers = p.model.layers
+    if layers % got["pp"]:  # the planner only notes it; a real pipeline needs equal stages
+        stages = sorted({layers // got["pp"], -(-layers // got["pp"])})
+        return FAIL, (f"pp={got['pp']} does not divide the {layers} layers of Llama 3 70B: stages would hold "
+                      f"{' or '.join(map(str, stages))} layers, and the fullest one sets the pace of the whole pipeline; "
+                      f"use a pp that divides {layers} (and 256 / tp)")
     if not p.fits:
         biggest = max(p.memory, key=p.memory.get)
         return FAIL, (f"{p.total_memory_bytes / GB:.1f} GB per GPU does not fit in {p.gpu_memory_bytes / GB:.1f} GB "
@@ -59,6 +65,8 @@ FSDP_CASES = [  # (n_params, gpu_memory_bytes, reserved_bytes)
     (7e9, 24e9, 0.0),  # a 7B model on 24 GB cards
     (5e9, 40e9, 0.0),  # 80 GB of states on 40 GB cards: exactly 2
     (1e9, 80e9, 0.0),  # fits on one GPU
+    (70.6e9, H100_MEMORY, 0.0),  # 13.15 GPUs' worth: rounding to the nearest gives 13, one too few
+    (8e9, 24e9, 0.0),  # 5.33 on 24 GB cards
 ]
 
 
@@ -82,8 +90,10 @@ def check_min_gpus_fsdp(answer) -> tuple[str, str]:
         elif reserved and got == max(1, math.ceil(BYTES_PER_PARAM * n_params / memory)):
             hint = "each GPU has only gpu_memory_bytes - reserved_bytes left for the model states"
         elif got == want - 1:
-            hint = (f"with {got} GPUs each would hold {BYTES_PER_PARAM * n_params / got / 1e9:.1f} GB of states, more "
-                    f"than the {usable / 1e9:.1f} GB available: round up, not down")
+            exact = BYTES_PER_PARAM * n_params / usable
+            hint = (f"the states need {exact:.2f} GPUs' worth of memory, and with {got} GPUs each would hold "
+                    f"{BYTES_PER_PARAM * n_params / got / 1e9:.1f} GB of states, more than the {usable / 1e9:.1f} GB "
+                    "available: round up (math.ceil), not down (int) and not to the nearest (round)")
         elif got == want + 1:
             hint = f"{want} GPUs already suffice (the division is exact or already above); use math.ceil, not int(x) + 1"
         else:
@@ -103,6 +113,9 @@ TP_CASES = [  # (heads, kv_heads, gpus_per_node)
     (128, 8, 16),  # a 16-GPU NVLink domain: still capped by the 8 KV heads
     (14, 2, 8),
     (25, 5, 8),
+    (64, 8, 72),  # a 72-GPU NVLink domain (GB200 NVL72): 8 divides the node even though it is not a power of two
+    (48, 12, 72),  # 12 KV heads on NVL72: 12 divides 72
+    (96, 12, 12),
 ]
 
 
@@ -122,6 +135,13 @@ def check_max_tp(answer) -> tuple[str, str]:
                    "(beyond that, KV heads must be replicated, which wastes memory and compute)")
         elif node % got:
             why = f"tp={got} does not tile a node of {node} GPUs, so some TP groups would straddle two nodes and leave NVLink"
+        elif node & (node - 1) and want % got == 0:
+            halving = [node]
+            while halving[-1] > got:
+                halving.append(halving[-1] // 2)
+            why = (f"a larger degree, {want}, also divides the heads, the KV heads and the node; halving from the "
+                   f"node size ({' -> '.join(map(str, halving))}) steps over it when the node is not a power of two: "
+                   "look for the greatest common divisor (math.gcd) instead")
         else:
             why = f"a larger degree, {want}, also divides the heads, the KV heads and the node"
         return FAIL, f"for {case} you returned {got}: {why}"

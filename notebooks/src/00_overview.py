@@ -261,8 +261,8 @@ for key in ("405B", "70B"):
 # %% [markdown]
 # ### Exercise 2: a layout for 70B on 256 H100s
 # Return `dict(tp=..., pp=..., dp=..., zero_stage=...)` for Llama 3 70B on 256 H100s (32 nodes of 8), sequence
-# 4096, micro-batch 1, selective recomputation, that fits in 80 GiB per GPU and keeps TP inside a node. The
-# check runs the planner on your layout.
+# 4096, micro-batch 1, selective recomputation, that fits in 80 GiB per GPU, keeps TP inside a node and gives
+# every pipeline stage the same number of layers. The check runs the planner on your layout.
 
 # %% tags=["exercise"]
 def layout_70b():

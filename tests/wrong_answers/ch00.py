@@ -13,6 +13,10 @@ def layout_70b_product_wrong():
     return dict(tp=8, pp=4, dp=4, zero_stage=1)  # 128 GPUs' worth of layout on 256 GPUs
 
 
+def layout_70b_pp_not_dividing_layers():
+    return dict(tp=8, pp=32, dp=1, zero_stage=1)  # fits, but 80 layers do not split into 32 equal stages
+
+
 def min_gpus_weights_only(n_params, gpu_memory_bytes, reserved_bytes=0.0):
     import math
 
@@ -31,6 +35,17 @@ def min_gpus_ignores_reserved(n_params, gpu_memory_bytes, reserved_bytes=0.0):
     import math
 
     return max(1, math.ceil(16 * n_params / gpu_memory_bytes))
+
+
+def min_gpus_round_to_nearest(n_params, gpu_memory_bytes, reserved_bytes=0.0):
+    return max(1, round(16 * n_params / (gpu_memory_bytes - reserved_bytes)))  # 13.15 GPUs -> 13
+
+
+def max_tp_halving_from_node(heads, kv_heads, gpus_per_node=8):
+    tp = gpus_per_node  # derived from the node size: only powers of two below a node of 72 are tried
+    while heads % tp or kv_heads % tp:
+        tp //= 2
+    return tp
 
 
 def max_tp_min_of_kv_and_node(heads, kv_heads, gpus_per_node=8):
@@ -64,11 +79,14 @@ WRONG = [
     ("layout_70b", layout_70b_tp16, "key/value heads"),
     ("layout_70b", layout_70b_product_wrong, "but there are 256 GPUs"),
     ("min_gpus_fsdp", min_gpus_weights_only, "only the 2-byte weights"),
-    ("min_gpus_fsdp", min_gpus_floor, "round up, not down"),
+    ("layout_70b", layout_70b_pp_not_dividing_layers, "pp=32 does not divide the 80 layers"),
+    ("min_gpus_fsdp", min_gpus_floor, "round up (math.ceil), not down"),
+    ("min_gpus_fsdp", min_gpus_round_to_nearest, "not to the nearest (round)"),
     ("min_gpus_fsdp", min_gpus_int_plus_one, "use math.ceil"),
     ("min_gpus_fsdp", min_gpus_ignores_reserved, "gpu_memory_bytes - reserved_bytes"),
     ("max_tp", max_tp_min_of_kv_and_node, "does not divide the 12 query heads"),
     ("max_tp", max_tp_ignores_kv_heads, "key/value heads"),
+    ("max_tp", max_tp_halving_from_node, "halving from the node size (72 -> 36 -> 18 -> 9 -> 4)"),
     ("max_tp", max_tp_ignores_node, "does not tile a node of 8 GPUs"),
     ("zero_total_bytes", zero_total_stage2_as_stage1, "that is stage 1's total"),
     ("zero_total_bytes", zero_total_in_gb, "return bytes, not GB"),

@@ -91,6 +91,19 @@ def gather_one_shared_buffer(x):
     return torch.stack(rows)
 
 
+def gather_into_float32_buffer(x):
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    out = torch.zeros(n, *x.shape)  # float32 on the CPU, whatever x is
+    for src in range(n):
+        if src == rank:
+            out[src].copy_(x)
+        dist.broadcast(out[src], src=src)
+    return out
+
+
 def busbw_is_algbw(collective, nbytes, seconds, world_size):
     return nbytes / seconds  # algbw: forgot the collective's factor
 
@@ -107,6 +120,7 @@ WRONG = [
     ("ring_all_reduce", ring_with_library_all_reduce, "called dist.all_reduce"),
     ("all_gather_from_broadcast", gather_into_x, "broadcast into x itself"),
     ("all_gather_from_broadcast", gather_one_shared_buffer, "share one buffer"),
+    ("all_gather_from_broadcast", gather_into_float32_buffer, "the receive buffers must have x's dtype"),
     ("bus_bandwidth", busbw_is_algbw, "factor"),
     ("bus_bandwidth", busbw_all_reduce_factor_everywhere, "all_gather"),
 ]

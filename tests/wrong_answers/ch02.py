@@ -59,6 +59,90 @@ def ddp_without_buffers(model):
         p.register_post_accumulate_grad_hook(average_grad)
 
 
+def ddp_hooks_on_weights_only(model):
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=0)
+
+    def average_grad(param):
+        dist.all_reduce(param.grad)
+        param.grad.div_(world_size)
+
+    for p in model.parameters():
+        if p.dim() == 2:  # the weight matrices only: the biases keep each rank's own gradient
+            p.register_post_accumulate_grad_hook(average_grad)
+
+
+def buckets_assume_four_bytes(grads, bucket_bytes):
+    import torch
+    import torch.distributed as dist
+
+    buckets, current, filled = [], [], 0
+    for g in grads:
+        current.append(g)
+        filled += g.numel() * 4  # as if every gradient were fp32
+        if filled >= bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def buckets_strict_capacity(grads, bucket_bytes):
+    import torch
+    import torch.distributed as dist
+
+    buckets, current, filled = [], [], 0
+    for g in grads:
+        current.append(g)
+        filled += g.numel() * g.element_size()
+        if filled > bucket_bytes:  # a bucket exactly at the limit stays open
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def buckets_drop_last(grads, bucket_bytes):
+    import torch
+    import torch.distributed as dist
+
+    buckets, current, filled = [], [], 0
+    for g in grads:
+        current.append(g)
+        filled += g.numel() * g.element_size()
+        if filled >= bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    # the bucket still being filled when the loop ends is forgotten
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def buckets_one_per_tensor(grads, bucket_bytes):
     import torch.distributed as dist
 
@@ -148,6 +232,32 @@ def shard_seeded_by_rank(dataset_size, rank, world_size, epoch, seed):
     return indices[rank:total:world_size]
 
 
+def shard_reseeds_global_rng(dataset_size, rank, world_size, epoch, seed):
+    import math
+
+    import torch
+
+    torch.manual_seed(seed + epoch)  # the same shuffle on every rank, but every later random draw is reseeded
+    indices = torch.randperm(dataset_size).tolist()
+    total = math.ceil(dataset_size / world_size) * world_size
+    while len(indices) < total:
+        indices += indices[:total - len(indices)]
+    return indices[rank:total:world_size]
+
+
+def shard_pads_once(dataset_size, rank, world_size, epoch, seed):
+    import math
+
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    indices = torch.randperm(dataset_size, generator=g).tolist()
+    total = math.ceil(dataset_size / world_size) * world_size
+    indices += indices[:total - len(indices)]  # one repeat: short when the dataset is smaller than half the ranks
+    return indices[rank:total:world_size]
+
+
 def shard_without_padding(dataset_size, rank, world_size, epoch, seed):
     import torch
 
@@ -161,11 +271,17 @@ WRONG = [
     ("ddp_by_hand", ddp_hook_gets_parameter, "receives the parameter, not the gradient"),
     ("ddp_by_hand", ddp_without_broadcast, "still has its own initial weights"),
     ("ddp_by_hand", ddp_without_buffers, "broadcast the buffers too"),
+    ("ddp_by_hand", ddp_hooks_on_weights_only, "not only on the weight matrices"),
+    ("bucketed_average", buckets_assume_four_bytes, "as if every element took 4 bytes"),
+    ("bucketed_average", buckets_strict_capacity, "close it when filled >= bucket_bytes"),
+    ("bucketed_average", buckets_drop_last, "the bucket still being filled needs its all_reduce too"),
     ("bucketed_average", buckets_one_per_tensor, "one per gradient"),
     ("bucketed_average", buckets_without_copy_back, "torch.cat makes a copy"),
     ("bucketed_average", buckets_without_averaging, "divide the summed bucket by the world size"),
     ("bucketed_average", buckets_close_before_exceeding, "closes it as soon as it holds at least bucket_bytes"),
     ("shard_indices", shard_ignores_epoch, "set_epoch"),
     ("shard_indices", shard_seeded_by_rank, "never + rank"),
+    ("shard_indices", shard_reseeds_global_rng, "changed torch's global random state"),
+    ("shard_indices", shard_pads_once, "repeated more than once"),
     ("shard_indices", shard_without_padding, "pad by repeating"),
 ]

@@ -178,6 +178,20 @@ def atomic_save_tmp_elsewhere(obj, path):
     os.replace(tmp, path)
 
 
+def atomic_save_leaves_tmp_on_failure(obj, path):
+    # Right when the save succeeds; when it fails, the partial temporary file stays on disk.
+    import os
+
+    import torch
+
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def atomic_save_swallows_errors(obj, path):
     # Atomic, but a failed save is silently ignored: the training loop believes it has a checkpoint.
     import os
@@ -230,6 +244,7 @@ WRONG = [
     ("atomic_save", atomic_save_no_fsync, "without os.fsync first"),
     ("atomic_save", atomic_save_tmp_elsewhere, "not next to path"),
     ("atomic_save", atomic_save_swallows_errors, "let the error propagate"),
+    ("atomic_save", atomic_save_leaves_tmp_on_failure, "Remove the temporary file when the write fails"),
     # checkpoint interval
     ("checkpoint_every", interval_without_the_two, "the factor 2 is missing"),
     ("checkpoint_every", interval_with_one_gpus_mtbf, "any of its"),

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from workers.exercises.support import Wrong, expect_close, run_exercise
+from workers.exercises.support import Wrong, agree, expect_close, run_exercise
 from workers.runtime import entrypoint
 
 READY_MADE = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -124,20 +124,36 @@ def check_ring_all_reduce(ctx, answer) -> None:
 
 # -- all_gather from broadcast -------------------------------------------------------------------
 
+GATHER_DTYPES = (torch.float32, torch.bfloat16, torch.int64)  # buffers must follow x's dtype, not default to fp32
+
+
 def check_all_gather_from_broadcast(ctx, answer) -> None:
     n, r = ctx.world_size, ctx.rank
     shape = (3, 2)
-    inputs = [rank_values(k, shape, seed=2) for k in range(n)]
-    want = torch.stack(inputs)  # [n, 3, 2]: row k is rank k's tensor
-    x = inputs[r].clone().to(ctx.device)
-    used: list[str] = []
-    with only_point_to_point(allowed=("broadcast",), used=used):
-        got = answer(x)
+    for dtype in GATHER_DTYPES:
+        inputs = [rank_values(k, shape, seed=2).to(dtype) for k in range(n)]
+        want = torch.stack(inputs)  # [n, 3, 2]: row k is rank k's tensor
+        x = inputs[r].clone().to(ctx.device)
+        used: list[str] = []
+        with only_point_to_point(allowed=("broadcast",), used=used):
+            got = answer(x)
+        agree(lambda: _gathered_right(got, x, want, inputs, used, n, r, dtype))
+
+
+def _gathered_right(got, x, want, inputs, used, n: int, r: int, dtype) -> None:
+    name = str(dtype).replace("torch.", "")
     if isinstance(got, (list, tuple)):
         raise Wrong(f"return one tensor of shape {tuple(want.shape)}: torch.stack your {len(got)} pieces")
     if not isinstance(got, torch.Tensor):
         raise Wrong(f"all_gather_from_broadcast should return a tensor, not {type(got).__name__}")
-    got = got.detach().to("cpu", torch.float32)
+    if got.dtype != dtype:
+        raise Wrong(f"for a {name} x your result is {str(got.dtype).replace('torch.', '')}: the receive buffers "
+                    f"must have x's dtype (torch.empty(shape) is float32 whatever x is, and a {name} value "
+                    "received into it is converted or garbled); allocate them with torch.empty_like(x)")
+    if got.device.type != x.device.type:
+        raise Wrong(f"x is on {x.device} but your result is on {got.device}: allocate the buffers on x's device "
+                    "(torch.empty_like(x)); NCCL cannot broadcast CPU tensors")
+    got = got.detach().to("cpu")
     if not torch.equal(x.to("cpu"), inputs[r]):
         raise Wrong("your function changed its input x: did you broadcast into x itself? By your turn to send, "
                     "x holds another rank's data; broadcast into a new buffer")
@@ -147,7 +163,7 @@ def check_all_gather_from_broadcast(ctx, answer) -> None:
                         "every x holds rank 0's data, and that is all anyone sends later; use a new buffer per broadcast")
         raise Wrong("every row holds the same tensor (the last one broadcast): the rows share one buffer; "
                     "give each broadcast its own buffer (torch.empty_like(x), or x.clone() on the sender)")
-    expect_close(got, want, f"rank {r}'s gathered tensor", atol=0, rtol=0)
+    expect_close(got, want, f"rank {r}'s gathered tensor ({name})", atol=0, rtol=0)
     if n > 1 and len(used) != n:
         raise Wrong(f"the result is right but took {len(used)} broadcasts: all_gather from broadcast needs exactly "
                     f"{n}, one from each rank")

@@ -27,6 +27,30 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # -- exercise 1: DDP by hand --------------------------------------------------------------------------------
 
+def _every_parameter_averaged(model, want_flat, local_flat, step: int, n: int) -> None:
+    """Name the parameters whose gradient is wrong when only some are (a hook on the weight matrices only):
+    the flat comparison would show the first values, which belong to a parameter that is right."""
+    got_flat = flat_grads(model)
+    offset, kept_local, wrong = 0, [], []
+    for name, p in model.named_parameters():
+        size = p.numel()
+        got, want, local = (t[offset:offset + size] for t in (got_flat, want_flat, local_flat))
+        offset += size
+        if _close(got, want):
+            continue
+        wrong.append(name)
+        if _close(got, local):
+            kept_local.append(name)
+    if not wrong or len(wrong) == len(list(model.parameters())):
+        return  # all right, or all wrong: the flat comparison and its hints say more
+    if kept_local == wrong:
+        raise Wrong(f"after backward at step {step + 1} the gradients of {', '.join(wrong)} are this rank's own, "
+                    f"never averaged, while the other parameters' are right: register the hook on every parameter "
+                    "in model.parameters() (biases too), not only on the weight matrices")
+    raise Wrong(f"after backward at step {step + 1} the gradients of {', '.join(wrong)} differ from the average over "
+                f"the {n} ranks while the other parameters' are right: every parameter needs the same hook")
+
+
 def check_ddp_by_hand(ctx, answer) -> None:
     setup = Setup(steps=STEPS)
     n, rank = ctx.world_size, ctx.rank
@@ -62,6 +86,7 @@ def check_ddp_by_hand(ctx, answer) -> None:
             if any(p.grad is None for p in model.parameters()):
                 raise Wrong(f"after backward at step {step + 1} some .grad is None: do not set param.grad to None "
                             "in a hook; all-reduce it in place")
+            _every_parameter_averaged(model, baseline["grads"][step], local, step, n)
             expect_close(flat_grads(model), baseline["grads"][step], f"gradients after backward at step {step + 1}",
                          **FP32_TOL, hints=[
                              (scaled_by(n), f"they are {n} times too large at world size {n}: all_reduce sums over "
@@ -96,30 +121,39 @@ def check_ddp_by_hand(ctx, answer) -> None:
 # -- exercise 2: bucketed averaging -------------------------------------------------------------------------
 
 GRAD_SHAPES = [(64,), (32, 16), (16,), (128, 8), (8,), (200,), (10, 10)]
-BUCKET_BYTES = (1, 1024, 2048, 4096, 1 << 30)
+# (dtype, bucket_bytes): 256 and 2304 bytes end exactly at the first and second fp32 gradients (a full bucket
+# holds exactly bucket_bytes); float64 and bfloat16 buckets differ from ones counted at 4 bytes an element.
+BUCKET_CASES = [(torch.float32, b) for b in (1, 256, 1024, 2048, 2304, 4096, 1 << 30)] + [
+    (torch.float64, 4096), (torch.float64, 4608), (torch.bfloat16, 2048)]
+TOLERANCE = {torch.float32: FP32_TOL, torch.float64: FP32_TOL, torch.bfloat16: {"atol": 3e-2, "rtol": 1e-2}}
 
 
-def _grads_of(rank: int, device) -> list[torch.Tensor]:
+def _grads_of(rank: int, device, dtype=torch.float32) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(*s, generator=g).to(device) for s in GRAD_SHAPES]
+    return [torch.randn(*s, generator=g).to(device, dtype) for s in GRAD_SHAPES]
 
 
-def _close_before_exceeding(sizes: list[int], limit: int) -> int:
-    """The other plausible rule (start a new bucket rather than exceed the limit): for the hint only."""
-    count, filled = 0, 0
+def _buckets(sizes: list[int], limit: int, *, strict: bool = False, close_before: bool = False) -> list[int]:
+    """Bytes per bucket under the two other plausible rules, for the hints only (DDP's own rule is
+    ``bucket_assignment``): ``strict`` closes a bucket only once it holds more than the limit, ``close_before`` starts a new bucket
+    rather than exceed it."""
+    out, filled = [], 0
     for s in sizes:
-        if filled and filled + s > limit:
-            count, filled = count + 1, 0
+        if close_before and filled and filled + s > limit:
+            out, filled = out + [filled], 0
         filled += s
-    return count + (1 if filled else 0)
+        if not close_before and (filled > limit if strict else filled >= limit):
+            out, filled = out + [filled], 0
+    return out + ([filled] if filled else [])
 
 
 def check_bucketed_average(ctx, answer) -> None:
     n = ctx.world_size
-    sizes = [math.prod(s) * 4 for s in GRAD_SHAPES]
-    want = [sum(_grads_of(r, "cpu")[i] for r in range(n)) / n for i in range(len(GRAD_SHAPES))]
-    for bucket_bytes in BUCKET_BYTES:
-        grads = _grads_of(ctx.rank, ctx.device)
+    numels = [math.prod(s) for s in GRAD_SHAPES]
+    for dtype, bucket_bytes in BUCKET_CASES:
+        item = torch.empty((), dtype=dtype).element_size()
+        want = [sum(_grads_of(r, "cpu", dtype)[i].double() for r in range(n)) / n for i in range(len(GRAD_SHAPES))]
+        grads = _grads_of(ctx.rank, ctx.device, dtype)
         before = [g.clone() for g in grads]
         calls = []
         original = dist.all_reduce
@@ -134,31 +168,61 @@ def check_bucketed_average(ctx, answer) -> None:
         finally:
             dist.all_reduce = original
 
-        buckets = bucket_assignment(sizes, [bucket_bytes])
-        expected = [sum(sizes[i] for i in b) // 4 for b in buckets]
+        sizes = [k * item for k in numels]
+        expected = [sum(sizes[i] for i in b) // item for b in bucket_assignment(sizes, [bucket_bytes])]
+        as_fp32 = [b // 4 for b in _buckets([k * 4 for k in numels], bucket_bytes)]
+        strict = [b // item for b in _buckets(sizes, bucket_bytes, strict=True)]
+        close_before = [b // item for b in _buckets(sizes, bucket_bytes, close_before=True)]
+        name = str(dtype).replace("torch.", "")
+
+        def unchanged_hint() -> str:
+            if calls and calls == expected[:-1]:
+                return ("it was never all-reduced: it sits in the last bucket, and your loop all-reduced only the "
+                        f"buckets it closed ({len(calls)} of {len(expected)}); after the loop, the bucket still "
+                        "being filled needs its all_reduce too (if current: buckets.append(current))")
+            if calls == expected:
+                return ("it did not change although every bucket was all-reduced: torch.cat makes a copy, so copy "
+                        "each averaged slice back into its gradient (g.copy_(flat[offset:offset + g.numel()]"
+                        ".view_as(g)))")
+            return ("it did not change: either its bucket was never all-reduced (the last, unfinished bucket "
+                    "forgotten after the loop?) or the averaged bucket was not copied back (torch.cat makes a copy)")
 
         def right():
-            what = f"with bucket_bytes={bucket_bytes}"
+            what = f"with {name} gradients and bucket_bytes={bucket_bytes}"
             if len(grads) != len(GRAD_SHAPES) or any(g.shape != b.shape for g, b in zip(grads, before)):
                 raise Wrong(f"{what} the list of gradients changed shape: average them in place")
             for i, (g, w) in enumerate(zip(grads, want)):
-                expect_close(g, w, f"{what}, gradient {i}", **FP32_TOL, hints=[
+                if g.dtype != dtype:
+                    raise Wrong(f"{what}, gradient {i} came back as {g.dtype}: average in place, keeping its dtype")
+                expect_close(g, w, f"{what}, gradient {i}", **TOLERANCE[dtype], hints=[
                     (scaled_by(n), f"it is {n} times the average at world size {n}: divide the summed bucket by "
                                    "the world size"),
-                    (lambda got, _w, i=i: torch.equal(got, before[i].cpu().double()),
-                     "it did not change: torch.cat makes a copy, so after all-reducing the flat bucket copy each "
-                     "slice back into its gradient (g.copy_(flat[offset:offset + g.numel()].view_as(g)))"),
+                    (lambda got, _w, i=i: torch.equal(got, before[i].cpu().double()), unchanged_hint()),
                 ])
             if calls == expected:
                 return
-            if len(calls) == len(GRAD_SHAPES) and len(expected) != len(GRAD_SHAPES):
-                raise Wrong(f"{what} you made {len(calls)} all_reduce calls, one per gradient; DDP's rule packs "
-                            f"these {len(GRAD_SHAPES)} gradients into {len(expected)} buckets: flatten each bucket "
-                            "into one tensor and all-reduce it once")
-            if len(calls) == _close_before_exceeding(sizes, bucket_bytes) != len(expected):
+            if item != 4 and calls == as_fp32:
+                raise Wrong(f"{what} your buckets hold {calls} elements, as if every element took 4 bytes; {name} "
+                            f"takes {item}: count a gradient's bytes as g.numel() * g.element_size(), which gives "
+                            f"buckets of {expected} elements")
+            if calls == strict:
+                raise Wrong(f"{what} your buckets hold {calls} elements where DDP's rule gives {expected}: a bucket "
+                            "that holds exactly bucket_bytes is full; close it when filled >= bucket_bytes, not only "
+                            "once it exceeds the limit (>)")
+            per_gradient = len(calls) == len(GRAD_SHAPES) and len(expected) != len(GRAD_SHAPES)
+            if calls == close_before and per_gradient:
+                raise Wrong(f"{what} you made {len(calls)} all_reduce calls, one per gradient, where DDP's rule makes "
+                            f"{len(expected)}: either you all-reduce each gradient on its own, or you start a new "
+                            "bucket rather than exceed the limit (here both give one gradient per bucket); DDP keeps "
+                            "adding to a bucket and closes it as soon as it holds at least bucket_bytes")
+            if calls == close_before:
                 raise Wrong(f"{what} you made {len(calls)} all_reduce calls where DDP's rule makes {len(expected)}: "
                             "you start a new bucket before the limit is reached; DDP keeps adding to a bucket and "
                             "closes it as soon as it holds at least bucket_bytes")
+            if per_gradient:
+                raise Wrong(f"{what} you made {len(calls)} all_reduce calls, one per gradient; DDP's rule packs "
+                            f"these {len(GRAD_SHAPES)} gradients into {len(expected)} buckets: flatten each bucket "
+                            "into one tensor and all-reduce it once")
             raise Wrong(f"{what} your all_reduce calls had {calls} elements; DDP's rule (fill in order, close a "
                         f"bucket once it holds at least bucket_bytes) gives buckets of {expected} elements")
 
@@ -167,7 +231,31 @@ def check_bucketed_average(ctx, answer) -> None:
 
 # -- exercise 3: sampler sharding ---------------------------------------------------------------------------
 
-SAMPLER_CASES = ((12, 3), (10, 2), (7, 2))  # (dataset_size, epochs); 10 and 7 need padding at world 4
+SAMPLER_CASES = ((12, 3), (10, 2), (7, 2), (1, 1))  # (dataset_size, epochs); 10 and 7 need padding at world 4,
+# and 1 sample on 4 ranks must be repeated three times
+
+
+def _global_rng_states() -> dict:
+    import random
+
+    import numpy as np
+
+    return {"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _rng_unchanged(before: dict) -> str | None:
+    """Which global random state the answer moved, if any (None: all untouched)."""
+    import numpy as np
+
+    after = _global_rng_states()
+    if not torch.equal(before["torch"], after["torch"]):
+        return "torch's global random state (torch.manual_seed, or torch.randperm without a generator)"
+    if before["random"] != after["random"]:
+        return "Python's global random state (random.seed / random.shuffle)"
+    b, a = before["numpy"], after["numpy"]
+    if not (np.array_equal(b[1], a[1]) and b[2:] == a[2:]):
+        return "NumPy's global random state (np.random.seed / np.random.permutation)"
+    return None
 
 
 def check_shard_indices(ctx, answer) -> None:
@@ -176,7 +264,9 @@ def check_shard_indices(ctx, answer) -> None:
         per_rank = math.ceil(size / n_ranks)
         orders = []
         for epoch in range(epochs):
+            rng_before = _global_rng_states()
             mine = answer(size, rank, n_ranks, epoch, seed)
+            moved = _rng_unchanged(rng_before)
             again = answer(size, rank, n_ranks, epoch, seed)
             other_seed = answer(size, rank, n_ranks, epoch, seed + 1)
             shards = [None] * n_ranks
@@ -187,14 +277,22 @@ def check_shard_indices(ctx, answer) -> None:
                 for r, s in enumerate(shards):
                     if not isinstance(s, (list, tuple)) or not all(isinstance(i, int) and 0 <= i < size for i in s):
                         raise Wrong(f"{where}: rank {r} returned {s!r}: return a list of ints from range(dataset_size)")
+                if moved:
+                    raise Wrong(f"{where}: your sampler changed {moved}. A sampler runs inside the training script: "
+                                "reseeding or drawing from the global generator changes every later random draw "
+                                "(dropout, initialisation, augmentation) and makes them repeat each epoch; shuffle "
+                                "with a private torch.Generator().manual_seed(seed + epoch)")
                 if list(again) != list(mine):
                     raise Wrong(f"{where}: two calls with the same arguments gave different indices: shuffle with a "
                                 "torch.Generator seeded from seed and epoch, not the global random state")
                 lengths = [len(s) for s in shards]
                 if any(L != per_rank for L in lengths):
+                    more = (f" here the dataset ({size} samples) must be repeated more than once to reach "
+                            f"{per_rank * n_ranks} indices (repeat the list, then cut)," if per_rank * n_ranks > 2 * size else "")
                     raise Wrong(f"{where}: the ranks got {lengths} indices; each must get ceil(dataset_size / "
                                 f"world_size) = {per_rank}, so that all ranks run the same number of steps "
-                                "(pad by repeating indices from the start, as DistributedSampler does)")
+                                f"(pad by repeating indices from the start, as DistributedSampler does;{more} "
+                                "never drop samples)")
                 seen = [i for s in shards for i in s]
                 missing = sorted(set(range(size)) - set(seen))
                 repeats = len(seen) - len(set(seen))

@@ -12,12 +12,13 @@ that was missed: weights after the restore (model), AdamW's state (optimizer), t
 good steps (scaler), the batch read (sampler), dropout masks / numpy noise / python's random choice (the RNG
 streams), the learning rate (scheduler), the weights after a step.
 
-``atomic_save(obj, path)``: three stages, each on a fresh directory. (1) A save over an old checkpoint fails
+``atomic_save(obj, path)``: four stages, each on a fresh directory. (1) A save over an old checkpoint fails
 midway (every write past half the new file's size fails, as on a full disk): the call must raise, and ``path``
 must still load as the old checkpoint. (2) A normal save over an old checkpoint, with ``os.replace``,
 ``os.rename``, ``os.remove``, ``os.fsync`` and ``shutil.copyfile`` watched: ``path`` must get a new inode (it
 was replaced, not rewritten in place), never be deleted first, come from a file in the same directory that was
-fsync-ed before the rename, and nothing may be left beside it. (3) A first save and a second one over it.
+fsync-ed before the rename, and nothing may be left beside it. (3) The failing save of (1) again: the temporary
+file must be removed, not left beside path. (4) A first save and a second one over it.
 """
 from __future__ import annotations
 
@@ -248,6 +249,29 @@ def _stage_replace(answer, root: str) -> None:
                     "do not copy it")
 
 
+def _stage_failed_save_cleans_up(answer, root: str) -> None:
+    """A save that fails midway must raise and leave nothing but the old checkpoint: a temporary file left behind
+    by every failed save is a full checkpoint's worth of disk each time (run after _stage_replace, so that a
+    rename without fsync is named first)."""
+    path = os.path.join(root, "ckpt.pt")
+    torch.save(_checkpoint(1), path)
+    torch.save(_checkpoint(2), buf := io.BytesIO())
+    with writes_fail_beyond(len(buf.getvalue()) // 2):
+        try:
+            answer(_checkpoint(2), path)
+        except NotImplementedError:
+            raise
+        except Exception:  # noqa: BLE001 - the failure we caused
+            pass
+    stray = sorted(set(os.listdir(root)) - {"ckpt.pt"})
+    if stray:
+        sizes = ", ".join(f"{name} ({os.path.getsize(os.path.join(root, name))} bytes)" for name in stray)
+        raise Wrong(f"a save that failed midway left {sizes} next to path: the old checkpoint is safe, but every "
+                    "failed save leaves a partial checkpoint behind (a full-size one at scale) until the disk fills. "
+                    "Remove the temporary file when the write fails (try: ... except BaseException: os.remove(tmp); "
+                    "raise), then let the error propagate")
+
+
 def _stage_first_save(answer, root: str) -> None:
     path = os.path.join(root, "sub", "first.pt")
     os.makedirs(os.path.dirname(path))
@@ -262,7 +286,7 @@ def _stage_first_save(answer, root: str) -> None:
 def check_atomic_save(ctx, answer) -> None:
     root = tempfile.mkdtemp(prefix=f"ch08_atomic_rank{ctx.rank}_")
     try:
-        for stage in (_stage_crash, _stage_replace, _stage_first_save):
+        for stage in (_stage_crash, _stage_replace, _stage_failed_save_cleans_up, _stage_first_save):
             where = os.path.join(root, stage.__name__)
             os.makedirs(where)
             agree(lambda: stage(answer, where))

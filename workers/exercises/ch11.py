@@ -24,7 +24,8 @@ from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, flat_params, lo
 
 STEPS = 3
 GLOBAL_BATCH = 8
-CFG = TiedGPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2)
+# 29403 parameters: odd, so they do not split into 2 or 4 equal shards and an answer must pad (or split unevenly).
+CFG = TiedGPTConfig(vocab=61, seq=16, hidden=33, heads=3, layers=2)
 # SGD with momentum is linear in the gradient: reordered fp32 sums (any correct sync) stay at ~1e-7.
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -40,6 +41,20 @@ def _reference(batches, grad_scale: float = 1.0) -> list[torch.Tensor]:
         loss_fn(model, batch).backward()
         for p in model.parameters():
             p.grad.mul_(grad_scale)
+        opt.step()
+        out.append(flat_params(model))
+    return out
+
+
+def _local_steps(batch, n: int) -> list[torch.Tensor]:
+    """The weights after one step from the start if the gradient were rank r's own (its rows only), r < n: what an
+    element's owner produces when the gradients are never reduced over the ranks."""
+    cls, hyper = OPTIMIZER_CLASSES["sgd"]
+    out = []
+    for r in range(n):
+        model = make_model(CFG, seed=0)
+        opt = cls(model.parameters(), **hyper)
+        loss_fn(model, shard_rows(batch, r, n)).backward()
         opt.step()
         out.append(flat_params(model))
     return out
@@ -79,7 +94,16 @@ def check_zero1_step(ctx, answer) -> None:
         for p in params:
             p.grad = None
         loss_fn(model, shard_rows(batch, rank, n).to(ctx.device)).backward()
-        answer(params, state, make_optimizer)
+        try:
+            answer(params, state, make_optimizer)
+        except (RuntimeError, ValueError) as exc:
+            if n_params % n == 0 or isinstance(exc, NotImplementedError):  # the stub: "not attempted"
+                raise
+            raise Wrong(f"at world size {n} your step raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0].rstrip('. ')}. "
+                        f"The model has {n_params} parameters, which do not split into {n} equal shards "
+                        f"(reduce_scatter_tensor and all_gather_into_tensor need n equal slices): pad the flat "
+                        f"buffer with zeros to n * ceil({n_params} / n) = {n * math.ceil(n_params / n)} elements, "
+                        "and drop the padding when copying back") from None
         got = flat_params(model)
 
         if step == 0:
@@ -103,21 +127,53 @@ def check_zero1_step(ctx, answer) -> None:
             def covered():
                 total = sum(counts)
                 if total < n_params:
+                    pad = ""
+                    if n_params % n and n_params - total < n:
+                        pad = (f" {n_params} is not a multiple of {n}: slices of {n_params} // {n} = {n_params // n} "
+                               f"leave the last {n_params % n} behind; pad to n * ceil(total / n) = "
+                               f"{n * math.ceil(n_params / n)} elements (the padding is stepped too, and dropped)")
                     raise Wrong(f"the ranks' optimizers together hold state for {total} of the {n_params} elements: "
-                                "some parameters are stepped by no rank; the shards must cover every parameter")
+                                "some parameters are stepped by no rank; the shards must cover every parameter." + pad)
                 if total > n_params + n - 1:  # n - 1: the most padding an equal split can need
                     raise Wrong(f"the ranks' optimizers together hold state for {total} elements, more than the "
                                 f"{n_params} parameters: some are stepped by several ranks; shards must not overlap")
             agree(covered)
 
+            first = got.to(ctx.device)
+            rank0_first = first.clone()
+            dist.broadcast(rank0_first, src=0)
+            same = [None] * n
+            dist.all_gather_object(same, bool(torch.equal(first, rank0_first)))
+
+            def reduced():
+                # Every element as its owner would step it with the owner's own gradient, and not the mean: the
+                # gradients were never reduced over the ranks (a zero for tokens outside the owner's rows).
+                if n == 1 or torch.allclose(got, want[1], **TOL):
+                    return
+                local = torch.stack(local_steps)  # [n, n_params]
+                if all(same) and bool((local - got).abs().le(TOL["atol"] + TOL["rtol"] * got.abs()).any(0).all()):
+                    raise Wrong(f"every rank ends with the same parameters, but each element was stepped with one "
+                                "rank's own gradient, not the mean over the ranks: the gradients were never reduced. "
+                                "Reduce them before the step (reduce_scatter_tensor gives each rank the sum of its "
+                                "slice; divide by the world size), then step and all-gather")
+            local_steps = _local_steps(batch, n)
+            agree(reduced)
+
             def resynced():
                 changed = want[1] != want[0]
                 stale = int(((got == before) & changed).sum())
-                if stale:
-                    raise Wrong(f"after the step, {stale} of the {n_params} parameters on rank {rank} still hold their "
-                                "values from before the step: each rank updated only its own shard. Re-synchronise: "
-                                "all_gather (or broadcast from each owner) the updated shards so every rank has the "
-                                "full model")
+                if not stale:
+                    return
+                if all(same):
+                    raise Wrong(f"after the step, {stale} of the {n_params} parameters still hold their values from "
+                                "before the step on every rank, although the averaged gradient moves them: the ranks "
+                                "agree (the all-gather happened), so these elements were stepped with a zero "
+                                "gradient, or not at all. Are the gradients reduced over the ranks before the step, "
+                                "and does every element belong to some rank's slice?")
+                raise Wrong(f"after the step, {stale} of the {n_params} parameters on rank {rank} still hold their "
+                            "values from before the step, and the ranks' parameters differ: each rank updated only its "
+                            "own shard. Re-synchronise: all_gather (or broadcast from each owner) the updated shards "
+                            "so every rank has the full model")
             agree(resynced)
 
             def averaged():
