@@ -4,6 +4,29 @@ from course_utils.exercises import FAIL, PASS, Exercise, register
 CHECKER = "workers.exercises.ch01"
 
 
+_FACTORS = "2(n-1)/n for all_reduce; (n-1)/n for all_gather, reduce_scatter and all_to_all; 1 for broadcast and reduce"
+
+
+def _busbw_diagnosis(collective: str, n: int, got: float, algbw: float) -> str:
+    """Name the factor the answer used, when it is one of the known ones."""
+    from course_utils.ledger import bus_bandwidth_factor
+
+    want_f = bus_bandwidth_factor(collective, n)
+    used = got / algbw
+    head = f"{collective} at n={n}: got {got / 1e9:.4g} GB/s, expected {algbw * want_f / 1e9:.4g} GB/s: "
+    readings = []  # every known mistake that gives this number (at n = 2, algbw and all_reduce's factor agree)
+    if abs(used - 1) < 1e-9:
+        readings.append("the algorithm bandwidth (bytes / seconds) itself, with no factor")
+    for other in ("all_reduce", "all_gather"):
+        f = bus_bandwidth_factor(other, n)
+        if other != collective and abs(used - f) < 1e-9:
+            readings.append(f"{other}'s factor ({f:.4g})")
+    if readings:
+        return head + (f"that is {' or '.join(readings)}, but {collective}'s factor at n={n} is {want_f:.4g}: busbw = "
+                       f"algbw x a factor that depends on the collective ({_FACTORS})")
+    return head + f"algbw x {used:.4g} is no collective's factor; busbw = algbw x factor, with {_FACTORS}"
+
+
 def check_bus_bandwidth(answer) -> tuple[str, str]:
     """Compare ``answer(collective, nbytes, seconds, world_size)`` with nccl-tests' definition."""
     from course_utils.ledger import bus_bandwidth_factor
@@ -16,10 +39,7 @@ def check_bus_bandwidth(answer) -> tuple[str, str]:
             if not isinstance(got, (int, float)) or isinstance(got, bool):
                 return FAIL, f"bus_bandwidth should return a number of bytes/s, not {type(got).__name__}"
             if abs(got - want) > 1e-9 * want:
-                algbw = nbytes / seconds
-                return FAIL, (f"{collective} at n={n}: got {got / 1e9:.4g} GB/s, expected {want / 1e9:.4g} GB/s "
-                              f"(algbw {algbw / 1e9:.4g} GB/s x factor {bus_bandwidth_factor(collective, n):.4g}); "
-                              "check the factor for this collective")
+                return FAIL, _busbw_diagnosis(collective, n, got, nbytes / seconds)
     return PASS, "matches nccl-tests' busbw for all six collectives at n = 2, 4, 8"
 
 

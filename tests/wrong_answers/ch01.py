@@ -121,6 +121,6 @@ WRONG = [
     ("all_gather_from_broadcast", gather_into_x, "broadcast into x itself"),
     ("all_gather_from_broadcast", gather_one_shared_buffer, "share one buffer"),
     ("all_gather_from_broadcast", gather_into_float32_buffer, "the receive buffers must have x's dtype"),
-    ("bus_bandwidth", busbw_is_algbw, "factor"),
-    ("bus_bandwidth", busbw_all_reduce_factor_everywhere, "all_gather"),
+    ("bus_bandwidth", busbw_is_algbw, "that is the algorithm bandwidth (bytes / seconds) itself, with no factor"),
+    ("bus_bandwidth", busbw_all_reduce_factor_everywhere, "or all_reduce's factor (1), but all_gather's factor at n=2 is 0.5"),
 ]

@@ -190,7 +190,7 @@ WRONG = [
     ("forward_tile_loop", forward_tile_local_mask, "wrong mask"),
     ("forward_tile_loop", forward_no_max_subtraction, "forgetting the max subtraction"),
     ("forward_tile_loop", forward_lse_without_max, "wrong LSE"),
-    ("forward_tile_loop", forward_full_matrix, "whole"),
+    ("forward_tile_loop", forward_full_matrix, "as large as the whole"),
     ("forward_tile_loop", forward_max_starts_at_zero, "the running max starts at 0 instead of -inf"),
     ("backward_tile", backward_without_delta, "left out delta"),
     ("backward_tile", backward_p_as_a_ratio, "rebuild P in one exponent"),
