@@ -142,6 +142,11 @@ def _block_case(ctx, answer, group, t, r, *, seed, sg=None) -> None:
         expect_close(x.grad.cpu(), ref["grad_input"], "the input gradient", **TOL,
                      hints=[(scaled_by(t), f"it is {t} times too large: a gradient was all-reduced twice")])
         if t > 1 and backward_ar != 2:
+            if backward_ar == 0:  # right numbers, nothing through the course's regions: an f/g of the learner's own
+                raise Wrong("outputs and gradients are right, but no all-reduce went through the course's regions: "
+                            "the check counts communication through copy_to_tensor_model_parallel_region (f) and "
+                            "reduce_from_tensor_model_parallel_region (g), as the exercise asks; a hand-written f/g "
+                            "is not counted, so use those two")
             raise Wrong(f"outputs and gradients are right, but the backward ran {backward_ar} all-reduces through the "
                         "regions, where the block needs exactly two (one f per sub-layer)")
 
