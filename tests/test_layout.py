@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,9 +119,16 @@ def test_chapter_glue_is_imported_only_by_its_own_chapter():
     assert notebook_side_violations(ROOT) == []
 
 
-def test_every_shim_is_still_used_as_documented():
+def test_every_shim_still_works_as_documented():
     for rel in SHIMS:
         assert (ROOT / rel).is_file(), f"{rel} is gone: remove it from SHIMS and CONTRIBUTING"
+    from workers import ch02_model
+    from workers.data_parallel import buckets, model
+
+    assert ch02_model.TinyMLP is model.TinyMLP and ch02_model.bucket_assignment is buckets.bucket_assignment
+    out = subprocess.run([sys.executable, "-m", "workers.bench_attention", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "--quick" in out.stdout, out.stderr
 
 
 def test_the_chapter_map_is_up_to_date():
