@@ -11,19 +11,13 @@ ranks against each other.
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.data_parallel.model import Setup, flat, flat_grads, loss_fn, make_batches, make_model, rows_of, shard
+from workers.data_parallel.model import (Setup, flat, flat_grads, loss_fn, make_batches, make_model, rows_of, shard,
+                                         training_problem)
 from workers.runtime import entrypoint
 
 
 def check_params(world_size, global_batch, steps, lr, **_):
-    if global_batch < 1 or global_batch % world_size:
-        return (f"global_batch={global_batch} does not split into {world_size} equal shards of rows: "
-                f"choose a multiple of {world_size}")
-    if steps < 1:
-        return f"steps={steps} trains nothing: use at least 1 step"
-    if lr <= 0:
-        return f"lr={lr} must be positive"
-    return None
+    return training_problem(world_size, global_batch, steps, lr)
 
 
 def main(ctx, steps: int = 5, global_batch: int = 16, lr: float = 0.1, d_in: int = 8, d_hidden: int = 16,

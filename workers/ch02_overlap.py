@@ -16,22 +16,17 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers.data_parallel.buckets import MIB, predict_ddp_buckets
-from workers.data_parallel.model import Setup, flat, flat_grads, loss_fn, make_batches, make_model, shard
+from workers.data_parallel.model import (Setup, flat, flat_grads, loss_fn, make_batches, make_model, shard,
+                                         training_problem)
 from workers.data_parallel.overlap import OverlappedDDP, overlap_summary
 from workers.runtime import entrypoint
 
 
 def check_params(world_size, global_batch, steps, lr, bucket_cap_bytes, **_):
-    if global_batch < 1 or global_batch % world_size:
-        return (f"global_batch={global_batch} does not split into {world_size} equal shards of rows: "
-                f"choose a multiple of {world_size}")
-    if steps < 1:
-        return f"steps={steps} trains nothing: use at least 1 step"
-    if lr <= 0:
-        return f"lr={lr} must be positive"
-    if bucket_cap_bytes < 1:
-        return f"bucket_cap_bytes={bucket_cap_bytes} must be at least 1 byte"
-    return None
+    problem = training_problem(world_size, global_batch, steps, lr)
+    if problem is None and bucket_cap_bytes < 1:
+        problem = f"bucket_cap_bytes={bucket_cap_bytes} must be at least 1 byte"
+    return problem
 
 
 def _train(ctx, setup: Setup, wrap, finish=None) -> dict:

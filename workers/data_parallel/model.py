@@ -145,3 +145,16 @@ def accumulated_reference(setup: Setup, accumulation: int) -> torch.Tensor:
     x = torch.cat([b[0] for b in batches])  # [k*B, d_in]
     y = torch.cat([b[1] for b in batches])
     return grads_on(model, x, y)
+
+
+def training_problem(world_size: int, global_batch: int, steps: int, lr: float) -> str | None:
+    """One sentence if a data-parallel training run of chapter 02 cannot be laid out, else None (its workers'
+    ``check_params`` start here)."""
+    if global_batch < 1 or global_batch % world_size:
+        return (f"global_batch={global_batch} does not split into {world_size} equal shards of rows: "
+                f"choose a multiple of {world_size}")
+    if steps < 1:
+        return f"steps={steps} trains nothing: use at least 1 step"
+    if lr <= 0:
+        return f"lr={lr} must be positive"
+    return None
