@@ -43,10 +43,11 @@ def test_overlapped_ddp_equals_torch_ddp_and_one_process(world, baseline):
         else:
             # Four addends: gloo's order of the additions depends on where an element sits in the buffer, and
             # torch's first iteration all-reduces one bucket of all 848 bytes in model order where ours sends two
-            # buckets from the start, so the sums differ by rounding (measured: at most 7.5e-9 on gradients of
-            # O(0.1)); 1e-7 is a few fp32 ulp at this scale, far below what skipping the average would give.
+            # buckets from the start, so the sums differ by rounding. Measured over AVX512, AVX2 and the plain
+            # kernels, seeds 0-2: at most 3e-8 on weights, 1.5e-8 on gradients, 1.2e-7 on losses of ~0.7 (2 fp32
+            # ulp). 5e-7 is 4x that; skipping the average, or a missed bucket, is off by O(0.1).
             for key in ("weights", "grads", "local_losses"):
-                assert torch.allclose(ours[key], theirs[key], atol=1e-7, rtol=0), key
+                assert torch.allclose(ours[key], theirs[key], atol=5e-7, rtol=0), key
     # And both equal one process on the whole batch, to fp32 rounding (only the order of additions differs).
     c = compare_to_baseline(res, baseline)
     assert c["within_tol"], (c["grad_max_abs"], c["max_abs"], c["loss_abs"])
