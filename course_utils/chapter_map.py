@@ -29,22 +29,31 @@ def resolve(module: str, root: Path = ROOT) -> str | None:
     return None
 
 
-def references(path: Path, root: Path = ROOT) -> set[str]:
-    """Repository files ``path`` imports (anywhere in it, also inside functions) or names in a string."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+def _names(path: Path, *, strings: bool) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
             if _MODULE_STRING.match(node.value):
                 names.add(node.value)
-            elif _PATH_STRING.match(node.value) and (root / node.value).is_file():
+            elif _PATH_STRING.match(node.value):
                 names.add(node.value[:-3].replace("/", "."))
-    files = {resolve(n, root) for n in names}
+    return names
+
+
+def imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Repository files ``path`` imports (``import``/``from`` statements anywhere in it, also inside functions)."""
+    return {f for f in (resolve(n, root) for n in _names(path, strings=False)) if f}
+
+
+def references(path: Path, root: Path = ROOT) -> set[str]:
+    """What ``path`` imports, plus the repository modules and worker files it names in a string (the workers a
+    notebook runs: ``cu.run("workers.ch13_pipeline")``, ``"workers/ch01_minimal.py"``); ``__init__`` files left out."""
+    files = {resolve(n, root) for n in _names(path, strings=True)}
     mine = path.resolve().relative_to(root.resolve()).as_posix()
     return {f for f in files if f and f != mine and not f.endswith("__init__.py")}
 

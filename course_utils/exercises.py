@@ -21,6 +21,7 @@ from typing import Callable
 from course_utils.results import CourseError, JobTimeout, WorkerFailed
 
 PASS, FAIL, TODO = "pass", "fail", "todo"
+NOT_GRADED = "not graded"  # a failing verdict that says nothing about the answer (its ranks never started)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
                           "Does every rank call the same collectives, in the same order?")
         except WorkerFailed as exc:
             if exc.startup:
-                return FAIL, (f"not graded: the ranks for world size {world_size} did not start, twice "
+                return FAIL, (f"{NOT_GRADED}: the ranks for world size {world_size} did not start, twice "
                               f"({exc.summary.splitlines()[0]}). This says nothing about your answer: run the check "
                               "again when the machine is less loaded")
             if exc.error_type == "NotImplementedError":

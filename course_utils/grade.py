@@ -3,8 +3,8 @@
 SUBMISSIONS holds learners' notebooks, either ``<learner>/<NN_chapter>.ipynb`` or ``<learner>__<NN_chapter>.ipynb``.
 For each one the grader builds a grading notebook from the learner's answer cells (tagged ``exercise``)
 followed by the course's own checks for that chapter (the learner's ``check`` cells are not trusted),
-starts the ranks those checks use in a cell of its own (its time is not charged to any answer), executes it headless in a separate process with a per-cell and a total time limit, and collects the
-verdicts. A submission that crashes, loops forever or leaves ranks behind costs only its own points:
+starts the ranks those checks use in a cell of its own (its time is not charged to any answer), executes it
+headless in a separate process with a per-cell and a total time limit, and collects the verdicts. A submission that crashes, loops forever or leaves ranks behind costs only its own points:
 the process tree is killed at the limit and every check that did not run scores zero with a reason. A
 submission whose checks did not run for a reason that is not the answer's (ranks that never started) is
 graded once more, and its feedback says so if that happens again.
@@ -32,7 +32,7 @@ CHAPTER_RE = re.compile(r"(\d\d)_")
 STARTUP_CELL_TAG = "grading-startup"
 ANSWER_CELL_TAG = "grading-answer"
 ANSWER_TIMEOUT = "the answer ran too long"
-NOT_GRADED = "not graded"  # the start of a verdict that says nothing about the answer (ranks never started)
+NOT_GRADED = ex_mod.NOT_GRADED
 
 
 def chapter_of(path: Path) -> str:
@@ -89,7 +89,9 @@ def execute(nb_path: Path, log_path: Path, *, cell_timeout: float, total_timeout
 
 def startup_limit() -> float:
     """How long the rank start-up cell may take: the launcher's own start-up limit for each world size, plus a margin."""
-    return float(os.environ.get("COURSE_STARTUP_TIMEOUT", 300)) * 2 + 60
+    from course_utils.jobs import default_startup_timeout_s
+
+    return default_startup_timeout_s() * 2 + 60
 
 
 def _execute_here(nb_path: str, cell_timeout: float) -> None:

@@ -48,6 +48,12 @@ def describe_stack(stack: list[list]) -> str:
     return f"running {where}"
 
 
+
+def default_startup_timeout_s() -> float:
+    """How long ranks may take to start (torchrun, ``import torch``, rendezvous): ``COURSE_STARTUP_TIMEOUT`` or 300 s."""
+    return float(os.environ.get("COURSE_STARTUP_TIMEOUT", 300))
+
+
 class RankJob:
     """Ranks started by torchrun that run tasks sent from this notebook until ``close()``."""
 
@@ -63,7 +69,7 @@ class RankJob:
         self.log_dir = scratch.job_log_dir(self.id)  # torchrun's per-rank log files, removed by close()
         self.collective_timeout_s = collective_timeout_s
         # Starting torchrun and importing torch takes 5 s on an idle 2-core machine, minutes on a loaded one.
-        self.startup_timeout_s = startup_timeout_s or float(os.environ.get("COURSE_STARTUP_TIMEOUT", 300))
+        self.startup_timeout_s = startup_timeout_s or default_startup_timeout_s()
         self.frames: queue.Queue = queue.Queue()
         self.conns: dict[int, socket.socket] = {}
         self.hello: dict[int, dict] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from course_utils.chapter_map import ROOT, SPINE, render, resolve
+from course_utils.chapter_map import ROOT, SPINE, imports, render
 
 # Thin re-exports kept because a path is part of the course's public surface (see CONTRIBUTING).
 SHIMS = {
@@ -38,20 +38,8 @@ def _python_files(root: Path) -> list[Path]:
                   if ".ipynb_checkpoints" not in p.parts)
 
 
-def _imports(path: Path, root: Path) -> set[str]:
-    """Repository files ``path`` imports (``import``/``from`` statements only: a string naming a worker runs it)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return {f for f in (resolve(n, root) for n in names) if f}
-
-
 def _import_graph(root: Path) -> dict[str, set[str]]:
-    return {p.relative_to(root).as_posix(): _imports(p, root) for p in _python_files(root)}
+    return {p.relative_to(root).as_posix(): imports(p, root) for p in _python_files(root)}
 
 
 def _is_script(path: Path) -> bool:
