@@ -107,3 +107,30 @@ def ring_attention_backward(q, k, v, out, lse, dout, ring: Ring, split: str, cau
         if pending_kv is not None:
             kv = pending_kv.wait()
     return torch.cat(dq, dim=-2).to(q.dtype), dkv[0], dkv[1]
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention as an autograd op, for models that call it inside their forward (chapter 15).
+
+    ``ring_attention(q, k, v, ring, split, causal)``: forward is ``ring_attention_forward``, backward
+    ``ring_attention_backward`` from the saved out and lse, so a transformer layer can put it where its local
+    attention was and let autograd call the ring backward at the right moment of the pipeline's schedule.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring, split, causal):
+        out, lse, _ = ring_attention_forward(q, k, v, ring, split, causal)  # [b, h, s/cp, d], [b, h, s/cp]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.split, ctx.causal = ring, split, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_attention_backward(q, k, v, out, lse, dout.contiguous(), ctx.ring, ctx.split, ctx.causal)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, ring: Ring, split: str, causal: bool = True) -> torch.Tensor:
+    """Differentiable ring attention of this rank's ``q, k, v [b, h, s/cp, d]`` -> ``[b, h, s/cp, d]``."""
+    return RingAttention.apply(q, k, v, ring, split, causal)

@@ -98,17 +98,26 @@ class RankGrid:
             rank = rank * size + coords.get(d, 0)
         return rank
 
-    def group(self, dim: str, rank: int) -> list[int]:
-        """The members of ``rank``'s group along ``dim``, in order of their index along it."""
-        here = self.coords(rank)
-        return [self.rank_at(**{**here, dim: i}) for i in range(self._size(dim))]
+    def group(self, dim: str | tuple[str, ...], rank: int) -> list[int]:
+        """The members of ``rank``'s group along ``dim``, in order of their index along it.
 
-    def groups(self, dim: str) -> list[list[int]]:
+        ``dim`` may name several dimensions, ``("dp", "cp")``: the ranks that differ only along those (the
+        group a gradient is summed over when both data and context parallelism replicate a parameter, torch's
+        ``mesh["dp", "cp"]._flatten()``), in rank order.
+        """
+        dims = self._dims(dim)
+        here = self.coords(rank)
+        members = [here]
+        for d in dims:
+            members = [{**c, d: i} for c in members for i in range(getattr(self, d))]
+        return sorted(self.rank_at(**c) for c in members)
+
+    def groups(self, dim: str | tuple[str, ...]) -> list[list[int]]:
         """Every group along ``dim``, each once, ordered by its first rank: the order every rank creates them in."""
         self._size(dim)
         return [list(g) for g in sorted({tuple(self.group(dim, r)) for r in range(self.world)})]
 
-    def new_groups(self, dim: str, rank: int, *, timeout_s: float | None = None, fresh: bool = False):
+    def new_groups(self, dim: str | tuple[str, ...], rank: int, *, timeout_s: float | None = None, fresh: bool = False):
         """Create every group along ``dim`` (collective over the world); return ``(this rank's group, created)``.
 
         A dimension that spans the whole world needs no new group: this returns ``(None, [])``, None being
@@ -133,7 +142,14 @@ class RankGrid:
     def describe(self) -> dict:
         return {d: getattr(self, d) for d in DIMS}
 
-    def _size(self, dim: str) -> int:
-        if dim not in DIMS:
-            raise ValueError(f"unknown parallel dimension {dim!r}: the grid has {', '.join(DIMS)}")
-        return getattr(self, dim)
+    def _dims(self, dim: str | tuple[str, ...]) -> tuple[str, ...]:
+        dims = (dim,) if isinstance(dim, str) else tuple(dim)
+        for d in dims:
+            if d not in DIMS:
+                raise ValueError(f"unknown parallel dimension {d!r}: the grid has {', '.join(DIMS)}")
+        if not dims or len(set(dims)) != len(dims):
+            raise ValueError(f"{dim!r} must name one or more different dimensions of {', '.join(DIMS)}")
+        return dims
+
+    def _size(self, dim: str | tuple[str, ...]) -> int:
+        return math.prod(getattr(self, d) for d in self._dims(dim))

@@ -52,12 +52,17 @@ def saved_bytes(params, counter: list):
 
 
 def run_schedule(actions, modules, p2p: P2P, *, stage: int, num_stages: int, inputs, targets,
-                 forward_s: float = 0.0, backward_s: float = 0.0) -> dict:
+                 forward_s: float = 0.0, backward_s: float = 0.0, forward=None, loss=None) -> dict:
     """Run ``actions`` (``("F", i)`` / ``("B", i)``, or ``("F", i, c)`` with chunks) on this rank.
     ``modules`` is the stage's module, or one per chunk. ``inputs`` are the micro-batches (read by virtual
     stage 0), ``targets`` too (read by the last). Returns the timeline, the micro-batch losses (last stage),
-    the peak number of stashed micro-batch-chunks, the peak bytes saved for backward and the p2p counts."""
+    the peak number of stashed micro-batch-chunks, the peak bytes saved for backward and the p2p counts.
+
+    A model whose stages need more than a tensor (chapter 15: token positions, dropout keys) passes
+    ``forward(chunk, micro, x) -> y`` instead of calling ``modules[chunk](x)``, and ``loss(y, micro)``, the
+    micro-batch's share of the step's loss, already normalised (it is recorded as it is, not times m)."""
     modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    run = forward or (lambda c, i, x: modules[c](x))
     v = len(modules)
     last_virtual = num_stages * v - 1
     m = len({split_action(a)[1] for a in actions})
@@ -89,11 +94,11 @@ def run_schedule(actions, modules, p2p: P2P, *, stage: int, num_stages: int, inp
             x = inputs[i] if first else received.pop(("x", c, i))
             counter = [0]
             with saved_bytes(params, counter):
-                y = modules[c](x)  # [micro_batch, hidden]
-                if last:
-                    y = loss_fn(y, targets[i]) / m  # Megatron divides each micro-batch's loss by m
+                y = run(c, i, x)  # [micro_batch, hidden]
+                if last:  # Megatron divides each micro-batch's loss by m
+                    y = loss(y, i) if loss is not None else loss_fn(y, targets[i]) / m
             if last:
-                losses[i] = y.item() * m
+                losses[i] = y.item() * (1 if loss is not None else m)
             stash[(c, i)], saved[(c, i)] = (x, y), counter[0]
             live_bytes += counter[0]
             peak, peak_bytes = max(peak, len(stash)), max(peak_bytes, live_bytes)

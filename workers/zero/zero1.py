@@ -149,16 +149,18 @@ class Zero1Optimizer:
     options), as for any torch optimizer. ``step()`` averages the gradients over the data-parallel ranks,
     steps this rank's shard, and re-synchronises the parameters; ``zero_grad()`` clears the flat gradient
     buffer. Replicas are made equal at construction (broadcast from the group's first rank), as DDP does.
+    ``average=False`` sums the ranks' gradients instead of averaging them: for a loss each rank has already
+    divided by the whole global batch's token count (chapter 15), where the sum is the gradient.
     """
 
     def __init__(self, params, optimizer_class: type, *, partition: str = "flat", grad_sync: str = "reduce_scatter",
-                 master_weights: bool = False, shard: bool = True, group=None, **defaults):
+                 master_weights: bool = False, shard: bool = True, group=None, average: bool = True, **defaults):
         if partition not in PARTITIONS:
             raise ValueError(f"partition={partition!r} is not known; use 'flat' (balanced, elementwise optimizers) "
                              "or 'params' (whole tensors, any optimizer).")
         if grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={grad_sync!r} is not known; use 'reduce_scatter' or 'all_reduce'.")
-        self.group = group
+        self.group, self.average = group, average
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.sharded = shard
@@ -248,16 +250,20 @@ class Zero1Optimizer:
             with torch.enable_grad():
                 loss = closure()
         n, r = self.world_size, self.shard_rank
+        self.last_shard_grads = []  # this rank's synchronised shard of each group's gradient (for reports)
         for flat, inner in zip(self.groups, self.inner_params):
             flat.collect_grads()
             if self.sharded and self.grad_sync == "reduce_scatter":  # rank r receives the sum of its shard only
                 shard_grad = torch.empty_like(flat.shard(flat.flat_grads, r))  # [S]
                 host_staged("reduce_scatter", reduce_scatter_single, shard_grad, flat.flat_grads, self.group)
-                shard_grad.div_(n)  # the SUM over ranks -> the mean: the gradient of the global batch's mean loss
+                if self.average:
+                    shard_grad.div_(n)  # the SUM over ranks -> the mean: the gradient of the global batch's mean loss
             else:  # DDP, or ZeRO-1 over an all-reduce (3 Psi on the wire instead of 2 Psi): every .grad averaged
                 dist.all_reduce(flat.flat_grads, group=self.group)
-                flat.flat_grads.div_(n)
+                if self.average:
+                    flat.flat_grads.div_(n)
                 shard_grad = flat.shard(flat.flat_grads, r)
+            self.last_shard_grads.append(shard_grad)
             base = r * flat.shard_size
             for piece, p in zip(flat.pieces, inner):
                 g = shard_grad[piece.start - base:piece.stop - base].view(piece.shape)

@@ -1,0 +1,92 @@
+"""Chapter 15: one small GPT trained with data, tensor, pipeline and context parallelism at once, and ZeRO.
+
+    torchrun --nproc-per-node 8 workers/ch15_composed.py --dp 2 --tp 2 --pp 2 --cp 1 --micro-batches 2
+    torchrun --nproc-per-node 8 workers/ch15_composed.py --dp 2 --tp 2 --cp 2 --zero 1 --sequence-parallel true
+    torchrun --nproc-per-node 4 workers/ch15_composed.py --dp 1 --pp 4 --micro-batches 4 --drill tied_not_reduced
+
+On a node of 8 GPUs the same command runs unchanged with NCCL (``workers/runtime.py`` picks it when every rank
+has a GPU): ``torchrun --nproc-per-node 8 workers/ch15_composed.py --dp 2 --tp 2 --pp 2 --dtype float32``.
+
+``dp`` 0 takes what the other degrees leave of the world. Every rank builds the same dense model from ``seed``
+and keeps its shards (``workers/composed/``); each step's batch comes from ``data_seed``. Each rank returns its
+place in the mesh, the losses (last stage), the gradients of every step and the final parameters as shards
+(the ranks at dp = cp = 0), a digest of every parameter after every step, its pipeline timeline and timings.
+``workers/composed/train.py: reference_run`` is the one-process ground truth.
+"""
+import time
+
+import torch
+
+from workers.composed.layout import Layout, problem as layout_problem
+from workers.composed.model import ComposedConfig
+from workers.composed.train import ComposedTrainer, drill_problem, record
+from workers.runtime import entrypoint
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _layout(world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, chunks, split) -> Layout:
+    rest = tp * pp * cp
+    if dp == 0:
+        dp = world_size // rest if rest and world_size % rest == 0 else 0
+    return Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, sequence_parallel=sequence_parallel,
+                  micro_batches=micro_batches, schedule=schedule, chunks=chunks, split=split)
+
+
+def check_params(world_size, dp=0, tp=1, pp=1, cp=1, zero=0, sequence_parallel=False, micro_batches=1,
+                 schedule="1f1b", chunks=1, split="zigzag", steps=3, global_batch=8, lr=0.01, dropout=0.0, vocab=32,
+                 seq=16, hidden=32, heads=8, layers=4, drill="none", dtype="float64", **_):
+    if min(tp, pp, cp) < 1 or dp < 0:
+        return f"tp={tp}, pp={pp} and cp={cp} must be >= 1 (and dp >= 0; 0 takes what they leave)"
+    if dp == 0 and world_size % (tp * pp * cp):
+        return (f"tp x pp x cp = {tp * pp * cp} does not divide the world's {world_size} ranks: choose degrees whose "
+                f"product divides {world_size}")
+    cfg = ComposedConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, dropout=dropout)
+    layout = _layout(world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, chunks, split)
+    if steps < 1 or lr <= 0 or global_batch < 1:
+        return f"steps={steps} and global_batch={global_batch} must be >= 1 and lr={lr} positive"
+    if dtype not in DTYPES:
+        return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
+    return (cfg.problem() or layout_problem(layout, world_size, layers=layers, heads=heads, kv_heads=cfg.kv_heads,
+                                            ffn=cfg.ffn, seq=seq, global_batch=global_batch)
+            or drill_problem(drill, layout, dropout))
+
+
+def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0, sequence_parallel: bool = False,
+         micro_batches: int = 1, schedule: str = "1f1b", chunks: int = 1, split: str = "zigzag", steps: int = 3,
+         global_batch: int = 8, lr: float = 0.01, dropout: float = 0.0, vocab: int = 32, seq: int = 16,
+         hidden: int = 32, heads: int = 8, layers: int = 4, drill: str = "none", dtype: str = "float64",
+         seed: int = 0, data_seed: int = 1, report: bool = True):
+    """``steps`` AdamW steps of the composed GPT on this layout."""
+    cfg = ComposedConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, dropout=dropout)
+    layout = _layout(ctx.world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, chunks, split)
+    t0 = time.perf_counter()
+    trainer = ComposedTrainer(layout, cfg, rank=ctx.rank, device=ctx.device, comm_device=ctx.comm_device("send"),
+                              global_batch=global_batch, lr=lr, seed=seed, data_seed=data_seed,
+                              dtype=DTYPES[dtype], drill=drill)
+    setup_s = time.perf_counter() - t0
+    try:
+        steps_out = []
+        for step in range(steps):
+            out = trainer.step(step)
+            if out["loss"] is not None:
+                ctx.metric(step, loss=out["loss"])
+            if not report:
+                out["grads"] = None
+            steps_out.append(out)
+        params = record(trainer.named, "value") if trainer.reporter and report else None
+    finally:
+        trainer.close()
+    return {"coords": trainer.coords, "stage": trainer.stage, "reporter": trainer.reporter,
+            "layers": [m.layers for m in trainer.modules], "losses": [s["loss"] for s in steps_out],
+            "grads": [s["grads"] for s in steps_out], "params": params,
+            "digests": [s["digests"] for s in steps_out], "timelines": [s["timeline"] for s in steps_out],
+            "p2p": [s["p2p"] for s in steps_out], "peak_saved_bytes": [s["peak_saved_bytes"] for s in steps_out],
+            "schedule_s": [s["schedule_s"] for s in steps_out], "sync_s": [s["sync_s"] for s in steps_out],
+            "setup_s": setup_s, "mesh_s": trainer.build_s, "layout": layout.as_dict(), "layout_name": layout.name,
+            "config": {**cfg.as_dict(), "steps": steps, "global_batch": global_batch, "lr": lr, "seed": seed,
+                       "data_seed": data_seed, "dtype": dtype, "drill": drill}}
+
+
+if __name__ == "__main__":
+    entrypoint(main)

@@ -1,0 +1,260 @@
+"""The composed training step on one rank, and the one-process run it must equal.
+
+One optimizer step of a layout (``Layout``), on every rank:
+
+1. **Data.** Every rank derives the step's whole global batch from the seed and keeps its part: data-parallel
+   rank d the samples ``[d B/dp, (d+1) B/dp)``, cut into m micro-batches in order; context-parallel rank c the
+   token positions of its chunks (``workers/context_parallel/split.py``); every TP rank the same as its group.
+2. **Pipeline.** The stage's actions (GPipe, 1F1B, interleaved) run through chapter 13's executor: activations
+   ``[s', b/m, h]`` go to the next stage, their gradients come back. Inside each forward, TP's and SP's
+   collectives (chapters 04-06) and the KV ring (chapter 14) run in the TP and CP groups.
+3. **Loss normalised by tokens.** Micro-batch i on this rank contributes ``sum of its valid tokens' CE / N``,
+   N the valid tokens of the *whole global batch*: summed over micro-batches, CP and DP ranks this is exactly
+   the global mean, however ragged the micro-batches are (Megatron's ``calculate_per_token_loss``).
+4. **Gradients.** The tied embedding's two copies (first and last stage) are summed over the embedding group;
+   then every gradient is *summed* (not averaged: the loss is already the global mean) over ``dp_cp``, the ranks
+   that hold the same parameters with other samples or other tokens: one all-reduce of one flat bucket (ZeRO-0),
+   or the reduce-scatter of ZeRO-1 (``workers/zero/zero1.py``), whose all-gather after the step brings the
+   updated shards back.
+
+What a rank reports: the loss of every step (last stage); the gradient of every parameter at every step and the
+parameters after the last, as shards with their place in the dense tensor (only the ranks at dp = cp = 0: the
+others hold copies); and from every rank a digest of every parameter after every step, so that the
+test can check that replicas are bit for bit equal.
+
+Drills (``DRILLS``): each injects one composition bug the equivalence check must catch.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from workers.composed.layout import Layout, Mesh
+from workers.composed.model import (ComposedConfig, ComposedStage, Parallelism, Where, make_batch, make_dense,
+                                    token_losses)
+from workers.context_parallel.ring import Ring
+from workers.context_parallel.split import local_positions
+from workers.parallel.plan import split_of
+from workers.pipeline.executor import run_schedule
+from workers.pipeline.p2p import P2P
+from workers.pipeline.schedules import schedule as make_schedule, virtual_stage
+from workers.runtime import all_gather_single
+
+# drill -> (what it breaks, the layouts it needs to show)
+DRILLS = {
+    "none": ("nothing", None),
+    "grads_over_dp_only": ("gradients summed over dp alone, forgetting the context-parallel replicas", "cp > 1"),
+    "grads_over_tp": ("gradients summed over the tensor-parallel group instead of dp x cp", "tp > 1 or dp x cp > 1"),
+    "layernorm_not_reduced": ("LayerNorm gradients left partial under sequence parallelism",
+                              "sequence_parallel and tp > 1"),
+    "per_microbatch_mean": ("each micro-batch's loss averaged over its own tokens, then over m and dp",
+                            "micro_batches > 1 or dp > 1"),
+    "dropout_per_rank": ("a different dropout mask on each TP rank in the replicated region",
+                         "dropout > 0, tp > 1, no sequence parallelism"),
+    "dropout_shared": ("the same dropout mask on every TP rank's sequence shard", "dropout > 0, tp > 1, sequence parallelism"),
+    "tied_not_reduced": ("the tied embedding's gradient not summed between the first and last stage", "pp > 1"),
+}
+
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.01  # AdamW, the same in the reference
+
+
+def drill_problem(drill: str, layout: Layout, dropout: float) -> str | None:
+    """One sentence when ``drill`` cannot show on this layout (so the check would pass and teach nothing)."""
+    if drill not in DRILLS:
+        return f"drill={drill!r} is not known: choose one of {', '.join(DRILLS)}"
+    sp, tp = layout.sequence_parallel, layout.tp
+    shows = {"none": True, "grads_over_dp_only": layout.cp > 1,
+             "grads_over_tp": tp > 1 or layout.dp * layout.cp > 1,
+             "layernorm_not_reduced": sp and tp > 1,
+             "per_microbatch_mean": layout.micro_batches > 1 or layout.dp > 1,
+             "dropout_per_rank": dropout > 0 and tp > 1 and not sp,
+             "dropout_shared": dropout > 0 and tp > 1 and sp,
+             "tied_not_reduced": layout.pp > 1}[drill]
+    if not shows:
+        return f"drill={drill!r} cannot show on layout {layout.name}: it needs {DRILLS[drill][1]}"
+    return None
+
+
+def digest(t: torch.Tensor) -> str:
+    """The bytes of ``t``, hashed: equal digests mean bit-identical tensors."""
+    return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def record(named: dict, what: str) -> dict:
+    """``{name: {"dim", "index", "value"}}`` of these parameters' values or gradients (``plan.assemble``'s input)."""
+    out = {}
+    for name, p in named.items():
+        dim, index = split_of(p)
+        value = p.grad if what == "grad" else p.data
+        out[name] = {"dim": dim, "index": index if index is not None else torch.empty(0, dtype=torch.long),
+                     "value": (value if value is not None else torch.zeros_like(p)).detach().cpu().clone()}
+    return out
+
+
+class ComposedTrainer:
+    """This rank's part of a layout: its stage modules, groups, optimizer. ``step(i)`` runs optimizer step i."""
+
+    def __init__(self, layout: Layout, cfg: ComposedConfig, *, rank: int, device, comm_device, global_batch: int,
+                 lr: float, seed: int = 0, data_seed: int = 1, dtype=torch.float64, drill: str = "none"):
+        self.layout, self.cfg, self.rank, self.device = layout, cfg, rank, device
+        self.global_batch, self.seed, self.data_seed, self.dtype, self.drill = global_batch, seed, data_seed, dtype, drill
+        t0 = time.perf_counter()
+        self.mesh = Mesh(layout, rank, torch.device(device).type)
+        self.build_s = time.perf_counter() - t0
+        c = self.coords = self.mesh.coords
+        tp_members = self.mesh.members("tp")
+        cp_members = self.mesh.members("cp")
+        ring = Ring(c["cp"], cp_members, device, comm_device) if layout.cp > 1 else None
+        self.par = Parallelism(tp_group=self.mesh.group("tp"), tp=layout.tp, tp_rank=c["tp"],
+                               sequence_parallel=layout.sequence_parallel, ring=ring, split=layout.split, drill=drill)
+        assert tp_members.index(rank) == c["tp"]
+        dense = make_dense(cfg, seed, dtype)
+        V = layout.virtual_stages
+        self.stage = c["pp"]
+        self.modules = [ComposedStage(dense, virtual_stage(self.stage, ch, layout.pp), V, self.par, seed).to(device)
+                        for ch in range(layout.chunks)]
+        self.named = {n: p for mod in self.modules for n, p in mod.named_parameters()}
+        self.params = list(self.named.values())
+        self.tied = [p for p in self.params if hasattr(p, "tied_to")] + \
+            ([self.modules[0].embed.weight] if self.modules[0].first and layout.pp > 1 else [])
+        dp_cp = self.mesh.group("dp_cp")
+        self.reduce_group = {"grads_over_dp_only": self.mesh.group("dp"),
+                             "grads_over_tp": self.mesh.group("tp")}.get(drill, dp_cp)
+        # Two buckets: the tied embedding's copy alone, then the rest. The copies on the first and last stage must
+        # stay bit for bit equal, and a sum is only bit-reproducible if it is done in the same order: in one shared
+        # bucket the copy would sit at offset 0 on the first stage and at the end on the last, in other chunks of
+        # the ring all-reduce (or other ZeRO shards), summed in another order, 1 ulp apart after a step.
+        tied_ids = {id(p) for p in self.tied}
+        self.buckets = [b for b in ([p for p in self.params if id(p) in tied_ids],
+                                    [p for p in self.params if id(p) not in tied_ids]) if b]
+        if layout.zero == 1:
+            from workers.zero.zero1 import Zero1Optimizer
+
+            self.optimizer = Zero1Optimizer([{"params": b} for b in self.buckets], torch.optim.AdamW,
+                                            group=self.reduce_group, average=False, lr=lr, betas=BETAS, eps=EPS,
+                                            weight_decay=WEIGHT_DECAY)
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        pipeline = self.mesh.members("pp")
+        wrap = layout.chunks > 1  # interleaved: the last rank's chunk c feeds rank 0's chunk c + 1
+        p = layout.pp
+        self.prev_rank = pipeline[(self.stage - 1) % p] if self.stage > 0 or wrap else None
+        self.next_rank = pipeline[(self.stage + 1) % p] if self.stage < p - 1 or wrap else None
+        self.comm_device = comm_device
+        self.actions = make_schedule(layout.schedule, p, layout.micro_batches, self.stage, layout.chunks)
+        self.positions = local_positions(cfg.seq, layout.cp, c["cp"], layout.split)  # [s/cp] global positions
+        self.reporter = c["dp"] == 0 and c["cp"] == 0  # one copy of every shard is enough to compare
+
+    # -- one step ------------------------------------------------------------------------------------------------
+
+    def _micro_batches(self, step: int):
+        """This rank's m micro-batches: (tokens [b, s/cp], targets [b, s/cp], valid [b, s/cp], samples [b])."""
+        L, cfg = self.layout, self.cfg
+        tokens, valid = make_batch(cfg, self.global_batch, step, self.data_seed)  # [B, s+1], [B, s]
+        per_rank = self.global_batch // L.dp
+        b = per_rank // L.micro_batches
+        first = self.coords["dp"] * per_rank
+        out = []
+        for i in range(L.micro_batches):
+            samples = torch.arange(first + i * b, first + (i + 1) * b)
+            inputs, targets = tokens[samples, :-1], tokens[samples, 1:]
+            out.append((inputs[:, self.positions], targets[:, self.positions], valid[samples][:, self.positions],
+                        samples, valid[samples].sum().item()))
+        return out, int(valid.sum())
+
+    def step(self, step: int) -> dict:
+        L = self.layout
+        micro, total_tokens = self._micro_batches(step)
+        wheres = [Where(step, self.positions, mb[3], self.global_batch, self.cfg.seq) for mb in micro]
+        rows = self.cfg.seq // L.cp // (L.tp if L.sequence_parallel else 1)
+        b = micro[0][0].shape[0]
+        p2p = P2P(self.prev_rank, self.next_rank, (rows, b, self.cfg.hidden), self.device, self.comm_device, self.dtype)
+
+        def forward(chunk, i, x):
+            return self.modules[chunk](x.to(self.device), wheres[i])
+
+        def loss(logits, i):
+            _, targets, valid, _, micro_tokens = micro[i]
+            summed = token_losses(logits, targets.to(self.device), valid.to(self.device))
+            if self.drill == "per_microbatch_mean":  # the bug: each micro-batch's own mean, then / m, / dp
+                return summed / (micro_tokens * L.micro_batches * L.dp)
+            return summed / total_tokens  # the right one: every token weighs 1 / N of the global batch
+
+        self.optimizer.zero_grad()
+        t0 = time.perf_counter()
+        ran = run_schedule(self.actions, self.modules, p2p, stage=self.stage, num_stages=L.pp,
+                           inputs=[mb[0] for mb in micro], targets=None, forward=forward, loss=loss)
+        t_schedule = time.perf_counter() - t0
+        if self.tied and self.drill != "tied_not_reduced":  # the two copies of the tied embedding: one gradient
+            for p in self.tied:
+                dist.all_reduce(p.grad, group=self.mesh.group("embedding"))
+        loss_value = None
+        if self.modules[-1].last:  # the step's loss: the sum of every micro-batch's share over dp x cp
+            total = torch.tensor([sum(ran["losses"])], dtype=torch.float64)
+            dist.all_reduce(total, group=self.mesh.group("dp_cp"))
+            loss_value = total.item()
+        t1 = time.perf_counter()
+        if self.layout.zero == 1:
+            self.optimizer.step()  # reduce-scatter (sum), step my shard, all-gather
+            grads = self._zero1_grads()
+        else:
+            for bucket in self.buckets:
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # one all-reduce per bucket
+                dist.all_reduce(flat, group=self.reduce_group)
+                offset = 0
+                for p in bucket:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            grads = record(self.named, "grad") if self.reporter else None
+            self.optimizer.step()
+        t_sync = time.perf_counter() - t1
+        return {"loss": loss_value, "grads": grads, "timeline": ran["timeline"],
+                "p2p": {k: ran[k] for k in ("sent_bytes", "messages")}, "peak_saved_bytes": ran["peak_saved_bytes"],
+                "schedule_s": t_schedule, "sync_s": t_sync,
+                "digests": {n: digest(p.data) for n, p in self.named.items()}}
+
+    def _zero1_grads(self):
+        """The summed gradient as ZeRO-1 computed it (each rank holds only its shard): gathered for the report."""
+        opt = self.optimizer
+        full = {}
+        for flat, shard in zip(opt.groups, opt.last_shard_grads):
+            whole = torch.empty_like(flat.flat_grads)
+            all_gather_single(whole, shard.contiguous(), group=opt.group)  # for the report only, not training
+            for p, off in zip(flat.params, flat.offsets):
+                full[id(p)] = whole[off:off + p.numel()].view_as(p)
+        if not self.reporter:
+            return None
+        out = {}
+        for name, p in self.named.items():
+            dim, index = split_of(p)
+            out[name] = {"dim": dim, "index": index if index is not None else torch.empty(0, dtype=torch.long),
+                         "value": full[id(p)].detach().cpu().clone()}
+        return out
+
+    def close(self) -> None:
+        self.mesh.destroy()
+
+
+def reference_run(cfg: ComposedConfig, *, steps: int, global_batch: int, lr: float, seed: int = 0,
+                  data_seed: int = 1, dtype=torch.float64) -> dict:
+    """The same training in one process, on the whole batch: the ground truth of every layout.
+
+    Returns the loss of every step, every parameter's gradient at every step, and the parameters after the last.
+    """
+    model = make_dense(cfg, seed, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    losses, grads = [], []
+    for step in range(steps):
+        tokens, valid = make_batch(cfg, global_batch, step, data_seed)
+        where = Where(step, torch.arange(cfg.seq), torch.arange(global_batch), global_batch, cfg.seq)
+        optimizer.zero_grad()
+        logits = model(tokens[:, :-1], where, seed)  # [s, B, V]
+        loss = token_losses(logits, tokens[:, 1:], valid) / valid.sum()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
