@@ -16,10 +16,12 @@ place in the mesh, the losses (last stage), the gradients of every step and the 
 import time
 
 import torch
+import torch.distributed as dist
 
 from workers.composed.layout import Layout, problem as layout_problem
 from workers.composed.model import ComposedConfig
 from workers.composed.train import ComposedTrainer, drill_problem, record
+from workers.parallel.grid import DIMS
 from workers.runtime import entrypoint
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -75,9 +77,12 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
                 out["grads"] = None
             steps_out.append(out)
         params = record(trainer.named, "value") if trainer.reporter and report else None
+        mesh = trainer.mesh.mesh  # torch's DeviceMesh: the groups each dimension's pieces were handed
+        mesh_groups = {d: dist.get_process_group_ranks(mesh.get_group(d)) for d in DIMS}
     finally:
         trainer.close()
-    return {"coords": trainer.coords, "stage": trainer.stage, "reporter": trainer.reporter,
+    return {"coords": trainer.coords, "stage": trainer.stage, "reporter": trainer.reporter, "mesh_groups": mesh_groups,
+            "sharded": sorted(n for n, p in trainer.named.items() if hasattr(p, "partition_dim")),
             "layers": [m.layers for m in trainer.modules], "losses": [s["loss"] for s in steps_out],
             "grads": [s["grads"] for s in steps_out], "params": params,
             "digests": [s["digests"] for s in steps_out], "timelines": [s["timeline"] for s in steps_out],
