@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from course_utils import timelines
 from course_utils.ledger import pipeline_bubble_fraction
 from course_utils.plots import CPU_NOTE, log2_axis
 from workers.pipeline.model import FP32_TOL, PipelineConfig
@@ -63,10 +64,7 @@ def idle_fractions(res, pipeline: int = 0) -> list[float]:
 
     This is idle / total, the quantity (p-1)/(m+p-1) predicts (the ledger's ``denominator="total"``).
     """
-    rows = pipeline_ranks(res, pipeline)
-    t_start = min(e["start"] for d in rows for e in d["timeline"])
-    t_end = max(e["end"] for d in rows for e in d["timeline"])
-    return [1 - sum(e["end"] - e["start"] for e in d["timeline"]) / (t_end - t_start) for d in rows]
+    return timelines.idle_fractions([d["timeline"] for d in pipeline_ranks(res, pipeline)])
 
 
 def measured_bubble(res, pipeline: int = 0) -> float:

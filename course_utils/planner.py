@@ -31,6 +31,7 @@ from .ledger import (
     RECOMPUTE_MODES,
     ZERO_STAGES,
     activation_bytes_per_layer,
+    bus_bandwidth_factor,
     collective_time,
     flops_per_token,
     model_state_bytes,
@@ -473,6 +474,70 @@ def _link(cl: Cluster, stride: int, size: int) -> Link:
     return cl.intra_node if stride * size <= cl.gpus_per_node else cl.inter_node
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a GPU runs in a training step: ``count`` calls on ``message_bytes`` over ``ranks``."""
+
+    collective: str
+    message_bytes: float
+    ranks: int
+    count: float
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one GPU sends for all ``count`` calls, by the ring algorithms nccl-tests assumes."""
+        return self.count * bus_bandwidth_factor(self.collective, self.ranks) * self.message_bytes
+
+
+def step_collectives(model: ModelShape, layout: Layout, *, weight_bytes: float = 2, grad_bytes: float = 2,
+                     bytes_per_element: float = 2) -> dict[str, list[Collective]]:
+    """The collectives one GPU of the first pipeline stage runs in one optimizer step, per parallel dimension.
+
+    ``layout`` must be resolved (``resolve_layout``: dp and m filled in). This is the whole communication model
+    of ``plan``, which times each of these calls with the alpha-beta model of the link its group spans; chapter
+    15 holds it to the bytes a composed run measures. Activations are ``bytes_per_element`` wide (bf16: 2).
+
+    - tp: 4 all-reduces of ``b s/cp h`` per layer and micro-batch (Shoeybi et al. 2019, sec 3; with sequence
+      parallelism the same bytes as all-gathers and reduce-scatters, Korthikanti et al. 2022, sec 4.2.2), 6 with
+      full recomputation;
+    - cp: per layer and micro-batch, K and V of the whole sequence all-gathered forward (again when recomputing)
+      and their gradients reduce-scattered backward (Llama 3, sec 3.3.2);
+    - pp: one activation forward and one gradient backward per micro-batch and chunk, 1/tp of ``b s/cp h`` each
+      (the scatter-gather optimisation, Narayanan et al. 2021, sec 4.1);
+    - dp: the stage's gradients (``grad_bytes`` per parameter, 1/tp of them) reduced over DP x CP and, from
+      ZeRO-1 on, its weights all-gathered, as often as ``zero_collectives_per_step`` says (ZeRO, sec 7).
+    """
+    tp, pp, cp, dp, v = layout.tp, layout.pp, layout.cp, layout.dp, layout.virtual_stages
+    b, seq, m = layout.micro_batch, layout.seq, layout.num_microbatches
+    if dp is None or m is None:
+        raise LayoutError("step_collectives needs a resolved layout (dp and num_microbatches filled in): "
+                          "pass it through resolve_layout first.")
+    s_local = seq // cp
+    layers_per_stage = math.ceil(model.layers / pp)
+    stage_params = model.n_params if pp == 1 else layers_per_stage * model.params_per_layer + model.vocab * model.hidden
+    out: dict[str, list[Collective]] = {"tp": [], "cp": [], "pp": [], "dp": []}
+    if tp > 1:
+        tpb = tp_comm_bytes_per_layer(b, s_local, model.hidden, tp, bytes_per_element=bytes_per_element,
+                                      full_recompute=layout.recompute == "full")
+        out["tp"].append(Collective("all_reduce", tpb.message_bytes, tp, tpb.all_reduces * layers_per_stage * m))
+    if cp > 1:
+        kv_bytes = 2.0 * b * seq * model.kv_dim / tp * bytes_per_element  # K and V of the whole sequence
+        gathers = 2 if layout.recompute == "full" else 1
+        out["cp"] += [Collective("all_gather", kv_bytes, cp, gathers * layers_per_stage * m),
+                      Collective("reduce_scatter", kv_bytes, cp, layers_per_stage * m)]
+    if pp > 1:
+        message = b * s_local * model.hidden * bytes_per_element / tp
+        out["pp"].append(Collective("send_recv", message, 2, 2 * m * v))
+    group = dp * cp
+    if group > 1:
+        counts = zero_collectives_per_step(layout.zero_stage, m)
+        grads, weights = grad_bytes * stage_params / tp, weight_bytes * stage_params / tp
+        for name, nbytes in (("all_reduce", grads), ("reduce_scatter", grads), ("all_gather", weights)):
+            if counts[name]:
+                out["dp"].append(Collective(name, nbytes, group, counts[name]))
+    return out
+
+
 def plan(
     model: str | ModelShape,
     layout: Layout,
@@ -569,33 +634,12 @@ def plan(
     grad_link = dp_link if dp > 1 else cp_link  # gradients are reduced over DP x CP
     if cp > 1 and dp > 1 and cl.inter_node in (cp_link, dp_link):
         grad_link = cl.inter_node
-    comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
-    if tp > 1:
-        tpb = tp_comm_bytes_per_layer(b, s_local, model.hidden, tp, bytes_per_element=2,
-                                      full_recompute=layout.recompute == "full")
-        one = collective_time("all_reduce", tpb.message_bytes, tp, tp_link.bandwidth, tp_link.latency)
-        comm["tp"] = tpb.all_reduces * one * layers_per_stage * m
-        if tp > cl.gpus_per_node:
-            notes.append(f"tp={tp} spans more than one {cl.gpus_per_node}-GPU node: TP traffic leaves NVLink.")
-    if cp > 1:  # all-gather K and V forward, reduce-scatter dK and dV backward (Llama 3, sec 3.3.2)
-        kv_bytes = 2.0 * b * seq * model.kv_dim / tp * 2
-        gather = collective_time("all_gather", kv_bytes, cp, cp_link.bandwidth, cp_link.latency)
-        scatter = collective_time("reduce_scatter", kv_bytes, cp, cp_link.bandwidth, cp_link.latency)
-        gathers = 2 if layout.recompute == "full" else 1
-        comm["cp"] = (gathers * gather + scatter) * layers_per_stage * m
-    if pp > 1:  # one activation forward and one gradient backward per micro-batch and chunk;
-        # with TP the scatter/gather optimisation sends 1/tp of it (Narayanan et al. 2021, sec 4.1)
-        message = b * s_local * model.hidden * 2 / tp
-        comm["pp"] = 2 * m * v * collective_time("send_recv", message, 2, pp_link.bandwidth, pp_link.latency)
-    group = dp * cp
-    if group > 1:  # ZeRO section 7 (m = 1): stages 0-2 move 2x the model, stage 3 moves 3x
-        grads = grad_bytes * stage_params / tp
-        weights = weight_bytes * stage_params / tp
-        bw, lat = grad_link.bandwidth, grad_link.latency
-        counts = zero_collectives_per_step(layout.zero_stage, m)
-        comm["dp"] = (counts["all_reduce"] * collective_time("all_reduce", grads, group, bw, lat)
-                      + counts["reduce_scatter"] * collective_time("reduce_scatter", grads, group, bw, lat)
-                      + counts["all_gather"] * collective_time("all_gather", weights, group, bw, lat))
+    if tp > cl.gpus_per_node:
+        notes.append(f"tp={tp} spans more than one {cl.gpus_per_node}-GPU node: TP traffic leaves NVLink.")
+    link_of = {"tp": tp_link, "cp": cp_link, "pp": pp_link, "dp": grad_link}
+    comm = {dim: sum(c.count * collective_time(c.collective, c.message_bytes, c.ranks, link_of[dim].bandwidth,
+                                               link_of[dim].latency) for c in calls)
+            for dim, calls in step_collectives(model, layout, weight_bytes=weight_bytes, grad_bytes=grad_bytes).items()}
     links = {"tp": tp_link.name, "cp": cp_link.name, "pp": pp_link.name, "dp": grad_link.name}
     return Plan(
         model=model, layout=layout, cluster=cl, n_gpus=n_gpus, gpu_memory_bytes=memory_limit, memory=memory,

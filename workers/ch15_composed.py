@@ -11,7 +11,10 @@ has a GPU): ``torchrun --nproc-per-node 8 workers/ch15_composed.py --dp 2 --tp 2
 and keeps its shards (``workers/composed/``); each step's batch comes from ``data_seed``. Each rank returns its
 place in the mesh, the losses (last stage), the gradients of every step and the final parameters as shards
 (the ranks at dp = cp = 0), a digest of every parameter after every step, its pipeline timeline and timings.
-``workers/composed/train.py: reference_run`` is the one-process ground truth.
+``workers/composed/train.py: reference_run`` is the one-process ground truth. Per step it also reports the bytes
+it sent along each dimension, its memory at the four moments (parameters, gradients, optimizer state, the peak
+of activations saved for backward) and, under CP, the attention scores it computed; ``forward_ms`` and
+``backward_ms`` pad each stage's work per micro-batch to a calibrated time, so its timeline shows the bubble.
 """
 import time
 
@@ -37,7 +40,10 @@ def _layout(world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, 
 
 def check_params(world_size, dp=0, tp=1, pp=1, cp=1, zero=0, sequence_parallel=False, micro_batches=1,
                  schedule="1f1b", chunks=1, split="zigzag", steps=3, global_batch=8, lr=0.01, dropout=0.0, vocab=32,
-                 seq=16, hidden=32, heads=8, layers=4, drill="none", dtype="float64", **_):
+                 seq=16, hidden=32, heads=8, layers=4, drill="none", dtype="float64", forward_ms=0.0, backward_ms=0.0,
+                 **_):
+    if not (0 <= forward_ms <= 200 and 0 <= backward_ms <= 400):
+        return f"forward_ms={forward_ms} and backward_ms={backward_ms} must be between 0 and 200 / 400 ms"
     if min(tp, pp, cp) < 1 or dp < 0:
         return f"tp={tp}, pp={pp} and cp={cp} must be >= 1 (and dp >= 0; 0 takes what they leave)"
     if dp == 0 and world_size % (tp * pp * cp):
@@ -58,7 +64,7 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
          micro_batches: int = 1, schedule: str = "1f1b", chunks: int = 1, split: str = "zigzag", steps: int = 3,
          global_batch: int = 8, lr: float = 0.01, dropout: float = 0.0, vocab: int = 32, seq: int = 16,
          hidden: int = 32, heads: int = 8, layers: int = 4, drill: str = "none", dtype: str = "float64",
-         seed: int = 0, data_seed: int = 1, report: bool = True):
+         seed: int = 0, data_seed: int = 1, report: bool = True, forward_ms: float = 0.0, backward_ms: float = 0.0):
     """``steps`` AdamW steps of the composed GPT on this layout."""
     cfg = ComposedConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, dropout=dropout)
     layout = _layout(ctx.world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, chunks, split)
@@ -70,7 +76,7 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
     try:
         steps_out = []
         for step in range(steps):
-            out = trainer.step(step)
+            out = trainer.step(step, forward_ms / 1e3, backward_ms / 1e3)
             if out["loss"] is not None:
                 ctx.metric(step, loss=out["loss"])
             if not report:
@@ -87,6 +93,8 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
             "grads": [s["grads"] for s in steps_out], "params": params,
             "digests": [s["digests"] for s in steps_out], "timelines": [s["timeline"] for s in steps_out],
             "p2p": [s["p2p"] for s in steps_out], "peak_saved_bytes": [s["peak_saved_bytes"] for s in steps_out],
+            "comm": [s["comm"] for s in steps_out], "memory": [s["memory"] for s in steps_out],
+            "score_entries": [s["score_entries"] for s in steps_out],
             "schedule_s": [s["schedule_s"] for s in steps_out], "sync_s": [s["sync_s"] for s in steps_out],
             "setup_s": setup_s, "mesh_s": trainer.build_s, "layout": layout.as_dict(), "layout_name": layout.name,
             "config": {**cfg.as_dict(), "steps": steps, "global_batch": global_batch, "lr": lr, "seed": seed,

@@ -16,10 +16,15 @@ parameter order): which tensor, on which ranks (and their mesh coordinates), and
 tensor's largest reference entry.
 
 Tolerance. Every layout computes the same sums in another order (a ring all-reduce, per-shard GEMMs, the
-ring attention's online softmax merge), so in float64 the differences are rounding: measured at most 1.2e-14
-relative over every layout of the chapter's tests (native AVX-512 kernels, AVX2, plain; seeds 0-2). The
-float64 tolerance 1e-10 leaves four orders of magnitude; every drill is off by more than 1e-4. In float32 the
-same measurement gave at most 3e-6; the float32 tolerance is 1e-4.
+ring attention's online softmax merge), so in float64 the differences are rounding: at most 4.5e-12 relative
+over the chapter's 16 layout cases, sequence parallelism and dropout, seeds 0-2, under the native AVX-512
+kernels (3.6e-12), AVX2 (4.5e-12) and the plain ones (3.5e-12). The float64 tolerance 1e-10 leaves a factor
+20; every drill is off by more than 1e-4. In float32 the parameters after three AdamW steps differ by up to
+1.5e-3 of their tensor's largest entry (the same runs: 6.6e-4 to 1.5e-3), and it is AdamW, not the layout:
+the key bias gets a gradient that is exactly zero in exact arithmetic (adding it shifts every score of a
+query's row by the same amount, which softmax ignores), so what it gets is rounding noise, which Adam divides
+by its own size (plus eps = 1e-8) and turns into steps of up to lr. In float64 that noise (~1e-17) is far
+below eps and damped; in float32 (~1e-9) it is not. The float32 tolerance is 5e-3.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import torch
 
 from workers.parallel.plan import assemble
 
-TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
+TOLERANCE = {"float64": 1e-10, "float32": 5e-3}
 TIED = {"head.weight": "embed.weight"}  # the last stage's copy of the tied embedding, and what it copies
 
 

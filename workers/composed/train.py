@@ -37,6 +37,7 @@ from workers.composed.model import (ComposedConfig, ComposedStage, Parallelism, 
                                     token_losses)
 from workers.context_parallel.ring import Ring
 from workers.context_parallel.split import local_positions
+from workers.parallel.comm_stats import ACTIVATION, CommLedger, message_bytes, wire_factor
 from workers.parallel.plan import split_of
 from workers.pipeline.executor import run_schedule
 from workers.pipeline.p2p import P2P
@@ -165,8 +166,14 @@ class ComposedTrainer:
                         samples, valid[samples].sum().item()))
         return out, int(valid.sum())
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int, forward_s: float = 0.0, backward_s: float = 0.0) -> dict:
+        """Optimizer step ``step``. ``forward_s``/``backward_s`` > 0 pad each stage's forward and backward of a
+        micro-batch to that wall time (chapter 13's calibrated wait), so that the measured bubble is the schedule's."""
         L = self.layout
+        self.calls = []  # (dimension, collective, message bytes, ranks) of the step's gradient collectives
+        if self.par.ring is not None:  # per-step counters of the KV ring
+            ring = self.par.ring
+            ring.sent_bytes, ring.messages, ring.score_entries = {"forward": 0, "backward": 0}, {"forward": 0, "backward": 0}, 0
         micro, total_tokens = self._micro_batches(step)
         wheres = [Where(step, self.positions, mb[3], self.global_batch, self.cfg.seq) for mb in micro]
         rows = self.cfg.seq // L.cp // (L.tp if L.sequence_parallel else 1)
@@ -185,11 +192,14 @@ class ComposedTrainer:
 
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
-        ran = run_schedule(self.actions, self.modules, p2p, stage=self.stage, num_stages=L.pp,
-                           inputs=[mb[0] for mb in micro], targets=None, forward=forward, loss=loss)
+        with CommLedger() as ledger:  # every tensor-parallel collective, attributed and sized
+            ran = run_schedule(self.actions, self.modules, p2p, stage=self.stage, num_stages=L.pp,
+                               inputs=[mb[0] for mb in micro], targets=None, forward=forward, loss=loss,
+                               forward_s=forward_s, backward_s=backward_s)
         t_schedule = time.perf_counter() - t0
         if self.tied and self.drill != "tied_not_reduced":  # the two copies of the tied embedding: one gradient
             for p in self.tied:
+                self.calls.append(("embedding", "all_reduce", p.grad.nbytes, 2))
                 dist.all_reduce(p.grad, group=self.mesh.group("embedding"))
         loss_value = None
         if self.modules[-1].last:  # the step's loss: the sum of every micro-batch's share over dp x cp
@@ -197,12 +207,17 @@ class ComposedTrainer:
             dist.all_reduce(total, group=self.mesh.group("dp_cp"))
             loss_value = total.item()
         t1 = time.perf_counter()
+        n = dist.get_world_size(self.reduce_group)
         if self.layout.zero == 1:
+            for flat in self.optimizer.groups:
+                self.calls += [("dp", "reduce_scatter", flat.flat_grads.nbytes, n),
+                               ("dp", "all_gather", flat.flat_params.nbytes // n, n)]  # each rank hands in its shard
             self.optimizer.step()  # reduce-scatter (sum), step my shard, all-gather
             grads = self._zero1_grads()
         else:
             for bucket in self.buckets:
                 flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # one all-reduce per bucket
+                self.calls.append(("dp", "all_reduce", flat.nbytes, n))
                 dist.all_reduce(flat, group=self.reduce_group)
                 offset = 0
                 for p in bucket:
@@ -211,10 +226,45 @@ class ComposedTrainer:
             grads = record(self.named, "grad") if self.reporter else None
             self.optimizer.step()
         t_sync = time.perf_counter() - t1
-        return {"loss": loss_value, "grads": grads, "timeline": ran["timeline"],
+        return {"loss": loss_value, "grads": grads, "timeline": ran["timeline"], "comm": self._comm(ledger, p2p),
+                "memory": {**self._state_bytes(), "activations": ran["peak_saved_bytes"]},
+                "score_entries": self.par.ring.score_entries if self.par.ring is not None else None,
                 "p2p": {k: ran[k] for k in ("sent_bytes", "messages")}, "peak_saved_bytes": ran["peak_saved_bytes"],
                 "schedule_s": t_schedule, "sync_s": t_sync,
                 "digests": {n: digest(p.data) for n, p in self.named.items()}}
+
+    def _comm(self, ledger: CommLedger, p2p: P2P) -> dict:
+        """Bytes this rank sent in the step, per dimension: ``{dim: {"wire_bytes", "calls"}}``.
+
+        tp: the TP and SP mappings' collectives on activations (``tp_parameters``: the sequence-parallel
+        LayerNorm and bias gradients' all-reduces); cp: the KV ring's sends; pp: the stage's sends; dp: the
+        gradient collectives over dp x cp; embedding: the tied embedding's all-reduce. Collectives count their
+        ring-algorithm wire bytes (``comm_stats.wire_factor``), point-to-point sends their size.
+        """
+        out = {dim: {"wire_bytes": 0.0, "calls": 0} for dim in ("tp", "tp_parameters", "cp", "pp", "dp", "embedding")}
+        for r in ledger.records():
+            dim = "tp" if r["kind"] == ACTIVATION else "tp_parameters"
+            out[dim]["wire_bytes"] += r["wire_bytes"]
+            out[dim]["calls"] += 1
+        ring = self.par.ring
+        if ring is not None:
+            out["cp"] = {"wire_bytes": float(sum(ring.sent_bytes.values())), "calls": sum(ring.messages.values())}
+        out["pp"] = {"wire_bytes": float(sum(p2p.sent_bytes.values())), "calls": sum(p2p.messages.values())}
+        for dim, collective, nbytes, n in self.calls:
+            out[dim]["wire_bytes"] += wire_factor(collective, n) * message_bytes(collective, nbytes, n)
+            out[dim]["calls"] += 1
+        return out
+
+    def _state_bytes(self) -> dict:
+        """This rank's parameters, gradients and optimizer state, in bytes, as held (buffers and padding included)."""
+        if self.layout.zero == 1:
+            buffers = self.optimizer.buffer_bytes()
+            return {"params": buffers["params"], "grads": buffers["grads"],
+                    "optimizer": self.optimizer.state_bytes()["elementwise"]}
+        state = sum(v.nbytes for st in self.optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)  # exp_avg, exp_avg_sq (not the step counters)
+        return {"params": sum(p.nbytes for p in self.params), "grads": sum(p.grad.nbytes for p in self.params),
+                "optimizer": state}
 
     def _zero1_grads(self):
         """The summed gradient as ZeRO-1 computed it (each rank holds only its shard): gathered for the report."""

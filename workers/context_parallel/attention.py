@@ -119,7 +119,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring, split, causal):
-        out, lse, _ = ring_attention_forward(q, k, v, ring, split, causal)  # [b, h, s/cp, d], [b, h, s/cp]
+        out, lse, log = ring_attention_forward(q, k, v, ring, split, causal)  # [b, h, s/cp, d], [b, h, s/cp]
+        chunk = q.shape[-2] // len(chunk_ids(ring.cp, ring.index, split))  # tokens per chunk
+        ring.score_entries += sum(kind != "skip" for *_, kind in log) * chunk * chunk  # the work, as chapter 14 counts it
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.split, ctx.causal = ring, split, causal
         return out

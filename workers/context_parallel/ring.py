@@ -40,6 +40,7 @@ class Ring:
         self.device, self.comm_device = device, comm_device
         self.sent_bytes = {"forward": 0, "backward": 0}
         self.messages = {"forward": 0, "backward": 0}
+        self.score_entries = 0  # (query, key) scores computed in forward (``attention.RingAttention`` counts them)
 
     def exchange(self, tensor: torch.Tensor, phase: str, tag: int = KV_TAG) -> Exchange:
         """Post: send ``tensor`` to the next rank, receive one of the same shape from the previous rank."""

@@ -1,0 +1,212 @@
+"""Chapter 15, notebook side: the planner of chapter 00 held to a composed run (the "truth table").
+
+For one run of ``workers/ch15_composed.py`` this puts three numbers side by side, per parallel dimension and per
+memory moment, for the rank the planner models (the first pipeline stage's rank at dp = cp = tp = 0):
+
+* **planner**: chapter 00's model for the same shapes (``planner.step_collectives`` for bytes, the ledger's
+  ``model_state_bytes`` and ``plan(...).memory`` for memory), with this run's element size;
+* **this implementation**: the same bookkeeping written out for what the course's code actually does (which
+  collectives, on which tensors, with which parameters). It is exact: a test asserts that the measured figure
+  equals it to the byte, so every gap between the planner and the run is one of the reasons given in ``why``;
+* **measured**: what the rank counted (its collectives' sizes through ``CommLedger`` and its own bookkeeping, the
+  bytes it sent point to point, the tensors it holds, the peak of what autograd saved).
+
+Activation memory is the one figure without an exact model here. Korthikanti et al.'s count (the ledger's
+``activation_bytes_per_layer``) is for 16-bit activations, 1-byte dropout masks and the s x s attention scores
+kept for backward (no FlashAttention); here activations are float64 (4x the bytes per element), there are no
+masks at dropout 0, and PyTorch's attention (and the ring) saves its output and log-sum-exp instead of the
+scores; the planner also leaves out the embedding and loss of a stage that is not the only one. Over the
+chapter's eight layouts the planner's figure was 0.30-0.39 of the measured peak (a byte count, the same on every
+CPU); the tests hold it to 0.25-0.45.
+"""
+from __future__ import annotations
+
+import math
+
+from course_utils import planner, timelines
+from course_utils.ledger import model_state_bytes, pipeline_bubble_fraction
+from workers.composed.model import ComposedConfig, dense_shapes
+from workers.context_parallel.blocks import work_per_rank
+from workers.parallel.plan import REPLICATED, block_plan
+
+ELEMENT = {"float64": 8, "float32": 4}
+
+
+def model_shape(config: dict) -> planner.ModelShape:
+    cfg = _cfg(config)
+    return planner.ModelShape("chapter 15 GPT", layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads,
+                              kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab, mlp="gelu", tied_embeddings=True,
+                              source="workers/composed/model.py")
+
+
+def _cfg(config: dict) -> ComposedConfig:
+    return ComposedConfig(**{k: config[k] for k in ("vocab", "seq", "hidden", "heads", "layers", "dropout")})
+
+
+def planner_layout(layout: dict, config: dict) -> planner.Layout:
+    """The run's layout in the planner's terms (resolved: dp and m filled in)."""
+    m = layout["micro_batches"]
+    return planner.Layout(tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], dp=layout["dp"], zero_stage=layout["zero"],
+                          micro_batch=config["global_batch"] // (layout["dp"] * m), seq=config["seq"],
+                          num_microbatches=m, recompute="none", sequence_parallel=layout["sequence_parallel"],
+                          virtual_stages=layout["chunks"])
+
+
+def first_rank(ranks: list[dict]) -> dict:
+    return next(r for r in ranks if not any(r["coords"].values()))
+
+
+def _virtual_stages(layout: dict, stage: int) -> list[int]:
+    return [c * layout["pp"] + stage for c in range(layout["chunks"])]
+
+
+def local_param_counts(layout: dict, config: dict, stage: int) -> dict[str, int]:
+    """Elements of every parameter a rank of pipeline stage ``stage`` holds (TP shards counted at 1/tp)."""
+    cfg, tp = _cfg(config), layout["tp"]
+    shapes = dense_shapes(cfg)
+    split = {f"{module}.{param}": how for module, param, how in block_plan()}
+    V = layout["pp"] * layout["chunks"]
+    per = cfg.layers // V
+    out = {}
+    for vs in _virtual_stages(layout, stage):
+        layers = range(vs * per, (vs + 1) * per)
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            if name.startswith("blocks."):
+                layer, rest = name.split(".", 2)[1:]
+                if int(layer) in layers:
+                    out[name] = numel // tp if split[rest] != REPLICATED else numel
+            elif name in ("embed.weight", "pos") and vs == 0:
+                out[name] = numel
+            elif name.startswith("ln_f.") and vs == V - 1:
+                out[name] = numel
+        if vs == V - 1 and vs != 0:
+            out["head.weight"] = cfg.vocab * cfg.hidden  # the tied embedding's copy
+    return out
+
+
+def implementation_bytes(layout: dict, config: dict, stage: int) -> dict[str, float]:
+    """Bytes a rank of ``stage`` (at dp = cp = tp = 0) sends per step, per dimension, by what the code does."""
+    cfg, E = _cfg(config), ELEMENT[config["dtype"]]
+    tp, pp, cp, m, sp = layout["tp"], layout["pp"], layout["cp"], layout["micro_batches"], layout["sequence_parallel"]
+    V = pp * layout["chunks"]
+    held = _virtual_stages(layout, stage)
+    layers = len(held) * cfg.layers // V
+    b = config["global_batch"] // (layout["dp"] * m)
+    msg = b * cfg.seq // cp * cfg.hidden * E  # one [s/cp, b, h] activation
+    out = dict.fromkeys(("tp", "tp_parameters", "cp", "pp", "dp", "embedding"), 0.0)
+    if tp > 1:  # 2 all-reduces (or their SP pairs) forward and 2 backward per layer: Megatron's f and g
+        ends = sum(vs in (0, V - 1) for vs in held) if sp else 0  # SP: embedding scatter, head gather
+        out["tp"] = m * (layers * 4 * 2 * (tp - 1) / tp * msg + ends * (tp - 1) / tp * msg)
+        if sp:  # LayerNorm weights and biases, row biases: partial gradients, all-reduced after each micro-batch
+            norms = 6 * cfg.hidden * layers + (2 * cfg.hidden if V - 1 in held else 0)
+            out["tp_parameters"] = m * 2 * (tp - 1) / tp * norms * E
+    if cp > 1:  # forward: K and V on cp-1 hops; backward: K and V again, and dK/dV on cp hops home
+        out["cp"] = m * layers * (6 * cp - 4) * msg / tp
+    if pp > 1:  # one activation forward (not from the last virtual stage), one gradient back (not from the first)
+        rows = msg / tp if sp else msg
+        out["pp"] = m * rows * sum((vs != V - 1) + (vs != 0) for vs in held)
+    counts = local_param_counts(layout, config, stage)
+    group = layout["dp"] * cp
+    tied = [n for n in counts if n == "head.weight" or (n == "embed.weight" and pp > 1)]
+    buckets = [sum(counts[n] for n in tied), sum(v for n, v in counts.items() if n not in tied)]
+    if group > 1:
+        if layout["zero"] == 1:  # reduce-scatter and all-gather of each bucket, padded to a multiple of the group
+            out["dp"] = sum(2 * (group - 1) / group * math.ceil(n / group) * group * E for n in buckets if n)
+        else:
+            out["dp"] = sum(2 * (group - 1) / group * n * E for n in buckets if n)
+    out["embedding"] = len(tied) * cfg.vocab * cfg.hidden * E  # an all-reduce over 2 ranks sends its message once
+    return out
+
+
+WHY = {
+    "tp": "exact without sequence parallelism: 4 all-reduces of b s/cp h per layer; with it, the first stage also "
+          "gathers the embedding's gradient and the last stage the head's input (the planner counts layers only)",
+    "tp_parameters": "not in the planner: under sequence parallelism the LayerNorm and row-bias gradients are "
+                     "partial sums, all-reduced after every micro-batch (small: 6h per layer)",
+    "cp": "the planner counts an all-gather of K and V forward and a reduce-scatter backward, (cp-1)/cp each; the "
+          "ring sends K and V again in backward and carries dK/dV one hop further, home: (3cp-2)/(2cp-2) times that",
+    "pp": "the planner charges every GPU one send each way per micro-batch, 1/tp of the activation; the first stage "
+          "sends forward only, and without sequence parallelism every TP rank sends the whole activation",
+    "dp": "the planner counts weights only (no biases, no learned positions, no LayerNorm biases) and divides them "
+          "all by tp; here LayerNorms, row biases, embedding and positions are replicated over tp, and ZeRO pads",
+    "embedding": "not in the planner: the tied embedding's gradient, summed between the first and last stage",
+}
+
+
+def comm_rows(ranks: list[dict], step: int = 0) -> list[dict]:
+    """The truth table's communication part for the planner's rank: one row per dimension."""
+    rank = first_rank(ranks)
+    layout, config = rank["layout"], rank["config"]
+    E = ELEMENT[config["dtype"]]
+    plan_layout = planner_layout(layout, config)
+    predicted = {dim: sum(c.wire_bytes for c in calls) for dim, calls in
+                 planner.step_collectives(model_shape(config), plan_layout, weight_bytes=E, grad_bytes=E,
+                                          bytes_per_element=E).items()}
+    exact = implementation_bytes(layout, config, rank["stage"])
+    rows = []
+    for dim in ("tp", "tp_parameters", "cp", "pp", "dp", "embedding"):
+        measured = rank["comm"][step][dim]["wire_bytes"]
+        plan = predicted.get(dim, 0.0)
+        rows.append({"dimension": dim, "planner": plan, "implementation": exact[dim], "measured": measured,
+                     "planner_error": (plan - measured) / measured if measured else (0.0 if plan == 0 else math.inf),
+                     "why": WHY[dim] if plan != measured else "exact"})
+    return rows
+
+
+def memory_rows(ranks: list[dict], step: int = 0) -> list[dict]:
+    """Memory of the planner's rank at the four moments: planner, this implementation (exact except activations)
+    and measured."""
+    rank = first_rank(ranks)
+    layout, config = rank["layout"], rank["config"]
+    E = ELEMENT[config["dtype"]]
+    shape = model_shape(config)
+    plan_layout = planner_layout(layout, config)
+    pp, tp = layout["pp"], layout["tp"]
+    stage_params = shape.n_params if pp == 1 else math.ceil(shape.layers / pp) * shape.params_per_layer \
+        + shape.vocab * shape.hidden
+    group = layout["dp"] * layout["cp"]
+    states = model_state_bytes(stage_params, dp=group, tp=tp, pp=1, zero_stage=layout["zero"], weight_bytes=E,
+                               grad_bytes=E, optimizer_bytes_per_param=2 * E)  # AdamW: two moments
+    activations = planner.plan(shape, plan_layout, layout["dp"] * tp * pp * layout["cp"], cluster_name="h100-ib",
+                               weight_bytes=E, grad_bytes=E).memory["activations"]
+    counts = local_param_counts(layout, config, rank["stage"])
+    tied = [n for n in counts if n == "head.weight" or (n == "embed.weight" and pp > 1)]
+    buckets = [b for b in (sum(counts[n] for n in tied), sum(v for n, v in counts.items() if n not in tied)) if b]
+    if layout["zero"] == 1:
+        padded = sum(math.ceil(n / group) * group for n in buckets)
+        owned = sum(min(math.ceil(n / group), n) for n in buckets)  # rank 0 of the group owns the first shard
+        exact = {"params": padded * E, "grads": padded * E, "optimizer": 2 * owned * E}
+    else:
+        total = sum(buckets)
+        exact = {"params": total * E, "grads": total * E, "optimizer": 2 * total * E}
+    measured = rank["memory"][step]
+    rows = []
+    for moment, plan in (("params", states.params), ("grads", states.grads), ("optimizer", states.optimizer),
+                         ("activations", activations)):
+        rows.append({"moment": moment, "planner": plan, "implementation": exact.get(moment),
+                     "measured": measured[moment], "planner_error": (plan - measured[moment]) / measured[moment]})
+    return rows
+
+
+def cp_work(ranks: list[dict], step: int = 0) -> dict:
+    """Attention scores each CP rank computed (per ring call), against chapter 14's block count for the split."""
+    rank = first_rank(ranks)
+    layout, config = rank["layout"], rank["config"]
+    if layout["cp"] == 1:
+        return {}
+    calls = layout["micro_batches"] * config["layers"] // layout["pp"]  # ring attention calls per step and rank
+    measured = {r["coords"]["cp"]: r["score_entries"][step] // calls for r in ranks if r["coords"]["pp"] == 0}
+    predicted = [w["score_entries"] for w in work_per_rank(config["seq"], layout["cp"], layout["split"], True)]
+    return {"measured": [measured[c] for c in sorted(measured)], "predicted": predicted}
+
+
+def bubble(ranks: list[dict], step: int = -1) -> dict:
+    """Idle / total of the first pipeline (dp = cp = tp = 0) against (p-1)/(v m + p-1)."""
+    rows = sorted((r for r in ranks if r["coords"]["dp"] == r["coords"]["cp"] == r["coords"]["tp"] == 0),
+                  key=lambda r: r["coords"]["pp"])
+    layout = rows[0]["layout"]
+    idle = timelines.idle_fractions([r["timelines"][step] for r in rows])
+    return {"measured": sum(idle) / len(idle), "per_stage": idle,
+            "formula": pipeline_bubble_fraction(layout["pp"], layout["micro_batches"], layout["chunks"],
+                                                denominator="total")}
