@@ -3,6 +3,7 @@
 - cold launch: torchrun start + imports + rendezvous + one tiny all_reduce, at world 1, 2, 4, 8;
 - warm rerun: the same run again on warm ranks (what a slider change costs), median and p90 of 20;
 - a LiveRun widget: from a slider change to the new figure drawn, median of 10;
+- chapter 15: a composed 2x2x2x1 step against the one-process step, with the share spent communicating;
 - every notebook executed headless (papermill, fresh kernel), wall time each;
 - with a GPU: the chapters' GPU benchmarks (attention backends and kernels), written under data/.
 All numbers are CPU wall times of this machine; results also go to build/bench/results.json.
@@ -89,6 +90,40 @@ def bench_widget(changes: int = 10) -> dict:
     return {"median_s": statistics.median(times), "max_s": max(times)}
 
 
+def bench_composed(steps: int = 6) -> dict:
+    """Chapter 15: one optimizer step of the composed GPT at dp x tp x pp x cp = 2x2x2x1 on 8 ranks (4 micro-batches,
+    float64), against the same step in this process, with the share of the composed step spent communicating:
+    TP collectives (timed), waiting in pipeline receives (messages and bubble), the gradient synchronisation."""
+    import torch
+
+    import course_utils as cu
+    from workers.composed.model import ComposedConfig
+    from workers.composed.train import reference_run
+
+    params = dict(dp=2, tp=2, pp=2, cp=1, micro_batches=4, steps=steps, report=False, timed=True)
+    cu.run("workers.ch15_composed", world_size=8, timeout=600, **{**params, "steps": 1})  # warm the ranks
+    res = cu.run("workers.ch15_composed", world_size=8, timeout=600, **params)
+    per_step = [max(r["schedule_s"][i] + r["sync_s"][i] for r in res.ranks) for i in range(1, steps)]  # step 0: warm-up
+    shares = {dim: statistics.median(
+        (r["comm_s"][i][dim] or 0.0) / (r["schedule_s"][i] + r["sync_s"][i]) for r in res.ranks for i in range(1, steps))
+        for dim in ("tp", "pp", "dp")}
+    torch.set_num_threads(1)  # each rank runs one thread (the Makefile's OMP_NUM_THREADS=1)
+    reference_run(ComposedConfig(), steps=1, global_batch=8, lr=0.01)  # first-call costs (kernels, allocator)
+    timed = []
+    for n in (1, steps + 1):  # the difference leaves out building the model
+        t0 = time.perf_counter()
+        reference_run(ComposedConfig(), steps=n, global_batch=8, lr=0.01)
+        timed.append(time.perf_counter() - t0)
+    one = (timed[1] - timed[0]) / steps
+    composed = statistics.median(per_step)
+    print(f"chapter 15, 2x2x2x1 on 8 CPU ranks (gloo, float64, 4 micro-batches): step {composed * 1e3:.0f} ms "
+          f"against {one * 1e3:.0f} ms in one process; of the composed step, TP collectives "
+          f"{100 * shares['tp']:.0f}%, pipeline receives (latency and bubble) {100 * shares['pp']:.0f}%, "
+          f"gradient sync {100 * shares['dp']:.0f}% (medians over ranks and steps)", flush=True)
+    cu.shutdown_pools()
+    return {"composed_step_s": composed, "one_process_step_s": one, "comm_share": shares, "layout": "2x2x2x1"}
+
+
 def bench_notebooks(names: list[str] | None = None) -> dict:
     from course_utils import notebooks
 
@@ -157,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = record("python -m course_utils.bench " + " ".join(argv if argv is not None else sys.argv[1:]), device="cpu")
     print(f"CPU wall times on {prov['device']} ({os.cpu_count()} cores); gloo on CPU", flush=True)
     results = {"provenance": prov, "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
-               "launch": bench_launch(), "widget": bench_widget()}
+               "launch": bench_launch(), "widget": bench_widget(), "composed": bench_composed()}
     results["gpu"] = bench_gpu()
     if not a.skip_notebooks:
         results["notebooks_s"] = bench_notebooks(a.notebooks)

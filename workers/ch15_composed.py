@@ -64,7 +64,8 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
          micro_batches: int = 1, schedule: str = "1f1b", chunks: int = 1, split: str = "zigzag", steps: int = 3,
          global_batch: int = 8, lr: float = 0.01, dropout: float = 0.0, vocab: int = 32, seq: int = 16,
          hidden: int = 32, heads: int = 8, layers: int = 4, drill: str = "none", dtype: str = "float64",
-         seed: int = 0, data_seed: int = 1, report: bool = True, forward_ms: float = 0.0, backward_ms: float = 0.0):
+         seed: int = 0, data_seed: int = 1, report: bool = True, forward_ms: float = 0.0, backward_ms: float = 0.0,
+         timed: bool = False):
     """``steps`` AdamW steps of the composed GPT on this layout."""
     cfg = ComposedConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, dropout=dropout)
     layout = _layout(ctx.world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, chunks, split)
@@ -76,7 +77,7 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
     try:
         steps_out = []
         for step in range(steps):
-            out = trainer.step(step, forward_ms / 1e3, backward_ms / 1e3)
+            out = trainer.step(step, forward_ms / 1e3, backward_ms / 1e3, timed)
             if out["loss"] is not None:
                 ctx.metric(step, loss=out["loss"])
             if not report:
@@ -96,6 +97,7 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
             "comm": [s["comm"] for s in steps_out], "memory": [s["memory"] for s in steps_out],
             "score_entries": [s["score_entries"] for s in steps_out],
             "schedule_s": [s["schedule_s"] for s in steps_out], "sync_s": [s["sync_s"] for s in steps_out],
+            "comm_s": [s["comm_s"] for s in steps_out],
             "setup_s": setup_s, "mesh_s": trainer.build_s, "layout": layout.as_dict(), "layout_name": layout.name,
             "config": {**cfg.as_dict(), "steps": steps, "global_batch": global_batch, "lr": lr, "seed": seed,
                        "data_seed": data_seed, "dtype": dtype, "drill": drill}}

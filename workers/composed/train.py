@@ -166,14 +166,16 @@ class ComposedTrainer:
                         samples, valid[samples].sum().item()))
         return out, int(valid.sum())
 
-    def step(self, step: int, forward_s: float = 0.0, backward_s: float = 0.0) -> dict:
+    def step(self, step: int, forward_s: float = 0.0, backward_s: float = 0.0, timed: bool = False) -> dict:
         """Optimizer step ``step``. ``forward_s``/``backward_s`` > 0 pad each stage's forward and backward of a
-        micro-batch to that wall time (chapter 13's calibrated wait), so that the measured bubble is the schedule's."""
+        micro-batch to that wall time (chapter 13's calibrated wait), so that the measured bubble is the schedule's.
+        ``timed`` also times the tensor-parallel collectives (``CommLedger(timed=True)``)."""
         L = self.layout
         self.calls = []  # (dimension, collective, message bytes, ranks) of the step's gradient collectives
         if self.par.ring is not None:  # per-step counters of the KV ring
             ring = self.par.ring
-            ring.sent_bytes, ring.messages, ring.score_entries = {"forward": 0, "backward": 0}, {"forward": 0, "backward": 0}, 0
+            ring.sent_bytes, ring.messages = {"forward": 0, "backward": 0}, {"forward": 0, "backward": 0}
+            ring.score_entries, ring.wait_s = 0, 0.0
         micro, total_tokens = self._micro_batches(step)
         wheres = [Where(step, self.positions, mb[3], self.global_batch, self.cfg.seq) for mb in micro]
         rows = self.cfg.seq // L.cp // (L.tp if L.sequence_parallel else 1)
@@ -192,7 +194,7 @@ class ComposedTrainer:
 
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
-        with CommLedger() as ledger:  # every tensor-parallel collective, attributed and sized
+        with CommLedger(timed=timed, device=torch.device(self.device)) as ledger:  # every TP collective, sized
             ran = run_schedule(self.actions, self.modules, p2p, stage=self.stage, num_stages=L.pp,
                                inputs=[mb[0] for mb in micro], targets=None, forward=forward, loss=loss,
                                forward_s=forward_s, backward_s=backward_s)
@@ -231,6 +233,12 @@ class ComposedTrainer:
                 "score_entries": self.par.ring.score_entries if self.par.ring is not None else None,
                 "p2p": {k: ran[k] for k in ("sent_bytes", "messages")}, "peak_saved_bytes": ran["peak_saved_bytes"],
                 "schedule_s": t_schedule, "sync_s": t_sync,
+                # seconds in communication, per dimension: TP collectives (timed runs only), waiting for the ring's
+                # transfers beyond the compute they overlapped, blocked in pipeline receives (bubble included),
+                # and the gradient synchronisation after the schedule
+                "comm_s": {"tp": sum(t for _, _, t in ledger.intervals()) if timed else None,
+                           "cp": self.par.ring.wait_s if self.par.ring is not None else 0.0, "pp": p2p.wait_s,
+                           "dp": t_sync},
                 "digests": {n: digest(p.data) for n, p in self.named.items()}}
 
     def _comm(self, ledger: CommLedger, p2p: P2P) -> dict:

@@ -11,6 +11,8 @@ grid, ``workers/parallel/grid.py``), so a world of 4 can hold two rings of 2 (or
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -20,12 +22,15 @@ KV_TAG, GRAD_TAG = 0, 1  # two streams on one link in backward: K/V (posted earl
 class Exchange:
     """One posted send + receive; ``wait()`` returns what arrived from the previous rank, on ``device``."""
 
-    def __init__(self, works, send_buf: torch.Tensor, recv_buf: torch.Tensor, device: torch.device):
-        self._works, self._send_buf, self._recv_buf, self._device = works, send_buf, recv_buf, device
+    def __init__(self, works, send_buf: torch.Tensor, recv_buf: torch.Tensor, device: torch.device, ring=None):
+        self._works, self._send_buf, self._recv_buf, self._device, self._ring = works, send_buf, recv_buf, device, ring
 
     def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
         for work in self._works:
             work.wait()
+        if self._ring is not None:  # what the transfer cost beyond the compute it overlapped
+            self._ring.wait_s += time.perf_counter() - start
         self._send_buf = None  # the send buffer had to live until its send completed
         return self._recv_buf.to(self._device)
 
@@ -41,6 +46,7 @@ class Ring:
         self.sent_bytes = {"forward": 0, "backward": 0}
         self.messages = {"forward": 0, "backward": 0}
         self.score_entries = 0  # (query, key) scores computed in forward (``attention.RingAttention`` counts them)
+        self.wait_s = 0.0  # seconds spent waiting for transfers to finish
 
     def exchange(self, tensor: torch.Tensor, phase: str, tag: int = KV_TAG) -> Exchange:
         """Post: send ``tensor`` to the next rank, receive one of the same shape from the previous rank."""
@@ -49,4 +55,4 @@ class Ring:
         works = [dist.isend(send_buf, dst=self.next_rank, tag=tag), dist.irecv(recv_buf, src=self.prev_rank, tag=tag)]
         self.sent_bytes[phase] += send_buf.numel() * send_buf.element_size()
         self.messages[phase] += 1
-        return Exchange(works, send_buf, recv_buf, self.device)
+        return Exchange(works, send_buf, recv_buf, self.device, self)

@@ -11,6 +11,8 @@ so on a one-GPU machine the bytes travel through host memory (``runtime.comm_dev
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +38,7 @@ class P2P:
         self.pending: list = []  # (work, tensor): a send's buffer must live until the send completes
         self.sent_bytes = {"forward": 0, "backward": 0}
         self.messages = {"forward": 0, "backward": 0}
+        self.wait_s = 0.0  # seconds blocked in receives
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, direction: str) -> None:
         buf = tensor.detach().to(self.comm_device, self.dtype).contiguous()  # data only: autograd stops here
@@ -45,7 +48,9 @@ class P2P:
 
     def _recv(self, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(self.shape, device=self.comm_device, dtype=self.dtype)  # [micro_batch, hidden]
+        start = time.perf_counter()
         dist.irecv(buf, src=src, tag=tag).wait()
+        self.wait_s += time.perf_counter() - start  # blocked: the message's latency, or the bubble
         return buf.to(self.device)
 
     def send_forward(self, output: torch.Tensor, key: int = 0) -> None:
