@@ -99,9 +99,12 @@ class ComposedTrainer:
     """This rank's part of a layout: its stage modules, groups, optimizer. ``step(i)`` runs optimizer step i."""
 
     def __init__(self, layout: Layout, cfg: ComposedConfig, *, rank: int, device, comm_device, global_batch: int,
-                 lr: float, seed: int = 0, data_seed: int = 1, dtype=torch.float64, drill: str = "none"):
+                 lr: float, seed: int = 0, data_seed: int = 1, dtype=torch.float64, drill: str = "none",
+                 normalise=None):
         self.layout, self.cfg, self.rank, self.device = layout, cfg, rank, device
         self.global_batch, self.seed, self.data_seed, self.dtype, self.drill = global_batch, seed, data_seed, dtype, drill
+        # normalise(summed_ce, micro_tokens, global_tokens, micro_batches, dp, cp): a micro-batch's loss (exercise 2)
+        self.normalise = normalise
         t0 = time.perf_counter()
         self.mesh = Mesh(layout, rank, torch.device(device).type)
         self.build_s = time.perf_counter() - t0
@@ -188,6 +191,8 @@ class ComposedTrainer:
         def loss(logits, i):
             _, targets, valid, _, micro_tokens = micro[i]
             summed = token_losses(logits, targets.to(self.device), valid.to(self.device))
+            if self.normalise is not None:  # the learner's rule (chapter 15's exercise)
+                return self.normalise(summed, micro_tokens, total_tokens, L.micro_batches, L.dp, L.cp)
             if self.drill == "per_microbatch_mean":  # the bug: each micro-batch's own mean, then / m, / dp
                 return summed / (micro_tokens * L.micro_batches * L.dp)
             return summed / total_tokens  # the right one: every token weighs 1 / N of the global batch

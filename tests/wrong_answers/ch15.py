@@ -1,0 +1,55 @@
+"""Plausible wrong answers for chapter 15, each with a fragment of the message the check must give."""
+
+
+def mesh_groups_tp_outermost(dp, pp, cp, tp, dim):
+    sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    order = ("tp", "cp", "pp", "dp")  # reversed: tp outermost
+    stride = 1
+    for d in reversed(order[order.index(dim) + 1:]):
+        stride *= sizes[d]
+    n, world = sizes[dim], dp * pp * cp * tp
+    return [[s + i * stride for i in range(n)] for s in range(world) if (s // stride) % n == 0]
+
+
+def mesh_groups_consecutive(dp, pp, cp, tp, dim):
+    n = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}[dim]
+    return [list(range(s, s + n)) for s in range(0, dp * pp * cp * tp, n)]  # right for tp only
+
+
+def mesh_groups_stride_by_own_size(dp, pp, cp, tp, dim):
+    n, world = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}[dim], dp * pp * cp * tp
+    if n == 1:
+        return [[r] for r in range(world)]
+    return [[s + i * n for i in range(n)] for s in range(world) if (s // n) % n == 0]  # stride n, not inner product
+
+
+def mesh_groups_only_mine(dp, pp, cp, tp, dim):
+    sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    order = ("dp", "pp", "cp", "tp")
+    stride = 1
+    for d in reversed(order[order.index(dim) + 1:]):
+        stride *= sizes[d]
+    return [[i * stride for i in range(sizes[dim])]]  # rank 0's group only
+
+
+def micro_batch_loss_per_micro_mean(summed_ce, micro_tokens, global_tokens, micro_batches, dp, cp):
+    return summed_ce / micro_tokens / micro_batches / dp  # right only when every micro-batch has as many tokens
+
+
+def micro_batch_loss_own_tokens(summed_ce, micro_tokens, global_tokens, micro_batches, dp, cp):
+    return summed_ce / micro_tokens
+
+
+def micro_batch_loss_divided_by_dp(summed_ce, micro_tokens, global_tokens, micro_batches, dp, cp):
+    return summed_ce / global_tokens / dp  # as if the all-reduce averaged
+
+
+WRONG = [
+    ("mesh_groups", mesh_groups_tp_outermost, "with tp outermost"),
+    ("mesh_groups", mesh_groups_consecutive, "innermost dimension only"),
+    ("mesh_groups", mesh_groups_stride_by_own_size, "the product of the sizes"),
+    ("mesh_groups", mesh_groups_only_mine, "you returned one group"),
+    ("micro_batch_loss", micro_batch_loss_per_micro_mean, "averaged over its own tokens"),
+    ("micro_batch_loss", micro_batch_loss_own_tokens, "this micro-batch's tokens"),
+    ("micro_batch_loss", micro_batch_loss_divided_by_dp, "divided once more by dp"),
+]
