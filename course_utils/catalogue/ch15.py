@@ -1,5 +1,6 @@
-"""Chapter 15's graded exercises: the mesh's groups by hand (checked here against the rank grid), and the
-token-normalised loss across micro-batches, data and context parallelism (trained for real on 4 ranks)."""
+"""Chapter 15's graded exercises: the mesh's groups by hand (checked here against the rank grid); the
+token-normalised loss across micro-batches, data and context parallelism (trained for real on 4 ranks); and a
+layout chosen for a memory budget with its traffic predicted, then run on 8 ranks and measured."""
 from course_utils.exercises import FAIL, PASS, Exercise, register
 
 CHECKER = "workers.exercises.ch15"
@@ -73,8 +74,86 @@ def check_mesh_groups(answer) -> tuple[str, str]:
     return PASS, f"every group along dp, pp, cp and tp for {len(SHAPES)} grids"
 
 
+WORLD, BUDGET = 8, 600_000  # ranks; bytes of parameters + gradients + AdamW state per rank (float64)
+CONFIG = {"vocab": 32, "seq": 16, "hidden": 32, "heads": 8, "layers": 4, "dropout": 0.0, "global_batch": 8,
+          "dtype": "float64"}
+DIMENSIONS = ("tp", "cp", "pp", "dp")
+
+
+def _state_bytes(layout: dict, stage: int) -> int:
+    """Parameters, gradients and AdamW's two moments on a rank of ``stage`` (ZeRO-1: moments sharded, buffers
+    padded to a multiple of the dp x cp group, one bucket for the tied embedding and one for the rest)."""
+    import math
+
+    from course_utils.ch15_truth import local_param_counts
+
+    counts = local_param_counts(layout, CONFIG, stage)
+    group = layout["dp"] * layout["cp"]
+    tied = [n for n in counts if n == "head.weight" or (n == "embed.weight" and layout["pp"] > 1)]
+    buckets = [b for b in (sum(counts[n] for n in tied), sum(v for n, v in counts.items() if n not in tied)) if b]
+    if layout["zero"] == 1:
+        held = sum(math.ceil(n / group) * group for n in buckets)
+        return 8 * (2 * held + 2 * sum(min(math.ceil(n / group), n) for n in buckets))
+    return 8 * 4 * sum(buckets)
+
+
+def check_layout_and_traffic(answer) -> tuple[str, str]:
+    """``answer()`` = (layout, predicted): a layout of the chapter's model on 8 ranks whose every rank holds at most
+    600 kB of parameters, gradients and AdamW state (float64), and the bytes rank 0 sends in one step along tp, cp,
+    pp and dp. The layout is then run for one step and rank 0's measured bytes must equal the prediction."""
+    import course_utils as cu
+    from course_utils import ch15_truth as truth
+    from workers.composed.layout import Layout, problem
+
+    try:
+        layout_in, predicted = answer()
+        options = {k: layout_in[k] for k in ("dp", "tp", "pp", "cp")}
+        options.update(zero=int(layout_in.get("zero", 0)), micro_batches=int(layout_in.get("micro_batches", 1)),
+                       sequence_parallel=bool(layout_in.get("sequence_parallel", False)))
+        predicted = {d: float(predicted.get(d, 0.0)) for d in DIMENSIONS}
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return FAIL, ("return (layout, predicted): layout a dict with dp, tp, pp, cp (and zero, micro_batches, "
+                      "sequence_parallel), predicted a dict of bytes per dimension, like {'tp': 0, 'cp': 0, 'pp': 0, "
+                      "'dp': 0}")
+    layout = Layout(**options)
+    why = problem(layout, WORLD, layers=CONFIG["layers"], heads=CONFIG["heads"], kv_heads=CONFIG["heads"],
+                  ffn=4 * CONFIG["hidden"], seq=CONFIG["seq"], global_batch=CONFIG["global_batch"])
+    if why:
+        return FAIL, f"layout {layout.name} is refused before launch: {why}"
+    full = {**layout.as_dict()}
+    over = [(s, _state_bytes(full, s)) for s in range(layout.pp) if _state_bytes(full, s) > BUDGET]
+    if over:
+        stage, held = over[0]
+        return FAIL, (f"layout {layout.name} (zero={layout.zero}) does not fit: a rank of stage {stage} holds {held:,} "
+                      f"bytes of parameters, gradients and AdamW state, over the {BUDGET:,} budget; shard the model "
+                      "(tp, pp)" + (" or the optimizer state (zero=1)" if layout.zero == 0 else ""))
+    res = cu.run("workers.ch15_composed", world_size=WORLD, timeout=300, steps=1, report=False, **options)
+    rank = truth.first_rank(res.ranks)
+    measured = {d: rank["comm"][0][d]["wire_bytes"] for d in DIMENSIONS}
+    planner = {row["dimension"]: row["planner"] for row in truth.comm_rows(res.ranks)}
+    for dim in DIMENSIONS:
+        if abs(predicted[dim] - measured[dim]) < 0.5:
+            continue
+        where = f"layout {layout.name}, rank 0, along {dim}: you predicted {predicted[dim]:,.0f} bytes, it sent {measured[dim]:,.0f}"
+        if measured[dim] and abs(predicted[dim] - planner[dim]) < 0.5:
+            return FAIL, f"{where}. That is the planner's figure; the run differs because {truth.WHY[dim]}"
+        if dim == "pp" and measured[dim] and abs(predicted[dim] - 2 * measured[dim]) < 0.5:
+            return FAIL, (f"{where}: rank 0 is the first stage: it sends each micro-batch's activation forward and "
+                          "receives the gradient, but sends nothing backward")
+        if dim == "dp" and measured[dim] and abs(predicted[dim] - 2 * measured[dim] * layout.dp * layout.cp
+                                                 / (2 * (layout.dp * layout.cp - 1))) < 0.5:
+            return FAIL, (f"{where}: a ring all-reduce over n ranks sends 2(n-1)/n of the message per rank, not the "
+                          "whole message twice")
+        return FAIL, f"{where}"
+    return PASS, (f"layout {layout.name} fits in {BUDGET:,} bytes per rank and rank 0 sent exactly the predicted bytes "
+                  f"along tp, cp, pp and dp ({', '.join(f'{d} {measured[d]:,.0f}' for d in DIMENSIONS)})")
+
+
 register(Exercise("mesh_groups", "15", "mesh_groups",
                   "The mesh's groups by hand: which ranks share a TP, CP, PP or DP group", local=check_mesh_groups))
 register(Exercise("micro_batch_loss", "15", "micro_batch_loss",
                   "The token-normalised loss across micro-batches, data and context parallelism",
                   worker=CHECKER, world_sizes=(4,)))
+register(Exercise("layout_and_traffic", "15", "layout_and_traffic",
+                  "Pick a layout that fits the memory budget, predict its traffic, and run it",
+                  local=check_layout_and_traffic))

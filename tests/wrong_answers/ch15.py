@@ -44,6 +44,33 @@ def micro_batch_loss_divided_by_dp(summed_ce, micro_tokens, global_tokens, micro
     return summed_ce / global_tokens / dp  # as if the all-reduce averaged
 
 
+def _layout(dp, tp, pp, cp, zero=0, m=2):
+    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": zero, "micro_batches": m, "sequence_parallel": False}
+
+
+def layout_and_traffic_pure_dp():
+    return _layout(8, 1, 1, 1, 1, 1), {"tp": 0, "cp": 0, "pp": 0, "dp": 0}  # ZeRO-1 still keeps 943 kB per rank
+
+
+def layout_and_traffic_refused():
+    return _layout(2, 4, 1, 1, 0, 3), {"tp": 0, "cp": 0, "pp": 0, "dp": 0}  # 3 micro-batches do not divide 8 / 2
+
+
+def layout_and_traffic_planner_dp():
+    from solutions.ch15 import layout_and_traffic
+
+    layout, predicted = layout_and_traffic()
+    stage_params = 2 * (2 * 32 * 32 + 2 * 32 * 32 + 2 * 32 * 128 + 2 * 32) + 32 * 32  # weights only, as the planner
+    return layout, {**predicted, "dp": 2 * 1 / 2 * stage_params / 2 * 8}
+
+
+def layout_and_traffic_pp_both_ways():
+    from solutions.ch15 import layout_and_traffic
+
+    layout, predicted = layout_and_traffic()
+    return layout, {**predicted, "pp": 2 * predicted["pp"]}  # a send each way, as a middle stage does
+
+
 WRONG = [
     ("mesh_groups", mesh_groups_tp_outermost, "with tp outermost"),
     ("mesh_groups", mesh_groups_consecutive, "innermost dimension only"),
@@ -52,4 +79,8 @@ WRONG = [
     ("micro_batch_loss", micro_batch_loss_per_micro_mean, "averaged over its own tokens"),
     ("micro_batch_loss", micro_batch_loss_own_tokens, "this micro-batch's tokens"),
     ("micro_batch_loss", micro_batch_loss_divided_by_dp, "divided once more by dp"),
+    ("layout_and_traffic", layout_and_traffic_pure_dp, "does not fit"),
+    ("layout_and_traffic", layout_and_traffic_refused, "is refused before launch"),
+    ("layout_and_traffic", layout_and_traffic_planner_dp, "That is the planner's figure"),
+    ("layout_and_traffic", layout_and_traffic_pp_both_ways, "sends nothing backward"),
 ]
