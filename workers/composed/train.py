@@ -42,7 +42,7 @@ from workers.parallel.plan import split_of
 from workers.pipeline.executor import run_schedule
 from workers.pipeline.p2p import P2P
 from workers.pipeline.schedules import schedule as make_schedule, virtual_stage
-from workers.runtime import all_gather_single
+from workers.runtime import all_gather_single, host_staged
 
 # drill -> (what it breaks, the layouts it needs to show)
 DRILLS = {
@@ -210,7 +210,7 @@ class ComposedTrainer:
                 dist.all_reduce(p.grad, group=self.mesh.group("embedding"))
         loss_value = None
         if self.modules[-1].last:  # the step's loss: the sum of every micro-batch's share over dp x cp
-            total = torch.tensor([sum(ran["losses"])], dtype=torch.float64)
+            total = torch.tensor([sum(ran["losses"])], dtype=torch.float64, device=self.device)  # NCCL: on the GPU
             dist.all_reduce(total, group=self.mesh.group("dp_cp"))
             loss_value = total.item()
         t1 = time.perf_counter()
@@ -285,7 +285,7 @@ class ComposedTrainer:
         full = {}
         for flat, shard in zip(opt.groups, opt.last_shard_grads):
             whole = torch.empty_like(flat.flat_grads)
-            all_gather_single(whole, shard.contiguous(), group=opt.group)  # for the report only, not training
+            host_staged("all_gather", all_gather_single, whole, shard.contiguous(), opt.group)  # the report only
             for p, off in zip(flat.params, flat.offsets):
                 full[id(p)] = whole[off:off + p.numel()].view_as(p)
         if not self.reporter:
