@@ -15,7 +15,8 @@ what they need and the course's dense model does not give them:
 * ``dense_names`` / ``full``: DTensor shards gathered to whole tensors and renamed to the dense model's names
   (``wq``, ``wk``, ``wv`` concatenated back into ``qkv``), so that a run compares to ``train.reference_run``.
 * ``NativeMesh``: a ``DeviceMesh`` over groups of the course's rank grid, made here and destroyed at the end of
-  the run (``init_device_mesh`` makes groups that no one can hand back, and warm ranks outlive a run).
+  the run (``init_device_mesh`` makes groups that no one can hand back, and warm ranks outlive a run), with
+  DTensor's caches emptied first (``forget_meshes``: a destroyed group otherwise outlives its run in them).
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class NativeAttention(nn.Module):
             bs = bias.detach().chunk(3) if bias is not None else (None,) * 3
             for name, w, b in zip(PROJECTIONS, ws, bs):
                 setattr(self, name, _copy_linear(w, b))
-        self.proj = _copy_linear(dense.proj.weight.detach(), None if dense.proj.bias is None else dense.proj.bias.detach())
+        proj_bias = None if dense.proj.bias is None else dense.proj.bias.detach()
+        self.proj = _copy_linear(dense.proj.weight.detach(), proj_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [s, b, h]
         d = self.head_dim
@@ -170,6 +172,7 @@ class NativeMesh:
         self.names = tuple(d for d in DIMS if d in sizes)
         self.coords = grid.coords(rank)
         self._groups, self._created = {}, []
+        forget_meshes()  # whatever an earlier run on these warm ranks left behind
         try:
             for d in self.names:
                 mine, created = grid.new_groups(d, rank, fresh=True)
@@ -191,6 +194,24 @@ class NativeMesh:
     def destroy(self) -> None:
         import torch.distributed as dist
 
+        forget_meshes()
         for pg in self._created:
             dist.destroy_process_group(pg)
         self._created = []
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches, before this run's groups are destroyed.
+
+    DTensor memoises the output placements of every op, keyed by its inputs' specs, which hold their
+    ``DeviceMesh``; and a mesh compares and hashes by its ranks, dimension names and device type, *not* by the
+    process groups behind it. So the next run's mesh over the same ranks (warm ranks: a new run, new groups) is a
+    cache hit, its op outputs come back on the previous run's mesh, and the first collective names a destroyed
+    group: ``RuntimeError: Could not resolve the process group registered under the name 1`` (measured here on
+    torch 2.13, the second ``api="tp"`` run on warm ranks). Megatron-LM clears the same cache when it destroys its
+    groups (NVIDIA/Megatron-LM#7029). ``_clear_sharding_prop_cache`` is torch's own (private) way to clear both the
+    Python and the C++ fast-path caches.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
