@@ -44,6 +44,10 @@ def micro_batch_loss_divided_by_dp(summed_ce, micro_tokens, global_tokens, micro
     return summed_ce / global_tokens / dp  # as if the all-reduce averaged
 
 
+def micro_batch_loss_item(summed_ce, micro_tokens, global_tokens, micro_batches, dp, cp):
+    return summed_ce.item() / global_tokens  # the right number, as a Python float: nothing to backpropagate
+
+
 def _layout(dp, tp, pp, cp, zero=0, m=2):
     return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": zero, "micro_batches": m, "sequence_parallel": False}
 
@@ -79,6 +83,7 @@ WRONG = [
     ("micro_batch_loss", micro_batch_loss_per_micro_mean, "averaged over its own tokens"),
     ("micro_batch_loss", micro_batch_loss_own_tokens, "this micro-batch's tokens"),
     ("micro_batch_loss", micro_batch_loss_divided_by_dp, "divided once more by dp"),
+    ("micro_batch_loss", micro_batch_loss_item, "return a tensor computed from summed_ce"),
     ("layout_and_traffic", layout_and_traffic_pure_dp, "does not fit"),
     ("layout_and_traffic", layout_and_traffic_refused, "is refused before launch"),
     ("layout_and_traffic", layout_and_traffic_planner_dp, "That is the planner's figure"),

@@ -46,6 +46,14 @@ def _diagnose(answer) -> str | None:
 def check_micro_batch_loss(ctx, answer) -> None:
     if ctx.world_size != 4:
         raise Wrong(f"this check runs on 4 ranks, not {ctx.world_size}")
+    # Every rank tries the answer once before any rank builds a trainer: only the last pipeline stage calls it
+    # in training, so a stub (NotImplementedError) or a crash raised there alone would leave the other stages
+    # waiting for a message; here every rank raises together, and the verdict is "not attempted" or the error.
+    trial = answer(torch.tensor(1.0, dtype=torch.float64, requires_grad=True), 1, 8, 2, 2, 1)
+    if not isinstance(trial, torch.Tensor) or not trial.requires_grad:
+        raise Wrong(f"return a tensor computed from summed_ce (got {type(trial).__name__}"
+                    f"{'' if not isinstance(trial, torch.Tensor) else ' without a gradient'}): the loss is backpropagated, "
+                    "and a Python number (.item()) or a detached tensor carries no gradient")
     cfg = ComposedConfig()
     reference = reference_run(cfg, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR)
     for layout in LAYOUTS:
