@@ -25,6 +25,7 @@ import math
 
 from course_utils import planner, timelines
 from course_utils.ledger import model_state_bytes, pipeline_bubble_fraction
+from course_utils.tables import Table
 from workers.composed.model import ComposedConfig, dense_shapes
 from workers.context_parallel.blocks import work_per_rank
 from workers.parallel.plan import REPLICATED, block_plan
@@ -210,3 +211,63 @@ def bubble(ranks: list[dict], step: int = -1) -> dict:
     return {"measured": sum(idle) / len(idle), "per_stage": idle,
             "formula": pipeline_bubble_fraction(layout["pp"], layout["micro_batches"], layout["chunks"],
                                                 denominator="total")}
+
+
+def exact_everywhere(ranks: list[dict]) -> bool:
+    """Every stage's rank at dp = cp = tp = 0 sent, at every step, exactly what ``implementation_bytes`` says."""
+    for r in ranks:
+        if r["coords"]["dp"] == r["coords"]["cp"] == r["coords"]["tp"] == 0:
+            exact = implementation_bytes(r["layout"], r["config"], r["stage"])
+            for comm in r["comm"]:
+                if any(abs(comm[d]["wire_bytes"] - exact[d]) > 1e-6 for d in exact):
+                    return False
+    return True
+
+
+def truth_table(runs: dict) -> Table:
+    """One row per (layout, dimension): planner, this code's bookkeeping, measured (bytes rank 0 sent in a step)."""
+    rows = []
+    for name, res in runs.items():
+        for row in comm_rows(res.ranks):
+            if row["planner"] == row["measured"] == 0:
+                continue
+            ratio = row["planner"] / row["measured"] if row["measured"] else math.inf
+            rows.append({"layout": name, "dimension": row["dimension"], "planner": f"{row['planner']:,.0f}",
+                         "this code": f"{row['implementation']:,.0f}", "measured": f"{row['measured']:,.0f}",
+                         "planner / measured": "exact" if row["planner"] == row["measured"] else f"{ratio:.3g}"})
+    return Table.of(rows, ["layout", "dimension", "planner", "this code", "measured", "planner / measured"])
+
+
+def truth_figure(runs: dict):
+    """planner / measured per dimension (bars) for each layout: 1 where the planner is exact."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    dims = ("tp", "cp", "pp", "dp")
+    names = list(runs)
+    ratios = np.full((len(names), len(dims)), np.nan)
+    for i, name in enumerate(names):
+        for row in comm_rows(runs[name].ranks):
+            if row["dimension"] in dims and row["measured"]:
+                ratios[i, dims.index(row["dimension"])] = row["planner"] / row["measured"]
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    width = 0.8 / len(dims)
+    for j, dim in enumerate(dims):
+        ax.bar(np.arange(len(names)) + (j - 1.5) * width, ratios[:, j], width, label=dim)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("planner / measured bytes")
+    ax.set_title("Chapter 00's planner against rank 0's measured traffic, one step (1 = exact; a gap is a stated reason)",
+                 fontsize=9)
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def memory_table(ranks: list[dict]) -> Table:
+    rows = [{"moment": r["moment"], "planner": f"{r['planner']:,.0f}",
+             "this code": "-" if r["implementation"] is None else f"{r['implementation']:,.0f}",
+             "measured": f"{r['measured']:,.0f}", "planner / measured": f"{r['planner'] / r['measured']:.3g}"}
+            for r in memory_rows(ranks)]
+    return Table.of(rows, ["moment", "planner", "this code", "measured", "planner / measured"])

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import course_utils as cu
+from course_utils import ch15
 from course_utils.results import InvalidParameter
-from workers.composed.equivalence import TOLERANCE, relative_error
+from workers.composed.equivalence import TOLERANCE
 from workers.composed.model import ComposedConfig
 from workers.composed.train import reference_run
 
@@ -37,27 +38,7 @@ def run(api: str, **params):
 
 
 def errors(ranks: list[dict]) -> dict:
-    """Largest relative error of the losses, the gradients (per step) and the final parameters over every rank,
-    and which dense parameters the ranks covered (a pipeline rank holds its stage's)."""
-    ref = reference()
-    steps = len(ref["losses"])
-    out = {"loss": [0.0] * steps, "grad": [0.0] * steps, "param": 0.0, "grad_names": [set() for _ in range(steps)],
-           "param_names": set(), "by_name": [{} for _ in range(steps)]}
-    for r in ranks:
-        assert len(r["losses"]) == steps and len(r["grads"]) == steps
-        for step in range(steps):
-            loss, expected = (torch.tensor(v, dtype=torch.float64) for v in (r["losses"][step], ref["losses"][step]))
-            out["loss"][step] = max(out["loss"][step], relative_error(loss, expected))
-            for name, g in r["grads"][step].items():
-                e = relative_error(g, ref["grads"][step][name])
-                out["grad"][step] = max(out["grad"][step], e)
-                out["by_name"][step][name] = max(out["by_name"][step].get(name, 0.0), e)
-                out["grad_names"][step].add(name)
-        for name, p in r["params"].items():
-            out["param"] = max(out["param"], relative_error(p, ref["params"][name]))
-            out["param_names"].add(name)
-    return out
-
+    return ch15.native_errors(ranks, reference())
 
 CASES = {
     "tp": {},  # tp = 4: two of the 8 heads per rank
