@@ -161,13 +161,16 @@ def _token_label(tokens: list[int]) -> str:
     return ",".join(runs)
 
 
-def mesh_figure(layout: Layout, cfg: ComposedConfig = CONFIG, global_batch: int = GLOBAL_BATCH, title: str | None = None):
+def mesh_figure(layout: Layout, cfg: ComposedConfig = CONFIG, global_batch: int = GLOBAL_BATCH, title: str | None = None,
+                ax=None):
     """One box per rank, in the grid's order: a row per (dp, pp), a column per (cp, tp), so that a TP group is a run
     of boxes side by side, a pipeline a column going down inside its data-parallel replica (framed), and a CP ring
     the runs of TP groups across a row. Each box says what the rank holds (``holdings``); the colour is its stage."""
     rows_n, cols_n = layout.dp * layout.pp, layout.cp * layout.tp
     w, h = 2.0, 1.55
-    fig, ax = plt.subplots(figsize=(max(min(1.9 * cols_n + 0.6, 16), 5.2), 1.5 * rows_n + 0.8))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(min(1.9 * cols_n + 0.6, 16), 5.2), 1.5 * rows_n + 0.8))
+    fig = ax.figure
     colours = plt.get_cmap("Pastel1")
     for hold in holdings(layout, cfg, global_batch):
         c = hold["coords"]
@@ -332,12 +335,51 @@ def timeline_figure(ranks: list[dict], step: int = -1, title: str | None = None,
     return fig if fig is not None else ax.figure
 
 
+COMM_DIMS = ("tp", "tp_parameters", "cp", "pp", "dp", "embedding")
+MOMENTS = ("params", "grads", "optimizer", "activations")
+
+
+def traffic_axes(ranks: list[dict], ax, step: int = -1) -> None:
+    """Bytes each rank sent in one step, stacked by dimension (exact counts: ``workers/composed/train.py: _comm``)."""
+    bottom = [0.0] * len(ranks)
+    for i, dim in enumerate(COMM_DIMS):
+        values = [r["comm"][step][dim]["wire_bytes"] / 1e3 for r in ranks]
+        if any(values):
+            ax.bar(range(len(ranks)), values, bottom=bottom, label=dim, color=plt.get_cmap("tab10")(i))
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(ranks))), ax.set_xlabel("rank"), ax.set_ylabel("kB sent in one step")
+    ax.set_title("traffic per rank, by dimension", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+
+
+def memory_axes(ranks: list[dict], ax, step: int = -1) -> None:
+    """Each rank's parameters, gradients, optimizer state and peak saved activations (bytes it holds)."""
+    bottom = [0.0] * len(ranks)
+    for i, moment in enumerate(MOMENTS):
+        values = [r["memory"][step][moment] / 1e3 for r in ranks]
+        ax.bar(range(len(ranks)), values, bottom=bottom, label=moment, color=plt.get_cmap("Set2")(i))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(ranks))), ax.set_xlabel("rank"), ax.set_ylabel("kB held")
+    ax.set_title("memory per rank at the four moments (float64)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+
+
 def draw_run(res, params: dict):
-    """The widget's picture: the verdict against one process above every rank's timeline of the last step."""
+    """The widget's picture: the verdict against one process; the mesh (who holds what); every rank's timeline of the
+    last step; the bytes each rank sent per dimension and the memory it holds."""
     verdict = verdict_of(res.ranks)
     mark = "EQUAL" if verdict["ok"] else "DIFFERENT"
-    title = "\n".join(textwrap.wrap(f"{mark}: {verdict['message']}", 110))
-    return timeline_figure(res.ranks, title=title)
+    layout = Layout(**res.ranks[0]["layout"])
+    n = len(res.ranks)
+    fig = plt.figure(figsize=(11, 1.5 * layout.dp * layout.pp + 0.4 * n + 5.5))
+    grid = fig.add_gridspec(3, 2, height_ratios=[1.5 * layout.dp * layout.pp + 0.6, 0.38 * n + 1.0, 2.6])
+    mesh_figure(layout, ax=fig.add_subplot(grid[0, :]))
+    timeline_figure(res.ranks, ax=fig.add_subplot(grid[1, :]),
+                    title="\n".join(textwrap.wrap(f"{mark}: {verdict['message']}", 120)))
+    traffic_axes(res.ranks, fig.add_subplot(grid[2, 0]))
+    memory_axes(res.ranks, fig.add_subplot(grid[2, 1]))
+    fig.tight_layout()
+    return fig
 
 
 class LayoutRun(LiveRun):
@@ -347,6 +389,7 @@ class LayoutRun(LiveRun):
     starts, and its one sentence shows in the widget's status line."""
 
     def __init__(self, controls: dict, *, params: dict | None = None, timeout: float = 120, **kw):
+        kw.setdefault("progress_total", lambda p: p.get("steps", STEPS))  # one metric per step from rank 0
         super().__init__(WORKER, controls, draw_run, params=params, timeout=timeout, **kw)
 
     def settings(self) -> dict:

@@ -217,5 +217,14 @@ def test_the_ranks_report_holding_what_the_layout_predicts():
     assert [r["head"] for r in reported] == [None, None, "head.weight", "head.weight"]
     assert all(set(r["coords"]) == set(DIMS) for r in reported)
     fig = ch15.draw_run(res, {})
-    assert fig.axes[0].get_title().startswith("EQUAL: layout 1x2x2x1 equals one process")
+    mesh, timeline, traffic, memory = fig.axes  # the widget's four panels
+    assert len(mesh.patches) >= 4 and timeline.get_title().startswith("EQUAL: layout 1x2x2x1 equals one process")
+    # the traffic bars stack, per rank, exactly the bytes the rank counted; the memory bars what it holds
+    for i, r in enumerate(res.ranks):
+        sent = sum(c["wire_bytes"] for c in r["comm"][-1].values()) / 1e3
+        held = sum(r["memory"][-1].values()) / 1e3
+        assert sum(p.get_height() for p in traffic.patches if round(p.get_x() + p.get_width() / 2) == i) \
+            == pytest.approx(sent)
+        assert sum(p.get_height() for p in memory.patches if round(p.get_x() + p.get_width() / 2) == i) \
+            == pytest.approx(held)
     plt.close(fig)

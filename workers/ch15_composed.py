@@ -78,8 +78,7 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
         steps_out = []
         for step in range(steps):
             out = trainer.step(step, forward_ms / 1e3, backward_ms / 1e3, timed)
-            if out["loss"] is not None:
-                ctx.metric(step, loss=out["loss"])
+            ctx.metric(step, **({"loss": out["loss"]} if out["loss"] is not None else {}))  # every rank: progress
             if not report:
                 out["grads"] = None
             steps_out.append(out)
