@@ -11,6 +11,7 @@ then summed, as DDP does) over seeds 0-2 at world 2 and 4: at most 3.8e-5 (nativ
 import pytest
 
 import course_utils as cu
+from course_utils.ledger import model_state_bytes
 from course_utils.results import InvalidParameter
 from tests.test_zero1 import ADAM_TOL
 
@@ -27,9 +28,16 @@ def test_zero2_equals_one_process_and_shards_gradients_and_state(world):
         assert r["equal_to_rank0"]  # the all-gather hands every rank the same bytes
         padded = sum(s * world for s in r["shard_size"])
         assert sum(r["bucket_numel"]) == r["n_params"] and padded - r["n_params"] < world * r["buckets"]
-        # kept after the step: 1/n of the gradient and 1/n of AdamW's two moments (fp32), padding included
+        # kept after the step: 1/n of the gradient and 1/n of AdamW's two moments (fp32), padding included; the
+        # ledger's stage 2 (ZeRO paper, sec 5.2) exactly, plus this rank's share of the padding
         assert r["grad_shard_bytes"] == 4 * padded // world
         assert r["state_bytes"] == 2 * 4 * padded // world
+        ledger = model_state_bytes(r["n_params"], dp=world, zero_stage=2, weight_bytes=4, grad_bytes=4,
+                                   optimizer_bytes_per_param=8)
+        pad = (padded - r["n_params"]) / world
+        assert r["grad_shard_bytes"] == pytest.approx(ledger.grads + 4 * pad)
+        assert r["state_bytes"] == pytest.approx(ledger.optimizer + 8 * pad)
+        assert r["param_bytes"] == ledger.params  # parameters stay whole at stage 2
         # one reduce-scatter and one all-gather per bucket per step, (n-1)/n of the padded model each: 2 Psi (n-1)/n
         assert r["calls"] == {"reduce_scatter": r["buckets"] * r["steps"], "all_gather": r["buckets"] * r["steps"]}
         for kind in ("reduce_scatter", "all_gather"):
