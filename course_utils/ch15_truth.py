@@ -86,6 +86,29 @@ def local_param_counts(layout: dict, config: dict, stage: int) -> dict[str, int]
     return out
 
 
+def buckets(layout: dict, config: dict, stage: int) -> tuple[list[str], list[int]]:
+    """(the tied embedding's names on this stage, the elements of each gradient bucket): the trainer keeps the tied
+    copy in a bucket of its own (``train.ComposedTrainer``), then everything else; empty buckets left out."""
+    counts = local_param_counts(layout, config, stage)
+    tied = [n for n in counts if n == "head.weight" or (n == "embed.weight" and layout["pp"] > 1)]
+    sizes = [sum(counts[n] for n in tied), sum(v for n, v in counts.items() if n not in tied)]
+    return tied, [n for n in sizes if n]
+
+
+def state_bytes(layout: dict, config: dict, stage: int) -> dict[str, int]:
+    """Parameters, gradients and AdamW's two moments a rank of ``stage`` (dp_cp index 0) holds, as the code keeps
+    them: whole buffers (ZeRO-1 pads each bucket to a multiple of the dp x cp group) and the moments of the rank's
+    shard (ZeRO-1: the group's first shard of each bucket)."""
+    E, group = ELEMENT[config["dtype"]], layout["dp"] * layout["cp"]
+    _, sizes = buckets(layout, config, stage)
+    if layout["zero"] == 1:
+        held = sum(math.ceil(n / group) * group for n in sizes)
+        owned = sum(min(math.ceil(n / group), n) for n in sizes)
+        return {"params": held * E, "grads": held * E, "optimizer": 2 * owned * E}
+    total = sum(sizes)
+    return {"params": total * E, "grads": total * E, "optimizer": 2 * total * E}
+
+
 def implementation_bytes(layout: dict, config: dict, stage: int) -> dict[str, float]:
     """Bytes a rank of ``stage`` (at dp = cp = tp = 0) sends per step, per dimension, by what the code does."""
     cfg, E = _cfg(config), ELEMENT[config["dtype"]]
@@ -107,15 +130,13 @@ def implementation_bytes(layout: dict, config: dict, stage: int) -> dict[str, fl
     if pp > 1:  # one activation forward (not from the last virtual stage), one gradient back (not from the first)
         rows = msg / tp if sp else msg
         out["pp"] = m * rows * sum((vs != V - 1) + (vs != 0) for vs in held)
-    counts = local_param_counts(layout, config, stage)
     group = layout["dp"] * cp
-    tied = [n for n in counts if n == "head.weight" or (n == "embed.weight" and pp > 1)]
-    buckets = [sum(counts[n] for n in tied), sum(v for n, v in counts.items() if n not in tied)]
+    tied, sizes = buckets(layout, config, stage)
     if group > 1:
         if layout["zero"] == 1:  # reduce-scatter and all-gather of each bucket, padded to a multiple of the group
-            out["dp"] = sum(2 * (group - 1) / group * math.ceil(n / group) * group * E for n in buckets if n)
+            out["dp"] = sum(2 * (group - 1) / group * math.ceil(n / group) * group * E for n in sizes)
         else:
-            out["dp"] = sum(2 * (group - 1) / group * n * E for n in buckets if n)
+            out["dp"] = sum(2 * (group - 1) / group * n * E for n in sizes)
     out["embedding"] = len(tied) * cfg.vocab * cfg.hidden * E  # an all-reduce over 2 ranks sends its message once
     return out
 
@@ -171,16 +192,7 @@ def memory_rows(ranks: list[dict], step: int = 0) -> list[dict]:
                                grad_bytes=E, optimizer_bytes_per_param=2 * E)  # AdamW: two moments
     activations = planner.plan(shape, plan_layout, layout["dp"] * tp * pp * layout["cp"], cluster_name="h100-ib",
                                weight_bytes=E, grad_bytes=E).memory["activations"]
-    counts = local_param_counts(layout, config, rank["stage"])
-    tied = [n for n in counts if n == "head.weight" or (n == "embed.weight" and pp > 1)]
-    buckets = [b for b in (sum(counts[n] for n in tied), sum(v for n, v in counts.items() if n not in tied)) if b]
-    if layout["zero"] == 1:
-        padded = sum(math.ceil(n / group) * group for n in buckets)
-        owned = sum(min(math.ceil(n / group), n) for n in buckets)  # rank 0 of the group owns the first shard
-        exact = {"params": padded * E, "grads": padded * E, "optimizer": 2 * owned * E}
-    else:
-        total = sum(buckets)
-        exact = {"params": total * E, "grads": total * E, "optimizer": 2 * total * E}
+    exact = state_bytes(layout, config, rank["stage"])
     measured = rank["memory"][step]
     rows = []
     for moment, plan in (("params", states.params), ("grads", states.grads), ("optimizer", states.optimizer),

@@ -70,11 +70,7 @@ def check_truth_table(ranks):
     the four moments equals, to the byte, the bookkeeping of what the code does; and the planner differs from it
     by exactly the stated reasons (a planner formula that drifted would fail here)."""
     layout = ranks[0]["layout"]
-    for r in ranks:  # every stage's rank at dp = cp = tp = 0, every step
-        if r["coords"]["dp"] == r["coords"]["cp"] == r["coords"]["tp"] == 0:
-            exact = truth.implementation_bytes(layout, r["config"], r["stage"])
-            for step in range(3):
-                assert {d: c["wire_bytes"] for d, c in r["comm"][step].items()} == pytest.approx(exact, abs=1e-6)
+    assert truth.exact_everywhere(ranks)  # every stage's rank at dp = cp = tp = 0, every step, every dimension
     comm = {row["dimension"]: row for row in truth.comm_rows(ranks)}
     tp, cp = layout["tp"], layout["cp"]
     if tp > 1:  # no sequence parallelism: exactly the planner's 4 all-reduces per layer and micro-batch

@@ -8,15 +8,15 @@ fractions of them, strings, and booleans of float64 verdicts whose margin is the
 from fractions import Fraction
 
 import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+
+from course_utils import ch15
+from workers.composed.layout import Layout
+from workers.composed.train import DRILLS
+from workers.parallel.grid import DIMS
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-
-from course_utils import ch15  # noqa: E402
-from workers.composed.layout import Layout  # noqa: E402
-from workers.composed.train import DRILLS  # noqa: E402
-from workers.parallel.grid import DIMS  # noqa: E402
 
 
 def test_the_issue_layouts_and_the_drill_cases_fit_the_model_and_show():

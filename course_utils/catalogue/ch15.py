@@ -81,20 +81,10 @@ DIMENSIONS = ("tp", "cp", "pp", "dp")
 
 
 def _state_bytes(layout: dict, stage: int) -> int:
-    """Parameters, gradients and AdamW's two moments on a rank of ``stage`` (ZeRO-1: moments sharded, buffers
-    padded to a multiple of the dp x cp group, one bucket for the tied embedding and one for the rest)."""
-    import math
+    """Parameters, gradients and AdamW's two moments on a rank of ``stage``, in bytes (``ch15_truth.state_bytes``)."""
+    from course_utils.ch15_truth import state_bytes
 
-    from course_utils.ch15_truth import local_param_counts
-
-    counts = local_param_counts(layout, CONFIG, stage)
-    group = layout["dp"] * layout["cp"]
-    tied = [n for n in counts if n == "head.weight" or (n == "embed.weight" and layout["pp"] > 1)]
-    buckets = [b for b in (sum(counts[n] for n in tied), sum(v for n, v in counts.items() if n not in tied)) if b]
-    if layout["zero"] == 1:
-        held = sum(math.ceil(n / group) * group for n in buckets)
-        return 8 * (2 * held + 2 * sum(min(math.ceil(n / group), n) for n in buckets))
-    return 8 * 4 * sum(buckets)
+    return sum(state_bytes(layout, CONFIG, stage).values())
 
 
 def check_layout_and_traffic(answer) -> tuple[str, str]:
@@ -120,8 +110,8 @@ def check_layout_and_traffic(answer) -> tuple[str, str]:
                   ffn=4 * CONFIG["hidden"], seq=CONFIG["seq"], global_batch=CONFIG["global_batch"])
     if why:
         return FAIL, f"layout {layout.name} is refused before launch: {why}"
-    full = {**layout.as_dict()}
-    over = [(s, _state_bytes(full, s)) for s in range(layout.pp) if _state_bytes(full, s) > BUDGET]
+    held = [(s, _state_bytes(layout.as_dict(), s)) for s in range(layout.pp)]
+    over = [(s, b) for s, b in held if b > BUDGET]
     if over:
         stage, held = over[0]
         return FAIL, (f"layout {layout.name} (zero={layout.zero}) does not fit: a rank of stage {stage} holds {held:,} "

@@ -25,7 +25,6 @@ offending degree, so that a learner's choice is refused before a process group e
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from workers.context_parallel.split import SPLITS, num_chunks
@@ -183,10 +182,6 @@ class Mesh:
             pipeline = self.grid.group("pp", self.rank)
             return [pipeline[0], pipeline[-1]] if self.layout.pp > 1 and self.rank in (pipeline[0], pipeline[-1]) else []
         return self.grid.group(("dp", "cp") if name == "dp_cp" else name, self.rank)
-
-    def size(self, name: str) -> int:
-        dims = ("dp", "cp") if name == "dp_cp" else (name,)
-        return math.prod(getattr(self.layout, d) for d in dims)
 
     def destroy(self) -> None:
         import torch.distributed as dist

@@ -84,12 +84,13 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def record(named: dict, what: str) -> dict:
-    """``{name: {"dim", "index", "value"}}`` of these parameters' values or gradients (``plan.assemble``'s input)."""
+def record(named: dict, what: str, values: dict | None = None) -> dict:
+    """``{name: {"dim", "index", "value"}}`` of these parameters' values or gradients (``plan.assemble``'s input);
+    ``values`` (by parameter id) replaces what the parameters hold (ZeRO-1's gathered gradient)."""
     out = {}
     for name, p in named.items():
         dim, index = split_of(p)
-        value = p.grad if what == "grad" else p.data
+        value = values[id(p)] if values is not None else (p.grad if what == "grad" else p.data)
         out[name] = {"dim": dim, "index": index if index is not None else torch.empty(0, dtype=torch.long),
                      "value": (value if value is not None else torch.zeros_like(p)).detach().cpu().clone()}
     return out
@@ -288,14 +289,7 @@ class ComposedTrainer:
             host_staged("all_gather", all_gather_single, whole, shard.contiguous(), opt.group)  # the report only
             for p, off in zip(flat.params, flat.offsets):
                 full[id(p)] = whole[off:off + p.numel()].view_as(p)
-        if not self.reporter:
-            return None
-        out = {}
-        for name, p in self.named.items():
-            dim, index = split_of(p)
-            out[name] = {"dim": dim, "index": index if index is not None else torch.empty(0, dtype=torch.long),
-                         "value": full[id(p)].detach().cpu().clone()}
-        return out
+        return record(self.named, "grad", full) if self.reporter else None
 
     def close(self) -> None:
         self.mesh.destroy()
