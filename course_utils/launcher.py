@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 from course_utils.jobs import RankJob
-from course_utils.results import CourseError, InvalidParameter, JobCancelled, RunResult
+from course_utils.results import CourseError, InvalidParameter, JobCancelled, RunResult, WorkerFailed
 from course_utils.validate import check_params, max_world_size, takes_param
 from workers.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S
 
@@ -246,8 +246,22 @@ def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT
 
 
 def run(worker: str, world_size: int = 2, **kwargs: Any) -> RunResult:
-    """Run ``worker`` on ``world_size`` ranks and return every rank's results (see ``launch`` for options)."""
-    return launch(worker, world_size, **kwargs).wait()
+    """Run ``worker`` on ``world_size`` ranks and return every rank's results (see ``launch`` for options).
+
+    A run whose ranks lost a connection while torch made their process groups (and nothing else went wrong:
+    ``WorkerFailed.lost_connection_making_groups``) is repeated once on fresh ranks, as torchrun's
+    ``--max-restarts=1`` would; the result's ``retried`` and ``describe()`` say so. Any other failure, or the same
+    one twice, is raised."""
+    try:
+        return launch(worker, world_size, **kwargs).wait()
+    except WorkerFailed as exc:
+        if not exc.lost_connection_making_groups:
+            raise
+        why = f"rank {exc.rank} lost a connection while making process groups ({exc.error_type}: " \
+              f"{str(exc.errors[exc.rank]['message']).splitlines()[0][:120]})"
+    result = launch(worker, world_size, **kwargs).wait()  # the failed job closed its ranks: these are new
+    result.retried = why
+    return result
 
 
 def shutdown_pools() -> None:

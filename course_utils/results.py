@@ -31,6 +31,16 @@ class WorkerFailed(CourseError, RuntimeError):
             text += f"\n\n--- traceback from rank {rank} ---\n{rank_traceback.rstrip()}"
         super().__init__(text)
 
+    @property
+    def lost_connection_making_groups(self) -> bool:
+        """Every rank that raised lost a TCP connection (gloo's or the store's) while torch was making a process
+        group, and none died: the machine's sockets failed, not the worker's code. Gloo does this rarely on a loaded
+        machine (pytorch/pytorch#11364: "Broken pipe" from ``new_group``); ``run`` retries such a run once."""
+        if self.startup or not self.errors or isinstance(self, JobTimeout) or "died without" in self.summary:
+            return False
+        return all(err.get("type") == "DistNetworkError" and "_new_process_group_helper" in err.get("traceback", "")
+                   for err in self.errors.values())
+
 
 class JobTimeout(WorkerFailed, TimeoutError):
     """The job ran past its timeout; ``stuck`` maps rank -> where that rank was waiting."""
@@ -71,6 +81,7 @@ class RunResult:
     launch: str  # "cold" (new ranks were started for it) or "warm" (ranks reused; the run itself is new)
     startup_seconds: float = 0.0  # only for cold runs: torchrun start, imports, rendezvous
     rank_seconds: list[float] = field(default_factory=list)
+    retried: str = ""  # why the run was repeated once on fresh ranks (WorkerFailed.lost_connection_making_groups)
 
     def __getitem__(self, rank: int) -> dict:
         return self.ranks[rank]
@@ -91,7 +102,8 @@ class RunResult:
         how = (f"cold start ({self.startup_seconds:.1f} s to start ranks)" if self.launch == "cold"
                else "warm ranks (reused processes; the run itself is new)")
         return (f"{self.worker}: world {self.world_size}, {self.backend} on {', '.join(sorted(set(self.devices)))}; "
-                f"ran in {self.seconds * 1e3:.0f} ms; {how}")
+                f"ran in {self.seconds * 1e3:.0f} ms; {how}"
+                + (f"; repeated once on fresh ranks after {self.retried}" if self.retried else ""))
 
     def __repr__(self) -> str:
         return f"<RunResult {self.describe()}>"

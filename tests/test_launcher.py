@@ -75,6 +75,33 @@ def test_crash_ends_job_promptly_with_the_rank_traceback():
     assert "drills.py" in err.rank_traceback  # the rank's own traceback, not the notebook's
 
 
+def test_a_connection_lost_while_making_groups_is_retried_once_on_fresh_ranks(tmp_path):
+    """Gloo's rare "Broken pipe" from new_group (a CI run met it) is the machine's, not the worker's: one rerun."""
+    attempts = tmp_path / "attempts"
+    res = cu.run("tests.rank_helpers.group_fault", world_size=2, attempts=str(attempts), faults=1, timeout=120)
+    assert res.gather("sum") == [2.0, 2.0] and res.gather("run") == [2, 2]
+    assert res.launch == "cold"  # the failed job's ranks were closed: the rerun started new ones
+    assert "rank 0 lost a connection while making process groups (DistNetworkError: Broken pipe)" in res.retried
+    assert "repeated once on fresh ranks" in res.describe()
+
+
+def test_the_same_connection_loss_twice_is_raised(tmp_path):
+    attempts = tmp_path / "attempts"
+    with pytest.raises(cu.WorkerFailed) as info:
+        cu.run("tests.rank_helpers.group_fault", world_size=2, attempts=str(attempts), faults=2, timeout=120)
+    assert info.value.error_type == "DistNetworkError" and "_new_process_group_helper" in info.value.rank_traceback
+    assert attempts.read_text().count("run") == 2  # tried, retried, then raised: never a third time
+
+
+def test_an_error_of_the_workers_own_while_making_groups_is_not_retried(tmp_path):
+    attempts = tmp_path / "attempts"
+    with pytest.raises(cu.WorkerFailed) as info:
+        cu.run("tests.rank_helpers.group_fault", world_size=2, attempts=str(attempts), faults=1, error="ValueError",
+               timeout=120)
+    assert info.value.error_type == "ValueError"
+    assert attempts.read_text().count("run") == 1
+
+
 def test_rank_that_dies_without_traceback_is_named():
     with pytest.raises(cu.WorkerFailed) as info:
         cu.run("workers.drills", world_size=2, mode="die", bad_rank=0, timeout=60)
