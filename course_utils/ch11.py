@@ -441,3 +441,87 @@ def emulated_gemm_errors(m: int = 512, k: int = 1024, n: int = 512, outlier_scal
         bq = fake_quantize(b.t().contiguous(), "e4m3", gran).t()
         out[f"e4m3 per {gran}"] = relative_error(ref, aq @ bq)
     return out
+
+
+# -- 4. ZeRO-2 and ZeRO-3 by hand, and FSDP2 ------------------------------------------------------------------
+
+ZERO3_SETTINGS = ((False, True), (True, True), (False, False), (True, False))  # (prefetch, reshard_after_forward)
+
+
+def zero3_setting(prefetch: bool, reshard: bool) -> str:
+    return f"prefetch {'on' if prefetch else 'off'}, reshard_after_forward {'on' if reshard else 'off'}"
+
+
+def zero3_expected_peak(r: dict, prefetch: bool, reshard: bool) -> int:
+    """Whole-parameter bytes at the peak, from the units alone: the root and one block whole at a time (two with
+    prefetch), or every unit when nothing is freed after forward."""
+    size = {u["name"]: u["bytes"] for u in r["units"]}
+    root, blocks = size.pop("root"), sorted(size.values())
+    if not reshard:
+        return root + sum(blocks)
+    return root + sum(blocks[-(2 if prefetch and len(blocks) > 1 else 1):])
+
+
+def zero3_rows(runs: dict) -> list[list[str]]:
+    """``runs``: {(prefetch, reshard): rank 0's result of workers.ch11_zero3}. Peak whole parameters against the
+    units' sizes, and one step's traffic against 3 Psi (n-1)/n (2 Psi without resharding), Psi the padded model."""
+    rows = []
+    for (prefetch, reshard), r in runs.items():
+        n, steps = r["world_size"], r["steps"]
+        sent = (r["comm_bytes"]["all_gather"] + r["comm_bytes"]["reduce_scatter"]) / steps
+        times = 3 if reshard else 2
+        formula = times * (n - 1) / n * r["padded_bytes"]
+        peak, expected = r["peak_params"], zero3_expected_peak(r, prefetch, reshard)
+        rows.append([zero3_setting(prefetch, reshard), f"{peak:,}", f"{expected:,}",
+                     f"{r['calls']['all_gather'] // steps} + {r['calls']['reduce_scatter'] // steps}",
+                     f"{sent:,.0f}", f"{times}Ψ(n-1)/n = {formula:,.0f}",
+                     "equal" if peak == expected and sent == formula else "DIFFERENT"])
+    return rows
+
+
+def zero3_timeline_figure(runs: dict, unit: float = 1024, axes=None):
+    """Whole parameters (and whole gradients in ``.grad``) on rank 0 after every hook of one step, one panel per
+    setting; the x axis counts the events in order (their times on a shared CPU are noise)."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False)
+        axes = axes[0]
+    for ax, ((prefetch, reshard), r) in zip(axes, runs.items()):
+        events = r["timeline"]
+        xs = range(len(events))
+        ax.step(xs, [e["params"] / unit for e in events], where="post", color=STATE_COLOURS["params"],
+                label="whole parameters")
+        ax.step(xs, [e["grads"] / unit for e in events], where="post", color=STATE_COLOURS["grads"],
+                label="whole gradients (.grad)")
+        for i, e in enumerate(events):
+            if e["kind"] in ("gather", "prefetch"):
+                ax.annotate(e["unit"].replace("unit", "b"), (i, e["params"] / unit), fontsize=6, ha="center",
+                            va="bottom", color="#333333")
+        backward = next((i for i, e in enumerate(events) if e["kind"] == "grad"), None)
+        if backward is not None:
+            ax.axvline(backward - 0.5, color="grey", lw=0.8, ls=":")
+        ax.axhline(r["padded_bytes"] / unit, color="black", lw=0.8, ls="--", label="the whole model")
+        ax.set_title(zero3_setting(prefetch, reshard), fontsize=9)
+        ax.set_xlabel("hook events in order (forward | backward)")
+    axes[0].set_ylabel("KiB on rank 0" if unit == 1024 else f"bytes / {unit:g}")
+    axes[0].legend(fontsize=7, loc="upper left")
+    return axes
+
+
+def fsdp2_rows(r: dict) -> list[list[str]]:
+    """One step's collectives, by hand and by FSDP2, side by side: (kind, bytes in -> bytes out), in order; the
+    hand version's extra call (the root's second all-gather) is marked."""
+    hand, native = list(r["hand_calls"]), list(r["fsdp2_calls"])
+    rows, j = [], 0
+    for call in hand:
+        theirs = native[j] if j < len(native) else None
+        if theirs is not None and tuple(theirs) == tuple(call):
+            rows.append([call[0], f"{call[1]:,} -> {call[2]:,}", f"{theirs[1]:,} -> {theirs[2]:,}", "same"])
+            j += 1
+        else:
+            rows.append([call[0], f"{call[1]:,} -> {call[2]:,}", "(none)", "FSDP2 keeps its root whole"
+                         if call == hand[0] else "differs"])
+    for theirs in native[j:]:
+        rows.append([theirs[0], "(none)", f"{theirs[1]:,} -> {theirs[2]:,}", "differs"])
+    return rows

@@ -233,3 +233,38 @@ def test_live_gpu_branch_runs_ddp_and_zero1_at_world_1_and_2():
     for label in ("DDP, N=1", "ZeRO-1, N=1", "DDP, N=2", "ZeRO-1, N=2"):
         assert label in text
     plt.close("all")
+
+
+def _zero3_result(reshard=True, prefetch=False):
+    """A rank-0 result of workers.ch11_zero3 as the worker shapes it: root 100 bytes, two 400-byte blocks, 2 ranks."""
+    units = [{"name": "root", "bytes": 100}, {"name": "unit0", "bytes": 400}, {"name": "unit1", "bytes": 400}]
+    psi = 900
+    passes = 2 if reshard else 1  # all-gathers of the whole model per step; one reduce-scatter
+    return {"units": units, "world_size": 2, "steps": 1, "padded_bytes": psi,
+            "comm_bytes": {"all_gather": passes * psi / 2, "reduce_scatter": psi / 2},  # (n-1)/n of Psi per pass
+            "calls": {"all_gather": 3 * passes, "reduce_scatter": 3},
+            "peak_params": ch11.zero3_expected_peak({"units": units}, prefetch, reshard),
+            "timeline": [{"kind": "gather", "unit": "root", "params": 100, "grads": 0},
+                         {"kind": "grad", "unit": "unit1", "params": 500, "grads": 40}]}
+
+
+def test_zero3_rows_hold_the_peak_to_the_units_and_the_traffic_to_three_or_two_psi():
+    assert ch11.zero3_expected_peak(_zero3_result(), prefetch=False, reshard=True) == 500
+    assert ch11.zero3_expected_peak(_zero3_result(), prefetch=True, reshard=True) == 900
+    assert ch11.zero3_expected_peak(_zero3_result(), prefetch=False, reshard=False) == 900
+    rows = ch11.zero3_rows({(False, True): _zero3_result(), (False, False): _zero3_result(reshard=False)})
+    assert [row[-1] for row in rows] == ["equal", "equal"]
+    assert rows[0][5] == "3Ψ(n-1)/n = 1,350" and rows[1][5] == "2Ψ(n-1)/n = 900" and rows[0][3] == "6 + 3"
+    wrong = _zero3_result()
+    wrong["peak_params"] += 1  # one byte off: the verdict must say so
+    assert ch11.zero3_rows({(False, True): wrong})[0][-1] == "DIFFERENT"
+    axes = ch11.zero3_timeline_figure({(False, True): _zero3_result()}, unit=1)
+    assert list(axes[0].lines[0].get_ydata()) == [100, 500] and list(axes[0].lines[1].get_ydata()) == [0, 40]
+
+
+def test_fsdp2_rows_pair_the_calls_and_name_the_roots_extra_all_gather():
+    root, block, rs = ["all_gather", 10, 20], ["all_gather", 40, 80], ["reduce_scatter", 80, 40]
+    rows = ch11.fsdp2_rows({"hand_calls": [root, block, root, block, rs], "fsdp2_calls": [root, block, block, rs]})
+    assert [row[-1] for row in rows] == ["same", "same", "FSDP2 keeps its root whole", "same", "same"]
+    rows = ch11.fsdp2_rows({"hand_calls": [root, rs], "fsdp2_calls": [root, ["reduce_scatter", 96, 48]]})
+    assert [row[-1] for row in rows] == ["same", "differs", "differs"]

@@ -317,7 +317,94 @@ def zero1_step(params, state, make_optimizer):
 check("zero1_step", zero1_step)
 
 # %% [markdown]
-# ## 4. FP8
+# ## 4. ZeRO-2 and ZeRO-3 by hand, and PyTorch's FSDP2
+#
+# ZeRO-1 still holds a whole gradient on every rank until the step. **ZeRO-2** (`workers/zero/zero2.py`) does
+# not: it packs the parameters into buckets with DDP's rule (chapter 02), and a post-accumulate-grad hook on every
+# parameter launches an asynchronous **reduce-scatter** of a bucket as soon as its last gradient lands, *during*
+# backward, then drops that bucket's `.grad`. A rank keeps only its 1/N shard of each reduced gradient; the
+# optimizer steps its shards and an all-gather after the step hands every rank the whole updated model. Same
+# bytes on the wire as DDP, 2Ψ(N-1)/N (ZeRO, section 7.2.1).
+
+# %%
+z2 = cu.run("workers.ch11_zero2", 4, timeout=240)
+for rank, r in enumerate(z2.ranks):
+    print(f"rank {rank}: within {TOL_ADAM:g} of one process: {max(r['max_abs_error']) <= TOL_ADAM}; "
+          f"whole gradients in .grad at most {max(r['peak_grad_bytes']):,} bytes of {r['param_bytes']:,}; "
+          f"gradient shard {r['grad_shard_bytes']:,} bytes, AdamW state {r['state_bytes']:,} bytes")
+r = z2[0]
+padded = 4 * sum(s * 4 for s in r["shard_size"])
+print(f"{r['buckets']} buckets; reduce-scatters launched before backward ended, per step: {r['launches_in_backward']}; "
+      f"sent per step {sum(r['comm_bytes'].values()) / r['steps']:,.0f} bytes = 2Ψ(n-1)/n = {2 * 3 / 4 * padded:,.0f}")
+
+# %% [markdown]
+# **ZeRO-3** shards the parameters too (`workers/zero/zero3.py`, FSDP's algorithm: Zhao et al. 2023). The model is
+# cut into *units*, one per block plus a root (the tied embedding and head, positions, final LayerNorm). A unit's
+# parameters live in one flat buffer, padded to N equal shards; a rank keeps its shard and frees the buffer's
+# storage. Just before a unit's forward (a forward-pre hook) the shards are **all-gathered**; after it the buffer
+# is freed again (`reshard_after_forward`); when the gradient of the unit's output arrives (a hook on that
+# tensor) it is gathered once more for backward; when the unit's last gradient lands, its gradients are
+# **reduce-scattered** and the buffer freed. With **prefetch** the next unit's all-gather leaves while this one
+# computes. Every unit is gathered twice and reduced once: 3Ψ(N-1)/N per step, 1.5x DDP (ZeRO, section 7.2.2).
+#
+# **Predict** before running: with 4 blocks on 2 ranks, how many blocks are whole at once at the peak in each
+# setting below, and how many bytes does a rank send per step?
+
+# %%
+z3 = {setting: cu.run("workers.ch11_zero3", 2, layers=4, steps=1, prefetch=setting[0], reshard_after_forward=setting[1],
+                      timeout=240)[0] for setting in ch11.ZERO3_SETTINGS}
+display(Table(["setting", "peak whole params (bytes)", "root + blocks, from the units", "all-gathers + reduce-scatters",
+               "sent per step (bytes)", "ZeRO paper", "verdict"], ch11.zero3_rows(z3),
+              "ZeRO-3 by hand on 2 ranks, 4 blocks: measured on rank 0 vs the units' sizes and the paper's traffic"))
+for setting, r in z3.items():
+    print(f"{ch11.zero3_setting(*setting)}: within {TOL_ADAM:g} of one process: {max(r['max_abs_error']) <= TOL_ADAM}; "
+          f"whole parameters kept between steps: {r['params_after_step']} bytes")
+
+# %% tags=["nbval-ignore-output"]
+axes = ch11.zero3_timeline_figure(z3)
+plots.savefig(axes[0].figure, "11_zero3_timeline");
+
+# %% [markdown]
+# Left to right: FSDP's default holds the root and one block (every gather is matched by a free); prefetch holds
+# two blocks, the price of hiding the next all-gather behind this block's compute; without resharding after
+# forward every unit stays whole from its forward to its backward, which is ZeRO-2's parameter memory in exchange
+# for one all-gather less (2Ψ(N-1)/N). The whole gradients (orange) never add up to the model's: each unit's are
+# reduce-scattered and dropped as soon as they are complete. Between steps a rank holds nothing whole, only its
+# shards: the ledger's stage 3, (2 + 2 + K)Ψ/N, to the byte plus padding (`tests/test_zero3.py`).
+#
+# The same at world 1, 2 and 4, against one process:
+
+# %%
+for w in (1, 2, 4):
+    res = cu.run("workers.ch11_zero3", w, timeout=240)
+    print(f"ZeRO-3, world {w}: within {TOL_ADAM:g} of one process: {max(max(e) for e in res.gather('max_abs_error')) <= TOL_ADAM}; "
+          f"ranks identical: {all(res.gather('equal_to_rank0'))}; bytes kept per rank (params + grads + AdamW): "
+          f"{res[0]['shard_bytes'] + res[0]['grad_shard_bytes'] + res[0]['state_bytes']:,}")
+
+# %% [markdown]
+# ### PyTorch's FSDP2, side by side
+#
+# `torch.distributed.fsdp.fully_shard` on every block, then on the root (torchtitan's `apply_fsdp`), trained on the
+# same model, data and AdamW as the hand-written version (`workers/ch11_fsdp2.py`). Every all-gather and
+# reduce-scatter FSDP2 makes is caught by wrapping the two `torch.distributed` functions it calls.
+
+# %%
+f2 = cu.run("workers.ch11_fsdp2", 4, timeout=240)
+r = f2[0]
+print(f"FSDP2 within {TOL_ADAM:g} of one process: {max(r['fsdp2_error']) <= TOL_ADAM}; of the hand-written stage 3: "
+      f"{max(r['between']) <= TOL_ADAM}; bytes kept on rank 0, FSDP2 {r['fsdp2_kept']} vs by hand {r['hand_kept']}")
+display(Table(["collective", "by hand: bytes in -> out", "FSDP2: bytes in -> out", ""], ch11.fsdp2_rows(r),
+              "one step's collectives on rank 0, in order (4 ranks, fp32)"))
+
+# %% [markdown]
+# The same messages in the same order, but one: FSDP2 keeps its *root* whole from forward to backward by default
+# (its parameters would be gathered again at once), so it sends one all-gather fewer than the paper's 3Ψ. The
+# gradients' mean is rounded differently (FSDP2 sums then divides by N; the hand version pre-scales by 1/N), so the
+# weights agree to rounding, not bit for bit. On a model whose first dimensions do not divide by N, FSDP2 pads
+# every parameter rather than each unit, and its messages grow (`tests/test_fsdp2_vs_zero3.py`).
+
+# %% [markdown]
+# ## 5. FP8
 #
 # FP8 halves bf16 again, for the operands of the matmuls (Micikevicius et al. 2022): **E4M3** (4 exponent bits,
 # 3 mantissa bits) for weights and activations, **E5M2** (more range, less precision) for gradients. Eight bits
@@ -435,5 +522,8 @@ print(f"with a fused attention that keeps its bf16 output for its own backward (
 #   stage; activations on top, untouched by ZeRO.
 # - A hand-written ZeRO-1 (reduce-scatter, step a shard, all-gather) gives the unsharded optimizer's weights at
 #   N = 1, 2, 4 (bitwise when fed the same gradients), and its measured optimizer bytes are the ledger's KΨ/N.
+# - ZeRO-2 reduce-scatters each bucket from inside backward and never holds a whole gradient; ZeRO-3 gathers each
+#   unit before its forward and backward and frees it after: 3Ψ(N-1)/N on the wire, root + one block whole at a
+#   time (two with prefetch, all without resharding), equal to one process and to PyTorch's FSDP2.
 # - FP8 is floating point: one scale per tensor survives moderate outliers, per-tile and per-block scales survive
 #   extreme ones; delayed scaling clips a sudden spike that current scaling absorbs.
