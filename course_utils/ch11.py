@@ -525,3 +525,43 @@ def fsdp2_rows(r: dict) -> list[list[str]]:
     for theirs in native[j:]:
         rows.append([theirs[0], "(none)", f"{theirs[1]:,} -> {theirs[2]:,}", "differs"])
     return rows
+
+
+ZERO_WIRE_PASSES = {0: 2, 1: 2, 2: 2, 3: 3}  # ZeRO sec 7.2: Psi per pass, (n-1)/n of it on the wire per rank
+
+
+def stage_expected(r: dict, step: int, moment: str) -> dict:
+    """What the ledger says a rank of a ``workers/ch11_stages.py`` run holds at ``moment`` of ``step`` (0 = init):
+    ``model_state_bytes`` at this stage, evaluated at the padded parameter count Ψ' the flat buffers really hold
+    (Ψ' = Ψ rounded up so every buffer splits into N equal shards), fp32 weights and gradients, and AdamW's
+    K = 8 bytes once its first step has created the moments."""
+    stepped = step >= 2 or (step == 1 and moment == "step")
+    s = model_state_bytes(r["padded_numel"], dp=r["world_size"], zero_stage=r["stage"], weight_bytes=4,
+                          grad_bytes=4, optimizer_bytes_per_param=8 if stepped else 0)
+    return {"params": s.params, "grads": s.grads, "optimizer": s.optimizer}
+
+
+def stage_wire_bytes(r: dict) -> float:
+    """The ZeRO paper's traffic for one step of this run: 2Ψ'(n-1)/n for stages 0-2, 3Ψ'(n-1)/n for stage 3."""
+    n = r["world_size"]
+    passes = ZERO_WIRE_PASSES[r["stage"]] if r["stage"] < 3 or r["config"]["reshard_after_forward"] else 2
+    return passes * (n - 1) / n * 4 * r["padded_numel"]
+
+
+def stage_rows(runs: dict) -> list[list[str]]:
+    """``runs``: {stage: rank 0's result of workers.ch11_stages}. One row per stage: what a rank holds after the
+    last step's backward (the steady state's fullest moment), against the ledger; and one step's traffic, caught
+    from the dispatched collectives, against the paper."""
+    rows = []
+    for stage, r in runs.items():
+        last = max(m["step"] for m in r["moments"])
+        held = next(m for m in r["moments"] if m["step"] == last and m["moment"] == "backward")
+        want = stage_expected(r, last, "backward")
+        every = all({k: m[k] for k in want} == stage_expected(r, m["step"], m["moment"]) for m in r["moments"])
+        sent = sum(c["wire_bytes"] for c in r["comm"].values())
+        calls = ", ".join(f"{c['calls']} {k}" for k, c in r["comm"].items())
+        rows.append([f"ZeRO-{stage}" if stage else "DDP (stage 0)", f"{held['params']:,}", f"{held['grads']:,}",
+                     f"{held['optimizer']:,}", f"{sum(want.values()):,.0f}", calls, f"{sent:,.0f}",
+                     f"{stage_wire_bytes(r):,.0f}",
+                     "equal" if every and sent == stage_wire_bytes(r) else "DIFFERENT"])
+    return rows

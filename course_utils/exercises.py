@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -169,10 +170,38 @@ def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
     return PASS, f"correct on real ranks at world size {sizes}"
 
 
+ANSWER_LIMIT_S = 30.0
+
+
+class AnswerTooSlow(CourseError):
+    """The learner's own function ran past its limit (``call_answer``), inside a check that itself runs longer."""
+
+
+def call_answer(answer: Callable, *args, limit_s: float = ANSWER_LIMIT_S, **kwargs):
+    """``answer(*args, **kwargs)`` with a limit on the learner's code alone: for a local check that then starts
+    ranks of its own (a cold start of 8 ranks can take longer than any answer should), so the exercise's
+    ``timeout_s`` covers the check and this covers the answer."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = answer(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        raise AnswerTooSlow(f"your function did not finish within {limit_s:g} s: look for a loop that never ends "
+                            "(it keeps running in the background until it does)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def _run_local(ex: Exercise, answer: Callable) -> tuple[str, str]:
     """A notebook-side check in a thread, so an endless loop in an answer cannot freeze the notebook."""
-    import threading
-
     box: dict = {}
 
     def target():
@@ -191,6 +220,8 @@ def _run_local(ex: Exercise, answer: Callable) -> tuple[str, str]:
                       "(the check keeps running in the background until it does)")
     if "error" in box:
         exc = box["error"]
+        if isinstance(exc, AnswerTooSlow):
+            return FAIL, str(exc)
         return FAIL, f"your function raised {type(exc).__name__}: {exc}"
     return box["verdict"]
 

@@ -268,3 +268,15 @@ def test_fsdp2_rows_pair_the_calls_and_name_the_roots_extra_all_gather():
     assert [row[-1] for row in rows] == ["same", "same", "FSDP2 keeps its root whole", "same", "same"]
     rows = ch11.fsdp2_rows({"hand_calls": [root, rs], "fsdp2_calls": [root, ["reduce_scatter", 96, 48]]})
     assert [row[-1] for row in rows] == ["same", "differs", "differs"]
+
+
+def test_stage_rows_hold_every_moment_to_the_ledger_at_the_padded_count():
+    moments = [{"step": 0, "moment": "init", "params": 4 * 10, "grads": 4 * 10, "optimizer": 0},
+               {"step": 1, "moment": "backward", "params": 4 * 10, "grads": 4 * 10, "optimizer": 0},
+               {"step": 1, "moment": "step", "params": 4 * 10, "grads": 4 * 10, "optimizer": 8 * 10 // 2}]
+    r = {"stage": 1, "world_size": 2, "padded_numel": 10, "moments": moments, "config": {},
+         "comm": {"reduce_scatter": {"calls": 1, "wire_bytes": 20.0}, "all_gather": {"calls": 1, "wire_bytes": 20.0}}}
+    row = ch11.stage_rows({1: r})[0]
+    assert row[-1] == "equal" and row[-2] == "40" and row[-3] == "40"  # 2 Psi' (n-1)/n = 2 * 40 / 2
+    r["moments"][2]["optimizer"] += 4  # one fp32 element too many at one moment: the verdict must say so
+    assert ch11.stage_rows({1: r})[0][-1] == "DIFFERENT"

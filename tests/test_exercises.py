@@ -96,3 +96,32 @@ def test_a_local_check_that_never_ends_is_a_verdict_not_a_frozen_notebook():
         assert time.time() - start < 5
     finally:
         del REGISTRY["_test_endless"]
+
+
+def test_a_check_that_starts_ranks_limits_the_answer_alone(monkeypatch):
+    """A local check that launches ranks has a long limit for itself (chapter 15's cold start of 8 ranks), and
+    ``call_answer`` a short one for the learner's function inside it: an endless answer fails fast, with the
+    sentence about loops; a check that is merely slow is not blamed on the answer."""
+    import time
+
+    from course_utils import exercises
+    from course_utils.exercises import Exercise, REGISTRY, call_answer
+
+    monkeypatch.setattr(exercises, "ANSWER_LIMIT_S", 1.0)
+
+    def slow_check(answer):
+        value = call_answer(answer, limit_s=exercises.ANSWER_LIMIT_S)
+        time.sleep(2)  # the check's own work (the ranks), longer than the answer's limit
+        return PASS, f"ok {value}"
+
+    REGISTRY["_test_slow_check"] = Exercise("_test_slow_check", "99", "f", "slow check", local=slow_check, timeout_s=30)
+    try:
+        assert check("_test_slow_check", lambda: 7).message == "ok 7"
+        start = time.time()
+        verdict = check("_test_slow_check", lambda: time.sleep(30))
+        assert verdict.status == FAIL and verdict.message.startswith("your function did not finish within 1 s")
+        assert time.time() - start < 5
+        verdict = check("_test_slow_check", lambda: 1 / 0)
+        assert verdict.status == FAIL and "ZeroDivisionError" in verdict.message
+    finally:
+        del REGISTRY["_test_slow_check"]

@@ -1,7 +1,7 @@
 """Chapter 15's graded exercises: the mesh's groups by hand (checked here against the rank grid); the
 token-normalised loss across micro-batches, data and context parallelism (trained for real on 4 ranks); and a
 layout chosen for a memory budget with its traffic predicted, then run on 8 ranks and measured."""
-from course_utils.exercises import FAIL, PASS, Exercise, register
+from course_utils.exercises import FAIL, PASS, Exercise, call_answer, register
 
 CHECKER = "workers.exercises.ch15"
 SHAPES = ((2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 2), (4, 1, 1, 2), (1, 4, 1, 2), (2, 2, 2, 1), (1, 1, 1, 8))
@@ -96,7 +96,7 @@ def check_layout_and_traffic(answer) -> tuple[str, str]:
     from workers.composed.layout import Layout, problem
 
     try:
-        layout_in, predicted = answer()
+        layout_in, predicted = call_answer(answer)
         options = {k: layout_in[k] for k in ("dp", "tp", "pp", "cp")}
         options.update(zero=int(layout_in.get("zero", 0)), micro_batches=int(layout_in.get("micro_batches", 1)),
                        sequence_parallel=bool(layout_in.get("sequence_parallel", False)))
@@ -144,6 +144,8 @@ register(Exercise("mesh_groups", "15", "mesh_groups",
 register(Exercise("micro_batch_loss", "15", "micro_batch_loss",
                   "The token-normalised loss across micro-batches, data and context parallelism",
                   worker=CHECKER, world_sizes=(4,)))
+# The check starts 8 ranks (a cold start takes 15-40 s on two loaded cores) and runs a step with its own timeout:
+# the exercise's limit covers that; the learner's function alone gets call_answer's 30 s.
 register(Exercise("layout_and_traffic", "15", "layout_and_traffic",
                   "Pick a layout that fits the memory budget, predict its traffic, and run it",
-                  local=check_layout_and_traffic))
+                  local=check_layout_and_traffic, timeout_s=660.0))

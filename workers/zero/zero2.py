@@ -11,9 +11,9 @@ machinery of chapter 02's overlapped DDP (``workers/data_parallel/overlap.py``):
    bucket is flattened (pre-scaled by 1/N, so the SUM is the mean) and an asynchronous **reduce-scatter** is
    launched, and the parameters' ``.grad`` are dropped at once: from then on this rank holds only its shard of
    that bucket's gradient (what is left in flight is the flattened copy, until the collective completes);
-3. ``step()`` waits for every bucket, hands the wrapped optimizer this rank's shards (its fp32 copy of the
-   parameters' shard and the gradient's), steps them, and **all-gathers** every bucket's updated shards back
-   into the model's parameters.
+3. ``step()`` waits for every bucket, hands the wrapped optimizer this rank's shards (the parameters' shard, a
+   view of the bucket's flat buffer that the model's parameters are views of too, as in ZeRO-1, and the
+   gradient's), steps them in place, and **all-gathers** every bucket's updated shards into the flat buffers.
 
 Communication: a reduce-scatter and an all-gather of the model per step, (N-1)/N of it each, 2 Psi (N-1)/N in
 all: the bytes of one all-reduce, as for DDP and ZeRO-1 (section 7.2.1). Memory: parameters whole (K = 2 of the
@@ -71,11 +71,19 @@ class Zero2Optimizer:
         n, r = self.world_size, self.rank
         self.numel = [sum(unique[i].numel() for i in b) for b in self.buckets]
         self.shard_size = [math.ceil(m / n) for m in self.numel]
-        self.masters, self.shard_grads = [], []
-        for b, S in zip(self.buckets, self.shard_size):
-            flat = self._flat([unique[i].detach() for i in b], S * n)  # [S n]
-            self.masters.append(torch.nn.Parameter(flat[r * S:(r + 1) * S].clone()))  # my shard, stepped in place
-            self.shard_grads.append(torch.zeros(S, dtype=flat.dtype, device=flat.device))
+        self.flat_params, self.masters, self.shard_grads = [], [], []
+        with torch.no_grad():
+            for b, S in zip(self.buckets, self.shard_size):
+                flat = self._flat([unique[i].detach() for i in b], S * n)  # [S n]
+                offset = 0
+                for i in b:  # the model's parameters become views of the bucket's flat buffer, as in ZeRO-1
+                    p = unique[i]
+                    p.data = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                self.flat_params.append(flat)
+                # my shard, stepped in place: a view of the flat buffer, so no second copy of the weights
+                self.masters.append(torch.nn.Parameter(flat[r * S:(r + 1) * S]))
+                self.shard_grads.append(torch.zeros(S, dtype=flat.dtype, device=flat.device))
         self.optimizer = optimizer_class(self.masters, **defaults)
         self.events: list[dict] = []
         self.comm = {"reduce_scatter": [], "all_gather": []}  # (bytes handed in, group size) per call, per step
@@ -181,15 +189,9 @@ class Zero2Optimizer:
             master.grad = grad
         self.optimizer.step()
         n = self.world_size
-        for k, b in enumerate(self.buckets):  # every rank gets every updated shard back
-            full = torch.empty(self.shard_size[k] * n, dtype=self.masters[k].dtype, device=self.masters[k].device)
-            host_staged("all_gather", all_gather_single, full, self.masters[k].detach(), self.group)
+        for k, flat in enumerate(self.flat_params):  # every rank gets every updated shard back, in place
+            host_staged("all_gather", all_gather_single, flat, self.masters[k].detach(), self.group)
             self.comm["all_gather"].append((self.masters[k].nbytes, n))
-            offset = 0
-            for i in b:
-                p = self.params[i]
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
         for master in self.masters:
             master.grad = None
         self._reset()
