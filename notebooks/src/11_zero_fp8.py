@@ -404,6 +404,28 @@ display(Table(["collective", "by hand: bytes in -> out", "FSDP2: bytes in -> out
 # every parameter rather than each unit, and its messages grow (`tests/test_fsdp2_vs_zero3.py`).
 
 # %% [markdown]
+# ### All four stages, measured against the ledger and the paper
+#
+# `workers/ch11_stages.py` trains the same model with each stage by hand (stage 0: a full AdamW on every rank
+# after one all-reduce) and, at init and after every forward, backward and step, adds up the bytes of the tensors
+# each rank holds. Every collective of the last step is caught where torch dispatches it
+# (`workers/zero/recorder.py`, a `TorchDispatchMode`): the stages do not report their own traffic. The ledger is
+# `model_state_bytes` at the padded count Ψ' the flat buffers hold (each rounded up to N equal shards).
+
+# %%
+stages = {stage: cu.run("workers.ch11_stages", 4, stage=stage, timeout=240)[0] for stage in range(4)}
+display(Table(["stage", "params", "grads", "AdamW", "ledger total", "collectives per step", "sent (bytes)",
+               "ZeRO paper", "verdict (every moment)"], ch11.stage_rows(stages),
+              f"bytes on rank 0 of 4 after backward, fp32, Ψ = {stages[0]['n_params']:,}, "
+              f"Ψ' = {stages[3]['padded_numel']:,}"))
+
+# %% [markdown]
+# Read down the columns: stage 1 shards AdamW's moments, stage 2 the gradients too, stage 3 the parameters too;
+# stages 0-2 send the bytes of one all-reduce, stage 3 half as much again. (A stage-2 or stage-3 rank also holds
+# its gradient buckets while their reduce-scatters are in flight, freed when they complete; the worker reports
+# them apart, as `in_flight`, because when that happens is the machine's business, not the ledger's.)
+
+# %% [markdown]
 # ## 5. FP8
 #
 # FP8 halves bf16 again, for the operands of the matmuls (Micikevicius et al. 2022): **E4M3** (4 exponent bits,
