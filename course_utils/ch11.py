@@ -565,3 +565,56 @@ def stage_rows(runs: dict) -> list[list[str]]:
                      f"{stage_wire_bytes(r):,.0f}",
                      "equal" if every and sent == stage_wire_bytes(r) else "DIFFERENT"])
     return rows
+
+
+def stages_live_draw(res, params: dict):
+    """The chapter's explorer: for the stage, world size and switches chosen, every rank's bytes at the moments of
+    the run (stacked by state; stage 3 adds the last step's hook timeline of whole parameters) and the messages of
+    one step against the ZeRO paper's total."""
+    import matplotlib.pyplot as plt
+
+    ranks = res.ranks
+    r0 = ranks[0]
+    stage = r0["stage"]
+    panels = 3 if stage == 3 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6))
+    ax = axes[0]
+    labels = ["init" if m["step"] == 0 else f"{m['moment'][0]}{m['step']}" for m in r0["moments"]]
+    width = 0.8 / len(ranks)
+    for k, r in enumerate(ranks):
+        bottom = [0.0] * len(labels)
+        for state in ("params", "grads", "optimizer"):
+            ys = [m[state] / 1024 for m in r["moments"]]
+            xs = [i + (k - (len(ranks) - 1) / 2) * width for i in range(len(labels))]
+            ax.bar(xs, ys, width, bottom=bottom, color=STATE_COLOURS[state], edgecolor="white", lw=0.3,
+                   label=state if k == 0 else None)
+            bottom = [b + y for b, y in zip(bottom, ys)]
+    want = [sum(stage_expected(r0, m["step"], m["moment"]).values()) / 1024 for m in r0["moments"]]
+    ax.step(range(len(labels)), want, where="mid", color="black", lw=1, label="ledger (per rank)")
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("KiB held, each rank (bars side by side)")
+    ax.set_title(f"ZeRO-{stage} on {len(ranks)} rank(s): i = init, f/b/s = after forward/backward/step", fontsize=9)
+    ax.legend(fontsize=7)
+    if stage == 3:
+        ax = axes[1]
+        for k, r in enumerate(ranks):
+            ax.step(range(len(r["timeline"])), [e["params"] / 1024 for e in r["timeline"]], where="post",
+                    label=f"rank {k}", alpha=0.8)
+        ax.set_xlabel("hook events of the last step, in order")
+        ax.set_ylabel("KiB of whole parameters")
+        cfg = r0["config"]
+        ax.set_title(zero3_setting(cfg["prefetch"], cfg["reshard_after_forward"]), fontsize=9)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    kinds = list(r0["comm"])
+    ax.bar(kinds, [r0["comm"][k]["wire_bytes"] / 1024 for k in kinds], color="#8172B3")
+    for i, k in enumerate(kinds):
+        ax.annotate(f"{r0['comm'][k]['calls']} call(s)", (i, r0["comm"][k]["wire_bytes"] / 1024), ha="center",
+                    va="bottom", fontsize=8)
+    paper = stage_wire_bytes(r0) / 1024
+    ax.axhline(paper, color="black", lw=1, ls="--", label=f"paper, all kinds: {paper:,.1f} KiB")
+    ax.set_ylabel("KiB sent by rank 0 in one step (ring)")
+    ax.set_title(f"sent: {sum(c['wire_bytes'] for c in r0['comm'].values()) / 1024:,.1f} KiB", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -41,3 +41,57 @@ def zero1_step(params, state, make_optimizer):
         for p in params:
             p.copy_(updated[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+
+
+def zero2_grad_hooks(params, grad_shard):
+    """ZeRO-2's gradient hook: when the last parameter's gradient lands in backward, flatten all of them (padded to
+    n equal shards), reduce-scatter the mean into grad_shard and drop every whole .grad."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    pending = {"left": len(params)}
+
+    def ready(_p):
+        pending["left"] -= 1
+        if pending["left"]:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = torch.cat([flat, flat.new_zeros(n * grad_shard.numel() - flat.numel())]) / n  # [n S], pre-scaled
+        dist.reduce_scatter_tensor(grad_shard, flat)  # the SUM of pre-scaled gradients: the mean
+        for p in params:
+            p.grad = None  # only the shard is kept
+
+    return [p.register_post_accumulate_grad_hook(ready) for p in params]
+
+
+def zero3_unit_hooks(unit, flat, shard):
+    """ZeRO-3 around one unit: all-gather before forward, free after; gather again before backward (a hook on the
+    output's gradient), free when every parameter has its gradient."""
+    import torch.distributed as dist
+
+    nbytes = flat.numel() * flat.element_size()
+    params = list(unit.parameters())
+    left = {"grads": len(params)}
+
+    def gather(*_):
+        if flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(nbytes)
+            dist.all_gather_into_tensor(flat, shard)
+
+    def free(*_):
+        flat.untyped_storage().resize_(0)
+
+    def after_forward(_module, _args, out):
+        out.register_hook(lambda grad: gather())  # the output's gradient arrives just before the unit's backward
+        free()
+
+    def grad_ready(_p):
+        left["grads"] -= 1
+        if left["grads"] == 0:
+            free()
+
+    unit.register_forward_pre_hook(gather)
+    unit.register_forward_hook(after_forward)
+    for p in params:
+        p.register_post_accumulate_grad_hook(grad_ready)

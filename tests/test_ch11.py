@@ -280,3 +280,23 @@ def test_stage_rows_hold_every_moment_to_the_ledger_at_the_padded_count():
     assert row[-1] == "equal" and row[-2] == "40" and row[-3] == "40"  # 2 Psi' (n-1)/n = 2 * 40 / 2
     r["moments"][2]["optimizer"] += 4  # one fp32 element too many at one moment: the verdict must say so
     assert ch11.stage_rows({1: r})[0][-1] == "DIFFERENT"
+
+
+@pytest.mark.ranks
+def test_the_stages_explorer_draws_what_each_rank_held_and_sent():
+    import course_utils as cu
+
+    for stage, panels in ((3, 3), (1, 2)):
+        res = cu.run("workers.ch11_stages", 2, stage=stage, steps=1, timeout=180)
+        fig = ch11.stages_live_draw(res, {})
+        assert len(fig.axes) == panels
+        bars = fig.axes[0].patches  # rank by rank, state by state, a bar per moment
+        moments = res[0]["moments"]
+        per_state = len(moments)
+        for k, r in enumerate(res.ranks):
+            for j, state in enumerate(("params", "grads", "optimizer")):
+                heights = [b.get_height() for b in bars[(3 * k + j) * per_state:(3 * k + j + 1) * per_state]]
+                assert heights == [m[state] / 1024 for m in r["moments"]]
+        sent = [b.get_height() for b in fig.axes[-1].patches]
+        assert sent == [c["wire_bytes"] / 1024 for c in res[0]["comm"].values()]
+        plt.close(fig)

@@ -11,8 +11,9 @@ algorithm). At init and after each step's forward, backward and step, each rank 
 it holds, from the tensors: parameters (whole buffers and shards), gradients (whole ``.grad`` and shards) and
 AdamW's moments; a stage-2 or stage-3 gradient bucket whose reduce-scatter is still in flight is reported apart
 (``in_flight``: it is freed when the collective completes, a time no ledger models). Every collective of the
-last step is caught where torch dispatches it (``workers/zero/recorder.py``). Each rank also trains the
-single-process reference and reports the largest difference.
+last step is caught where torch dispatches it (``workers/zero/recorder.py``); at stage 3 the last step's hook
+timeline (whole parameters and gradients after every gather, free and gradient) comes back too. Each rank also
+trains the single-process reference and reports the largest difference.
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def main(ctx, stage: int = 3, steps: int = 2, global_batch: int = 8, bucket_cap_
     for step, batch in enumerate(batches, start=1):
         last = step == steps
         recorder = CollectiveRecorder()
+        if stage == 3:
+            trainer.impl.timeline.clear()  # the last step's hooks only
         with recorder if last else contextlib.nullcontext():
             trainer.zero_grad()
             loss = loss_fn(model, shard_rows(batch, ctx.rank, ctx.world_size).to(ctx.device))
@@ -123,6 +126,7 @@ def main(ctx, stage: int = 3, steps: int = 2, global_batch: int = 8, bucket_cap_
         ctx.metric(step=step, loss=loss.item(), max_abs_error=errors[-1])
     return {"stage": stage, "world_size": ctx.world_size, "n_params": cfg.n_params, "padded_numel": trainer.padded,
             "moments": moments, "comm": recorder.summary(), "calls": recorder.calls, "max_abs_error": errors,
+            "timeline": trainer.impl.timeline if stage == 3 else [],  # whole params/grads after every hook
             "steps": steps, "config": {**cfg.as_params(), "prefetch": prefetch,
                                        "reshard_after_forward": reshard_after_forward}}
 

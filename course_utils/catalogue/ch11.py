@@ -1,4 +1,5 @@
-"""Chapter 11's graded exercises: the ZeRO stage formulas (in the notebook) and the sharded optimizer step (on ranks)."""
+"""Chapter 11's graded exercises: the ZeRO stage formulas (in the notebook), the sharded optimizer step, ZeRO-2's
+gradient hook and ZeRO-3's gather-then-free around a unit (on ranks)."""
 from __future__ import annotations
 
 from course_utils.exercises import FAIL, PASS, Exercise, register
@@ -51,4 +52,10 @@ register(Exercise("zero_state_bytes", "11", "zero_state_bytes",
                   local=check_zero_state_bytes))
 register(Exercise("zero1_step", "11", "zero1_step",
                   "ZeRO-1 by hand: average the gradients, step only your shard, re-synchronise the parameters",
+                  worker="workers.exercises.ch11", world_sizes=(2, 4), timeout_s=60.0))
+register(Exercise("zero2_grad_hooks", "11", "zero2_grad_hooks",
+                  "ZeRO-2's hook: reduce-scatter the gradient from inside backward and keep only your shard",
+                  worker="workers.exercises.ch11", world_sizes=(2, 4), timeout_s=60.0))
+register(Exercise("zero3_unit_hooks", "11", "zero3_unit_hooks",
+                  "ZeRO-3 around a unit: gather before forward and backward, free after each",
                   worker="workers.exercises.ch11", world_sizes=(2, 4), timeout_s=60.0))

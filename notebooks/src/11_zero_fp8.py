@@ -338,6 +338,27 @@ print(f"{r['buckets']} buckets; reduce-scatters launched before backward ended, 
       f"sent per step {sum(r['comm_bytes'].values()) / r['steps']:,.0f} bytes = 2Ψ(n-1)/n = {2 * 3 / 4 * padded:,.0f}")
 
 # %% [markdown]
+# ### Exercise 3: ZeRO-2's gradient hook
+# Write `zero2_grad_hooks(params, grad_shard)`: register hooks on `params` (the model's parameters, the tied
+# weight once) so that when the **last** of them receives its gradient during backward, the gradients are laid
+# end to end in the order of `params`, padded with zeros to N x S elements (S = `grad_shard.numel()`), and this
+# rank's slice of their **mean over the ranks** lands in `grad_shard`, and no parameter keeps a whole `.grad`.
+# Return the hook handles. (One bucket here, the whole model; `Zero2Optimizer` does the same per bucket.) The
+# check runs a backward on 2 and 4 ranks and compares your shard with one process's gradient.
+
+# %% tags=["exercise"]
+def zero2_grad_hooks(params, grad_shard):
+    """Post-accumulate-grad hooks: reduce-scatter the mean gradient into grad_shard when the last one lands."""
+    import torch
+    import torch.distributed as dist
+
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("zero2_grad_hooks", zero2_grad_hooks)
+
+# %% [markdown]
 # **ZeRO-3** shards the parameters too (`workers/zero/zero3.py`, FSDP's algorithm: Zhao et al. 2023). The model is
 # cut into *units*, one per block plus a root (the tied embedding and head, positions, final LayerNorm). A unit's
 # parameters live in one flat buffer, padded to N equal shards; a rank keeps its shard and frees the buffer's
@@ -372,6 +393,28 @@ plots.savefig(axes[0].figure, "11_zero3_timeline");
 # reduce-scattered and dropped as soon as they are complete. Between steps a rank holds nothing whole, only its
 # shards: the ledger's stage 3, (2 + 2 + K)Ψ/N, to the byte plus padding (`tests/test_zero3.py`).
 #
+# ### Exercise 4: gather, then free, around one unit
+# Write `zero3_unit_hooks(unit, flat, shard)`. `unit` is a Transformer block whose parameters are views of `flat`
+# (N x S elements, its storage freed: 0 bytes) and `shard` is this rank's S elements. Register hooks so that the
+# unit's parameters are whole exactly while they are needed: all-gathered into `flat` just before its forward
+# (`flat.untyped_storage().resize_(flat.numel() * flat.element_size())`, then `all_gather_into_tensor`), freed
+# right after it (`resize_(0)`), gathered again just before its backward (a hook on the gradient of its output),
+# and freed once every parameter has its gradient. The check runs the block forward and backward under your
+# hooks and compares with the block computed whole; it stops a read of freed memory before it happens (such a
+# read would crash the rank) and tells you where.
+
+# %% tags=["exercise"]
+def zero3_unit_hooks(unit, flat, shard):
+    """Forward-pre, forward, output-gradient and post-accumulate-grad hooks: whole only during forward and backward."""
+    import torch.distributed as dist
+
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("zero3_unit_hooks", zero3_unit_hooks)
+
+# %% [markdown]
 # The same at world 1, 2 and 4, against one process:
 
 # %%
@@ -424,6 +467,27 @@ display(Table(["stage", "params", "grads", "AdamW", "ledger total", "collectives
 # stages 0-2 send the bytes of one all-reduce, stage 3 half as much again. (A stage-2 or stage-3 rank also holds
 # its gradient buckets while their reduce-scatters are in flight, freed when they complete; the worker reports
 # them apart, as `in_flight`, because when that happens is the machine's business, not the ledger's.)
+
+# %% [markdown]
+# **Explore.** Pick the ranks, the stage and, for stage 3, prefetch and resharding: every change is a new run on
+# real (warm) ranks. Left: what each rank holds at every moment of two steps, against the ledger's line; middle
+# (stage 3): whole parameters through the last step's hooks; right: what rank 0 sent in one step, against the
+# paper.
+
+# %% tags=["nbval-ignore-output"]
+import ipywidgets as W
+
+from course_utils.widgets import LiveRun
+
+stages_live = LiveRun("workers.ch11_stages",
+                      {"world_size": W.ToggleButtons(options=[1, 2, 4], value=4, description="ranks"),
+                       "stage": W.ToggleButtons(options=[0, 1, 2, 3], value=3, description="ZeRO stage"),
+                       "prefetch": W.Checkbox(value=False, description="prefetch (stage 3)"),
+                       "reshard_after_forward": W.Checkbox(value=True, description="reshard_after_forward (stage 3)")},
+                      ch11.stages_live_draw, params={"layers": 4, "steps": 2}, timeout=120,
+                      progress_total=lambda p: p["steps"])
+stages_live.wait(120)
+stages_live
 
 # %% [markdown]
 # ## 5. FP8

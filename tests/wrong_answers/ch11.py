@@ -203,6 +203,167 @@ def zero1_unpadded_reduce_scatter(params, state, make_optimizer):
             offset += p.numel()
 
 
+# The ZeRO-2 and ZeRO-3 wrong answers travel to the ranks as source, one function each: every one is the right
+# answer (solutions/ch11.py) with the one change its comment names.
+
+def zero2_hooks_average_twice(params, grad_shard):
+    # Pre-scales by 1/n and then divides the reduced shard by n again, as if the SUM still had to be averaged.
+    import torch
+    import torch.distributed as dist
+
+    n, pending = dist.get_world_size(), {"left": len(params)}
+
+    def ready(_p):
+        pending["left"] -= 1
+        if not pending["left"]:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([flat, flat.new_zeros(n * grad_shard.numel() - flat.numel())]) / n
+            dist.reduce_scatter_tensor(grad_shard, flat)
+            grad_shard.div_(n)
+            for p in params:
+                p.grad = None
+    return [p.register_post_accumulate_grad_hook(ready) for p in params]
+
+
+def zero2_hooks_keep_whole_grads(params, grad_shard):
+    # Reduce-scatters correctly but leaves every .grad in place: ZeRO-1's memory, not ZeRO-2's.
+    import torch
+    import torch.distributed as dist
+
+    n, pending = dist.get_world_size(), {"left": len(params)}
+
+    def ready(_p):
+        pending["left"] -= 1
+        if not pending["left"]:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([flat, flat.new_zeros(n * grad_shard.numel() - flat.numel())]) / n
+            dist.reduce_scatter_tensor(grad_shard, flat)
+    return [p.register_post_accumulate_grad_hook(ready) for p in params]
+
+
+def zero2_hooks_count_the_tied_weight_twice(params, grad_shard):
+    # Waits for one gradient more than there are Parameters (the embedding and the head counted apart): the bucket
+    # never fills, so the reduce-scatter never runs.
+    import torch
+    import torch.distributed as dist
+
+    n, pending = dist.get_world_size(), {"left": len(params) + 1}
+
+    def ready(_p):
+        pending["left"] -= 1
+        if not pending["left"]:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([flat, flat.new_zeros(n * grad_shard.numel() - flat.numel())]) / n
+            dist.reduce_scatter_tensor(grad_shard, flat)
+            for p in params:
+                p.grad = None
+    return [p.register_post_accumulate_grad_hook(ready) for p in params]
+
+
+def zero2_hooks_sum(params, grad_shard):
+    # Forgets the average: the shard holds the SUM of the ranks' gradients.
+    import torch
+    import torch.distributed as dist
+
+    n, pending = dist.get_world_size(), {"left": len(params)}
+
+    def ready(_p):
+        pending["left"] -= 1
+        if not pending["left"]:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([flat, flat.new_zeros(n * grad_shard.numel() - flat.numel())])
+            dist.reduce_scatter_tensor(grad_shard, flat)
+            for p in params:
+                p.grad = None
+    return [p.register_post_accumulate_grad_hook(ready) for p in params]
+
+
+def zero3_hooks_free_before_backward(unit, flat, shard):
+    # Frees after forward and never gathers again: backward would read freed memory.
+    import torch.distributed as dist
+
+    nbytes = flat.numel() * flat.element_size()
+
+    def gather(*_):
+        flat.untyped_storage().resize_(nbytes)
+        dist.all_gather_into_tensor(flat, shard)
+
+    def free(_module, _args, _out):
+        flat.untyped_storage().resize_(0)
+
+    unit.register_forward_pre_hook(gather)
+    unit.register_forward_hook(free)
+
+
+def zero3_hooks_never_free(unit, flat, shard):
+    # Gathers before forward and keeps it: every unit ends up whole, which is ZeRO-2's parameter memory.
+    import torch.distributed as dist
+
+    def gather(*_):
+        if flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            dist.all_gather_into_tensor(flat, shard)
+
+    unit.register_forward_pre_hook(gather)
+
+
+def zero3_hooks_gather_only_for_backward(unit, flat, shard):
+    # Forgets the forward-pre hook: forward would run on a freed buffer.
+    import torch.distributed as dist
+
+    nbytes = flat.numel() * flat.element_size()
+    params = list(unit.parameters())
+    left = {"grads": len(params)}
+
+    def gather(*_):
+        if flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(nbytes)
+            dist.all_gather_into_tensor(flat, shard)
+
+    def after_forward(_module, _args, out):
+        out.register_hook(lambda grad: gather())
+        flat.untyped_storage().resize_(0)
+
+    def grad_ready(_p):
+        left["grads"] -= 1
+        if left["grads"] == 0:
+            flat.untyped_storage().resize_(0)
+
+    unit.register_forward_hook(after_forward)
+    for p in params:
+        p.register_post_accumulate_grad_hook(grad_ready)
+
+
+def zero3_hooks_keep_after_backward(unit, flat, shard):
+    # Right around forward, and gathers again for backward, but never frees after it.
+    import torch.distributed as dist
+
+    nbytes = flat.numel() * flat.element_size()
+
+    def gather(*_):
+        if flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(nbytes)
+            dist.all_gather_into_tensor(flat, shard)
+
+    def after_forward(_module, _args, out):
+        out.register_hook(lambda grad: gather())
+        flat.untyped_storage().resize_(0)
+
+    unit.register_forward_pre_hook(gather)
+    unit.register_forward_hook(after_forward)
+
+def zero3_hooks_lambda_returns_storage(unit, flat, shard):
+    # Frees in a lambda forward hook: the lambda returns resize_'s storage, which replaces the unit's output.
+    import torch.distributed as dist
+
+    def gather(*_):
+        if flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            dist.all_gather_into_tensor(flat, shard)
+
+    unit.register_forward_pre_hook(gather)
+    unit.register_forward_hook(lambda module, args, out: flat.untyped_storage().resize_(0))
+
 WRONG = [
     ("zero_state_bytes", zero_stage2_keeps_full_grads, "stage 2 shards the grads over the 64 data-parallel ranks"),
     ("zero_state_bytes", zero_stage1_shards_params, "stage 1 does not shard the params yet"),
@@ -215,4 +376,13 @@ WRONG = [
     ("zero1_step", zero1_full_step_everywhere, "which is plain DDP, not ZeRO-1"),
     ("zero1_step", zero1_no_average, "divide by the world size"),
     ("zero1_step", zero1_new_optimizer_every_step, "a new optimizer forgets its momentum"),
+    ("zero2_grad_hooks", zero2_hooks_average_twice, "the average was taken twice"),
+    ("zero2_grad_hooks", zero2_hooks_keep_whole_grads, "still hold a whole .grad"),
+    ("zero2_grad_hooks", zero2_hooks_count_the_tied_weight_twice, "the reduce-scatter never ran during backward"),
+    ("zero2_grad_hooks", zero2_hooks_sum, "reduce-scatter SUMs over the ranks"),
+    ("zero3_unit_hooks", zero3_hooks_free_before_backward, "they had been freed after forward"),
+    ("zero3_unit_hooks", zero3_hooks_never_free, "still whole after its forward"),
+    ("zero3_unit_hooks", zero3_hooks_gather_only_for_backward, "not gathered when its forward began"),
+    ("zero3_unit_hooks", zero3_hooks_keep_after_backward, "still whole after backward"),
+    ("zero3_unit_hooks", zero3_hooks_lambda_returns_storage, "a forward hook's return value replaces"),
 ]

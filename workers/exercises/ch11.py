@@ -152,7 +152,7 @@ def check_zero1_step(ctx, answer) -> None:
                     return
                 local = torch.stack(local_steps)  # [n, n_params]
                 if all(same) and bool((local - got).abs().le(TOL["atol"] + TOL["rtol"] * got.abs()).any(0).all()):
-                    raise Wrong(f"every rank ends with the same parameters, but each element was stepped with one "
+                    raise Wrong("every rank ends with the same parameters, but each element was stepped with one "
                                 "rank's own gradient, not the mean over the ranks: the gradients were never reduced. "
                                 "Reduce them before the step (reduce_scatter_tensor gives each rank the sum of its "
                                 "slice; divide by the world size), then step and all-gather")
@@ -204,7 +204,187 @@ def check_zero1_step(ctx, answer) -> None:
         agree(equal_across_ranks)
 
 
-CHECKS = {"zero1_step": check_zero1_step}
+def _padded_flat(tensors, n: int) -> torch.Tensor:
+    """``tensors`` end to end, padded with zeros to n equal shards: [n * ceil(total / n)]."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    return torch.cat([flat, flat.new_zeros(n * math.ceil(flat.numel() / n) - flat.numel())])
+
+
+def check_zero2_grad_hooks(ctx, answer) -> None:
+    """ZeRO-2's gradient hook: the shard filled, averaged, from inside backward; no whole gradient kept."""
+    n, rank = ctx.world_size, ctx.rank
+    batch = make_batches(CFG, GLOBAL_BATCH, 1)[0]
+    reference = make_model(CFG, seed=0)  # one process, the whole batch: the mean gradient
+    loss_fn(reference, batch).backward()
+    want_flat = _padded_flat([p.grad for p in reference.parameters()], n)  # [n S]
+    S = want_flat.numel() // n
+    want = want_flat[rank * S:(rank + 1) * S]
+    local = make_model(CFG, seed=0)  # this rank's rows alone: what a gradient never reduced looks like
+    loss_fn(local, shard_rows(batch, rank, n)).backward()
+    local_flat = _padded_flat([p.grad for p in local.parameters()], n)
+
+    model = make_model(CFG, seed=0).to(ctx.device)
+    params = list(model.parameters())  # the tied embedding/head weight once
+    grad_shard = torch.zeros(S, device=ctx.device)
+    answer(params, grad_shard)
+    loss_fn(model, shard_rows(batch, rank, n).to(ctx.device)).backward()
+    got = grad_shard.detach().cpu()
+    kept = [p for p in params if p.grad is not None]
+
+    def fired():
+        if not got.any() and want.any():
+            raise Wrong(f"grad_shard is still all zeros when backward returns: the reduce-scatter never ran during "
+                        f"backward. Does your hook count {len(params)} gradients (the tied embedding and LM head are "
+                        "one Parameter, so one gradient), and launch when the last one lands?")
+    agree(fired)
+
+    def nothing_whole():
+        if kept:
+            held = sum(p.grad.nbytes for p in kept)
+            raise Wrong(f"after backward {len(kept)} of the {len(params)} parameters still hold a whole .grad "
+                        f"({held:,} bytes on rank {rank}): ZeRO-2 keeps only this rank's shard of the reduced "
+                        "gradient. Set each p.grad = None once its bucket has been reduce-scattered")
+    agree(nothing_whole)
+
+    def averaged():
+        if torch.allclose(got, want, **TOL):
+            return
+        if n > 1 and torch.allclose(got * n, want, **TOL):
+            raise Wrong(f"grad_shard is 1/{n} of the mean gradient's slice: the average was taken twice (pre-scaling "
+                        f"by 1/{n} before a SUM already gives the mean; divide once)")
+        if n > 1 and torch.allclose(got, want * n, **TOL):
+            raise Wrong(f"grad_shard is {n} times the mean gradient's slice: reduce-scatter SUMs over the ranks; "
+                        f"divide by the world size ({n}), before or after")
+        mine = local_flat[rank * S:(rank + 1) * S]
+        if n > 1 and torch.allclose(got, mine, **TOL):
+            raise Wrong("grad_shard holds this rank's own gradient slice, not the mean over the ranks: it was never "
+                        "reduced. Reduce-scatter the flattened gradient")
+        for k in range(n):
+            if k != rank and torch.allclose(got, want_flat[k * S:(k + 1) * S], **TOL):
+                raise Wrong(f"rank {rank} holds slice {k} of the gradient: rank r's shard is elements "
+                            f"[r*S, (r+1)*S) of the flattened gradient (S = {S})")
+        err = (got - want).abs().max().item()
+        raise Wrong(f"grad_shard differs from the mean gradient's slice {rank} by up to {err:.3g}: flatten the "
+                    f"gradients in the order of params, pad with zeros to {n} x {S} elements, reduce-scatter")
+    agree(averaged)
+
+
+class _Freed(RuntimeError):
+    """Raised by the checker's guard instead of letting torch read a freed buffer (which would crash the rank)."""
+
+
+def check_zero3_unit_hooks(ctx, answer) -> None:
+    """ZeRO-3's gather-then-free around one unit: whole only during its forward and its backward."""
+    from workers.zero.model import Block
+
+    n, rank = ctx.world_size, ctx.rank
+    hidden, heads = CFG.hidden, CFG.heads
+    torch.manual_seed(0)
+    reference = Block(hidden, heads)
+    x0 = torch.randn(2, 8, hidden, generator=torch.Generator().manual_seed(1))  # [b, s, h], the same on every rank
+    out_ref = reference(x0)
+    out_ref.square().mean().backward()
+
+    torch.manual_seed(0)
+    unit = Block(hidden, heads)
+    params = list(unit.parameters())
+    flat = _padded_flat(params, n)  # [n S]
+    S = flat.numel() // n
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+    shard = flat[rank * S:(rank + 1) * S].clone()
+    flat.untyped_storage().resize_(0)
+    nbytes = flat.numel() * flat.element_size()
+
+    def whole() -> bool:
+        return flat.untyped_storage().nbytes() == nbytes
+
+    answer(unit, flat, shard)
+    seen = {}
+
+    def before_forward(_module, _args):
+        seen["before_forward"] = whole()
+        if not whole():  # the learner's forward-pre hook ran before this one
+            raise _Freed("course guard: forward")
+
+    def after_forward(_module, _args, _out):
+        seen["after_forward"] = whole()
+
+    guards = [unit.register_forward_pre_hook(before_forward), unit.register_forward_hook(after_forward)]
+
+    def unpack(t):
+        if t.untyped_storage().nbytes() == 0 and t.numel():  # a freed buffer: reading it would crash the rank
+            raise _Freed("course guard: backward")
+        return t
+
+    failure = None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            out = unit(x0.clone())
+        if isinstance(out, torch.Tensor):
+            out.square().mean().backward()
+        else:
+            failure = f"replaced by a {type(out).__name__}"
+    except RuntimeError as exc:  # _Freed itself, or autograd's wrapping of it
+        if "course guard" not in str(exc):
+            raise
+        failure = "forward" if "forward" in str(exc) else "backward"
+    finally:
+        for g in guards:
+            g.remove()
+
+    def output_kept():
+        if failure and failure.startswith("replaced"):
+            raise Wrong(f"the unit's output was {failure}: a forward hook's return value replaces the module's "
+                        "output (a lambda returns whatever its expression gives, such as resize_'s storage); let "
+                        "your forward hook return None")
+    agree(output_kept)
+
+    def gathered_for_forward():
+        if failure == "forward":
+            raise Wrong("the unit's parameters were not gathered when its forward began: all-gather the shards into "
+                        "flat in a forward-pre hook (resize its storage back to flat.numel() * flat.element_size() "
+                        "bytes first)")
+    agree(gathered_for_forward)
+
+    def freed_after_forward():
+        if seen.get("after_forward"):
+            raise Wrong("the unit's parameters are still whole after its forward: free them in a forward hook "
+                        "(flat.untyped_storage().resize_(0)), and gather them again before its backward; that is "
+                        "what keeps one unit whole at a time")
+    agree(freed_after_forward)
+
+    def gathered_for_backward():
+        if failure == "backward":
+            raise Wrong("backward needed the unit's parameters, but they had been freed after forward: gather them "
+                        "again before the unit's backward (in the forward hook, register a hook on the output "
+                        "tensor: it runs when the output's gradient arrives, before the unit's backward)")
+    agree(gathered_for_backward)
+
+    def freed_after_backward():
+        if whole():
+            raise Wrong("the unit's parameters are still whole after backward: free them once every parameter has "
+                        "its gradient (a post-accumulate-grad hook that counts them), as ZeRO-3 does before "
+                        "reduce-scattering the gradients")
+    agree(freed_after_backward)
+
+    def right():
+        expect_out = out.detach()
+        if not torch.allclose(expect_out, out_ref.detach(), **TOL):
+            raise Wrong("the unit's output differs from the same block computed whole: the gathered buffer does not "
+                        "hold the parameters (all-gather every rank's shard into flat, in rank order)")
+        for (name, p), q in zip(unit.named_parameters(), reference.parameters()):
+            if p.grad is None or not torch.allclose(p.grad, q.grad, **TOL):
+                raise Wrong(f"the gradient of {name} differs from the whole block's: backward ran on parameters "
+                            "that were not (all) gathered")
+    agree(right)
+
+
+CHECKS = {"zero1_step": check_zero1_step, "zero2_grad_hooks": check_zero2_grad_hooks,
+          "zero3_unit_hooks": check_zero3_unit_hooks}
 
 
 def main(ctx, exercise: str = "", answer=None):
