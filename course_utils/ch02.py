@@ -229,3 +229,41 @@ def draw_no_sync(rows: list[dict]):
     ax.set_title("Gradient accumulation: the same gradient, k times the messages")
     ax.legend(fontsize=8)
     return fig
+
+
+# -- overlap ----------------------------------------------------------------------------------------------------
+
+def draw_overlap(runs: dict, step: int = 1):
+    """``runs``: {label: RunResult of workers.ch02_overlap}. One row per run, on one time axis (rank 0, CPU clock,
+    from the start of that step's backward): each gradient landing (dots), each bucket's all-reduce launched
+    (triangles) and the wait for it before the step (bars). With overlap the first bucket leaves while backward
+    still has gradients to compute; without it, everything leaves after the last gradient."""
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 1.1 * len(runs)))
+    colours = plt.cm.tab10.colors
+    labels = []
+    for row, (label, res) in enumerate(runs.items()):
+        events = res[0]["timeline"][step]
+        bucket_of = {i: k for k, b in enumerate(res[0]["buckets"]) for i in b}
+        y = len(runs) - 1 - row
+        labels.append((y, label))
+        begin = {}
+        for e in events:
+            t = e["t"] * 1e3
+            if e["kind"] == "grad":
+                ax.scatter(t, y + 0.25, s=18, color=colours[bucket_of.get(e["param"], 0) % 10], zorder=3)
+            elif e["kind"] == "launch":
+                ax.scatter(t, y, marker="^", s=60, color=colours[e["bucket"] % 10], zorder=3)
+            elif e["kind"] == "wait_begin":
+                begin[e["bucket"]] = t
+            elif e["kind"] == "wait_end":
+                k = e["bucket"]
+                ax.plot([begin[k], t], [y - 0.25, y - 0.25], lw=4, color=colours[k % 10], solid_capstyle="butt")
+        last = max(e["t"] for e in events if e["kind"] == "grad") * 1e3
+        ax.axvline(last, ymin=(y + 0.05) / len(runs), ymax=(y + 0.95) / len(runs), color="grey", ls=":", lw=1)
+    ax.set_yticks([y for y, _ in labels], [label for _, label in labels], fontsize=8)
+    ax.set_ylim(-0.6, len(runs) - 0.4)
+    ax.set_xlabel(f"ms since step {step + 1}'s backward began (CPU, gloo, rank 0)")
+    ax.set_title("dots: a gradient lands (colour = bucket); triangles: its bucket's all-reduce has been launched;\n"
+                 "bars: the step waiting for it; dotted: backward's last gradient", fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -54,3 +54,37 @@ def shard_indices(dataset_size, rank, world_size, epoch, seed):
     while len(indices) < total:  # pad by repeating from the start so every rank gets as many
         indices += indices[:total - len(indices)]
     return indices[rank:total:world_size]
+
+
+def overlapped_hooks(params, buckets):
+    """DDP's overlap: a post-accumulate-grad hook per parameter; when a bucket's last gradient lands, flatten it,
+    divide by the world size and launch its all-reduce asynchronously. finish() waits and copies back."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    bucket_of = {i: k for k, bucket in enumerate(buckets) for i in bucket}
+    pending = [len(bucket) for bucket in buckets]
+    in_flight = []
+
+    def ready(i):
+        k = bucket_of[i]
+        pending[k] -= 1
+        if pending[k] == 0:  # the bucket is full: send it while backward goes on
+            flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]]) / n
+            in_flight.append((k, flat, dist.all_reduce(flat, async_op=True)))
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i))
+
+    def finish():
+        for k, flat, work in in_flight:
+            work.wait()
+            offset = 0
+            for j in buckets[k]:
+                g = params[j].grad
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        in_flight.clear()
+
+    return finish

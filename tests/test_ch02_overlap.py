@@ -112,3 +112,28 @@ def test_a_parameter_without_gradient_is_named():
 def test_bad_cap_is_refused_before_launch():
     with pytest.raises(cu.InvalidParameter, match="bucket_cap_bytes=0"):
         cu.run("workers.ch02_overlap", world_size=2, bucket_cap_bytes=0)
+
+
+def test_the_overlap_figure_draws_every_gradient_launch_and_wait_of_the_step():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_utils import ch02
+
+    runs = {"overlap": run(2), "after": run(2, overlap=False)}
+    fig = ch02.draw_overlap(runs, step=1)
+    ax = fig.axes[0]
+    for row, res in enumerate(runs.values()):
+        events = res[0]["timeline"][1]
+        y = len(runs) - 1 - row
+        # the scatter collections of this row: a dot per gradient hook (y + 0.25), a triangle per launch (y)
+        dots = [c for c in ax.collections if c.get_offsets()[0][1] == y + 0.25]
+        launches = [c for c in ax.collections if c.get_offsets()[0][1] == y]
+        assert len(dots) == sum(e["kind"] == "grad" for e in events)
+        assert sorted(c.get_offsets()[0][0] for c in launches) == \
+            sorted(e["t"] * 1e3 for e in events if e["kind"] == "launch")
+        waits = [line for line in ax.lines if list(line.get_ydata()) == [y - 0.25, y - 0.25]]
+        assert len(waits) == sum(e["kind"] == "wait_end" for e in events)
+    plt.close(fig)

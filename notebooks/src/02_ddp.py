@@ -275,6 +275,42 @@ live.wait(60)
 live
 
 # %% [markdown]
+# ### 3d. Overlap by hand: asynchronous all-reduces launched from inside backward
+#
+# Exercise 1's hooks all-reduce each gradient *synchronously*: backward stands still while every message
+# travels. Exercise 2 buckets the gradients but averages them after backward: nothing travels while backward
+# computes. DDP does neither. `workers/data_parallel/overlap.py: OverlappedDDP` is its mechanism in 150 lines:
+# a post-accumulate-grad hook on every parameter counts each bucket's gradients in; when the last one lands the
+# bucket is flattened, pre-scaled by 1/N and launched with `dist.all_reduce(buf, async_op=True)`, which returns
+# at once with a handle; backward goes on with the earlier layers while the bucket travels;
+# `finish_gradient_synchronization()` (Megatron's name) waits for every handle and copies the averages back,
+# before the optimizer step. It equals torch's DDP bit for bit at world 1 and 2 and to fp32 rounding at 4
+# (`tests/test_ch02_overlap.py`). With `overlap=False` the same buckets leave only after backward: the contrast.
+
+# %%
+overlap_runs = {"overlap: launched from the hooks": cu.run("workers.ch02_overlap", world_size=2, **LIMITS,
+                                                           bucket_cap_bytes=256),
+                "no overlap: launched after backward": cu.run("workers.ch02_overlap", world_size=2, **LIMITS,
+                                                              bucket_cap_bytes=256, overlap=False)}
+for label, res in overlap_runs.items():
+    d = res[0]
+    summary = d["overlap"][1]
+    print(f"{label}: {summary['buckets']} buckets {d['bucket_names']}; launched before backward's last gradient: "
+          f"{summary['launched_before_last_grad']}; .grad equal to torch's DDP: "
+          f"{all(torch.allclose(r['grads'], r['torch']['grads'], **FP32_TOL) for r in res.ranks)}")
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(ch02.draw_overlap(overlap_runs), "02_overlap_timeline");
+
+# %% [markdown]
+# On this model the whole backward takes a fraction of a millisecond of CPU time, so the overlap buys little
+# here; what matters is the order. In the top row bucket 0 (the last layer, whose gradients come first) leaves
+# before backward has computed the first layer's gradients; by the time `finish` waits, it has often already
+# arrived. In the bottom row both buckets leave after the last gradient and the step waits for all of them. On a
+# GPU the same launches go to NCCL's own stream, and a bucket of a large model hides behind milliseconds of
+# backward compute: that is why DDP buckets at all.
+
+# %% [markdown]
 # ## 4. Three mistakes that raise no error
 #
 # ### 4a. `DistributedSampler` without `set_epoch`
@@ -433,9 +469,28 @@ def shard_indices(dataset_size, rank, world_size, epoch, seed):
 check("shard_indices", shard_indices)
 
 # %% [markdown]
+# ### Exercise 4: overlap
+#
+# Write `overlapped_hooks(params, buckets)`: `buckets` lists, bucket by bucket, indices into `params` (DDP's rule,
+# last layer first). Register a post-accumulate-grad hook on every parameter so that when the **last** gradient
+# of a bucket lands, the bucket is flattened (`torch.cat`), divided by the world size and sent with
+# `dist.all_reduce(flat, async_op=True)`, during backward; return a function `finish()` that waits for every
+# handle and copies the averages back into each `.grad`. The check wraps `dist.all_reduce` on the ranks: it sees
+# when you launch, whether you launch asynchronously, and whether you wait inside backward.
+
+# %% tags=["exercise"]
+def overlapped_hooks(params, buckets):
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("overlapped_hooks", overlapped_hooks)
+
+# %% [markdown]
 # ## Summary
 #
-# - DDP = a broadcast at construction + an all-reduce-and-average of every gradient during `backward()`.
+# - DDP = a broadcast at construction + an all-reduce-and-average of every gradient during `backward()`:
+#   bucket by bucket, each launched asynchronously as soon as it fills and waited for before the step.
 #   With a mean loss and equal shards this is the single-process step, to fp32 rounding, and all ranks
 #   stay bit-identical.
 # - Gradients travel in buckets, packed in backward order and launched as soon as full, so communication

@@ -266,6 +266,146 @@ def shard_without_padding(dataset_size, rank, world_size, epoch, seed):
     return torch.randperm(dataset_size, generator=g).tolist()[rank::world_size]  # uneven shards
 
 
+# Overlap: each is the right answer (solutions/ch02.py: overlapped_hooks) with the one change its comment names.
+
+def overlap_waits_in_the_hook(params, buckets):
+    # Waits for each bucket right after launching it, inside the hook: correct numbers, no overlap.
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    bucket_of = {i: k for k, bucket in enumerate(buckets) for i in bucket}
+    pending = [len(bucket) for bucket in buckets]
+    done = []
+
+    def ready(i):
+        k = bucket_of[i]
+        pending[k] -= 1
+        if pending[k] == 0:
+            flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]]) / n
+            dist.all_reduce(flat, async_op=True).wait()
+            done.append((k, flat))
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i))
+
+    def finish():
+        for k, flat in done:
+            offset = 0
+            for j in buckets[k]:
+                g = params[j].grad
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+    return finish
+
+
+def overlap_bucket_never_fires(params, buckets):
+    # Starts every bucket's count at the number of parameters in the whole model: no bucket ever fills.
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    bucket_of = {i: k for k, bucket in enumerate(buckets) for i in bucket}
+    pending = [len(params) for _ in buckets]
+    in_flight = []
+
+    def ready(i):
+        k = bucket_of[i]
+        pending[k] -= 1
+        if pending[k] == 0:
+            flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]]) / n
+            in_flight.append((k, flat, dist.all_reduce(flat, async_op=True)))
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i))
+
+    def finish():
+        for k, flat, work in in_flight:
+            work.wait()
+    return finish
+
+
+def overlap_synchronous_all_reduce(params, buckets):
+    # Launches each bucket from the hook, but without async_op: backward waits for every all-reduce.
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    bucket_of = {i: k for k, bucket in enumerate(buckets) for i in bucket}
+    pending = [len(bucket) for bucket in buckets]
+
+    def ready(i):
+        k = bucket_of[i]
+        pending[k] -= 1
+        if pending[k] == 0:
+            flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]]) / n
+            dist.all_reduce(flat)
+            offset = 0
+            for j in buckets[k]:
+                g = params[j].grad
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i))
+    return lambda: None
+
+
+def overlap_never_copies_back(params, buckets):
+    # Waits for every handle in finish(), but the averages stay in the flattened copies.
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    bucket_of = {i: k for k, bucket in enumerate(buckets) for i in bucket}
+    pending = [len(bucket) for bucket in buckets]
+    in_flight = []
+
+    def ready(i):
+        k = bucket_of[i]
+        pending[k] -= 1
+        if pending[k] == 0:
+            flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]]) / n
+            in_flight.append(dist.all_reduce(flat, async_op=True))
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i))
+
+    def finish():
+        for work in in_flight:
+            work.wait()
+    return finish
+
+
+def overlap_without_averaging(params, buckets):
+    # Forgets the division by the world size.
+    import torch
+    import torch.distributed as dist
+
+    bucket_of = {i: k for k, bucket in enumerate(buckets) for i in bucket}
+    pending = [len(bucket) for bucket in buckets]
+    in_flight = []
+
+    def ready(i):
+        k = bucket_of[i]
+        pending[k] -= 1
+        if pending[k] == 0:
+            flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]])
+            in_flight.append((k, flat, dist.all_reduce(flat, async_op=True)))
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: ready(i))
+
+    def finish():
+        for k, flat, work in in_flight:
+            work.wait()
+            offset = 0
+            for j in buckets[k]:
+                g = params[j].grad
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+    return finish
+
 WRONG = [
     ("ddp_by_hand", ddp_without_averaging, "times too large"),
     ("ddp_by_hand", ddp_hook_gets_parameter, "receives the parameter, not the gradient"),
@@ -284,4 +424,9 @@ WRONG = [
     ("shard_indices", shard_reseeds_global_rng, "changed torch's global random state"),
     ("shard_indices", shard_pads_once, "repeated more than once"),
     ("shard_indices", shard_without_padding, "pad by repeating"),
+    ("overlapped_hooks", overlap_waits_in_the_hook, "inside backward (work.wait() in the hook)"),
+    ("overlapped_hooks", overlap_bucket_never_fires, "a bucket whose count never reaches zero never fires"),
+    ("overlapped_hooks", overlap_synchronous_all_reduce, "launched with async_op=False inside backward"),
+    ("overlapped_hooks", overlap_never_copies_back, "the averaged buckets never reached .grad"),
+    ("overlapped_hooks", overlap_without_averaging, "times the mean gradient"),
 ]

@@ -317,8 +317,109 @@ def check_shard_indices(ctx, answer) -> None:
         agree(epochs_differ)
 
 
+# -- exercise 4: overlap ------------------------------------------------------------------------------------
+
+OVERLAP_CAP_BYTES = 256  # TinyMLP's 848 gradient bytes in two buckets: fc2 (16 + 256 bytes), then fc1 (64 + 512)
+
+
+class _WatchedWork:
+    """A collective's handle that notes when the learner waits on it (inside backward or after)."""
+
+    def __init__(self, work, log: list, phase: dict):
+        self._work, self._log, self._phase = work, log, phase
+
+    def wait(self, *args, **kwargs):
+        self._log.append(("wait", self._phase["now"]))
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def check_overlapped_hooks(ctx, answer) -> None:
+    """DDP's overlap by hand: every bucket's all-reduce launched asynchronously from inside backward, waited after."""
+    n, rank = ctx.world_size, ctx.rank
+    setup = Setup()
+    batch = make_batches(setup, steps=1)[0]
+    want = grads_on(make_model(setup), *batch)  # one process, the whole batch
+    local = grads_on(make_model(setup), *shard(batch, rank, n))  # this rank's rows alone
+    model = make_model(setup).to(ctx.device)
+    params = list(model.parameters())
+    ready = list(reversed(range(len(params))))  # backward produces the last layer's gradients first
+    sizes = [params[i].numel() * params[i].element_size() for i in ready]
+    buckets = [[ready[j] for j in b] for b in bucket_assignment(sizes, [OVERLAP_CAP_BYTES])]
+    log: list = []
+    phase = {"now": "before backward"}
+    original = dist.all_reduce
+
+    def watched_all_reduce(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        log.append(("launch", phase["now"], bool(kwargs.get("async_op", False)), tensor.numel()))
+        return _WatchedWork(work, log, phase) if work is not None else None
+
+    dist.all_reduce = watched_all_reduce
+    try:
+        finish = answer(params, buckets)
+        x, y = (t.to(ctx.device) for t in shard(batch, rank, n))
+        loss = loss_fn(model(x), y)
+        phase["now"] = "backward"
+        loss.backward()
+        phase["now"] = "finish"
+        if callable(finish):
+            finish()
+    finally:
+        dist.all_reduce = original
+    launched = [e for e in log if e[0] == "launch" and e[1] == "backward"]
+    waited_early = [e for e in log if e[0] == "wait" and e[1] == "backward"]
+    got = flat_grads(model).cpu()
+
+    def returns_finish():
+        if not callable(finish):
+            raise Wrong(f"return a function (finish) that waits for the buckets' all-reduces and writes the averages "
+                        f"into .grad; you returned {type(finish).__name__}")
+    agree(returns_finish)
+
+    def every_bucket_fired():
+        if len(launched) < len(buckets):
+            raise Wrong(f"only {len(launched)} of the {len(buckets)} buckets' all-reduces were launched during "
+                        "backward: a bucket whose count never reaches zero never fires. Count each bucket's own "
+                        f"parameters (bucket sizes here: {[len(b) for b in buckets]}) and launch when its last "
+                        "gradient lands")
+        if len(launched) > len(buckets):
+            raise Wrong(f"{len(launched)} all-reduces were launched during backward for {len(buckets)} buckets: "
+                        "launch one per bucket, once, when its last gradient lands")
+    agree(every_bucket_fired)
+
+    def asynchronous():
+        blocking = [e for e in launched if not e[2]]
+        if blocking:
+            raise Wrong(f"{len(blocking)} all-reduce(s) were launched with async_op=False inside backward: backward "
+                        "stood still until each finished, so nothing overlapped. Pass async_op=True, keep the "
+                        "handle, and wait in finish()")
+        if waited_early:
+            raise Wrong(f"you waited for an all-reduce {len(waited_early)} time(s) inside backward (work.wait() in "
+                        "the hook): backward stopped until the bucket had travelled, so nothing overlapped. Keep "
+                        "the handles and wait for them in finish(), after backward")
+    agree(asynchronous)
+
+    def averaged():
+        if _close(got, want):
+            return
+        if n > 1 and _close(got, local):
+            raise Wrong(".grad still holds this rank's own gradient after finish(): the averaged buckets never "
+                        "reached .grad. In finish(), wait for each handle, then copy the bucket's slices back "
+                        "into its parameters' .grad")
+        if n > 1 and _close(got, want * n):
+            raise Wrong(f".grad is {n} times the mean gradient: all_reduce SUMs over the ranks; divide the bucket "
+                        f"by the world size ({n})")
+        err = (got - want).abs().max().item()
+        raise Wrong(f".grad after finish() differs from the mean gradient by up to {err:.3g}: flatten each bucket "
+                    "in its order, all-reduce it, divide by the world size, copy the slices back")
+    agree(averaged)
+
+
 CHECKS = {"ddp_by_hand": check_ddp_by_hand, "bucketed_average": check_bucketed_average,
-          "shard_indices": check_shard_indices}
+          "shard_indices": check_shard_indices, "overlapped_hooks": check_overlapped_hooks}
 
 
 def main(ctx, exercise: str = "", answer=None):
