@@ -3,8 +3,9 @@ checked in the notebook, the sharded optimizer step on 2 and 4 real ranks."""
 from course_utils.exercises import exercises
 
 
-def test_chapter_11_declares_a_local_and_a_rank_exercise():
+def test_chapter_11_declares_a_local_exercise_and_three_on_ranks():
     by_name = {e.name: e for e in exercises("11")}
-    assert set(by_name) == {"zero_state_bytes", "zero1_step"}
+    assert set(by_name) == {"zero_state_bytes", "zero1_step", "zero2_grad_hooks", "zero3_unit_hooks"}
     assert by_name["zero_state_bytes"].local is not None
-    assert by_name["zero1_step"].worker == "workers.exercises.ch11" and by_name["zero1_step"].world_sizes == (2, 4)
+    for name in ("zero1_step", "zero2_grad_hooks", "zero3_unit_hooks"):
+        assert by_name[name].worker == "workers.exercises.ch11" and by_name[name].world_sizes == (2, 4)
