@@ -51,6 +51,7 @@ def test_every_exercise_has_a_wrong_answer(chapter):
     assert not missing, f"no wrong answer for {sorted(missing)} in tests/wrong_answers/ch{chapter}.py"
 
 
+@pytest.mark.once  # the reference solutions (above) run under every CPU's kernels; the wrong answers miss by far more
 @pytest.mark.parametrize("chapter, name, fn, fragment", WRONG, ids=[f"{w[0]}-{w[2].__name__}" for w in WRONG])
 def test_wrong_answer_is_caught_with_its_reason(chapter, name, fn, fragment):
     verdict = check(name, fn)

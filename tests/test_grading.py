@@ -20,7 +20,7 @@ from course_utils.exercises import exercises
 from tests.exercise_sources import solutions, wrong_answers
 from course_utils.paths import ROOT
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.once]  # the batch pipeline: the same on every CPU
 CHAPTERS = sorted({e.chapter for e in exercises()})
 assert CHAPTERS, "no chapter registers exercises"
 # The batch pipeline is proven on two chapters, one checked on real ranks and one in the notebook process;

@@ -5,7 +5,11 @@ learner then does in the browser is tests/browser/test_lab_browser.py (``make te
 """
 import json
 
+import pytest
+
 from tests.lab_server import ROOT, get, make_lab
+
+pytestmark = pytest.mark.once  # a server and its files: the same on every CPU
 
 
 def test_make_lab_serves_the_course(tmp_path):

@@ -19,7 +19,7 @@ import course_utils as cu
 from course_utils import reaper
 from course_utils.jobs import describe_stack
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.once]  # process handling: the same on every CPU
 
 
 def _gone(pids, within=10.0):
