@@ -49,11 +49,6 @@ def check_params(world_size, stage: int = 3, global_batch: int = 8, steps: int =
     return None
 
 
-def _moments_bytes(optimizer) -> int:
-    return sum(v.nbytes for st in optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
-
-
 class Stage:
     """One stage's trainer behind one interface: ``zero_grad``, ``step``, ``held()`` and ``weights()``."""
 
@@ -91,7 +86,7 @@ class Stage:
                     "optimizer": impl.state_bytes(), "in_flight": in_flight}
         in_flight = sum(buf.nbytes for _, _, buf, _ in impl._rs)
         return {"params": impl.shard_bytes() + impl.gathered_bytes(), "grads": impl.grad_shard_bytes() + whole_grads,
-                "optimizer": _moments_bytes(impl.optimizer), "in_flight": in_flight}
+                "optimizer": impl.state_bytes(), "in_flight": in_flight}
 
     def weights(self) -> torch.Tensor:
         return self.impl.full_parameters().cpu().double() if self.stage == 3 else flat_params(self.model)
