@@ -1,0 +1,114 @@
+"""Chapter 16: one MoE layer on expert-parallel ranks, forward and backward, against the one-process reference.
+
+    torchrun --nproc-per-node 4 workers/ch16_moe.py --ep 2 --experts 8 --top-k 2 --capacity-factor 1.0
+    torchrun --nproc-per-node 4 workers/ch16_moe.py --ep 4 --sweep true
+    torchrun --nproc-per-node 2 workers/ch16_moe.py --ep 2 --drill combine_order_not_restored
+
+Every rank builds the whole layer from ``seed``, keeps the router, the shared experts and its ``experts / ep``
+routed experts (``workers/moe/layer.py``), routes its share of a batch of ``tokens`` tokens (``data_seed``;
+rank r holds rows ``[r T/W, (r+1) T/W)``), sends them to their experts with two all-to-alls, and backpropagates
+its loss: the mean over its tokens of ``y . g`` (``g`` a fixed random direction per token) plus the auxiliary
+losses. Gradients are averaged (``reduce_gradients``: dense ones over the world, experts over their expert-data-
+parallel group, both divided by the world). Each rank returns its output rows, its input's gradient, the gradient
+of every parameter it holds, its routing (experts, kept choices), counts, split sizes and timings, for every case
+(``sweep``: experts 4 and 8, top-1 and top-2, dropless and capacity factor 1). ``workers/moe/equivalence.py``
+compares them with ``reference_forward``. ``skew`` > 0 pushes every token towards expert 0 (an imbalanced batch).
+
+With ``world > ep`` the experts are also data-parallel: EP groups of ``ep`` consecutive ranks, each holding all
+the experts once.
+"""
+import time
+
+import torch
+
+from workers.moe.config import MoEConfig
+from workers.moe.layer import DRILLS, ExpertParallelGroups, MoELayer, build_weights, reduce_gradients
+from workers.runtime import entrypoint
+
+SWEEP = [(experts, top_k, capacity) for experts in (4, 8) for top_k in (1, 2) for capacity in (0.0, 1.0)]
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def batch(cfg: MoEConfig, tokens: int, data_seed: int, skew: float, dtype, weights: dict):
+    """The whole batch ``x`` ``[T, h]`` and the loss's directions ``g`` ``[T, h]`` (every rank draws all of it)."""
+    gen = torch.Generator().manual_seed(data_seed)
+    x = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
+    g = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
+    if skew:
+        hot = weights["router.weight"][0].double()
+        x = x + skew * hot / hot.norm()  # every token leans towards expert 0's router row
+    return x.to(dtype), g.to(dtype)
+
+
+def cases(sweep: bool, **one) -> list[MoEConfig]:
+    if not sweep:
+        return [MoEConfig(**one)]
+    base = {k: v for k, v in one.items() if k not in ("experts", "top_k", "capacity_factor", "shared_experts")}
+    return [MoEConfig(experts=e, top_k=k, capacity_factor=c, shared_experts=int(e == 8), **base) for e, k, c in SWEEP]
+
+
+def check_params(world_size, ep=0, experts=4, top_k=2, capacity_factor=0.0, aux_coeff=0.1, z_coeff=0.01,
+                 shared_experts=0, hidden=16, ffn=32, tokens=32, drill="none", sweep=False, dtype="float64", **_):
+    ep = ep or world_size
+    if drill not in DRILLS:
+        return f"drill={drill!r} is not one of {', '.join(DRILLS)}"
+    if dtype not in DTYPES:
+        return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
+    one = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
+               aux_coeff=aux_coeff, z_coeff=z_coeff, shared_experts=shared_experts)
+    for cfg in cases(sweep, **one):
+        why = cfg.problem(ep=ep, world=world_size, tokens=tokens)
+        if why:
+            return why
+    return None
+
+
+def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: float = 0.0, aux_coeff: float = 0.1,
+         z_coeff: float = 0.01, shared_experts: int = 0, hidden: int = 16, ffn: int = 32, tokens: int = 32,
+         seed: int = 0, data_seed: int = 1, skew: float = 0.0, drill: str = "none", sweep: bool = False,
+         dtype: str = "float64", repeats: int = 1, report: bool = True):
+    """One forward and backward per case; ``repeats`` > 1 times it (the last run is reported)."""
+    ep = ep or ctx.world_size
+    world, rank = ctx.world_size, ctx.rank
+    out = []
+    with ExpertParallelGroups(world, ep, rank) as groups:
+        one = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
+                   aux_coeff=aux_coeff, z_coeff=z_coeff, shared_experts=shared_experts)
+        for cfg in cases(sweep, **one):
+            weights = build_weights(cfg, seed, DTYPES[dtype])
+            layer = MoELayer(cfg, groups, weights=weights, device=ctx.device, dtype=DTYPES[dtype], drill=drill)
+            x_all, g_all = batch(cfg, tokens, data_seed, skew, DTYPES[dtype], weights)
+            per = tokens // world
+            rows = slice(rank * per, (rank + 1) * per)
+            for _ in range(repeats):
+                layer.zero_grad(set_to_none=True)
+                x = x_all[rows].clone().to(ctx.device).requires_grad_(True)  # [T/W, h]
+                t0 = time.perf_counter()
+                y = layer(x)  # [T/W, h]
+                loss = (y * g_all[rows].to(ctx.device)).sum(dim=-1).mean() + layer.aux_loss
+                loss.backward()
+                reduce_gradients(layer.parameters(), layer.expert_parameters(), groups, drill,
+                                 router_params=layer.router.parameters())
+                step_s = time.perf_counter() - t0
+            rec = layer.last
+            kept = int(rec.keep.sum())
+            case = {"config": cfg.as_dict(), "rows": [rows.start, rows.stop], "ep_rank": groups.ep_rank,
+                    "local_experts": layer.local, "experts": rec.experts.cpu(), "keep": rec.keep.cpu(),
+                    "counts": rec.counts.cpu(), "kept": kept, "dropped": rec.keep.numel() - kept,
+                    "send_splits": rec.send_splits, "recv_splits": rec.recv_splits,
+                    "tokens_per_local_expert": rec.tokens_per_local_expert, "expert_cpu_s": rec.expert_cpu_s,
+                    "step_s": step_s, "loss": float(loss), "aux": rec.aux, "z": rec.z,
+                    # the bytes this rank's dispatch all-to-all moved to other ranks (the combine sends recv back)
+                    "dispatch_bytes": (sum(rec.send_splits) - rec.send_splits[groups.ep_rank]) * hidden * x.element_size(),
+                    "combine_bytes": (sum(rec.recv_splits) - rec.recv_splits[groups.ep_rank]) * hidden * x.element_size()}
+            if report:
+                # the rank backpropagated its own mean loss; the global loss is the mean of the world's: / world
+                case.update(y=y.detach().cpu(), input_grad=(x.grad / world).cpu(),
+                            grads={n: p.grad.detach().cpu() for n, p in layer.named_parameters()})
+            out.append(case)
+    return {"world": world, "ep": ep, "edp": world // ep, "drill": drill, "tokens": tokens, "seed": seed,
+            "data_seed": data_seed, "skew": skew, "dtype": dtype, "cases": out}
+
+
+if __name__ == "__main__":
+    entrypoint(main)

@@ -1,0 +1,94 @@
+"""Is the expert-parallel layer the one-process layer? Outputs, routing, drops, losses and every gradient.
+
+``reference(case_config, run)`` computes, in one process and token by token (``layer.reference_forward``), what
+the ranks of ``workers/ch16_moe.py`` should have returned; ``compare(cases, ref)`` lists every difference as a
+sentence naming the tensor and the ranks, and says what a difference looks like when it has a known cause (a
+gradient ``ep`` times too large, an unreduced router, rows added to the wrong tokens, another aux loss).
+An empty list means equal within ``TOLERANCE``.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.moe.config import MoEConfig
+from workers.moe.layer import build_weights, reference_forward
+
+# float64 throughout: the ranks and the reference add the same products in other orders (a batched matmul
+# against one token at a time, an all-reduce's sum), which moves the last bits only. Measured max |diff|
+# over every case of tests/test_moe_ep.py: ~1e-16 for outputs, ~1e-16 for gradients; 1e-10 leaves a wide
+# margin on any CPU's kernels and is still 1e6 times below the smallest drill's effect.
+TOLERANCE = 1e-10
+
+
+def reference(cfg: MoEConfig, run: dict) -> dict:
+    """The one-process forward and backward for ``run``'s batch (``run``: what rank 0 returned, for its settings)."""
+    from workers.ch16_moe import DTYPES, batch  # noqa: PLC0415 - the worker's batch, drawn the same way
+
+    dtype = DTYPES[run["dtype"]]
+    weights = {n: w.clone().requires_grad_(True) for n, w in build_weights(cfg, run["seed"], dtype).items()}
+    x, g = batch(cfg, run["tokens"], run["data_seed"], run["skew"], dtype, build_weights(cfg, run["seed"], dtype))
+    x = x.clone().requires_grad_(True)
+    y, records, aux, z = reference_forward(cfg, weights, x, groups=run["world"])
+    loss = (y * g).sum(dim=-1).mean() + cfg.aux_coeff * aux + cfg.z_coeff * z
+    loss.backward()
+    return {"y": y.detach(), "input_grad": x.grad, "grads": {n: w.grad for n, w in weights.items()},
+            "records": records, "aux": aux.item(), "z": z.item(), "loss": loss.item()}
+
+
+def _ratio(got: torch.Tensor, want: torch.Tensor) -> float | None:
+    """``got / want`` when ``got`` is a multiple of ``want`` (to 1e-6), else None."""
+    if not float(want.abs().max()):
+        return None
+    r = float((got * want).sum() / (want * want).sum())
+    return r if float((got - r * want).abs().max()) <= 1e-6 * float(want.abs().max()) else None
+
+
+def compare(cases: list[dict], ref: dict, world: int, ep: int) -> list[str]:
+    """``cases``: each rank's entry for one case, in rank order. Returns the differences, one sentence each."""
+    out = []
+    for rank, case in enumerate(cases):
+        experts, keep = ref["records"][rank]
+        if not torch.equal(case["experts"], experts):
+            out.append(f"rank {rank} routed its tokens to other experts than one process does")
+        elif not torch.equal(case["keep"], keep):
+            out.append(f"rank {rank} dropped {case['dropped']} token choices, one process drops "
+                       f"{int((~keep).sum())} (or others) for the same tokens")
+    if out:
+        return out
+    y = torch.cat([c["y"] for c in cases])
+    bad = (y - ref["y"]).abs().amax(dim=-1) > TOLERANCE  # [T]
+    if bad.any():
+        tokens = [int(t) for t in bad.nonzero()[:, 0]]
+        where = ", ".join(f"rank {t // (len(y) // world)} token {t % (len(y) // world)}" for t in tokens[:4])
+        out.append(f"the output differs at {len(tokens)} of {len(y)} tokens ({where}{', ...' if len(tokens) > 4 else ''})"
+                   f", max |diff| {float((y - ref['y']).abs().max()):.2e}, although every token chose and kept the same "
+                   "experts: the fault lies between dispatch and combine (the rows' order, their weights, or the experts)")
+    aux = sum(c["aux"] for c in cases) / len(cases)
+    if abs(aux - ref["aux"]) > TOLERANCE:
+        out.append(f"the load-balancing loss is {aux:.6f} (the ranks' mean) against {ref['aux']:.6f} in one process: "
+                   "its f_i must count the tokens of the whole batch (all-reduced), not each rank's own")
+    for name, want in ref["grads"].items():
+        holders = [r for r, c in enumerate(cases) if name in c["grads"]]
+        wrong = [r for r in holders if float((cases[r]["grads"][name] - want).abs().max()) > TOLERANCE]
+        if not wrong:
+            continue
+        got = cases[wrong[0]]["grads"][name]
+        ratio = _ratio(got, want)
+        held = "" if len(holders) == world else f" (held by rank{'s' if len(holders) > 1 else ''} {', '.join(map(str, holders))})"
+        msg = (f"{name}'s gradient differs on rank{'s' if len(wrong) > 1 else ''} {', '.join(map(str, wrong))}{held}: "
+               f"max |diff| {float((got - want).abs().max()):.2e}")
+        if ratio is not None and abs(ratio - 1) > 1e-6:
+            msg += f", exactly {ratio:.2f}x the reference's"
+            if abs(ratio - ep) < 1e-6 and name.startswith("experts."):
+                msg += f" = ep ({ep}): averaged over the expert-data-parallel group, not the world"
+        replicas = [cases[r]["grads"][name] for r in holders]
+        if len(replicas) > 1 and any(not torch.equal(replicas[0], t) for t in replicas[1:]) \
+                and not name.startswith("experts."):
+            mean = sum(replicas) / len(replicas)
+            msg += ("; the replicas disagree, and their mean is the reference's: this gradient was never all-reduced"
+                    if float((mean - want).abs().max()) <= TOLERANCE else "; the replicas disagree")
+        out.append(msg)
+    xg = torch.cat([c["input_grad"] for c in cases])
+    if float((xg - ref["input_grad"]).abs().max()) > TOLERANCE:
+        out.append(f"the input's gradient differs, max |diff| {float((xg - ref['input_grad']).abs().max()):.2e}")
+    return out

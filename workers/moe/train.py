@@ -1,0 +1,99 @@
+"""Chapter 09's tiny GPT with an MoE FFN in every block, trained on expert-parallel ranks.
+
+Each block's MLP becomes a ``MoELayer`` (its own router and experts, built from ``seed`` and the block's index);
+everything else is chapter 09's model (``workers/gpt/model.py``) and data (the seeded Markov chain). Rank r of W
+reads its B/W samples of each global batch; the loss is its tokens' mean cross-entropy plus every layer's
+auxiliary losses; gradients are averaged by ``layer.reduce_gradients`` (dense over the world, experts over their
+expert-data-parallel group, both divided by W); AdamW steps on every rank.
+
+Each step reports, for the whole batch (counts all-reduced): tokens per expert in every layer, the fraction of
+token choices dropped (zero when dropless), the fraction that *would* be dropped at each capacity factor of
+``CAPACITY_FACTORS`` (from the same routing, GShard's queue order, per rank's group), the load-balancing loss,
+and the CPU seconds each rank spent in its experts (the rank with the busiest experts sets the step's pace: the
+others wait for it in the combine's all-to-all).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from workers.gpt.config import GPTConfig
+from workers.gpt.data import Loader, MarkovDataset, rank_rows
+from workers.gpt.model import make_model
+from workers.moe.config import MoEConfig
+from workers.moe.layer import ExpertParallelGroups, MoELayer, reduce_gradients
+from workers.moe.router import keep_mask
+
+CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
+
+
+def make_moe_gpt(gcfg: GPTConfig, moe: MoEConfig, groups: ExpertParallelGroups | None, seed: int = 0,
+                 device="cpu"):
+    """Chapter 09's GPT (fp32, nanoGPT's init from ``seed``) with block i's MLP replaced by an MoE layer."""
+    model = make_model(gcfg, seed=seed).to(device)
+    for i, block in enumerate(model.blocks):
+        block.mlp = MoELayer(moe, groups, seed=seed * 1000 + i + 1, device=device, dtype=torch.float32)
+    return model
+
+
+class MoETrainer:
+    def __init__(self, gcfg: GPTConfig, moe: MoEConfig, groups: ExpertParallelGroups, *, steps: int,
+                 global_batch: int, lr: float, seed: int = 0, data_seed: int = 1234, device="cpu"):
+        self.gcfg, self.moe, self.groups, self.global_batch = gcfg, moe, groups, global_batch
+        self.model = make_moe_gpt(gcfg, moe, groups, seed, device)
+        self.layers = [block.mlp for block in self.model.blocks]
+        self.expert_params = [p for layer in self.layers for p in layer.expert_parameters()]
+        self.router_params = [p for layer in self.layers for p in layer.router.parameters()]
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.data = MarkovDataset(gcfg.vocab, gcfg.seq, steps * global_batch, data_seed)
+        self.loader = Loader(steps * global_batch, global_batch)
+        self.device = torch.device(device)
+
+    def step(self) -> dict:
+        g = self.groups
+        tokens = self.data.batch(rank_rows(self.loader.next_ids(), g.rank, g.world)).to(self.device)  # [B/W, s+1]
+        t0 = time.perf_counter()
+        logits = self.model(tokens[:, :-1])  # [B/W, s, V]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        aux = sum(layer.aux_loss for layer in self.layers)
+        self.opt.zero_grad(set_to_none=True)
+        (ce + aux).backward()
+        reduce_gradients(self.model.parameters(), self.expert_params, g, router_params=self.router_params)
+        self.opt.step()
+        step_s = time.perf_counter() - t0
+        return self._record(ce.detach(), step_s)
+
+    def _record(self, ce: torch.Tensor, step_s: float) -> dict:
+        """The step's routing over the whole batch: one all-reduce of every count, one all-gather of timings."""
+        n, k = self.moe.experts, self.moe.top_k
+        records = [layer.last for layer in self.layers]
+        choices = records[0].experts.numel()  # this rank's token choices per layer
+        would_drop = [[int((~keep_mask(r.experts, n, replace(self.moe, capacity_factor=c).capacity(len(r.experts))))
+                            .sum()) for c in CAPACITY_FACTORS] for r in records]  # [L, len(CAPACITY_FACTORS)]
+        stats = torch.cat([torch.stack([r.counts for r in records]).reshape(-1).double(),  # [L E]
+                           torch.tensor([int((~r.keep).sum()) for r in records], dtype=torch.float64),  # [L]
+                           torch.tensor(would_drop, dtype=torch.float64).reshape(-1),
+                           torch.tensor([r.aux for r in records] + [float(ce), choices], dtype=torch.float64)])
+        cpu = torch.tensor([sum(r.expert_cpu_s for r in records), step_s], dtype=torch.float64)
+        if self.groups.world > 1:
+            dist.all_reduce(stats)
+            gathered = [torch.empty_like(cpu) for _ in range(self.groups.world)]
+            dist.all_gather(gathered, cpu)
+            cpu = torch.stack(gathered)  # [W, 2]
+        else:
+            cpu = cpu[None]
+        L, W, F_ = len(records), self.groups.world, len(CAPACITY_FACTORS)
+        counts = stats[:L * n].view(L, n)
+        dropped = stats[L * n:L * n + L]
+        would = stats[L * n + L:L * n + L + L * F_].view(L, F_)
+        tail = stats[L * n + L + L * F_:]
+        total_choices = float(tail[-1])  # per layer, over the world
+        return {"loss": float(tail[-2]) / W, "aux": [float(a) / W for a in tail[:L]],
+                "counts": counts.long().tolist(), "dropped": (dropped / total_choices).tolist(),
+                "would_drop": (would / total_choices).tolist(),
+                "max_load": [float(c.max() / (c.sum() / n)) for c in counts],  # busiest expert / perfectly even
+                "expert_cpu_s": cpu[:, 0].tolist(), "step_s": cpu[:, 1].tolist()}
