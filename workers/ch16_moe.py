@@ -19,37 +19,18 @@ the experts once.
 """
 import time
 
-import torch
-
-from workers.moe.config import MoEConfig
+from workers.moe.batch import DTYPES, balance, batch, cases
 from workers.moe.layer import DRILLS, ExpertParallelGroups, MoELayer, build_weights, reduce_gradients
 from workers.runtime import entrypoint
 
-SWEEP = [(experts, top_k, capacity) for experts in (4, 8) for top_k in (1, 2) for capacity in (0.0, 1.0)]
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
-
-def batch(cfg: MoEConfig, tokens: int, data_seed: int, skew: float, dtype, weights: dict):
-    """The whole batch ``x`` ``[T, h]`` and the loss's directions ``g`` ``[T, h]`` (every rank draws all of it)."""
-    gen = torch.Generator().manual_seed(data_seed)
-    x = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
-    g = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
-    if skew:
-        hot = weights["router.weight"][0].double()
-        x = x + skew * hot / hot.norm()  # every token leans towards expert 0's router row
-    return x.to(dtype), g.to(dtype)
-
-
-def cases(sweep: bool, **one) -> list[MoEConfig]:
-    if not sweep:
-        return [MoEConfig(**one)]
-    base = {k: v for k, v in one.items() if k not in ("experts", "top_k", "capacity_factor", "shared_experts")}
-    return [MoEConfig(experts=e, top_k=k, capacity_factor=c, shared_experts=int(e == 8), **base) for e, k, c in SWEEP]
-
 
 def check_params(world_size, ep=0, experts=4, top_k=2, capacity_factor=0.0, aux_coeff=0.1, z_coeff=0.01,
-                 shared_experts=0, hidden=16, ffn=32, tokens=32, drill="none", sweep=False, dtype="float64", **_):
+                 shared_experts=0, hidden=16, ffn=32, tokens=32, drill="none", sweep=False, dtype="float64",
+                 balanced=False, skew=0.0, **_):
     ep = ep or world_size
+    if balanced and (hidden < experts or top_k > 2 or skew):
+        return (f"balanced=True routes token t to experts t and t+1 through the first {experts} coordinates: it needs "
+                f"hidden >= experts, top_k <= 2 and skew=0 (here hidden={hidden}, top_k={top_k}, skew={skew})")
     if drill not in DRILLS:
         return f"drill={drill!r} is not one of {', '.join(DRILLS)}"
     if dtype not in DTYPES:
@@ -66,7 +47,7 @@ def check_params(world_size, ep=0, experts=4, top_k=2, capacity_factor=0.0, aux_
 def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: float = 0.0, aux_coeff: float = 0.1,
          z_coeff: float = 0.01, shared_experts: int = 0, hidden: int = 16, ffn: int = 32, tokens: int = 32,
          seed: int = 0, data_seed: int = 1, skew: float = 0.0, drill: str = "none", sweep: bool = False,
-         dtype: str = "float64", repeats: int = 1, report: bool = True):
+         dtype: str = "float64", balanced: bool = False, repeats: int = 1, report: bool = True):
     """One forward and backward per case; ``repeats`` > 1 times it (the last run is reported)."""
     ep = ep or ctx.world_size
     world, rank = ctx.world_size, ctx.rank
@@ -76,8 +57,9 @@ def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: fl
                    aux_coeff=aux_coeff, z_coeff=z_coeff, shared_experts=shared_experts)
         for cfg in cases(sweep, **one):
             weights = build_weights(cfg, seed, DTYPES[dtype])
+            weights = balance(cfg, weights) if balanced else weights
             layer = MoELayer(cfg, groups, weights=weights, device=ctx.device, dtype=DTYPES[dtype], drill=drill)
-            x_all, g_all = batch(cfg, tokens, data_seed, skew, DTYPES[dtype], weights)
+            x_all, g_all = batch(cfg, tokens, data_seed, skew, DTYPES[dtype], weights, balanced)
             per = tokens // world
             rows = slice(rank * per, (rank + 1) * per)
             for _ in range(repeats):
@@ -107,7 +89,7 @@ def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: fl
                             grads={n: p.grad.detach().cpu() for n, p in layer.named_parameters()})
             out.append(case)
     return {"world": world, "ep": ep, "edp": world // ep, "drill": drill, "tokens": tokens, "seed": seed,
-            "data_seed": data_seed, "skew": skew, "dtype": dtype, "cases": out}
+            "data_seed": data_seed, "skew": skew, "balanced": balanced, "dtype": dtype, "cases": out}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.moe.batch import DTYPES, balance, batch
 from workers.moe.config import MoEConfig
 from workers.moe.layer import build_weights, reference_forward
 
@@ -22,11 +23,11 @@ TOLERANCE = 1e-10
 
 def reference(cfg: MoEConfig, run: dict) -> dict:
     """The one-process forward and backward for ``run``'s batch (``run``: what rank 0 returned, for its settings)."""
-    from workers.ch16_moe import DTYPES, batch  # noqa: PLC0415 - the worker's batch, drawn the same way
-
     dtype = DTYPES[run["dtype"]]
-    weights = {n: w.clone().requires_grad_(True) for n, w in build_weights(cfg, run["seed"], dtype).items()}
-    x, g = batch(cfg, run["tokens"], run["data_seed"], run["skew"], dtype, build_weights(cfg, run["seed"], dtype))
+    built = build_weights(cfg, run["seed"], dtype)
+    built = balance(cfg, built) if run["balanced"] else built
+    weights = {n: w.clone().requires_grad_(True) for n, w in built.items()}
+    x, g = batch(cfg, run["tokens"], run["data_seed"], run["skew"], dtype, built, run["balanced"])
     x = x.clone().requires_grad_(True)
     y, records, aux, z = reference_forward(cfg, weights, x, groups=run["world"])
     loss = (y * g).sum(dim=-1).mean() + cfg.aux_coeff * aux + cfg.z_coeff * z

@@ -69,7 +69,7 @@ class MoETrainer:
 
     def _record(self, ce: torch.Tensor, step_s: float) -> dict:
         """The step's routing over the whole batch: one all-reduce of every count, one all-gather of timings."""
-        n, k = self.moe.experts, self.moe.top_k
+        n = self.moe.experts
         records = [layer.last for layer in self.layers]
         choices = records[0].experts.numel()  # this rank's token choices per layer
         would_drop = [[int((~keep_mask(r.experts, n, replace(self.moe, capacity_factor=c).capacity(len(r.experts))))
