@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from course_utils.ledger import GB, collective_time, flops_per_token, pipeline_bubble_fraction, tp_comm_bytes_per_layer
 from course_utils import reference_data
-from course_utils.planner import (CLUSTERS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan, model_shape,
-                                  plan, zero_collectives_per_step)
-from course_utils.published_configs import PUBLISHED_CONFIGS, PublishedConfig
+from course_utils.planner import (CLUSTERS, GPUS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan,
+                                  all_to_all_bytes, ep_rank_parameters, ep_traffic_per_step, model_shape,
+                                  moe_parameter_counts, plan, zero_collectives_per_step)
+from course_utils.published_configs import PUBLISHED_CONFIGS, PUBLISHED_MOE, PublishedConfig, PublishedMoE
 from course_utils.tables import Table
 
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
@@ -39,13 +40,15 @@ def zero_frequency(zero_stage: int, per: str = "") -> str:
 
 
 def partition_table(model: str = "70B", *, tp: int = 8, cp: int = 2, pp: int = 4, micro_batch: int = 1,
-                    seq: int = 8192, experts_top_k: int = 2) -> Table:
+                    seq: int = 8192, experts_top_k: int = 2, ep: int = 8) -> Table:
     """What each parallelism splits, what it communicates, when, how big each message is and how often.
 
     Sizes are bf16 (2 bytes) for one micro-batch of ``micro_batch`` x ``seq`` tokens of ``model``; "per GPU"
     model states assume the ``tp`` x ``pp`` split. Sources: DP/ZeRO, Rajbhandari et al. 2020 sec 5 and 7;
     TP, Shoeybi et al. 2019 sec 3; SP, Korthikanti et al. 2022 sec 4.2.2; CP, Llama 3 paper sec 3.3.2;
-    PP, Narayanan et al. 2021 sec 2.2 and 4.1; EP, Lepikhin et al. 2020 (GShard) sec 3.
+    PP, Narayanan et al. 2021 sec 2.2 and 4.1; EP, Lepikhin et al. 2020 (GShard) sec 3. EP's message is the
+    dispatch buffer (each of the CP rank's tokens, ``experts_top_k`` times) and, in brackets, what
+    ``planner.all_to_all_bytes`` says leaves the rank over ``ep`` ranks under uniform routing.
     """
     m = model_shape(model)
     b, s, h = micro_batch, seq, m.hidden
@@ -54,6 +57,7 @@ def partition_table(model: str = "70B", *, tp: int = 8, cp: int = 2, pp: int = 4
     act = b * (s // cp) * h * 2  # one [b, s/cp, h] bf16 activation: a CP rank holds s/cp of the tokens
     tpc = tp_comm_bytes_per_layer(b, s // cp, h, tp)
     kv = 2 * b * s * m.kv_dim / tp * 2  # K and V of the whole sequence, this TP rank's heads
+    a2a_sent = all_to_all_bytes(b * (s // cp), h, experts_top_k, ep, 2)  # of act * top_k, (ep-1)/ep leaves the rank
     rows = [
         ["DP (DDP)", "the batch; model replicated", "all_reduce of gradients",
          "after the last micro-batch's backward (bucketed, overlapped)", _mb(2 * local_params), zero_frequency(0)],
@@ -73,7 +77,8 @@ def partition_table(model: str = "70B", *, tp: int = 8, cp: int = 2, pp: int = 4
         ["PP", "the layers into stages", "send/recv activations and their gradients",
          "at each stage boundary", _mb(act / tp) + " (1/tp with scatter/gather)", "2 per micro-batch per boundary"],
         [f"EP (MoE, top-{experts_top_k})", "the experts of each MoE layer", "all_to_all tokens out and back",
-         "around every MoE FFN, fwd and bwd", _mb(act * experts_top_k), "4 per MoE layer per micro-batch"],
+         "around every MoE FFN, fwd and bwd",
+         f"{_mb(act * experts_top_k)} ({_mb(a2a_sent)} leave the rank at ep={ep})", "4 per MoE layer per micro-batch"],
     ]
     caption = (f"{m.name}, micro-batch {b} x {s} tokens, bf16, tp={tp}, cp={cp}, pp={pp}: "
                "message = the buffer one collective moves (nccl-tests' S); DP and ZeRO-1 accumulate full "
@@ -297,6 +302,89 @@ def published_table(configs=PUBLISHED_CONFIGS) -> Table:
     rows = [[c.name, c.gpu, str(c.gpus), f"{c.tp}/{c.cp}/{c.pp}/{c.dp}", c.data_parallel,
              f"{c.mfu:.0%}" if c.mfu else "-", product_check(c)] for c in configs]
     return Table(PUBLISHED_HEADER, rows, PUBLISHED_CAPTION)
+
+
+# -- 5b. pricing expert parallelism -------------------------------------------------------------------------
+
+def _billions(n: float) -> str:
+    return f"{n / 1e9:,.2f}B"
+
+
+def _published(value: float, unit: float) -> str:
+    """A published count as its source prints it: "46.7B" to 0.1B, "671B" to 1B."""
+    return f"{value / 1e9:.{1 if unit < 1e9 else 0}f}B"
+
+
+MOE_COUNT_HEADER = ["model", "total (counted)", "published", "active (counted)", "... without input embedding",
+                    "published"]
+
+
+def moe_count_table(configs=PUBLISHED_MOE) -> Table:
+    """Total and active parameters counted by ``planner.moe_parameter_counts`` next to what the sources print."""
+    rows = []
+    for c in configs:
+        n = moe_parameter_counts(c)
+        rows.append([c.name, f"{n['total']:,}", _published(c.published_total, c.published_unit),
+                     f"{n['active']:,}", f"{n['active'] - n['input_embedding']:,}",
+                     _published(c.published_active, c.published_unit)])
+    caption = ("counted exactly from each model's shape (planner.moe_parameter_counts); published: Mixtral, Mistral "
+               "AI's release post (the paper rounds to 47B / 13B); DeepSeek-V3, its report sec 4.2 (MTP module "
+               "excluded)")
+    return Table(MOE_COUNT_HEADER, rows, caption)
+
+
+EP_HEADER = ["model", "EP", "routed experts/rank", "params/rank", "bf16 weights/rank", "one dispatch",
+             "per MoE layer (x4)", "all MoE layers"]
+
+
+def ep_table(plans: dict[str, tuple[int, ...]] | None = None, *, tokens_per_rank: int = 4096,
+             bytes_per_element: int = 2) -> Table:
+    """Expert parallelism priced for each (model, EP degree): parameters per rank (``planner.ep_rank_parameters``),
+    their bf16 bytes, and the all-to-all bytes one rank sends (``planner.ep_traffic_per_step``) for a micro-batch
+    of ``tokens_per_rank`` tokens: one dispatch, one MoE layer's four (dispatch and combine, forward and
+    backward), and every MoE layer of the model. ``plans`` maps a ``PUBLISHED_MOE`` model's name to its EP
+    degrees (default: Mixtral 1 and 8, DeepSeek-V3 1, 8 and 64)."""
+    plans = plans or {"Mixtral 8x7B": (1, 8), "DeepSeek-V3": (1, 8, 64)}
+    by_name = {c.name: c for c in PUBLISHED_MOE}
+    rows = []
+    for name, eps in plans.items():
+        c = by_name[name]
+        for ep in eps:
+            held = ep_rank_parameters(c, ep)
+            t = ep_traffic_per_step(c, tokens_per_rank, ep, bytes_per_element)
+            rows.append([name, str(ep), str(c.experts // ep), _billions(held), f"{2 * held / GB:,.1f} GB",
+                         _mb(t["per_all_to_all"]) if ep > 1 else "0", _mb(t["per_layer"]) if ep > 1 else "0",
+                         f"{t['per_step'] / GB:,.1f} GB ({t['moe_layers']} layers)"])
+    caption = (f"one rank, EP only (no TP/PP/ZeRO: all but the routed experts replicated); all-to-all bytes it sends "
+               f"for one micro-batch of {tokens_per_rank:,} tokens, {bytes_per_element}-byte activations, uniform "
+               "routing; the MoE layer's 4 = dispatch and combine, forward and backward (MiB = 2^20 B, GB = 1e9 B)")
+    return Table(EP_HEADER, rows, caption)
+
+
+def ep_comm_vs_compute(cfg: PublishedMoE, *, tokens_per_rank: int = 4096, ep: int = 64, gpus_per_node: int = 8,
+                       dispatch_bytes: int = 2, combine_bytes: int = 2, link: str = "ib-ndr400", gpu: str = "h100",
+                       compute_efficiency: float = 0.6) -> dict[str, float]:
+    """One micro-batch of ``tokens_per_rank`` tokens on one EP rank: seconds of all-to-all between nodes against
+    seconds of matmuls, nothing overlapped.
+
+    Traffic: per MoE layer two all-to-alls in the dispatch direction (forward dispatch, backward's gradients
+    to the experts), ``dispatch_bytes`` wide, and two in the combine direction, ``combine_bytes`` wide
+    (``planner.all_to_all_bytes``, uniform routing); of the ep - 1 other ranks, ep - ``gpus_per_node`` are on
+    other nodes, and that share crosses ``link`` (the rest travels over NVLink, concurrently and ~9x faster,
+    and is left out). Compute: 6 FLOPs per active parameter per token (Kaplan et al. 2020; the input embedding,
+    a lookup, left out; attention's sequence-dependent FLOPs too) at ``compute_efficiency`` of ``gpu``'s peak.
+    """
+    if ep <= gpus_per_node:
+        raise ValueError(f"ep={ep} fits in one {gpus_per_node}-GPU node, so no all-to-all crosses {link}; "
+                         f"choose ep > {gpus_per_node}.")
+    moe_layers = cfg.layers - cfg.dense_layers
+    per_layer = sum(2 * all_to_all_bytes(tokens_per_rank, cfg.hidden, cfg.top_k, ep, width)
+                    for width in (dispatch_bytes, combine_bytes))
+    between_nodes = per_layer * moe_layers * (ep - gpus_per_node) / (ep - 1)
+    counts = moe_parameter_counts(cfg)
+    flops = 6 * (counts["active"] - counts["input_embedding"]) * tokens_per_rank
+    return {"comm_bytes": between_nodes, "comm_s": between_nodes / NETWORK_TIERS[link].bandwidth,
+            "compute_flops": flops, "compute_s": flops / (GPUS[gpu].peak_flops * compute_efficiency)}
 
 
 # -- 6. the planner widget ------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ degree is not simply as printed (the source gives no value and it was derived fr
 the source disagree and the rule picked one), ``derived`` says which and how: for that row the rule holds
 by construction and checks nothing.
 
+``PUBLISHED_MOE`` holds two mixture-of-experts models (Mixtral 8x7B, DeepSeek-V3): their shapes as the sources
+print them and the total and active parameter counts they publish, which ``planner.moe_parameter_counts``
+reproduces (``tests/test_planner_moe.py``).
+
 Units: sequences for ``global_batch``, tokens for ``seq``, FLOP/s for ``flops_per_gpu``, seconds for
 ``iteration_time_s``; ``mfu`` and ``hfu`` are fractions (0.514 for 51.4%).
 """
@@ -132,3 +136,99 @@ PUBLISHED_CONFIGS = (
     BLOOM_176B,
     OPT_175B,
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture-of-experts models: their shapes and the parameter counts their authors publish
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublishedMoE:
+    """A mixture-of-experts decoder as its source prints it, and the parameter counts the source publishes.
+
+    The shape is spelt as everywhere in the course (``layers, hidden, heads, kv_heads, ffn, vocab, seq``);
+    ``ffn`` is the intermediate size of the dense FFN layers, ``expert_ffn`` that of one expert. The first
+    ``dense_layers`` layers have a dense SwiGLU FFN, every other layer an MoE FFN of ``shared_experts`` experts
+    every token passes through plus ``experts`` routed experts of which the router picks ``top_k`` per token.
+    ``attention`` is "gqa" (q, k, v, o projections, ``kv_heads`` K/V heads of ``head_dim``) or "mla"
+    (DeepSeek's multi-head latent attention, whose low-rank dimensions are the ``*_rank`` and ``*_head_dim``
+    fields). ``router_bias``: the router also holds one bias per routed expert (DeepSeek-V3's load-balancing
+    bias). ``planner.moe_parameter_counts`` counts the parameters; ``published_total`` and
+    ``published_active`` are what the source prints, to ``published_unit`` (0.1e9 for "46.7B", 1e9 for "671B").
+    """
+
+    name: str
+    source: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    experts: int
+    top_k: int
+    expert_ffn: int
+    published_total: float
+    published_active: float
+    published_unit: float
+    shared_experts: int = 0
+    dense_layers: int = 0
+    tied_embeddings: bool = False
+    seq: int | None = None
+    attention: str = "gqa"
+    head_dim: int | None = None  # gqa: None means hidden // heads
+    q_lora_rank: int = 0  # mla only, from here to v_head_dim
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    router_bias: bool = False
+    trained_ep: int | None = None  # the expert-parallel degree the source trained with, where it prints one
+    notes: str = ""
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+
+# Jiang et al. 2024, "Mixtral of Experts" (arXiv:2401.04088), Table 1: dim 4096, n_layers 32, head_dim 128,
+# hidden_dim 14336, n_heads 32, n_kv_heads 8, context_len 32768, vocab_size 32000, num_experts 8,
+# top_k_experts 2. Every layer is an MoE layer (no dense FFN, no shared expert); the paper's hidden_dim is one
+# expert's. Embedding and output head are separate matrices (released config.json: tie_word_embeddings false).
+# The counts: Mistral AI's release post ("Mixtral of experts", mistral.ai/news/mixtral-of-experts, 11 Dec 2023):
+# "Mixtral has 46.7B total parameters but only uses 12.9B parameters per token"; the paper's text rounds them
+# to "47B" and "13B" (abstract: "each token has access to 47B parameters, but only uses 13B active parameters").
+MIXTRAL_8X7B = PublishedMoE(
+    "Mixtral 8x7B", "Jiang et al. 2024, Mixtral of Experts (arXiv:2401.04088), Table 1; Mistral AI release post",
+    layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32_000, seq=32_768, head_dim=128,
+    experts=8, top_k=2, expert_ffn=14336,
+    published_total=46.7e9, published_active=12.9e9, published_unit=0.1e9,
+    notes="the paper's text prints 47B total and 13B active; Mistral AI's release post 46.7B and 12.9B",
+)
+
+# DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv:2412.19437), sec 4.2 "Hyper-Parameters": 61 layers,
+# hidden 7168, 128 heads of per-head dimension 128, KV compression dimension 512, query compression dimension
+# 1536, decoupled RoPE per-head dimension 64; "We substitute all FFNs except for the first three layers with
+# MoE layers. Each MoE layer consists of 1 shared expert and 256 routed experts, where the intermediate hidden
+# dimension of each expert is 2048. Among the routed experts, 8 experts will be activated for each token";
+# "DeepSeek-V3 comprises 671B total parameters, of which 37B are activated for each token". Not printed in the
+# report and taken from the released config.json (huggingface.co/deepseek-ai/DeepSeek-V3): the dense FFN's
+# intermediate_size 18432, vocab_size 129280, tie_word_embeddings false, num_key_value_heads 128, and the
+# router's per-expert e_score_correction_bias (the bias of the auxiliary-loss-free balancing, sec 2.1.2).
+# The 671B excludes the multi-token-prediction module (README: 685B on Hugging Face = 671B main model + 14B
+# MTP). Sec 3.2: "DeepSeek-V3 applies 16-way Pipeline Parallelism (PP), 64-way Expert Parallelism (EP)
+# spanning 8 nodes, and ZeRO-1 Data Parallelism (DP)" on 2048 H800 GPUs (sec 3.1); sec 4.2 sets the
+# pre-training sequence length to 4K (extended to 128K in sec 4.3).
+DEEPSEEK_V3 = PublishedMoE(
+    "DeepSeek-V3", "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (arXiv:2412.19437), sec 4.2; config.json",
+    layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432, vocab=129_280, seq=4096,
+    experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
+    attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, router_bias=True, trained_ep=64,
+    published_total=671e9, published_active=37e9, published_unit=1e9,
+    notes="671B excludes the 14B multi-token-prediction module; each token goes to at most 4 nodes (sec 4.2); "
+          "dispatch travels in FP8 and combine in BF16 (sec 3.3.3)",
+)
+
+PUBLISHED_MOE = (MIXTRAL_8X7B, DEEPSEEK_V3)

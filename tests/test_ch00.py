@@ -18,9 +18,9 @@ from course_utils import ch00, reference_data  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 from course_utils.ledger import GB, pipeline_bubble_fraction, tp_comm_bytes_per_layer  # noqa: E402
-from course_utils.planner import (CLUSTERS, Layout, LayoutError, model_shape, plan,  # noqa: E402
-                                  zero_collectives_per_step)
-from course_utils.published_configs import PUBLISHED_CONFIGS  # noqa: E402
+from course_utils.planner import (CLUSTERS, Layout, LayoutError, all_to_all_bytes,  # noqa: E402
+                                  ep_rank_parameters, model_shape, plan, zero_collectives_per_step)
+from course_utils.published_configs import DEEPSEEK_V3, MIXTRAL_8X7B, PUBLISHED_CONFIGS  # noqa: E402
 
 
 def test_partition_table_covers_every_parallelism_with_the_ledgers_message_sizes():
@@ -36,10 +36,13 @@ def test_partition_table_covers_every_parallelism_with_the_ledgers_message_sizes
     # DDP all-reduces the bf16 gradients of the model slice a GPU holds: 2 bytes x n_params / (tp x pp).
     assert dp_row[4] == f"{2 * model_shape('70B').n_params / 32 / 2**20:,.0f} MiB"
     # PP sends one micro-batch's activation, the CP rank's s/cp tokens, 1/tp of it with scatter/gather:
-    # 1 x 4096 x 8192 x 2 / 8 = 8 MiB; EP's all_to_all carries top-2 copies of those tokens: 128 MiB.
+    # 1 x 4096 x 8192 x 2 / 8 = 8 MiB; EP's all_to_all carries top-2 copies of those tokens: 128 MiB, of which
+    # 7/8 leave the rank at ep=8 under uniform routing (planner.all_to_all_bytes): 112 MiB.
     pp_row = next(r for r in table.rows if r[0] == "PP")
     ep_row = next(r for r in table.rows if r[0].startswith("EP"))
-    assert pp_row[4].startswith("8 MiB") and ep_row[4] == "128 MiB", (pp_row[4], ep_row[4])
+    assert all_to_all_bytes(1 * 8192 // 2, 8192, 2, 8, 2) == 112 * 2**20
+    assert pp_row[4].startswith("8 MiB"), pp_row[4]
+    assert ep_row[4] == "128 MiB (112 MiB leave the rank at ep=8)", ep_row[4]
     text, html = str(table), table._repr_html_()
     assert "all_reduce of activations" in text and "<table>" in html and "all_to_all" in html
 
@@ -214,3 +217,41 @@ def test_notebook_claims_about_the_typical_configurations():
     typical = [plan("7B", Layout(zero_stage=1), 8), plan("70B", Layout(tp=8, pp=4, zero_stage=1), 64),
                plan("405B", Layout(tp=8, pp=16, zero_stage=1), 1024)]
     assert [p.tokens_per_step // p.layout.seq for p in typical] == [8, 32, 512]
+
+
+# -- section 11: pricing expert parallelism ------------------------------------------------------------------------
+
+def test_moe_count_table_prints_the_planners_counts_next_to_the_published_ones():
+    rows = {r[0]: r for r in ch00.moe_count_table().rows}
+    assert rows["Mixtral 8x7B"][1:] == ["46,702,792,704", "46.7B", "12,879,925,248", "12,748,853,248", "12.9B"]
+    assert rows["DeepSeek-V3"][1:] == ["671,026,419,200", "671B", "37,552,297,472", "36,625,618,432", "37B"]
+
+
+def test_ep_table_reads_the_planner_for_every_model_and_degree():
+    table = ch00.ep_table(tokens_per_rank=4096, bytes_per_element=2)
+    assert [(r[0], r[1]) for r in table.rows] == [("Mixtral 8x7B", "1"), ("Mixtral 8x7B", "8"), ("DeepSeek-V3", "1"),
+                                                  ("DeepSeek-V3", "8"), ("DeepSeek-V3", "64")]
+    ds64 = table.rows[-1]
+    # 256 / 64 = 4 routed experts; 27,334,972,928 parameters = 54.7 GB of bf16 weights; one dispatch
+    # 4096 x 7168 x 2 x 8 x 63/64 = 462,422,016 B = 441 MiB; four per layer; 58 MoE layers: 107.3 GB.
+    assert ds64[2:] == ["4", "27.33B", "54.7 GB", "441 MiB", "1,764 MiB", "107.3 GB (58 layers)"]
+    assert ds64[3] == f"{ep_rank_parameters(DEEPSEEK_V3, 64) / 1e9:,.2f}B"
+    assert table.rows[1][2:6] == ["1", "7.24B", "14.5 GB", "56 MiB"]  # Mixtral, EP 8: one expert per rank
+    assert table.rows[0][5:7] == ["0", "0"]  # EP 1 sends nothing
+    assert "uniform routing" in table.caption
+
+
+def test_ep_comm_vs_compute_by_hand_and_the_notebooks_claim():
+    r = ch00.ep_comm_vs_compute(DEEPSEEK_V3, tokens_per_rank=4096, ep=64)
+    # 4 all-to-alls x 462,422,016 B x 58 layers, of which 56 of the 63 other ranks are on other nodes
+    assert r["comm_bytes"] == 4 * 462_422_016 * 58 * 56 / 63 == 95_361_695_744
+    assert r["comm_s"] == pytest.approx(95_361_695_744 / 50e9, rel=1e-12)
+    # 6 x 36,625,618,432 active parameters (no input embedding) x 4096 tokens, at 60% of 989.5 TFLOP/s
+    assert r["compute_flops"] == 6 * 36_625_618_432 * 4096
+    assert r["compute_s"] == pytest.approx(6 * 36_625_618_432 * 4096 / (0.6 * 989.5e12), rel=1e-12)
+    fp8 = ch00.ep_comm_vs_compute(DEEPSEEK_V3, tokens_per_rank=4096, ep=64, dispatch_bytes=1)
+    assert fp8["comm_bytes"] == 0.75 * r["comm_bytes"]  # two of the four all-to-alls at half the width
+    # The notebook's claims: the same order as the compute, and about 1:1 with FP8 dispatch (report sec 3.2.1).
+    assert 1 < r["comm_s"] / r["compute_s"] < 1.5 and 0.9 < fp8["comm_s"] / fp8["compute_s"] < 1.1
+    with pytest.raises(ValueError, match="ep=8 fits in one 8-GPU node"):
+        ch00.ep_comm_vs_compute(MIXTRAL_8X7B, ep=8)

@@ -29,6 +29,7 @@ from course_utils.ledger import (GB, GiB, activation_bytes_per_layer, flops_per_
                                  pipeline_bubble_fraction, training_days, training_flops)
 from course_utils.planner import (GPUS, H100_80GB_NVIDIA_SMI_BYTES, Layout, candidate_layouts, min_gpus_to_fit,
                                    model_shape, plan)
+from course_utils.published_configs import DEEPSEEK_V3
 from course_utils.tables import Table
 
 plots.style()
@@ -441,10 +442,83 @@ plots.savefig(fig, "00_pipeline_bubble");
 # To keep the bubble under 10% you need m >= 10(p-1)/v micro-batches per step, and each micro-batch adds
 # activation memory on the first stage (it holds p of them in flight). That is the balance pipeline
 # parallelism strikes: fewer layers per GPU against idle time and activation memory.
+
+# %% [markdown]
+# ## 11. Pricing expert parallelism
 #
+# A mixture-of-experts (MoE) layer replaces the FFN with many expert FFNs and a router that sends each token to
+# `top_k` of them (Lepikhin et al. 2020, "GShard", section 2). Two counts describe such a model: **total**
+# parameters, which must be stored and trained (16 bytes each, section 1), and **active** parameters, the ones
+# one token's forward pass uses, which set its FLOPs. Expert parallelism (EP) splits each MoE layer's routed
+# experts over `ep` ranks and replicates everything else; tokens travel to their experts and back by all-to-all.
+#
+# Two published models, with their shapes as the sources print them (`course_utils/published_configs.py`):
+# **Mixtral 8x7B** (Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088, Table 1: 32 layers, hidden 4096,
+# 32 heads, 8 KV heads, 8 experts of FFN 14336, top-2, every layer MoE) and **DeepSeek-V3** (DeepSeek-AI 2024,
+# "DeepSeek-V3 Technical Report", arXiv:2412.19437, section 4.2: 61 layers, hidden 7168, multi-head latent
+# attention with 128 heads, the first three layers dense, then 1 shared and 256 routed experts of FFN 2048,
+# top-8; the dense FFN's 18,432 and the 129,280-token vocabulary come from the released `config.json`).
+# `planner.moe_parameter_counts` counts every matrix and norm vector:
+
+# %%
+display(ch00.moe_count_table())
+
+# %% [markdown]
+# The totals reproduce both sources: 46,702,792,704 is Mistral's "46.7B" (Mistral AI's release post; the paper
+# rounds to "47B"), and 671,026,419,200 is the report's "671B" (which leaves out the 14B multi-token-prediction
+# module). "Active" needs a convention. Counting everything a token touches, embedding table and LM head
+# included, Mixtral's 12.88B is Mistral's "12.9B", but DeepSeek-V3's 37.55B rounds to 38B, not the report's
+# "37B". Without the input embedding (a lookup, not a matmul) DeepSeek-V3 has 36.63B, which does round to 37B,
+# while Mixtral's 12.75B would no longer round to 12.9B. The two publishers count "active" differently (unless
+# DeepSeek cut 37.55 down to 37), so the table gives both.
+#
+# **What a rank holds, and what it sends.** With EP = `ep`, each rank keeps `experts / ep` routed experts of
+# every MoE layer; attention, routers, shared experts, dense layers and embeddings stay whole on every rank. For
+# the traffic, take a micro-batch of 4,096 tokens per rank in bf16, routed uniformly: each token goes to `top_k`
+# experts, (ep - 1)/ep of them on other ranks, so one dispatch sends tokens x hidden x 2 bytes x top_k x
+# (ep - 1)/ep (`planner.all_to_all_bytes`). The combine brings as much back, and the backward pass repeats both:
+# four all-to-alls per MoE layer per micro-batch. A skewed router sends other amounts; uniform routing is the
+# model's assumption. DeepSeek-V3 trained with "64-way Expert Parallelism (EP) spanning 8 nodes", together with
+# 16-way pipeline parallelism and ZeRO-1 data parallelism on 2048 H800s (report, sections 3.1 and 3.2).
+
+# %%
+display(ch00.ep_table(tokens_per_rank=4096, bytes_per_element=2))
+
+# %% [markdown]
+# Mixtral at EP 8 keeps one expert per rank: 7.24B parameters instead of 46.7B, because its replicated part is
+# only 1.6B. DeepSeek-V3's replicated part alone is 17.1B; at EP 64 a rank holds 4 routed experts per layer and
+# 27.3B parameters, and the 16 pipeline stages divide that again. The traffic hardly depends on `ep` beyond a
+# few ranks ((ep - 1)/ep goes from 7/8 to 63/64); it grows with top_k x hidden, so DeepSeek-V3's top-8 on 7168
+# sends seven times what Mixtral's top-2 on 4096 does, per token and MoE layer.
+#
+# **Is that much?** EP 64 over 8-GPU nodes sends 56 of every 63 outgoing copies to other nodes, over 50 GB/s of
+# InfiniBand per GPU. Against the matmuls of the same micro-batch (6 FLOPs per active parameter per token, at 60%
+# of an H100's bf16 peak), nothing overlapped:
+
+# %%
+for label, dispatch_bytes in (("bf16 dispatch and combine", 2), ("FP8 dispatch, bf16 combine", 1)):
+    r = ch00.ep_comm_vs_compute(DEEPSEEK_V3, tokens_per_rank=4096, ep=64, dispatch_bytes=dispatch_bytes)
+    print(f"DeepSeek-V3, EP 64, 4,096 tokens, {label}: all-to-all between nodes {r['comm_bytes'] / GB:5.1f} GB = "
+          f"{r['comm_s']:.2f} s; matmuls {r['compute_s']:.2f} s; communication / computation = "
+          f"{r['comm_s'] / r['compute_s']:.2f}")
+
+# %% [markdown]
+# The same order as the compute: the report calls cross-node EP's "computation-to-communication ratio of
+# approximately 1:1" inefficient (section 3.2.1), and each of its remedies cuts or hides this cost: DualPipe runs
+# one micro-batch's forward chunk with another's backward chunk so that each one's all-to-alls overlap the other's
+# compute (section 3.2.1); the dispatch travels in FP8 and only the combine in BF16 (section 3.3.3, the second line
+# above); each token goes to at most 4 nodes (section 4.2) and crosses InfiniBand once per node, then NVLink
+# (section 3.2.2), where the uniform model sends 7 of its 8 copies between nodes on average. The model counts none
+# of those and prices matmuls at bf16 speed where DeepSeek-V3 runs FP8 GEMMs, so read it as an order of magnitude.
+# Chapter 16 builds expert parallelism on ranks.
+
+# %% [markdown]
 # ## Summary
 # - Model states cost 16 bytes per parameter; ZeRO shards them over DP, one state per stage.
 # - Activations scale with sequence x micro-batch; TP, SP, CP and recomputation cut them.
 # - The most frequent communication (TP, CP, EP: every layer) goes on NVLink; DP, once per step, crosses nodes.
+# - An MoE model stores its total parameters and computes with its active ones; EP shards the routed experts
+#   and pays four all-to-alls of top_k copies of every token per MoE layer per micro-batch; between nodes they
+#   take about as long as the matmuls unless overlapped.
 # - PP trades memory for a bubble of (p-1)/(vm) of the compute.
 # - 6ND and the MFU you can reach give the days; the planner gives a first layout to measure.
