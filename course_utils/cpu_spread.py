@@ -463,6 +463,39 @@ def ch11_zero1(seed: int) -> dict[str, float]:
             "bf16_master_world2_max_error": worst(2, optimizer="adamw", dtype="bfloat16", master_weights=True)}
 
 
+T16 = "tests/test_ch16_train.py"
+NB16 = "notebook 16"
+
+
+@experiment("ch16_moe_train", {
+    "ep2_vs_one_process_max_loss_diff": Criterion("<=", 1e-4, f"{T16}::test_moe_gpt_on_ranks_follows_one_process"),
+    "ep2_dp2_vs_one_process_max_loss_diff": Criterion("<=", 1e-4, f"{T16}::test_moe_gpt_on_ranks_follows_one_process"),
+    "aux_max_load_last50": Criterion("<", 1.75, f"{T16}::test_aux_loss_balances_the_experts; {NB16}"),
+    "no_aux_max_load_last50": Criterion(">", 1.75, f"{T16}::test_aux_loss_balances_the_experts; {NB16}"),
+    "no_aux_minus_aux_would_drop_at_1": Criterion(">", 0.05, f"{T16}::test_aux_loss_balances_the_experts; {NB16}"),
+    "aux_last20_loss": Criterion("<", 2.0, f"{T16}::test_aux_loss_balances_the_experts; {NB16}"),
+    "no_aux_last20_loss": Criterion("<", 2.0, f"{T16}::test_aux_loss_balances_the_experts; {NB16}"),
+})
+def ch16_moe_train(seed: int) -> dict[str, float]:
+    """Chapter 09's GPT with an MoE FFN: EP ranks against one process (dropless), and 150 steps with and without
+    the load-balancing loss (what chapter 16 plots)."""
+    import course_utils as cu
+
+    def run(world, **kw):
+        return cu.run("workers.ch16_moe_train", world, timeout=300, seed=seed, data_seed=1234 + seed, **kw)[0]
+
+    one, ep2, ep2dp2 = run(1, steps=30), run(2, steps=30), run(4, ep=2, steps=30)
+    out = {"ep2_vs_one_process_max_loss_diff": max(abs(a - b) for a, b in zip(one["loss"], ep2["loss"])),
+           "ep2_dp2_vs_one_process_max_loss_diff": max(abs(a - b) for a, b in zip(one["loss"], ep2dp2["loss"]))}
+    for name, aux in (("aux", 0.01), ("no_aux", 0.0)):
+        r = run(2, aux_coeff=aux, steps=150)
+        out[f"{name}_max_load_last50"] = _mean(max(m) for m in r["max_load"][-50:])
+        out[f"{name}_would_drop_at_1"] = _mean(max(w[0] for w in d) for d in r["would_drop"][-50:])
+        out[f"{name}_last20_loss"] = _mean(r["loss"][-20:])
+    out["no_aux_minus_aux_would_drop_at_1"] = out["no_aux_would_drop_at_1"] - out["aux_would_drop_at_1"]
+    return out
+
+
 # -- running ----------------------------------------------------------------------------------------------------
 
 def _parse_seeds(text: str) -> list[int]:

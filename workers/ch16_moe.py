@@ -79,6 +79,7 @@ def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: fl
                     "counts": rec.counts.cpu(), "kept": kept, "dropped": rec.keep.numel() - kept,
                     "send_splits": rec.send_splits, "recv_splits": rec.recv_splits,
                     "tokens_per_local_expert": rec.tokens_per_local_expert, "expert_cpu_s": rec.expert_cpu_s,
+                    "combine_s": rec.combine_s,
                     "step_s": step_s, "loss": float(loss), "aux": rec.aux, "z": rec.z,
                     # the bytes this rank's dispatch all-to-all moved to other ranks (the combine sends recv back)
                     "dispatch_bytes": (sum(rec.send_splits) - rec.send_splits[groups.ep_rank]) * hidden * x.element_size(),

@@ -21,6 +21,7 @@ The all-to-all is differentiable: its backward is the all-to-all with input and 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
         ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
-        if dist.get_world_size(group) == 1:
-            return input_.clone()
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return input_.clone()  # one rank (or one process): nothing leaves
         output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
         return host_staged("all_to_all", dist.all_to_all_single, output, input_.contiguous(), group=group,
                            output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes)
@@ -69,6 +70,7 @@ class MoEAlltoAllTokenDispatcher:
         self.experts, self.group, self.ep, self.ep_rank = experts, group, ep, ep_rank
         self.local_experts = experts // ep
         self.restore_order = restore_order  # False: the drill (combine without undoing the sort)
+        self.combine_s = 0.0
 
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor):
         """``x`` ``[T, h]``, ``experts``/``weights``/``keep`` ``[T, k]`` -> (rows for my experts ``[R, h]``, state)."""
@@ -92,7 +94,9 @@ class MoEAlltoAllTokenDispatcher:
     def combine(self, expert_output: torch.Tensor, state: Dispatched, tokens: int) -> torch.Tensor:
         """``[R, h]`` in local-expert order -> ``[T, h]``: each token's weighted sum over its kept experts."""
         inverse = torch.argsort(state.local_order)
+        t0 = time.perf_counter()
         back = all_to_all(self.group, expert_output[inverse], state.send_splits, state.recv_splits)  # [A, h]
+        self.combine_s = time.perf_counter() - t0  # includes waiting for the slowest rank's experts
         out = expert_output.new_zeros((tokens, expert_output.shape[-1]))  # [T, h]
         if self.restore_order:
             return out.index_add(0, state.token_index, back * state.weight[:, None])

@@ -105,6 +105,7 @@ class RoutingRecord:
     recv_splits: list[int] = field(default_factory=list)
     tokens_per_local_expert: list[int] = field(default_factory=list)
     expert_cpu_s: float = 0.0  # CPU seconds this rank spent in its experts (process time: robust to a busy machine)
+    combine_s: float = 0.0  # wall seconds in the combine's all-to-all: mostly waiting for the slowest rank
 
 
 class MoELayer(nn.Module):
@@ -157,8 +158,8 @@ class MoELayer(nn.Module):
         for shared in self.shared.values():
             y = y + shared(x)
         self.last = RoutingRecord(experts.detach(), weights.detach(), keep, tokens_per_expert(experts, self.cfg.experts),
-                                  float(aux), float(z), state.send_splits, state.recv_splits,
-                                  state.tokens_per_local_expert, cpu_s)
+                                  aux.item(), z.item(), state.send_splits, state.recv_splits,
+                                  state.tokens_per_local_expert, cpu_s, self.dispatcher.combine_s)
         return y.view(shape)
 
     def expert_parameters(self) -> list[nn.Parameter]:

@@ -9,7 +9,7 @@ expert-data-parallel group, both divided by W); AdamW steps on every rank.
 Each step reports, for the whole batch (counts all-reduced): tokens per expert in every layer, the fraction of
 token choices dropped (zero when dropless), the fraction that *would* be dropped at each capacity factor of
 ``CAPACITY_FACTORS`` (from the same routing, GShard's queue order, per rank's group), the load-balancing loss,
-and the CPU seconds each rank spent in its experts (the rank with the busiest experts sets the step's pace: the
+the bytes each rank's dispatch all-to-alls sent to other ranks, and the CPU seconds each rank spent in its experts (the rank with the busiest experts sets the step's pace: the
 others wait for it in the combine's all-to-all).
 """
 from __future__ import annotations
@@ -78,12 +78,15 @@ class MoETrainer:
                            torch.tensor([int((~r.keep).sum()) for r in records], dtype=torch.float64),  # [L]
                            torch.tensor(would_drop, dtype=torch.float64).reshape(-1),
                            torch.tensor([r.aux for r in records] + [float(ce), choices], dtype=torch.float64)])
-        cpu = torch.tensor([sum(r.expert_cpu_s for r in records), step_s], dtype=torch.float64)
+        # bytes this rank's dispatch all-to-alls sent to other ranks, all layers (the combine sends as many back)
+        rows_out = sum(sum(r.send_splits) - r.send_splits[self.groups.ep_rank] for r in records)
+        sent = rows_out * self.gcfg.hidden * 4  # fp32 activations
+        cpu = torch.tensor([sum(r.expert_cpu_s for r in records), step_s, sent], dtype=torch.float64)
         if self.groups.world > 1:
             dist.all_reduce(stats)
             gathered = [torch.empty_like(cpu) for _ in range(self.groups.world)]
             dist.all_gather(gathered, cpu)
-            cpu = torch.stack(gathered)  # [W, 2]
+            cpu = torch.stack(gathered)  # [W, 3]
         else:
             cpu = cpu[None]
         L, W, F_ = len(records), self.groups.world, len(CAPACITY_FACTORS)
@@ -96,4 +99,5 @@ class MoETrainer:
                 "counts": counts.long().tolist(), "dropped": (dropped / total_choices).tolist(),
                 "would_drop": (would / total_choices).tolist(),
                 "max_load": [float(c.max() / (c.sum() / n)) for c in counts],  # busiest expert / perfectly even
-                "expert_cpu_s": cpu[:, 0].tolist(), "step_s": cpu[:, 1].tolist()}
+                "expert_cpu_s": cpu[:, 0].tolist(), "step_s": cpu[:, 1].tolist(),
+                "dispatch_bytes": [int(b) for b in cpu[:, 2].tolist()]}
