@@ -182,18 +182,28 @@ def reduce_gradients(layer_params, expert_params, groups: ExpertParallelGroups, 
     """
     experts = {id(p) for p in expert_params}
     router = {id(p) for p in router_params}
+    dense, expert = [], []
     for p in layer_params:
-        if p.grad is None:
-            continue
-        if id(p) in experts:
-            if groups.edp > 1:
-                dist.all_reduce(p.grad, group=groups.edp_group)
-            p.grad /= groups.edp if drill == "expert_grads_averaged_over_edp" else groups.world
-        elif drill == "router_not_reduced" and id(p) in router:
+        if p.grad is None or (drill == "router_not_reduced" and id(p) in router):
             continue  # the drill: the router's gradient left as this rank computed it
-        elif groups.world > 1:
-            dist.all_reduce(p.grad)
-            p.grad /= groups.world
+        (expert if id(p) in experts else dense).append(p.grad)
+    _average(dense, groups.world, None, groups.world)
+    divisor = groups.edp if drill == "expert_grads_averaged_over_edp" else groups.world
+    _average(expert, groups.edp, groups.edp_group, divisor)
+
+
+def _average(grads: list[torch.Tensor], size: int, group, divisor: int) -> None:
+    """Sum ``grads`` over ``group`` (``size`` ranks) in one all-reduce of a flat copy, as DDP's buckets do, then
+    divide by ``divisor``."""
+    if not grads:
+        return
+    if size > 1:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+    for g in grads:
+        g.div_(divisor)
 
 
 # -- the one-process reference ------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class MoETrainer:
         self.layers = [block.mlp for block in self.model.blocks]
         self.expert_params = [p for layer in self.layers for p in layer.expert_parameters()]
         self.router_params = [p for layer in self.layers for p in layer.router.parameters()]
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
         self.data = MarkovDataset(gcfg.vocab, gcfg.seq, steps * global_batch, data_seed)
         self.loader = Loader(steps * global_batch, global_batch)
         self.device = torch.device(device)
