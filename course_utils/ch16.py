@@ -169,26 +169,27 @@ def aux_verdict(summary: list[dict], with_aux: str, without: str) -> str:
 
 
 def draw_training(runs: dict, layer: int = 0):
+    """Loss and the busiest expert's load over training (top); each run's share of tokens per expert at every step,
+    for one layer (bottom: the load histogram of every step, as a heat map)."""
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 6.4))
     for label, res in runs.items():
         r = res[0]
-        axes[0].plot(r["loss"], label=label)
-        axes[1].plot([max(m) for m in r["max_load"]], label=label)
-    axes[0].set(title="loss", xlabel="step", ylabel="cross-entropy")
-    axes[1].axhline(1.0, color="gray", lw=0.8, ls=":")
-    axes[1].set(title="busiest expert / even share (worst layer)", xlabel="step")
-    width = 0.8 / len(runs)
-    for i, (label, res) in enumerate(runs.items()):
-        counts = res[0]["counts"][-1][layer]
-        axes[2].bar([e + i * width for e in range(len(counts))], counts, width=width, label=label)
-    n = len(runs[next(iter(runs))][0]["counts"][-1][layer])
-    even = sum(runs[next(iter(runs))][0]["counts"][-1][layer]) / n
-    axes[2].axhline(even, color="gray", lw=0.8, ls=":")
-    axes[2].set(title=f"tokens per expert, layer {layer}, last step", xlabel="expert")
-    for ax in axes:
+        axes[0, 0].plot(r["loss"], label=label)
+        axes[0, 1].plot([max(m) for m in r["max_load"]], label=label)
+    axes[0, 0].set(title="loss", xlabel="step", ylabel="cross-entropy")
+    axes[0, 1].axhline(1.0, color="gray", lw=0.8, ls=":")
+    axes[0, 1].set(title="busiest expert / even share (worst layer)", xlabel="step")
+    for ax in axes[0]:
         ax.legend(fontsize=8)
+    for ax, (label, res) in zip(axes[1], runs.items()):
+        counts = np.array([step[layer] for step in res[0]["counts"]], dtype=float)  # [steps, E]
+        share = counts / counts.sum(axis=1, keepdims=True) * counts.shape[1]  # 1 = an even share
+        im = ax.imshow(share.T, aspect="auto", cmap="viridis", vmin=0, vmax=3, interpolation="nearest")
+        ax.set(title=f"{label}: tokens per expert / even share, layer {layer}", xlabel="step", ylabel="expert")
+        fig.colorbar(im, ax=ax, fraction=0.04)
     fig.tight_layout()
     return fig
 

@@ -74,7 +74,9 @@ def test_training_summary_verdict_and_figures():
     verdict = ch16.aux_verdict(summary, "aux", "none")
     assert verdict.count("yes") == 2 and "NO" in verdict  # both drop 30 %: not 5 points fewer
     fig = ch16.draw_training(runs)
-    assert [ax.get_title() for ax in fig.axes][0] == "loss" and len(fig.axes) == 3
+    assert fig.axes[0].get_title() == "loss" and fig.axes[2].get_title().startswith("aux: tokens per expert")
+    assert fig.axes[2].images[0].get_array().shape == (8, 60)  # experts x steps, each 1.0: an even share
+    assert float(fig.axes[2].images[0].get_array().max()) == 1.0
     plt.close(fig)
     fig = ch16.draw_drops(runs)
     assert [round(y, 6) for y in fig.axes[0].lines[0].get_ydata()] == [30.0, 20.0, 10.0, 0.0]

@@ -3,7 +3,7 @@ one process, and what the load-balancing loss does to the load.
 
 Both are chaotic quantities (float32 AdamW training), so every bound comes from
 ``python -m course_utils.cpu_spread ch16_moe_train --seeds 0-3`` (native AVX-512, AVX2, plain kernels):
-- EP 2 and EP 2 x DP 2 against one process, largest loss difference over 30 steps: 2.4e-7 to 6.0e-7 measured; bound
+- EP 2 and EP 2 x DP 2 against one process, largest loss difference over 30 steps: 2.4e-7 to 6.6e-6 measured; bound
   1e-4 (an unreduced router or doubled expert gradients move the loss by far more within a few steps);
 - the busiest expert's load over an even share, mean of the last 50 of 150 steps (worst layer): with the aux loss
   (0.01) 1.48-1.63, without 1.95-2.64: the bound 1.75 sits between them (margins 7% and 11%);

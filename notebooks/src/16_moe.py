@@ -263,8 +263,11 @@ plots.savefig(ch16.draw_training(train_runs), "16_moe_training")
 
 # %% [markdown]
 # Both learn the chain equally well: the aux loss costs nothing here. Without it the router concentrates tokens on a
-# few experts (the busiest takes about twice an even share: numbers vary by machine); with it the load stays near even.
-# That load is what capacity must absorb. The same routing, cut at other capacity factors (GShard's queue, per rank):
+# few experts (the busiest takes about twice an even share: the numbers vary by machine, the verdict above holds on
+# every CPU's kernels, `course_utils/cpu_spread.py: ch16_moe_train`); with it the load stays near even. The heat maps
+# are the load histogram of every step: a bright band is an expert taking several even shares, a dark one an expert
+# the router has all but abandoned. That load is what capacity must absorb. The same routing, cut at other capacity
+# factors (GShard's queue, per rank):
 
 # %% tags=["nbval-ignore-output"]
 plots.savefig(ch16.draw_drops(train_runs), "16_moe_drops")

@@ -28,6 +28,7 @@ from workers.moe.dispatch import MoEAlltoAllTokenDispatcher
 from workers.moe.router import TopKRouter, keep_mask, load_balancing_loss, tokens_per_expert, z_loss
 from workers.parallel.dense import DenseMLP
 from workers.parallel.grid import RankGrid
+from workers.runtime import collective_timeout
 
 DRILLS = ("none", "router_not_reduced", "expert_grads_averaged_over_edp", "combine_order_not_restored",
           "aux_loss_local_statistics")
@@ -49,8 +50,7 @@ class ExpertParallelGroups:
 
     def __init__(self, world: int, ep: int, rank: int):
         self.world, self.ep, self.edp, self.rank = world, ep, world // ep, rank
-        self.ep_rank, self.edp_rank = rank % ep, rank // ep
-        self.ep_ranks, self.edp_ranks = (next(g for g in groups if rank in g) for groups in expert_groups(world, ep))
+        self.ep_rank, self.edp_rank = rank % ep, rank // ep  # place in the EP group, which EP group
         self.ep_group = self.edp_group = None  # None: the world (or a group of one, never used)
         self._created = []
 
@@ -59,7 +59,7 @@ class ExpertParallelGroups:
         for attr, groups in (("ep_group", ep_groups), ("edp_group", edp_groups)):
             if 1 < len(groups[0]) < self.world:
                 for members in groups:
-                    pg = dist.new_group(members)
+                    pg = dist.new_group(members, timeout=collective_timeout())  # never torch's 30 min
                     self._created.append(pg)
                     if self.rank in members:
                         setattr(self, attr, pg)
@@ -163,10 +163,9 @@ class MoELayer(nn.Module):
         return y.view(shape)
 
     def expert_parameters(self) -> list[nn.Parameter]:
+        """The routed experts' parameters: averaged over the expert-data-parallel group (everything else over the
+        world)."""
         return list(self.experts.parameters())
-
-    def dense_parameters(self) -> list[nn.Parameter]:
-        return list(self.router.parameters()) + list(self.shared.parameters())
 
 
 def reduce_gradients(layer_params, expert_params, groups: ExpertParallelGroups, drill: str = "none",
