@@ -189,6 +189,7 @@ def draw_training(runs: dict, layer: int = 0):
         share = counts / counts.sum(axis=1, keepdims=True) * counts.shape[1]  # 1 = an even share
         im = ax.imshow(share.T, aspect="auto", cmap="viridis", vmin=0, vmax=3, interpolation="nearest")
         ax.set(title=f"{label}: tokens per expert / even share, layer {layer}", xlabel="step", ylabel="expert")
+        ax.grid(False)
         fig.colorbar(im, ax=ax, fraction=0.04)
     fig.tight_layout()
     return fig
@@ -201,7 +202,7 @@ def draw_drops(runs: dict):
     for label, res in runs.items():
         r = res[0]
         factors = r["capacity_factors"]
-        means = [last_mean([max(d[f] for d in step) for step in [w for w in r["would_drop"]]]) for f in range(len(factors))]
+        means = [last_mean([max(layer[f] for layer in step) for step in r["would_drop"]]) for f in range(len(factors))]
         ax.plot(factors, [100 * m for m in means], marker="o", label=label)
     ax.set(xlabel="capacity factor", ylabel="% of token choices dropped (worst layer)",
            title="drops vs capacity (last 50 steps)")
@@ -226,10 +227,13 @@ def draw_explorer(res, params: dict):
         axes[0].axvline(rank * experts / ep - 0.3, color="k", lw=0.8)
     axes[0].set(title=f"tokens per expert, step {len(r['loss']) - 1} (| = EP rank boundary)", xlabel="expert")
     axes[0].legend(fontsize=8)
-    axes[1].plot([100 * max(d) for d in r["dropped"]], label="dropped")
-    axes[1].plot([max(m) for m in r["max_load"]], label="busiest / even")
-    axes[1].set(title="over training", xlabel="step")
-    axes[1].legend(fontsize=8)
+    axes[1].plot([100 * max(d) for d in r["dropped"]], color="C0")
+    axes[1].set(title="over training (worst layer)", xlabel="step")
+    axes[1].set_ylabel("% of choices dropped", color="C0")
+    load = axes[1].twinx()
+    load.plot([max(m) for m in r["max_load"]], color="C1")
+    load.set_ylabel("busiest expert / even share", color="C1")
+    load.grid(False)
     tokens = r["global_batch"] // ep * r["model"]["seq"]
     model = len(counts) * all_to_all_bytes(tokens, r["model"]["hidden"], k, ep, 4)
     sent = r["dispatch_bytes"][-1]
