@@ -369,7 +369,7 @@ explorer
 # | here (`workers/moe/`) | Megatron-LM (`megatron/core/transformer/moe/`) | torchtitan (`torchtitan/models/moe/`) |
 # |---|---|---|
 # | `TopKRouter` | `router.py: TopKRouter` | `moe.py: TokenChoiceTopKRouter` |
-# | `keep_mask` (capacity, GShard order) | `moe_utils.py: apply capacity` (`moe_expert_capacity_factor`) | dropless only |
+# | `keep_mask` (capacity, GShard's queue order) | `moe_utils.py: topk_softmax_with_capacity` (`drop_policy="position"`; its default `"probs"` drops the lowest-scored choices instead) | dropless only |
 # | `load_balancing_loss`, `z_loss` | `moe_utils.py: switch_load_balancing_loss_func`, `z_loss_func` | `load_balance_coeff` (bias-based) |
 # | `MoEAlltoAllTokenDispatcher` | `token_dispatcher.py: MoEAlltoAllTokenDispatcher` | `expert_parallel.py: ExpertParallel` |
 # | `all_to_all` (autograd) | `tensor_parallel/mappings.py: all_to_all` | `all_to_all_single_autograd` |
