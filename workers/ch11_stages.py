@@ -23,7 +23,7 @@ import torch
 
 from workers.runtime import entrypoint
 from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, flat_params, loss_fn, make_batches, make_model, \
-    shard_rows, train_reference
+    run_problem, shard_rows, train_reference
 from workers.zero.recorder import CollectiveRecorder
 from workers.zero.zero1 import Zero1Optimizer
 from workers.zero.zero2 import Zero2Optimizer
@@ -37,13 +37,9 @@ def check_params(world_size, stage: int = 3, global_batch: int = 8, steps: int =
                  heads: int = 4, bucket_cap_mb: float = 0.01, **_):
     if stage not in STAGES:
         return f"stage={stage} is not a ZeRO stage; use 0, 1, 2 or 3"
-    if global_batch < 1 or global_batch % world_size:
-        return (f"global_batch={global_batch} rows do not split evenly over world_size={world_size}; choose a "
-                f"positive multiple of {world_size}")
-    if steps < 1:
-        return f"steps={steps} leaves nothing to measure; pass steps >= 1"
-    if heads < 1 or hidden % heads:
-        return f"hidden={hidden} is not divisible by heads={heads}; choose heads that divide it"
+    why = run_problem(world_size, global_batch, steps, hidden, heads)
+    if why:
+        return why
     if bucket_cap_mb <= 0:
         return f"bucket_cap_mb={bucket_cap_mb} must be positive (DDP's default is 25)"
     return None
@@ -81,12 +77,10 @@ class Stage:
             return {"params": buffers["params"], "grads": buffers["grads"], "optimizer": impl.state_bytes()["elementwise"],
                     "in_flight": 0}
         if self.stage == 2:
-            in_flight = sum(entry[0].nbytes for entry in impl._inflight if entry is not None)
             return {"params": sum(f.nbytes for f in impl.flat_params), "grads": impl.grad_shard_bytes() + whole_grads,
-                    "optimizer": impl.state_bytes(), "in_flight": in_flight}
-        in_flight = sum(buf.nbytes for _, _, buf, _ in impl._rs)
+                    "optimizer": impl.state_bytes(), "in_flight": impl.in_flight_bytes()}
         return {"params": impl.shard_bytes() + impl.gathered_bytes(), "grads": impl.grad_shard_bytes() + whole_grads,
-                "optimizer": impl.state_bytes(), "in_flight": in_flight}
+                "optimizer": impl.state_bytes(), "in_flight": impl.in_flight_bytes()}
 
     def weights(self) -> torch.Tensor:
         return self.impl.full_parameters().cpu().double() if self.stage == 3 else flat_params(self.model)

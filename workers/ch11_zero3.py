@@ -16,19 +16,12 @@ import torch.distributed as dist
 
 from workers.runtime import entrypoint
 from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, loss_fn, make_batches, make_model, shard_rows, \
-    train_reference
+    run_problem, train_reference
 from workers.zero.zero3 import Zero3Model
 
 
 def check_params(world_size, global_batch: int = 8, steps: int = 3, hidden: int = 32, heads: int = 4, **_):
-    if global_batch < 1 or global_batch % world_size:
-        return (f"global_batch={global_batch} rows do not split evenly over world_size={world_size}; choose a "
-                f"positive multiple of {world_size}")
-    if steps < 1:
-        return f"steps={steps} leaves nothing to train or compare; pass steps >= 1"
-    if heads < 1 or hidden % heads:
-        return f"hidden={hidden} is not divisible by heads={heads}; choose heads that divide it"
-    return None
+    return run_problem(world_size, global_batch, steps, hidden, heads)
 
 
 def main(ctx, steps: int = 3, global_batch: int = 8, prefetch: bool = False, reshard_after_forward: bool = True,

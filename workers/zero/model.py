@@ -120,6 +120,19 @@ def make_batches(cfg: TiedGPTConfig, global_batch: int, steps: int, seed: int = 
     return [torch.randint(0, cfg.vocab, (global_batch, cfg.seq + 1), generator=g) for _ in range(steps)]
 
 
+def run_problem(world_size: int, global_batch: int, steps: int, hidden: int, heads: int) -> str | None:
+    """Why a chapter 11 run of the tied GPT cannot start (one sentence naming what to change), or None: the refusal
+    the ZeRO-3, FSDP2 and stages workers share."""
+    if global_batch < 1 or global_batch % world_size:
+        return (f"global_batch={global_batch} rows do not split evenly over world_size={world_size}; choose a "
+                f"positive multiple of {world_size}")
+    if steps < 1:
+        return f"steps={steps} leaves nothing to train or compare; pass steps >= 1"
+    if heads < 1 or hidden % heads:
+        return f"hidden={hidden} is not divisible by heads={heads}; choose heads that divide it"
+    return None
+
+
 def shard_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous B/n rows of the global batch."""
     rows = batch.shape[0] // world_size

@@ -203,6 +203,10 @@ class Zero2Optimizer:
         return sum(v.nbytes for st in self.optimizer.state.values() for v in st.values()
                    if isinstance(v, torch.Tensor) and v.dim() > 0)
 
+    def in_flight_bytes(self) -> int:
+        """Bytes of flattened bucket gradients whose reduce-scatter has been launched and not yet waited for."""
+        return sum(entry[0].nbytes for entry in self._inflight if entry is not None)
+
     def grad_shard_bytes(self) -> int:
         return sum(g.nbytes for g in self.shard_grads)
 

@@ -132,12 +132,16 @@ class Zero3Model:
         """Bytes of whole (unsharded) parameters this rank holds now: every buffer with its storage allocated."""
         return sum(u.nbytes for u in self.units if u.gathered)
 
+    def in_flight_bytes(self) -> int:
+        """Bytes of flattened unit gradients whose reduce-scatter has been launched and not yet waited for."""
+        return sum(buf.nbytes for _, _, buf, _ in self._rs)
+
     def _record(self, kind: str, unit: int) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        in_flight = sum(buf.nbytes for _, _, buf, _ in self._rs)
         self.timeline.append({"t": time.perf_counter() - self._t0, "kind": kind, "unit": self.units[unit].name,
-                              "params": self.gathered_bytes(), "grads": self._in_grad, "in_flight": in_flight})
+                              "params": self.gathered_bytes(), "grads": self._in_grad,
+                              "in_flight": self.in_flight_bytes()})
 
     # -- gather and free -----------------------------------------------------------------------------------------
 
