@@ -16,13 +16,23 @@ def _version(module: str) -> str | None:
         return f"present but fails to import ({type(exc).__name__}: {exc})"
 
 
+# The README's "Hardware" table: which row a learner is on (a cluster is several machines: torchrun's business).
+HARDWARE_ROWS = {0: "a CPU only", 1: "one GPU"}
+
+
+def hardware_row(n_gpus: int) -> str:
+    """The README's Hardware row for a machine with ``n_gpus`` GPUs."""
+    return HARDWARE_ROWS.get(n_gpus, "several GPUs")
+
+
 def plan_for(world_size: int) -> str:
-    """What the rank runtime (workers/runtime.py) picks for ``world_size`` ranks on this one machine."""
+    """What the rank runtime (workers/runtime.py) picks for ``world_size`` ranks on this one machine, in its words;
+    the devices are added where a GPU is involved (on the CPU the reason already says where the ranks run)."""
     from workers.runtime import select_placement
 
-    devices = sorted({select_placement(r, world_size).device for r in range(world_size)})
-    first = select_placement(0, world_size)
-    return f"{first.backend} on {', '.join(devices)}: {first.why}"
+    devices = [select_placement(r, world_size).device for r in range(world_size)]
+    why = select_placement(0, world_size).why
+    return why if all(d == "cpu" for d in devices) else f"{why} (ranks on {', '.join(devices)})"
 
 
 def report() -> list[tuple[str, str]]:
@@ -34,6 +44,8 @@ def report() -> list[tuple[str, str]]:
     cuda = torch.cuda.is_available()
     n_gpus = torch.cuda.device_count() if cuda else 0
     rows = [
+        ("hardware row", f"{hardware_row(n_gpus)} (README, Hardware): the labs run with world sizes 1 to "
+                         f"{max_world_size()} on this machine"),
         ("python", f"{sys.version.split()[0]} ({platform.machine()}, {os.cpu_count()} CPU cores)"),
         ("torch", torch.__version__),
         ("CUDA", f"{torch.version.cuda} with {n_gpus} GPU(s)" if cuda else "not available (CPU build or no GPU)"),
@@ -48,7 +60,6 @@ def report() -> list[tuple[str, str]]:
         ("NCCL", nccl_version or ("built in, but no GPU" if nccl else "not available")),
         ("Triton", _version("triton") or "not installed (chapter 07 uses its PyTorch kernel instead)"),
         ("flash-attn", _version("flash_attn") or "not installed (optional)"),
-        ("max world size", str(max_world_size())),
     ]
     for ws in (1, 2, 4, 8):
         rows.append((f"world size {ws}", plan_for(ws)))
@@ -56,8 +67,9 @@ def report() -> list[tuple[str, str]]:
 
 
 def main() -> None:
-    width = max(len(k) for k, _ in report())
-    for key, value in report():
+    rows = report()
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
         print(f"{key:<{width}}  {value}")
 
 
