@@ -160,8 +160,10 @@ def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
                               "again when the machine is less loaded")
             if exc.error_type == "NotImplementedError":
                 return TODO, "not attempted yet: replace the `raise NotImplementedError` with your code"
-            return FAIL, (f"at world size {world_size}, rank {exc.rank} raised {exc.error_type}: "
-                          f"{_first_line(exc.rank_traceback) or exc.summary}")
+            said = _first_line(exc.rank_traceback) or exc.summary
+            if said.startswith(f"{exc.error_type}: "):  # the traceback's last line names the type already
+                said = said[len(exc.error_type) + 2:]
+            return FAIL, f"at world size {world_size}, rank {exc.rank} raised {exc.error_type}: {said}"
         verdicts = res.gather("verdict")
         for rank, v in enumerate(verdicts):
             if v["status"] != PASS:

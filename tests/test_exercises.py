@@ -126,3 +126,23 @@ def test_a_check_that_starts_ranks_limits_the_answer_alone(monkeypatch):
         assert verdict.status == FAIL and "ZeroDivisionError" in verdict.message
     finally:
         del REGISTRY["_test_slow_check"]
+
+
+def test_a_rank_error_names_its_type_once():
+    """An answer that raises on the ranks: "raised AttributeError: 'NoneType' ...", not "AttributeError: AttributeError"."""
+    def block_forward(*args, **kwargs):
+        return None.shape  # AttributeError on every rank
+
+    verdict = check("block_forward", block_forward)
+    assert verdict.status == FAIL and "raised AttributeError: " in verdict.message, verdict.message
+    assert "AttributeError: AttributeError" not in verdict.message, verdict.message
+
+
+def test_an_exact_comparison_says_so():
+    import torch
+
+    from workers.exercises.support import Wrong, expect_close
+
+    with pytest.raises(Wrong) as err:
+        expect_close(torch.ones(3), torch.zeros(3), "the counts", atol=0, rtol=0)
+    assert "must be exact" in str(err.value) and "tolerance 0" not in str(err.value)

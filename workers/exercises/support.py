@@ -73,7 +73,8 @@ def expect_close(got, want, what: str, *, atol: float = 1e-6, rtol: float = 1e-5
         except Exception:  # noqa: BLE001 - a hint that does not apply
             continue
     err = (got_c - want_c).abs().max().item()
-    raise Wrong(f"{what}: max abs error {err:.3g} (tolerance {atol:g} + {rtol:g}*|expected|); "
+    tolerance = "must be exact" if not atol and not rtol else f"tolerance {atol:g} + {rtol:g}*|expected|"
+    raise Wrong(f"{what}: max abs error {err:.3g} ({tolerance}); "
                 f"first values got {_head(got_c)} expected {_head(want_c)}")
 
 
