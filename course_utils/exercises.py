@@ -12,6 +12,8 @@ that is how the batch grader (``course_utils.grade``) collects scores.
 """
 from __future__ import annotations
 
+import re
+
 import json
 import os
 import threading
@@ -151,8 +153,11 @@ def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
             res = _started(ex, world_size, answer)
         except JobTimeout as exc:
             where = "; ".join(f"rank {r} {w}" for r, w in exc.stuck.items())
-            return FAIL, (f"at world size {world_size} your code did not finish within {ex.timeout_s:g} s ({where}). "
-                          "Does every rank call the same collectives, in the same order?")
+            p2p = any(re.match(r"waiting in (send|recv|isend|irecv|batch_isend_irecv)\b", w) for w in exc.stuck.values())
+            advice = ("Does every send have its matching receive on the peer, in an order that cannot leave every "
+                      "rank waiting for another (one side sends first, or isend/irecv)?" if p2p else
+                      "Does every rank call the same collectives, in the same order?")
+            return FAIL, f"at world size {world_size} your code did not finish within {ex.timeout_s:g} s ({where}). {advice}"
         except WorkerFailed as exc:
             if exc.startup:
                 return FAIL, (f"{NOT_GRADED}: the ranks for world size {world_size} did not start, twice "

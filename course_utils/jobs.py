@@ -38,7 +38,9 @@ def describe_stack(stack: list[list]) -> str:
         return "no Python stack (the rank is inside native code or already gone)"
     in_dist = [i for i, f in enumerate(stack) if f"{os.sep}torch{os.sep}distributed{os.sep}" in f[0]]
     user = [f for f in stack if f"{os.sep}torch{os.sep}" not in f[0] and not f[0].endswith("pool.py")]
-    where = f"{Path(user[-1][0]).name}:{user[-1][1]} ({user[-1][3].strip()})" if user else "?"
+    # code sent from a notebook has no source line to show: then the place alone
+    where = (f"{Path(user[-1][0]).name}:{user[-1][1]}" + (f" ({user[-1][3].strip()})" if user[-1][3].strip() else "")
+             if user else "?")
     if in_dist:
         # The outermost torch.distributed frame is the public call the worker made (all_reduce, barrier...).
         op = stack[in_dist[0]][2]

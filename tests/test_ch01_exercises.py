@@ -36,6 +36,7 @@ def test_ring_that_deadlocks_fails_with_a_timeout_not_a_hang():
     status, message = ex_mod._run_on_ranks(quick, ring_recv_first)  # check(), with a 5 s limit
     assert status == FAIL
     assert "did not finish within 5 s" in message and "recv" in message, message
+    assert "matching receive" in message and "collectives" not in message and "()" not in message, message
 
 
 def test_checker_restores_the_real_collectives():

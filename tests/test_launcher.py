@@ -333,6 +333,8 @@ def test_describe_stack_names_the_collective():
              ["/v/torch/distributed/c10d_logger.py", 80, "wrapper", "return func()"],
              ["/v/torch/distributed/distributed_c10d.py", 2500, "all_reduce", "work.wait()"]]
     assert describe_stack(stack) == "waiting in all_reduce called at lab.py:42 (dist.all_reduce(x))"
+    stack[1] = ["<notebook: ring_all_reduce>", 7, "ring_all_reduce", ""]  # source sent from a notebook: no line text
+    assert describe_stack(stack) == "waiting in all_reduce called at <notebook: ring_all_reduce>:7"
 
 
 def test_watch_shows_live_metrics_then_the_outcome():
