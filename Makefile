@@ -1,5 +1,6 @@
 # Distributed Training: Parallel Engineering for LLMs
-#   make lab        create the environment if needed, open JupyterLab on the course
+#   make lab        create the environment if needed, open JupyterLab on your copies of the chapters (lab/)
+#   make lab-update the course's new version of chapters you edited (yours kept under lab/previous/)
 #   make test       create the environment if needed, run the whole test suite (what CI runs)
 #   make test-other-cpu  the tests and nbval again under another CPU's kernels (CI runs it too)
 #   make test-browser  chapter 05 used in the real JupyterLab through headless Chromium (CI runs it too)
@@ -13,7 +14,7 @@ NB_OUT := build/executed
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: setup lab test test-other-cpu test-browser mutants test-unit test-notebooks nbval notebooks grade bench doctor clean
+.PHONY: setup lab lab-update test test-other-cpu test-browser mutants test-unit test-notebooks nbval notebooks grade bench doctor clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml tools/setup_env.sh
@@ -22,8 +23,15 @@ $(STAMP): pyproject.toml tools/setup_env.sh
 # LAB_ARGS: extra options for the server, e.g. LAB_ARGS="--no-browser --port=8890" on a remote machine.
 # Containers often run as root, which Jupyter refuses unless told: say so only when it is the case.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+# The lab opens the learner's copies in lab/ (git-ignored, made on first start, refreshed when the course changes
+# and the copy was not edited: course_utils/lab.py), so opening, running and saving never touch tracked files.
 lab: $(STAMP)
-	$(PY) -m jupyter lab --notebook-dir=. $(ALLOW_ROOT) $(LAB_ARGS) notebooks/00_overview.ipynb
+	$(PY) -m course_utils.lab prepare
+	$(PY) -m jupyter lab --notebook-dir=. $(ALLOW_ROOT) $(LAB_ARGS) lab/00_overview.ipynb
+
+# CHAPTERS="03 05": those chapters' new versions even if you edited them (default: every edited, outdated copy)
+lab-update: $(STAMP)
+	$(PY) -m course_utils.lab update $(CHAPTERS)
 
 doctor: $(STAMP)
 	$(PY) -m course_utils.doctor

@@ -4,7 +4,9 @@
 - warm rerun: the same run again on warm ranks (what a slider change costs), median and p90 of 20;
 - a LiveRun widget: from a slider change to the new figure drawn, median of 10;
 - chapter 15: a composed 2x2x2x1 step against the one-process step, with the share spent communicating;
-- every notebook executed headless (papermill, fresh kernel), wall time each;
+- every notebook executed headless (papermill, fresh kernel), wall time each, and every chapter's widget as the
+  chapter builds it: a control moved on warm ranks (median of 3) and the same view after a cold start
+  (``LiveRun.measure``; the notebook's time excludes these measurements);
 - with a GPU: the chapters' GPU benchmarks (attention backends and kernels), written under data/.
 All numbers are CPU wall times of this machine; results also go to build/bench/results.json.
 """
@@ -131,15 +133,45 @@ def bench_notebooks(names: list[str] | None = None) -> dict:
     dest = ROOT / "build" / "bench" / "notebooks"
     dest.mkdir(parents=True, exist_ok=True)
     notebooks.sync()
-    for src in notebooks.sources():
-        if names and src.stem not in names:
-            continue
-        nb = notebooks.notebook_for(src)
-        seconds = notebooks.execute(nb, dest / nb.name)
-        out[nb.stem] = seconds
-        print(f"{nb.name}: headless in {seconds:.1f} s", flush=True)
+    widgets_file = ROOT / "build" / "bench" / "widgets.jsonl"
+    widgets_file.unlink(missing_ok=True)
+    os.environ["COURSE_WIDGET_BENCH"] = str(widgets_file)  # papermill's kernels inherit it: LiveRun.wait measures
+    try:
+        for src in notebooks.sources():
+            if names and src.stem not in names:
+                continue
+            nb = notebooks.notebook_for(src)
+            os.environ["COURSE_BENCH_CHAPTER"] = nb.stem
+            seconds = notebooks.execute(nb, dest / nb.name)
+            measuring = sum(w.get("measure_s", 0.0) for w in _widget_records(widgets_file) if w["chapter"] == nb.stem)
+            out[nb.stem] = seconds - measuring
+            print(f"{nb.name}: headless in {out[nb.stem]:.1f} s", flush=True)
+    finally:
+        os.environ.pop("COURSE_WIDGET_BENCH", None)
+        os.environ.pop("COURSE_BENCH_CHAPTER", None)
     print(f"all notebooks: {sum(out.values()):.0f} s", flush=True)
-    return out
+    widgets = _widget_records(widgets_file)
+    print(widget_table(widgets), flush=True)
+    return {"notebooks_s": out, "widgets": widgets}
+
+
+def _widget_records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def widget_table(records: list[dict]) -> str:
+    """Per chapter widget: the control moved, warm and cold seconds from a move to the new figure."""
+    from course_utils.tables import Table
+
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append([r["chapter"], r["worker"], "-", "-", r["error"], "-"])
+            continue
+        fmt = (lambda v: "-" if v is None else f"{v:.1f}")
+        rows.append([r["chapter"], r["worker"], r["control"], r["world_size"], fmt(r["warm_median_s"]), fmt(r["cold_s"])])
+    return str(Table(["chapter", "worker", "control moved", "ranks", "warm (s, median of 3)", "cold (s)"], rows,
+                     caption="widget: a control moved -> the new figure drawn (CPU wall time, this machine)"))
 
 
 def gpu_slug(name: str) -> str:
@@ -195,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                "launch": bench_launch(), "widget": bench_widget(), "composed": bench_composed()}
     results["gpu"] = bench_gpu()
     if not a.skip_notebooks:
-        results["notebooks_s"] = bench_notebooks(a.notebooks)
+        results.update(bench_notebooks(a.notebooks))
     out = ROOT / "build" / "bench" / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -136,8 +136,10 @@ def draw_high_lr(runs: dict[str, dict], lr: float, vocab: int):
     for ax, title in zip(axes, ("loss", "max attention logit q.k/sqrt(d)", "mean output log Z")):
         ax.set_title(title)
         ax.set_xlabel("step")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"Numeric fault: learning rate {lr:g} (AdamW, warm-up then constant; world 1, CPU)", y=1.03)
+    # under the panels, not inside the first: long run labels would run into the next panel
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, -0.02),
+               ncol=min(3, len(runs) + 1), fontsize=8, frameon=False)
+    fig.suptitle(f"Numeric fault: learning rate {lr:.2g} (AdamW, warm-up then constant; world 1, CPU)", y=1.03)
     return fig
 
 

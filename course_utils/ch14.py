@@ -65,19 +65,25 @@ def block_grid_figure(res, title: str | None = None):
     cp, split = rows[0]["cp"], rows[0]["config"]["split"]
     n = num_chunks(cp, split)
     colors = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(4.2, 4.2))
+    fig, ax = plt.subplots(figsize=(4.6, 4.6))
+    size = 11 if n <= 4 else 9 if n <= 8 else 7  # the labels as large as a block allows
     for d in rows:
         for step, qc, kc, kind in d["blocks"]:
             if kind == "skip":
                 continue
-            ax.add_patch(plt.Rectangle((kc, qc), 1, 1, facecolor=colors(d["ring_index"]), alpha=0.75,
-                                       hatch="//" if kind == "diagonal" else None, edgecolor="white"))
-            ax.text(kc + 0.5, qc + 0.5, f"r{d['ring_index']}\ns{step}", ha="center", va="center", fontsize=7)
+            # light hatching, so the label on top stays readable
+            ax.add_patch(plt.Rectangle((kc, qc), 1, 1, facecolor=colors(d["ring_index"]), alpha=0.55,
+                                       hatch="//" if kind == "diagonal" else None, edgecolor="white", lw=1.5))
+            ax.text(kc + 0.5, qc + 0.5, f"r{d['ring_index']}\ns{step}", ha="center", va="center", fontsize=size,
+                    fontweight="bold", bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.8,
+                                             "linewidth": 0})
     ax.set_xlim(0, n), ax.set_ylim(n, 0), ax.set_aspect("equal")
     ax.set_xticks(np.arange(n) + 0.5, range(n)), ax.set_yticks(np.arange(n) + 0.5, range(n))
     ax.set_xlabel("key chunk"), ax.set_ylabel("query chunk"), ax.grid(False)
     causal = rows[0]["config"]["causal"]
-    ax.set_title(title or f"cp = {cp}, {split}, {'causal' if causal else 'no mask'}: rank r, ring step s", fontsize=9)
+    ax.set_title(title or f"cp = {cp}, {split}, {'causal' if causal else 'no mask'}", fontsize=9)
+    fig.text(0.02, -0.02, "r0 s1: computed by rank 0 at ring step 1 (colour: the rank). Hatched: a diagonal block,\n"
+             "masked inside (causal). Blank: a block entirely above the diagonal, skipped.", fontsize=8, va="top")
     return fig
 
 

@@ -13,12 +13,19 @@ with the same world size skips torchrun's start (seconds) and answers in millise
 still a new execution of the worker with a fresh seed; ``RunResult.launch`` says "cold" or "warm".
 ``warm=False`` starts and stops ranks just for this run. A failed, timed-out or cancelled run stops its
 ranks; the next run starts new ones.
+
+Warm ranks do not outlive their use: a set left idle for ``POOL_IDLE_S`` (10 minutes; ``COURSE_POOL_IDLE_S``)
+is stopped by a background thread of the notebook's kernel, whether or not the notebook's tab is still open, and
+the next run that needs it says so (``Job.start_note``). A cold start is announced with the time it is expected to
+take: this machine's last start of that many ranks (``build/cold_starts.json``), or a model measured on a 2-core
+machine before any.
 """
 from __future__ import annotations
 
 import atexit
 import collections
 import inspect
+import json
 import os
 import textwrap
 import threading
@@ -36,6 +43,8 @@ MAX_WARM_RANKS = int(os.environ.get("COURSE_MAX_WARM_RANKS", 8))
 
 _pools: "collections.OrderedDict[tuple, RankJob]" = collections.OrderedDict()
 _pools_lock = threading.Lock()
+_retired: dict[tuple, float] = {}  # pool key -> how long it had been idle when it was stopped for that
+_reaper: threading.Thread | None = None
 
 
 def ship_callable(fn: Callable) -> dict:
@@ -62,18 +71,86 @@ def _pool_key(world_size, nnodes, env, collective_timeout_s) -> tuple:
     return (world_size, nnodes, tuple(sorted((env or {}).items())), collective_timeout_s)
 
 
+def _idle_s(job: RankJob, now: float) -> float:
+    return now - getattr(job, "last_used", job.started_at)
+
+
+def _retire_idle(now: float) -> None:
+    """Stop the warm sets that died or sat idle longer than POOL_IDLE_S (caller holds ``_pools_lock``)."""
+    for key, job in list(_pools.items()):
+        if job.busy.locked():
+            continue
+        if not job.alive():
+            _pools.pop(key).close()
+        elif _idle_s(job, now) > POOL_IDLE_S:
+            _retired[key] = _idle_s(job, now)
+            _pools.pop(key).close(graceful=True)
+
+
+def _reap_idle_pools() -> None:
+    """The kernel's background thread: idle ranks leave by themselves, even if nobody runs anything again."""
+    while True:
+        time.sleep(min(30.0, max(POOL_IDLE_S / 4, 0.2)))
+        with _pools_lock:
+            _retire_idle(time.time())
+
+
+def _start_reaper() -> None:
+    global _reaper
+    if _reaper is None or not _reaper.is_alive():
+        _reaper = threading.Thread(target=_reap_idle_pools, name="course-idle-ranks", daemon=True)
+        _reaper.start()
+
+
 def _evict_for(world_size: int) -> None:
     """Keep at most MAX_WARM_RANKS warm processes: two cores and 24 GB go further that way."""
-    now = time.time()
-    for key, job in list(_pools.items()):
-        idle = now - getattr(job, "last_used", now)
-        if not job.alive() or idle > POOL_IDLE_S:
-            _pools.pop(key).close(graceful=job.alive())
+    _retire_idle(time.time())
     while _pools and sum(j.world_size for j in _pools.values() if not j.busy.locked()) + world_size > MAX_WARM_RANKS:
         idle_keys = [k for k, j in _pools.items() if not j.busy.locked()]
         if not idle_keys:
             break
         _pools.pop(idle_keys[0]).close(graceful=True)
+
+
+def _cold_starts_file():
+    from course_utils.paths import ROOT
+
+    return ROOT / "build" / "cold_starts.json"
+
+
+def expected_start_s(world_size: int) -> tuple[float, str]:
+    """Seconds a cold start of ``world_size`` ranks should take here, and where that number comes from."""
+    try:
+        seen = json.loads(_cold_starts_file().read_text())
+        return float(seen[str(world_size)]), "this machine's last start"
+    except (OSError, ValueError, KeyError, TypeError):
+        # torchrun, `import torch` and rendezvous on an idle 2-core EPYC (2026-12-04): 2.9 s for 2 ranks,
+        # 4.4-4.6 s for 4, 7.4-7.9 s for 8 (workers.drills, warm=False, twice each).
+        return 1.5 + 0.8 * world_size, "an idle 2-core machine"
+
+
+def _record_start(world_size: int, seconds: float) -> None:
+    path = _cold_starts_file()
+    try:
+        seen = json.loads(path.read_text()) if path.exists() else {}
+        seen[str(world_size)] = round(seconds, 1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(seen, sort_keys=True) + "\n")
+    except (OSError, ValueError):
+        pass  # an estimate for next time, never a reason to fail a run
+
+
+def _start_note(world_size: int, key: tuple | None) -> str:
+    """What the learner is told while new ranks start."""
+    expected, source = expected_start_s(world_size)
+    note = (f"starting {world_size} rank{'s' if world_size > 1 else ''} (a cold start: about {expected:.0f} s, "
+            f"{source}; longer while the machine is busy)")
+    idle = _retired.pop(key, None) if key is not None else None
+    if idle is not None:
+        took = f"{idle:.0f} s" if idle < 120 else f"{idle / 60:.0f} min"
+        note = (f"the warm ranks of world {world_size} had stopped after {took} idle "
+                f"(COURSE_POOL_IDLE_S={POOL_IDLE_S:g}): " + note)
+    return note
 
 
 def _workers_version() -> float:
@@ -103,10 +180,13 @@ def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm) -> tuple[R
                 job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s)
                 job.code_version = _workers_version()
                 job.busy.acquire()
+                job.start_note = _start_note(world_size, key)
                 _pools[key] = job
+                _start_reaper()
                 return job, True
         # The warm ranks are busy with another run: this run gets ranks of its own.
     job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s)
+    job.start_note = _start_note(world_size, None)
     return job, False
 
 
@@ -128,6 +208,9 @@ class Job:
         self._watch = None  # (status HTML, log Output) once watch() was called
         # Processes are started here, in the caller's thread (their parent-death signal follows this thread).
         self._rank_job, self._pooled = _acquire_job(world_size, nnodes, env, collective_timeout_s, warm)
+        # Whether this run waits for new ranks, and the sentence that says so (with the time to expect).
+        self.cold = len(self._rank_job.ready) < world_size
+        self.start_note = getattr(self._rank_job, "start_note", "") if self.cold else ""
         self._thread = threading.Thread(target=self._drive, args=(timeout, seed), daemon=True)
         self._thread.start()
 
@@ -178,8 +261,9 @@ class Job:
     def _drive(self, timeout: float, seed: int) -> None:
         job = self._rank_job
         try:
-            if not job.ready:
+            if len(job.ready) < job.world_size:
                 job.wait_ready(cancelled=self._cancel.is_set)
+                _record_start(job.world_size, job.startup_seconds)
             self.status = "running"
             self._result = job.run_task(self.worker, self.params, seed=seed, timeout_s=timeout,
                                         on_event=self._event, cancelled=self._cancel.is_set)
@@ -278,4 +362,5 @@ def warm_pools() -> list[str]:
 
 atexit.register(shutdown_pools)
 
-__all__ = ["run", "launch", "Job", "shutdown_pools", "warm_pools", "ship_callable", "CourseError", "max_world_size"]
+__all__ = ["run", "launch", "Job", "shutdown_pools", "warm_pools", "ship_callable", "CourseError", "max_world_size",
+           "expected_start_s"]

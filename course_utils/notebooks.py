@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     sync(a.names)
     COMMITTED_FIGURES.mkdir(exist_ok=True)
-    if a.out:  # a run that does not write the notebook back must not rewrite the committed figures either
-        os.environ["COURSE_FIGURES_DIR"] = str((a.out / "figures").resolve())
+    # Regenerating the chapters in place regenerates their committed figures; a run that does not write the
+    # notebook back must not rewrite them either. The kernels papermill starts inherit this environment.
+    os.environ["COURSE_FIGURES_DIR"] = str((a.out / "figures").resolve() if a.out else COMMITTED_FIGURES)
     failed = 0
     for src in sources():
         if a.names and src.stem not in a.names:

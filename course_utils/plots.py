@@ -1,9 +1,9 @@
-"""Figures: one style for the course, saved next to the notebooks so headless runs regenerate them.
+"""Figures: one style for the course; ``savefig`` writes a PNG and shows it inline.
 
-``savefig`` writes ``notebooks/figures/<name>.png`` (the committed copy, what README and GitHub readers see)
-and, inside a notebook, shows that PNG inline, so the stored notebook carries every figure too. Runs that do
-not write the notebook back (CI's ``execute --out``, nbval) set ``COURSE_FIGURES_DIR`` to a build folder, so
-they never overwrite the committed figures with a run whose printed outputs are not the committed ones.
+``savefig`` writes ``<figures>/<name>.png`` (``course_utils.paths.FIGURES``) and, inside a notebook, shows that
+PNG inline, so the stored notebook carries every figure too. ``make notebooks`` regenerates the committed copies
+in ``notebooks/figures`` (what README and GitHub readers see); every other run (a learner's lab, CI's
+``execute --out``, nbval) writes under ``build/``, so it never rewrites a tracked file.
 """
 from __future__ import annotations
 

@@ -227,12 +227,18 @@ def head_table(hidden: int, n_heads: int, n_kv_heads: int, tps=(1, 2, 4, 8), *, 
 class ShardingWidget:
     """Sliders for the shape and TP; the figure redraws, or one sentence says why the split is impossible.
 
-    Pure drawing (no ranks). The output is replaced in one step (``show``), which also works without a
-    kernel, so the tests can see exactly what a learner sees.
+    Pure drawing (no ranks). A refusal is shown at once; a figure is drawn on a background thread while the
+    status line says what it is drawing, and only the newest settings are drawn (moving a slider several times
+    while a figure renders draws the last position once, never a queue of stale ones). The output is replaced in
+    one step, which also works without a kernel, so the tests can see exactly what a learner sees.
     """
 
     def __init__(self, hidden: int = 64, ffn: int = 256, n_heads: int = 8, n_kv_heads: int = 4, tp: int = 4):
+        import threading
+
         import ipywidgets as W
+
+        from course_utils.widgets import controls_row
 
         def islider(desc, value, lo, hi, step=1):
             return W.IntSlider(value=value, min=lo, max=hi, step=step, description=desc, continuous_update=False,
@@ -243,35 +249,81 @@ class ShardingWidget:
                          "n_kv_heads": islider("KV heads", n_kv_heads, 1, 32), "tp": islider("TP", tp, 1, 16),
                          "activation": W.Dropdown(options=["gelu", "swiglu"], value="gelu", description="MLP")}
         self.out = W.Output()
+        self.status = W.HTML()
         self.message = ""
+        self.drawn: list[dict] = []  # the settings of every figure drawn, oldest first
+        self._lock = threading.Lock()
+        self._wanted = 0  # bumped by every change; a drawing of an older generation is thrown away
+        self._drawing = False
+        self.idle = threading.Event()
+        self.idle.set()
         for c in self.controls.values():
             c.observe(lambda _change: self.redraw(), names="value")
-        items = list(self.controls.values())
-        self.box = W.VBox([W.HBox(items[:3]), W.HBox(items[3:]), self.out])
-        self.redraw()
+        self.box = W.VBox([controls_row(self.controls.values()), self.status, self.out])
+        self._show(self.settings(), self._render(self.settings()))
 
     def settings(self) -> dict:
         return {k: c.value for k, c in self.controls.items()}
 
-    def redraw(self) -> None:
+    def _render(self, kw: dict) -> tuple[str, bytes | None]:
         from course_utils.widgets import figure_png
+
+        bad = problem(kw["hidden"], kw["ffn"], kw["n_heads"], kw["n_kv_heads"], kw["tp"])
+        if bad:
+            return bad, None
+        try:
+            return "", figure_png(sharding_figure(**kw))
+        except Exception as exc:  # noqa: BLE001 - a drawing problem is a sentence, never a traceback
+            return f"cannot draw this combination: {exc}", None
+
+    def _show(self, kw: dict, rendered: tuple[str, bytes | None]) -> None:
+        import base64
+
+        self.message, png = rendered
+        if png is None:
+            self.out.outputs = ({"output_type": "stream", "name": "stdout", "text": self.message + "\n"},)
+            return
+        self.drawn.append(kw)
+        self.out.outputs = ({"output_type": "display_data", "metadata": {},
+                             "data": {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": "<figure>"}},)
+
+    def redraw(self) -> None:
+        """Show a refusal now, or start drawing the newest settings (unless a drawing is already under way, which
+        then draws them next)."""
+        import threading
 
         kw = self.settings()
         bad = problem(kw["hidden"], kw["ffn"], kw["n_heads"], kw["n_kv_heads"], kw["tp"])
-        if bad is None:
-            try:
-                png = figure_png(sharding_figure(**kw))
-            except Exception as exc:  # noqa: BLE001 - a drawing problem is a sentence, never a traceback
-                bad = f"cannot draw this combination: {exc}"
-        if bad:
-            self.message = bad
-            self.out.outputs = ({"output_type": "stream", "name": "stdout", "text": bad + "\n"},)
-            return
-        import base64
+        with self._lock:
+            self._wanted += 1
+            if bad:
+                self.status.value = ""
+                self._show(kw, (bad, None))
+                return
+            self.status.value = (f"<i>drawing hidden {kw['hidden']}, ffn {kw['ffn']}, {kw['n_heads']} heads, "
+                                 f"{kw['n_kv_heads']} KV heads, TP {kw['tp']}, {kw['activation']}...</i>")
+            if self._drawing:
+                return
+            self._drawing = True
+            self.idle.clear()
+        threading.Thread(target=self._draw_newest, daemon=True).start()
 
-        self.message = ""
-        self.out.outputs = ({"output_type": "display_data", "metadata": {},
-                             "data": {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": "<figure>"}},)
+    def _draw_newest(self) -> None:
+        while True:
+            with self._lock:
+                generation, kw = self._wanted, self.settings()
+            rendered = self._render(kw)
+            with self._lock:
+                if generation == self._wanted:  # nothing moved while it rendered: this is the current view
+                    self._show(kw, rendered)
+                    self.status.value = ""
+                    self._drawing = False
+                    self.idle.set()
+                    return
+
+    def wait(self, timeout: float = 60) -> bool:
+        """Block until the newest settings are on screen (tests, headless runs)."""
+        return self.idle.wait(timeout)
 
     def _ipython_display_(self):
         from IPython.display import display

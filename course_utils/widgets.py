@@ -5,12 +5,21 @@ widget (a change made while a job runs waits, and only the newest waiting settin
 button stops the ranks; a progress bar follows the job's metric stream; settings a learner can get wrong
 are refused with the launcher's one-sentence message instead of a traceback. Drawing happens in the
 notebook process from the ``RunResult``; nothing is cached: every change is a new run on real ranks.
+
+While a run is pending the status line says what it waits for: warm ranks, or a cold start with the time it
+is expected to take (``Job.start_note``: new ranks, or ranks that had stopped after sitting idle). The controls
+wrap onto more rows at a narrow width instead of squeezing each other (a slider keeps room for its label and
+its track).
 """
 from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+import statistics
 import threading
+import time
 from typing import Callable
 
 import ipywidgets as W
@@ -33,20 +42,39 @@ def slider(description: str, value: int, lo: int, hi: int, step: int = 1) -> W.I
                        continuous_update=False, style={"description_width": "initial"})
 
 
+def controls_row(controls) -> W.HBox:
+    """The controls on one row that wraps: none shrinks below its natural width, and a slider whose label is as
+    wide as its text gets a width that leaves its track about 160 px (ipywidgets' fixed 300 px would leave a long
+    label's slider a few pixels of track)."""
+    for control in controls:
+        control.layout.flex = "0 0 auto"
+        if isinstance(control, (W.IntSlider, W.FloatSlider, W.SelectionSlider, W.FloatLogSlider)) \
+                and control.style.description_width == "initial" and not control.layout.width:
+            control.layout.width = f"{max(300, 7 * len(control.description) + 230)}px"
+    return W.HBox(list(controls), layout=W.Layout(flex_flow="row wrap", align_items="center"))
+
+
 class LiveRun:
     """``LiveRun("workers.ch01_collectives", {"world_size": slider(...), ...}, draw)``; display it as the cell's value.
 
     ``draw(result, params) -> matplotlib Figure | str``; ``params`` maps names to fixed extra parameters;
-    ``progress_total(params)`` (optional) gives the number of metric steps to expect.
+    ``progress_total(params)`` (optional) gives the number of metric steps to expect. ``derive(settings) -> dict``
+    (optional) computes parameters from the controls' values (a hidden size that follows the head count), so a
+    refusal never names a fixed value the learner cannot see or change; ``applies`` maps a control's name to
+    ``settings -> bool``: where it is False the control is greyed out (an op for a collective that reduces
+    nothing).
     """
 
     def __init__(self, worker: str, controls: dict[str, W.ValueWidget], draw: Callable[[RunResult, dict], object],
                  *, params: dict | None = None, timeout: float = 30.0, progress_total: Callable[[dict], int] | None = None,
+                 derive: Callable[[dict], dict] | None = None, applies: dict[str, Callable[[dict], bool]] | None = None,
                  auto_start: bool = True):
         self.worker, self.controls, self.draw = worker, controls, draw
         self.fixed = dict(params or {})
         self.timeout = timeout
         self.progress_total = progress_total
+        self.derive = derive
+        self.applies = dict(applies or {})
         self.out = W.Output()
         self.status = W.HTML()
         self.cancel_button = W.Button(description="Cancel", icon="stop", disabled=True)
@@ -60,7 +88,7 @@ class LiveRun:
         self.idle.set()
         for control in controls.values():
             control.observe(lambda _change: self.request(), names="value")
-        self.box = W.VBox([W.HBox(list(controls.values())),
+        self.box = W.VBox([controls_row(controls.values()),
                            W.HBox([self.cancel_button, self.progress, self.status]), self.out])
         if auto_start:
             self.request()
@@ -75,6 +103,9 @@ class LiveRun:
 
     def request(self) -> None:
         """Run with the controls' current values now, or right after the job in flight."""
+        settings = self.settings()
+        for name, applies in self.applies.items():
+            self.controls[name].disabled = not applies(settings)
         with self._lock:
             if self._job is not None:
                 self._pending = self.settings()
@@ -83,7 +114,7 @@ class LiveRun:
             self._start(self.settings())
 
     def _start(self, settings: dict) -> None:
-        params = {**self.fixed, **settings}
+        params = {**self.fixed, **settings, **(self.derive(settings) if self.derive else {})}
         world_size = params.pop("world_size", 2)
         try:
             job = launch(self.worker, world_size, timeout=self.timeout, on_event=self._on_event, **params)
@@ -97,7 +128,8 @@ class LiveRun:
         self.progress.max, self.progress.value = max(total, 1), 0
         self.progress.layout.visibility = "visible" if total else "hidden"
         self.cancel_button.disabled = False
-        self.status.value = "<i>running on real ranks...</i>"
+        self.status.value = (f"<i>{job.start_note}, then running on real ranks...</i>" if job.cold
+                             else "<i>running on real ranks (warm)...</i>")
         threading.Thread(target=self._finish, args=(job, settings), daemon=True).start()
 
     def show(self, shown) -> None:
@@ -119,7 +151,7 @@ class LiveRun:
     def _finish(self, job, settings: dict) -> None:
         try:
             result = job.wait()
-            shown = self.draw(result, {**self.fixed, **settings})
+            shown = self.draw(result, {**self.fixed, **settings, **(self.derive(settings) if self.derive else {})})
             self.show(shown)
             self.status.value = f"{result.describe()}"
             self.history.append((settings, result))
@@ -151,5 +183,77 @@ class LiveRun:
             job.cancel()
 
     def wait(self, timeout: float = 120) -> bool:
-        """Block until no job is running or waiting (for tests and headless runs)."""
-        return self.idle.wait(timeout)
+        """Block until no job is running or waiting (for tests and headless runs).
+
+        Under ``make bench`` (``COURSE_WIDGET_BENCH`` names a file) the first wait also measures this widget as a
+        learner meets it (``measure``) and appends the numbers to that file, so every chapter's widget is timed
+        with the chapter's own settings."""
+        ok = self.idle.wait(timeout)
+        if ok and os.environ.get("COURSE_WIDGET_BENCH") and not getattr(self, "_measured", False):
+            self._measured = True
+            record = {"chapter": os.environ.get("COURSE_BENCH_CHAPTER", ""), **self.measure()}
+            with open(os.environ["COURSE_WIDGET_BENCH"], "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return ok
+
+    def _alternatives(self):
+        """(control name, another value) pairs, in the order of the controls: what a learner's first move could be."""
+        for name, control in self.controls.items():
+            if control.disabled:
+                continue
+            if hasattr(control, "options"):
+                values = [o[1] if isinstance(o, tuple) else o for o in control.options]
+                yield from ((name, v) for v in values if v != control.value)
+            elif isinstance(control.value, bool):
+                yield name, not control.value
+            elif hasattr(control, "step"):
+                for v in (control.value + control.step, control.value - control.step):
+                    if control.min <= v <= control.max:
+                        yield name, v
+
+    def _settle(self, timeout: float = 600):
+        if not self.idle.wait(timeout):
+            raise RuntimeError(f"{self.worker}: no answer within {timeout:.0f} s: {self.status.value}")
+        return self.history[-1][1] if self.history else None
+
+    def measure(self, changes: int = 3) -> dict:
+        """What a learner waits for, from a control moved to the new figure drawn: on warm ranks (the median of
+        ``changes`` moves of the first control whose other value runs), and once cold (every warm rank stopped
+        first, then the same settings again). Restores the controls it moved; CPU wall times of this machine."""
+        from course_utils.launcher import shutdown_pools
+
+        started = time.perf_counter()
+        self._settle()
+        moved = None
+        for name, value in list(self._alternatives())[:8]:
+            before = self.controls[name].value
+            self.controls[name].value = value
+            if isinstance(self._settle(), RunResult):
+                moved = (name, before, value)
+                break
+            self.controls[name].value = before  # refused or failed: put it back, try the next move
+            self._settle()
+        if moved is None:
+            return {"worker": self.worker, "error": "no control move ran"}
+        name, before, after = moved
+        warm = []
+        for value in ([before, after, before] * changes)[:changes]:
+            t0 = time.perf_counter()
+            self.controls[name].value = value
+            outcome = self._settle()
+            if isinstance(outcome, RunResult) and outcome.launch == "warm":
+                warm.append(time.perf_counter() - t0)
+        if self.controls[name].value != before:
+            self.controls[name].value = before
+            self._settle()
+        shutdown_pools()
+        t0 = time.perf_counter()
+        self.request()
+        outcome = self._settle()
+        cold = time.perf_counter() - t0
+        world = outcome.world_size if isinstance(outcome, RunResult) else None
+        return {"worker": self.worker, "control": name, "world_size": world,
+                "warm_median_s": statistics.median(warm) if warm else None, "warm_max_s": max(warm) if warm else None,
+                "cold_s": cold if isinstance(outcome, RunResult) and outcome.launch == "cold" else None,
+                "cold_startup_s": outcome.startup_seconds if isinstance(outcome, RunResult) else None,
+                "measure_s": time.perf_counter() - started}

@@ -39,17 +39,18 @@ class Lab:
 
 
 @contextmanager
-def make_lab(tmp_path: Path, settings: dict[str, dict] | None = None):
+def make_lab(tmp_path: Path, settings: dict[str, dict] | None = None, env: dict[str, str] | None = None):
     """Yield a ``Lab`` once the server answers; stop it and everything under it on the way out.
 
     ``settings`` maps a JupyterLab plugin id to its user settings (written to a private settings directory, so
-    the learner's own settings are neither read nor changed).
+    the learner's own settings are neither read nor changed); ``env``: extra environment for the server and the
+    kernels it starts.
     """
     port, token = free_port(), uuid.uuid4().hex
     args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token} --ServerApp.port_retries=0"
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab-workspaces"))
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab-workspaces"), **(env or {}))
     for plugin, values in (settings or {}).items():
         package, name = plugin.rsplit(":", 1)
         path = tmp_path / "lab-settings" / package / f"{name}.jupyterlab-settings"

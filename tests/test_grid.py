@@ -96,3 +96,11 @@ def test_the_chapters_take_their_groups_from_the_grid():
     arithmetic = [str(p.relative_to(ROOT)) for p in (ROOT / "workers").rglob("*.py")
                   if re.search(r"rank\s*-\s*\S*rank\s*%|rank\s*//\s*\w+_size", p.read_text())]
     assert arithmetic == [], f"group arithmetic outside the grid in {arithmetic}"
+
+
+def test_a_refusal_names_the_sizes_that_divide_the_world():
+    from workers.parallel.grid import choose_divisor
+
+    assert choose_divisor(4) == "choose 1, 2 or 4"
+    assert choose_divisor(6) == "choose 1, 2, 3 or 6"
+    assert choose_divisor(1) == "choose 1"

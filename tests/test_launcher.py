@@ -213,6 +213,40 @@ def test_ranks_leave_when_their_notebook_is_killed(tmp_path, monkeypatch):
     assert not log_dir.exists()
 
 
+def test_idle_warm_ranks_stop_by_themselves_and_the_next_run_says_so(tmp_path):
+    """A notebook that runs once and then sits (its tab closed, its kernel alive) loses its ranks after the stated
+    idle time, with nobody calling anything; the next run is announced as a cold start after that idle stop, with
+    the time this machine's last start of that many ranks took."""
+    script = textwrap.dedent("""
+        import json, time
+        import course_utils as cu
+        from course_utils import launcher
+        res = cu.run("workers.hello", world_size=2)
+        print(json.dumps({"pids": res.gather("pid"), "launch": res.launch, "started": res.startup_seconds,
+                          "expected": launcher.expected_start_s(2)}), flush=True)
+        time.sleep(6)                       # idle: nothing runs, nobody asks
+        print(json.dumps({"warm": cu.warm_pools()}), flush=True)
+        job = cu.launch("workers.hello", world_size=2)
+        res = job.wait()
+        print(json.dumps({"cold": job.cold, "note": job.start_note, "launch": res.launch}), flush=True)
+        job = cu.launch("workers.hello", world_size=2)
+        job.wait()
+        print(json.dumps({"cold": job.cold, "note": job.start_note}), flush=True)
+    """)
+    env = dict(os.environ, COURSE_POOL_IDLE_S="2")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=240,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, idle, again, warm = (json.loads(line) for line in out.stdout.strip().splitlines())
+    assert first["launch"] == "cold" and first["expected"] == [round(first["started"], 1), "this machine's last start"]
+    assert idle["warm"] == [], "the idle ranks were still warm after 6 s with COURSE_POOL_IDLE_S=2"
+    assert _gone(first["pids"], within=10), "the idle ranks' processes are still running"
+    assert again["cold"] and again["launch"] == "cold"
+    assert again["note"].startswith("the warm ranks of world 2 had stopped after ") and " s idle " in again["note"]
+    assert "starting 2 ranks (a cold start: about " in again["note"] and "this machine's last start" in again["note"]
+    assert warm == {"cold": False, "note": ""}
+
+
 def test_stale_jobs_of_a_dead_owner_are_reaped(tmp_path, monkeypatch):
     # A process that survived its notebook (say the ranks were stuck in native code), registered by an
     # owner that no longer exists: the next launch must kill it, and must spare jobs of live owners.

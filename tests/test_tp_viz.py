@@ -48,8 +48,8 @@ def test_widget_shows_a_sentence_for_an_invalid_choice_and_a_figure_otherwise():
     w.controls["tp"].value = 3  # 8 heads over 3 ranks
     assert "n_heads=8 is not divisible by the tensor-parallel size 3" in w.message
     assert w.out.outputs[0]["text"].startswith("n_heads=8")
-    w.controls["tp"].value = 8  # 4 KV heads, TP 8: replicated twice, a valid split
-    assert w.message == ""
+    w.controls["tp"].value = 8  # 4 KV heads, TP 8: replicated twice, a valid split (drawn in the background)
+    assert w.wait(60) and w.message == "" and "image/png" in w.out.outputs[0]["data"]
 
 
 def test_the_ffn_refusal_the_notebook_suggests_can_be_reached_with_the_sliders():
@@ -74,3 +74,18 @@ def test_head_table_counts_the_kv_copy_gradient_all_reduce_only_when_kv_heads_ar
     sync = tp_viz.kv_copy_grad_sync(16384, 128, 8, 16, bytes_per_element=2)
     assert sync["message_bytes"] == [2 * 128 * 16384 * 2] and sync["wire_bytes"] == 2 * (2 - 1) / 2 * 2 * 128 * 16384 * 2
     assert tp_viz.kv_copy_grad_sync(64, 8, 2, 4, bias=True)["all_reduces"] == 2  # weight rows, then bias rows
+
+
+def test_the_sharding_widget_draws_only_the_newest_settings_and_says_it_is_busy_meanwhile():
+    w = tp_viz.ShardingWidget(hidden=64, ffn=256, n_heads=8, n_kv_heads=8, tp=4)
+    assert w.drawn == [w.settings()]
+    busy = []
+    w.status.observe(lambda change: busy.append(change["new"]), names="value")
+    for ffn in (272, 288, 304, 320):  # four moves faster than a figure renders
+        w.controls["ffn"].value = ffn
+    w.controls["activation"].value = "swiglu"
+    assert w.wait(60)
+    assert w.drawn[-1] == {**w.settings(), "ffn": 320, "activation": "swiglu"}
+    assert len(w.drawn) <= 3, f"stale settings were drawn one after another: {w.drawn}"
+    assert busy and "drawing hidden 64, ffn 320" in busy[-2] and busy[-1] == "", busy
+    assert "image/png" in w.out.outputs[0]["data"] and w.message == ""

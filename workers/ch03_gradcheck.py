@@ -20,6 +20,7 @@ from torch.autograd.gradcheck import GradcheckError
 from workers.parallel.circuits import CIRCUITS, VARIANTS, circuits, library
 from workers.parallel.groups import TensorParallelGroups
 from workers.runtime import entrypoint
+from workers.parallel.grid import choose_divisor
 
 
 def check_params(world_size, variant, rows, hidden, tp_size, **_):
@@ -27,7 +28,7 @@ def check_params(world_size, variant, rows, hidden, tp_size, **_):
         return f"variant={variant!r} is not known: choose one of {', '.join(VARIANTS)}"
     tp = tp_size or world_size
     if tp < 1 or world_size % tp:
-        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size}"
+        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     if rows % tp or hidden % tp or rows < 1 or hidden < 1:
         return (f"rows={rows} and hidden={hidden} must be positive multiples of the group size {tp}: "
                 f"try rows={tp} hidden={2 * tp}")

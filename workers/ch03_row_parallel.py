@@ -19,6 +19,7 @@ from workers.parallel import mappings as M
 from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.problems import row_parallel_problem
 from workers.runtime import entrypoint
+from workers.parallel.grid import choose_divisor
 
 MODES = ("row", "mlp")
 
@@ -28,7 +29,7 @@ def check_params(world_size, mode, hidden, ffn, tp_size, **_):
         return f"mode={mode!r} is not known: choose one of {', '.join(MODES)}"
     tp = tp_size or world_size
     if world_size % tp:
-        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size}"
+        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     split = hidden if mode == "row" else ffn
     if split % tp:
         return f"{'hidden' if mode == 'row' else 'ffn'}={split} is not divisible by the tensor-parallel size {tp}"

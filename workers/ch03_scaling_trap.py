@@ -23,6 +23,7 @@ from workers.parallel.faults import all_reduce_both_ways
 from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.problems import scaling_trap_problem
 from workers.runtime import entrypoint
+from workers.parallel.grid import choose_divisor
 
 
 def _torch_distributed_nn(x, group):
@@ -51,7 +52,7 @@ REDUCTIONS = {
 def check_params(world_size, hidden, tp_size, **_):
     tp = tp_size or world_size
     if world_size % tp:
-        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size}"
+        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     if hidden % tp:
         return f"hidden={hidden} is not divisible by the tensor-parallel size {tp}: use a multiple of {tp}"
     return None

@@ -12,6 +12,7 @@ from workers.parallel.dense import BlockConfig
 from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.harness import DTYPES, forward_backward, problem
 from workers.runtime import entrypoint
+from workers.parallel.grid import choose_divisor
 
 
 def check_params(world_size, tp_size=0, module="mlp", hidden=16, ffn_hidden=0, activation="gelu", seq=4, batch=2,
@@ -21,7 +22,7 @@ def check_params(world_size, tp_size=0, module="mlp", hidden=16, ffn_hidden=0, a
     if split not in ("right", "naive"):
         return f"split={split!r} must be 'right' or 'naive'"
     if tp_size < 0 or (tp_size and world_size % tp_size):
-        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size} (0: all)"
+        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     if module not in ("column", "row", "mlp"):
         return f"module={module!r} is not a chapter 04 module: choose 'column', 'row' or 'mlp'"
     cfg = BlockConfig(hidden=hidden, n_heads=1, ffn_hidden=ffn_hidden, activation=activation)

@@ -13,6 +13,7 @@ from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.harness import DTYPES, forward_backward, problem
 from workers.parallel.layers import group_size_rank
 from workers.runtime import entrypoint
+from workers.parallel.grid import choose_divisor
 
 
 def check_params(world_size, tp_size=0, hidden=32, n_heads=4, n_kv_heads=0, seq=8, batch=2, sequence_parallel=False,
@@ -22,7 +23,7 @@ def check_params(world_size, tp_size=0, hidden=32, n_heads=4, n_kv_heads=0, seq=
     if split not in ("right", "naive"):
         return f"split={split!r} must be 'right' (by heads) or 'naive' (contiguous chunks)"
     if tp_size < 0 or (tp_size and world_size % tp_size):
-        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size} (0: all)"
+        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     world_size = tp_size or world_size  # the rules below are about the tensor-parallel group
     cfg = BlockConfig(hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads)
     bad = problem("attention", cfg, world_size, seq, batch, sequence_parallel=sequence_parallel, fault=fault)

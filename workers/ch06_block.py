@@ -12,6 +12,7 @@ from workers.parallel.dense import BlockConfig
 from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.harness import DTYPES, forward_backward, problem, train_parallel
 from workers.runtime import entrypoint
+from workers.parallel.grid import choose_divisor
 
 
 def check_params(world_size, tp_size=0, hidden=32, n_heads=4, n_kv_heads=0, ffn_hidden=0, activation="gelu", seq=8, batch=2,
@@ -21,7 +22,7 @@ def check_params(world_size, tp_size=0, hidden=32, n_heads=4, n_kv_heads=0, ffn_
     if steps < 0 or lr <= 0:
         return f"steps={steps} must be >= 0 and lr={lr} positive"
     if tp_size < 0 or (tp_size and world_size % tp_size):
-        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size} (0: all)"
+        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     cfg = BlockConfig(hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_hidden=ffn_hidden,
                       activation=activation, hidden_dropout=hidden_dropout)
     return problem("block", cfg, tp_size or world_size, seq, batch, sequence_parallel=sequence_parallel, fault=fault)

@@ -30,6 +30,7 @@ from workers.parallel.dense import BlockConfig
 from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.harness import problem
 from workers.runtime import entrypoint
+from workers.parallel.grid import choose_divisor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAGES = ("ln1", "attention", "residual1", "ln2", "mlp", "residual2")
@@ -42,7 +43,7 @@ def check_params(world_size, tp_size=0, hidden=128, n_heads=8, seq=128, seqs=(),
     if repeats < 1 or warmup < 0:
         return f"repeats={repeats} must be at least 1 and warmup={warmup} at least 0"
     if tp_size < 0 or (tp_size and world_size % tp_size):
-        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size} (0: all)"
+        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     world_size = tp_size or world_size
     cfg = BlockConfig(hidden=hidden, n_heads=n_heads)
     for s in [int(v) for v in (list(seqs) or [seq])]:

@@ -17,7 +17,7 @@ import torch
 from workers.pipeline.executor import run_schedule
 from workers.pipeline.model import PipelineConfig, global_names, make_batch, micro_batches as split, stage_module
 from workers.pipeline.p2p import P2P
-from workers.parallel.grid import RankGrid
+from workers.parallel.grid import RankGrid, choose_divisor
 from workers.pipeline.schedules import SCHEDULES, peak_stash, schedule as make_schedule, virtual_stage
 from workers.runtime import entrypoint
 
@@ -28,7 +28,7 @@ def check_params(world_size, schedule="1f1b", micro_batches=8, stages=0, chunks=
     if schedule not in SCHEDULES:
         return f"schedule={schedule!r} is not known: choose one of {', '.join(SCHEDULES)}"
     if p < 1 or world_size % p:
-        return f"stages={stages} does not divide world_size={world_size}: choose a divisor of {world_size} (0: all ranks)"
+        return f"stages={stages} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     if micro_batches < 1 or micro_batch_size < 1 or hidden < 1:
         return f"micro_batches={micro_batches}, micro_batch_size={micro_batch_size} and hidden={hidden} must be >= 1"
     if schedule == "interleaved":

@@ -15,7 +15,7 @@ from workers.context_parallel.attention import ring_attention_backward, ring_att
 from workers.context_parallel.inputs import DTYPES, make_inputs
 from workers.context_parallel.ring import Ring
 from workers.context_parallel.split import SPLITS, local_positions, split_problem, take_local
-from workers.parallel.grid import RankGrid
+from workers.parallel.grid import RankGrid, choose_divisor
 from workers.runtime import entrypoint
 
 
@@ -23,7 +23,7 @@ def check_params(world_size, seq=64, heads=2, head_dim=16, batch=1, causal=True,
                  dtype="float64", **_):
     ring = cp or world_size
     if ring < 1 or world_size % ring:
-        return f"cp={cp} does not divide world_size={world_size}: choose a divisor of {world_size} (0: all ranks)"
+        return f"cp={cp} does not divide world_size={world_size}: {choose_divisor(world_size)}"
     if split not in SPLITS:
         return f"split={split!r} is not known: choose one of {', '.join(SPLITS)}"
     problem = split_problem(seq, ring, split)

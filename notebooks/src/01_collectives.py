@@ -154,7 +154,7 @@ print(ch01.device_table(two_nodes))
 # After `reduce` to rank 0, what is in rank 2's buffer?
 
 # %%
-from workers.collectives.reference import BITWISE, COLLECTIVES, OPS
+from workers.collectives.reference import BITWISE, COLLECTIVES, OPS, REDUCING
 
 WORLD = 4
 collective_runs = {c: cu.run("workers.ch01_collectives", world_size=WORLD, collective=c, **RUN) for c in COLLECTIVES}
@@ -238,9 +238,10 @@ from course_utils.widgets import LiveRun, slider
 explorer = LiveRun(
     "workers.ch01_collectives",
     {"collective": W.Dropdown(options=COLLECTIVES, value="all_to_all", description="collective"),
-     "op": W.Dropdown(options=OPS, value="sum", description="op"),
+     # float32 tensors: the bitwise ops are refused by gloo (the table above), so the explorer offers the others
+     "op": W.Dropdown(options=[op for op in OPS if op not in BITWISE], value="sum", description="op"),
      "world_size": slider("world size", WORLD, 1, 8)},
-    ch01.collective_panel, **RUN)
+    ch01.collective_panel, applies={"op": lambda s: s["collective"] in REDUCING}, **RUN)
 explorer.wait(60)
 explorer
 

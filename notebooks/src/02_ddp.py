@@ -262,13 +262,14 @@ def draw_live(res, params):
     fig = ch02.draw_bucket_timeline(res, step=1)
     fig.axes[0].set_title(f"cap {params['bucket_cap_mb']:g} MiB, {params['layers']} layers: "
                           f"{len(d['all_reduce_bytes'][1])} all-reduces per backward (predicted "
-                          f"{len(d['predicted']['rebuilt'])}), step 1: {len(d['all_reduce_bytes'][0])}")
+                          f"{len(d['predicted']['rebuilt'])}); {len(d['all_reduce_bytes'][0])} in the first step, "
+                          "before DDP rebuilds its buckets")
     return fig
 
 
 live = LiveRun("workers.ch02_internals",
                {"bucket_cap_mb": W.FloatSlider(value=0.5, min=0.05, max=2.0, step=0.05, description="bucket_cap_mb",
-                                               continuous_update=False),
+                                               continuous_update=False, style={"description_width": "initial"}),
                 "layers": slider("layers", 6, 1, 12)},
                draw_live, params={"part": "buckets", "world_size": 2, "steps": 2}, timeout=60)
 live.wait(60)
@@ -501,3 +502,11 @@ check("overlapped_hooks", overlapped_hooks)
 #
 # Next, chapter 03 puts collectives *inside* autograd, the building block of tensor parallelism; chapter 11
 # shards what DDP replicates (optimizer state, gradients, parameters: ZeRO).
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

@@ -437,3 +437,11 @@ check("split_and_gather", split_and_gather)
 #   circuits that start and end replicated.
 # * `f` (all-reduce in backward) and `g` (all-reduce in forward) are all a Megatron MLP or attention
 #   block needs; chapter 04 builds `ColumnParallelLinear` and `RowParallelLinear` on this library.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

@@ -282,8 +282,9 @@ cu.check("swiglu_shard", swiglu_shard)
 # ## 7. Explore on real ranks
 #
 # Pick a module and a TP size: the widget reruns the equivalence on real ranks and draws the error of
-# every tensor. Try the naive SwiGLU split (`split="naive"`), or a fault, or TP 3 (which does not divide
-# the 4 ranks: refused in a sentence before anything starts).
+# every tensor. It opens on the right split, equal to the dense MLP; then try the naive SwiGLU split
+# (`split="naive"`), or a fault, or TP 3 (which does not divide the 4 ranks: refused in a sentence before anything
+# starts). The MLP and split menus apply to the MLP only, and the split to SwiGLU only: elsewhere they are greyed.
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W
@@ -294,17 +295,21 @@ from course_utils.widgets import LiveRun, slider
 def draw_equivalence(res, params):
     cfg = tp_check.config_of(res[0]["config"])
     rep = tp_check.compare(res, params["module"], cfg, seq=SEQ, batch=BATCH)
-    return tp_figures.equivalence_figure({f"TP {params['tp_size']}": rep}, f"{params['module']}: {rep!r}"[:110])
+    verdict = "equal to the dense module" if rep.ok else f"DIFFERENT in {len(rep.failed + rep.problems)} tensor(s)"
+    return tp_figures.equivalence_figure({f"TP {params['tp_size']}": rep},
+                                         f"{params['module']}, {params['activation']}, {params['split']} split, "
+                                         f"{params['fault'] or 'no fault'}: {verdict}")
 
 
 live = LiveRun(LAYERS, {"tp_size": slider("TP", 2, 1, 4),
                         "module": W.Dropdown(options=["mlp", "column", "row"], value="mlp", description="module"),
                         "activation": W.Dropdown(options=["gelu", "swiglu"], value="swiglu", description="MLP"),
-                        "split": W.Dropdown(options=["right", "naive"], value="naive", description="split"),
+                        "split": W.Dropdown(options=["right", "naive"], value="right", description="split"),
                         "fault": W.Dropdown(options=[""] + faults[1:] + ["bias_before_reduce"], value="",
                                             description="fault")},
                draw_equivalence, params={"world_size": WORLD, "seq": SEQ, "batch": BATCH, "hidden": HIDDEN},
-               timeout=60)
+               applies={"activation": lambda s: s["module"] == "mlp",
+                        "split": lambda s: s["module"] == "mlp" and s["activation"] == "swiglu"}, timeout=60)
 live.wait(60)
 live
 
@@ -319,3 +324,11 @@ live
 #   the same check fails loudly on a dropped, doubled or misplaced collective, or a bias added t times.
 #
 # Next: attention, where the natural unit to split is the head (chapter 05).
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

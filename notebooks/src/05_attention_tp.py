@@ -177,21 +177,24 @@ import ipywidgets as W
 
 from course_utils.widgets import LiveRun, slider
 
+HEAD_DIM = 6  # the head size stays fixed and hidden follows the heads (8 heads: hidden 48), so any count is a model
+
 
 def draw_heads(res, params):
     cfg = tp_check.config_of(res[0]["config"])
     rep = tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH)
     kv = [d["kv_heads"] for d in res.ranks[:params["tp_size"]]]
     return tp_figures.equivalence_figure({f"TP {params['tp_size']}": rep},
-                                         f"{cfg.n_heads} heads, {cfg.kv_heads} KV heads, KV per rank {kv}: "
+                                         f"{cfg.n_heads} heads of {cfg.head_dim}, {cfg.kv_heads} KV heads, "
+                                         f"KV per rank {kv}: "
                                          f"{'equal' if rep.ok else 'DIFFERENT'}")
 
 
 heads_live = LiveRun(ATTENTION, {"tp_size": slider("TP", 4, 1, 4), "n_heads": slider("heads", 8, 1, 16),
                                  "n_kv_heads": slider("KV heads", 2, 1, 16),
                                  "split": W.Dropdown(options=["right", "naive"], value="right", description="split")},
-                     draw_heads, params={"world_size": WORLD, "hidden": 48, "seq": SEQ, "batch": BATCH},
-                     timeout=60)
+                     draw_heads, params={"world_size": WORLD, "seq": SEQ, "batch": BATCH},
+                     derive=lambda s: {"hidden": HEAD_DIM * s["n_heads"]}, timeout=60)
 heads_live.wait(60)
 heads_live
 
@@ -238,3 +241,11 @@ cu.check("kv_heads_for_rank", kv_heads_for_rank)
 #   Anything else cannot be split, and is refused in a sentence.
 # * A fused `[Q; K; V]` weight must be split head by head. `chunk` gives a model that runs and is wrong;
 #   only a comparison with the dense module catches it.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

@@ -356,7 +356,8 @@ def draw_block(res, params):
     for r in tp_check.comm_rows(res):
         counts[f"{r['collective']} {r['pass']}"] = counts.get(f"{r['collective']} {r['pass']}", 0) + r["calls"]
     tp = params["tp_size"]
-    title = f"TP {tp}{' + SP' if params['sequence_parallel'] else ''}: {counts or 'no communication'}"
+    calls = ", ".join(f"{n} {name.replace('_', '-')}" for name, n in counts.items()) or "no communication"
+    title = f"TP {tp}{' + SP' if params['sequence_parallel'] else ''}, {params['fault'] or 'no fault'}: {calls}"
     return tp_figures.equivalence_figure({f"TP {tp}": rep}, title)
 
 
@@ -380,3 +381,11 @@ block_live
 # * The sharded block trains exactly like the dense one: same losses, step after step.
 # * Attention's share of the FLOPs is $(2h+s)/(6h+s)$; measured shares follow it where the kernels are
 #   equally efficient, and a profile is what tells you where they are not.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

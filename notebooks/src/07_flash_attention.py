@@ -521,3 +521,11 @@ plots.savefig(ch07.layout_figure(layout_cpu, layout_gpu, REFERENCE), "07_layout_
 #   $\delta = \mathrm{rowsum}(dO \circ O)$ standing in for the row-wide softmax Jacobian term.
 # * Layouts: a wrong layout is silently a different function, and a `.contiguous()` copy costs most, relative
 #   to the kernel, exactly where attention is fastest.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

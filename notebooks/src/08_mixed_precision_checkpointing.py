@@ -755,3 +755,11 @@ check("checkpoint_every", checkpoint_every)
 # Chapter 09 turns to runs that do not crash but go wrong: loss spikes, and how telemetry, checksums and
 # deterministic replay (which needs exactly the bitwise resume of Part B) find their cause. Chapter 11 shows
 # how sharding the optimizer state (ZeRO) shrinks what each rank must hold, and so what each rank must save.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

@@ -543,3 +543,11 @@ check("z_loss", z_loss)
 # - **Hardware**: corruption before an all-reduce leaves the ranks in agreement; only deterministic
 #   replay finds the step and the rank, and tells hardware (the bit flip: not reproduced) from software (the
 #   summing rank: reproduced bit for bit).
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

@@ -378,3 +378,11 @@ print(runbook.render())
 #   bandwidth ratio, which NCCL puts at 0.92 and one published measurement at 0.79.
 # - ECMP hashing leaves the busiest uplink with several flows; more QPs even the load, slowly (simulated).
 # - Triage from one node outwards; change NCCL settings last, and only after a measurement.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

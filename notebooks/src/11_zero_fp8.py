@@ -613,3 +613,11 @@ print(f"with a fused attention that keeps its bf16 output for its own backward (
 #   time (two with prefetch, all without resharding), equal to one process and to PyTorch's FSDP2.
 # - FP8 is floating point: one scale per tensor survives moderate outliers, per-tile and per-block scales survive
 #   extreme ones; delayed scaling clips a sudden spike that current scaling absorbs.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

@@ -529,3 +529,11 @@ check("grpo_advantages", grpo_advantages)
 # - DPO: a classification loss on the implicit-reward margin against a frozen reference; no sampling.
 # - GRPO: the group of sampled answers is the baseline; no value model; KL to the reference is the leash.
 # - Gates turn "the loss went down" into a decision: health, regression, target and safety.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

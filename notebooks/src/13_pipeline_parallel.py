@@ -324,8 +324,11 @@ def draw_gantt(res, params):
 gantt_live = LiveRun(WORKER, {"schedule": W.ToggleButtons(options=["1f1b", "gpipe", "interleaved"], value="1f1b"),
                               "micro_batches": slider("micro-batches m", 8, 1, 16),
                               "stages": W.Dropdown(options=[1, 2, 4], value=4, description="stages p"),
-                              "chunks": W.Dropdown(options=[1, 2, 4], value=1, description="chunks v")},
-                     draw_gantt, params={"world_size": WORLD, "layers": 16, **TIMED}, timeout=60)
+                              # model chunks per stage: an interleaved schedule's setting (greyed for the others)
+                              "chunks": W.Dropdown(options=[2, 4], value=2, description="chunks v")},
+                     draw_gantt, params={"world_size": WORLD, "layers": 16, **TIMED}, timeout=60,
+                     derive=lambda s: {"chunks": s["chunks"] if s["schedule"] == "interleaved" else 1},
+                     applies={"chunks": lambda s: s["schedule"] == "interleaved"})
 gantt_live.wait(60)
 gantt_live
 
@@ -341,3 +344,11 @@ gantt_live
 # * 1F1B keeps at most p - s micro-batches' activations on stage s, GPipe m: 1F1B saves memory, not time.
 # * Interleaving v chunks per rank cuts the bubble to $(p-1)/(vm+p-1)$ for v times the messages and a
 #   little more memory; it pays while a message's latency is small against a chunk's compute.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

@@ -310,3 +310,11 @@ blocks_live
 # * Each rank sends 2(cp-1) chunks (K and V, seq/cp tokens each) per layer in forward: (cp-1)/cp of the
 #   whole sequence's K and V, nearly all of it whatever cp. It is hidden behind a step's compute while seq/cp stays
 #   above $F H_{kv} b / (2 H B)$ tokens (about 2500 for Llama 3 405B across 400 Gb/s, causal).
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

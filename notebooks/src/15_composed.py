@@ -570,3 +570,11 @@ print("every PyTorch API run equals one process (float64, 1e-10):", all(r["equal
 # * The bugs of composition live at the seams (the gradient's group, LayerNorm under SP, ragged micro-batch losses,
 #   dropout masks across TP, the tied embedding across stages); none crashes, and each is caught at step 0 by the
 #   same check, which names the tensor, the ranks and their coordinates.
+
+# %% [markdown]
+# ### Before you close this chapter
+# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
+# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
+
+# %%
+cu.shutdown_pools()  # stop this notebook's warm ranks

@@ -1,13 +1,14 @@
 """A learner's session, in a real browser on the real ``make lab`` (headless Chromium driven by Playwright).
 
-``test_chapter_05_in_jupyterlab`` opens ``notebooks/05_attention_tp.ipynb``, runs every cell with
-Run > Run All Cells, and uses the head-count widget, which reruns real ranks:
+``test_chapter_05_in_jupyterlab`` opens the learner's copy ``lab/05_attention_tp.ipynb`` (``make lab`` made it),
+runs every cell with Run > Run All Cells, and uses the head-count widget, which reruns real ranks:
 
 * every code cell ran, none printed an error, and the widget's first run came back from 4 ranks;
 * moving "heads" from 8 to 7 (not divisible by TP 4) shows the launcher's one-sentence message, no traceback,
   and nothing is launched; moving it back reruns the ranks; TP 2 draws a different figure;
 * Kernel > Restart Kernel leaves none of the ranks behind;
-* the chapter file is unchanged (autosave is off in this session's private lab settings).
+* File > Save writes the learner's copy, and no tracked file changed: the course's notebook, its committed
+  figures (Run All drew them under build/) and everything else ``git status`` watches.
 
 ``test_cancel_interrupt_and_a_crashed_rank_in_jupyterlab`` uses a scratch notebook under build/: the widget's
 Cancel button stops a two-minute run and its ranks, Kernel > Interrupt Kernel stops a blocking ``cu.run`` and
@@ -19,38 +20,21 @@ run on a learner's machine without a browser.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import time
 
 import psutil
 import pytest
 
-from tests.lab_server import ROOT, get, make_lab, request
+from tests.browser.lab_ui import lab_ranks, open_page, run_all, sha256, shut_down_kernels, tracked_changes
+from tests.lab_server import ROOT, request
 
 pytestmark = pytest.mark.browser
-CHAPTER = "notebooks/05_attention_tp.ipynb"
-SETTINGS = {
-    "@jupyterlab/docmanager-extension:plugin": {"autosave": False},
-    # every cell in the DOM, so the test can read each one's prompt and outputs
-    "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
-    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
-}
+CHAPTER = "lab/05_attention_tp.ipynb"
+SHIPPED = "notebooks/05_attention_tp.ipynb"
 # The widget box of the chapter's LiveRun: the one with a Cancel button and a "heads" slider.
 LIVE_BOX = ".widget-vbox:has(> .widget-hbox button:has-text('Cancel')):has(.widget-label:text-is('heads'))"
-
-
-def chromium_path() -> str:
-    for candidate in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
-        if candidate and shutil.which(candidate):
-            return shutil.which(candidate)
-    pytest.fail("no Chromium found: install it (Debian: apt-get install chromium) or set CHROMIUM=/path/to/chrome")
-
-
-def sha256(path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def status_text(box) -> str:
@@ -67,65 +51,13 @@ def wait_status(page, box, predicate_js: str, timeout_s: float) -> float:
     return time.perf_counter() - t0
 
 
-def lab_ranks(lab_pid: int) -> list[psutil.Process]:
-    """Processes under the lab server that are course ranks (started by a kernel through torchrun)."""
-    out = []
-    for p in psutil.Process(lab_pid).children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if "workers.pool" in cmd or "torchrun" in cmd or "torch.distributed.run" in cmd:
-            out.append(p)
-    return out
-
-
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    with make_lab(tmp_path_factory.mktemp("lab"), SETTINGS) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=chromium_path(),
-                                      args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield chromium
-        chromium.close()
-
-
-def open_page(browser, lab, path: str):
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(lab.url(f"lab/tree/{path}?reset"))  # ?reset: a fresh workspace, not the previous test's tabs
-    page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=90_000)
-    return page
-
-
-def shut_down_kernels(lab) -> None:
-    """Close this test's kernels through the server's API, as closing the tab and choosing Shut Down would."""
-    for kernel in json.loads(get(lab.url("api/kernels"))[1]):
-        request(lab.url(f"api/kernels/{kernel['id']}"), method="DELETE")
-
-
 def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
-    chapter = ROOT / CHAPTER
-    before = sha256(chapter)
+    shipped, copy = ROOT / SHIPPED, ROOT / CHAPTER
+    before, tracked_before, copy_before = sha256(shipped), tracked_changes(), sha256(copy)
     timings = {}
     page = open_page(browser, lab, CHAPTER)
     try:
-        t0 = time.perf_counter()
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
-        # The kernel goes idle between cells; the run is over when no cell waits ("[*]") and the last ran.
-        page.wait_for_function(
-            """() => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
-                                   .map(e => e.innerText.trim());
-                       return p.length > 0 && !p.includes('[*]:') && /^\\[\\d+\\]:$/.test(p[p.length - 1]); }""",
-            timeout=600_000)
-        timings["run_all_s"] = time.perf_counter() - t0
+        timings["run_all_s"] = run_all(page)
 
         prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
         assert prompts and all(p.strip().startswith("[") and p.strip()[1:-2].isdigit() for p in prompts), (
@@ -146,7 +78,8 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
         page.keyboard.press("ArrowLeft")  # 8 -> 7 heads at TP 4
         timings["refusal_s"] = wait_status(page, box, "t.includes('n_heads=7')", 30)
         refusal = status_text(box)
-        assert "divisible" in refusal and "Traceback" not in refusal, refusal
+        # it names the controls the learner moved (heads, KV heads), never the hidden size the widget derives
+        assert "n_kv_heads=2" in refusal and "hidden" not in refusal and "Traceback" not in refusal, refusal
         assert len(refusal.rstrip(".").split(". ")) == 1, f"the refusal should be one sentence: {refusal!r}"
 
         page.keyboard.press("ArrowRight")  # back to 8: a new run on the warm ranks (same picture, new run)
@@ -162,6 +95,13 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
         timings["rerun_tp2_s"] = wait_status(page, box, f"t.includes('ran in') && t !== {json.dumps(marker)}", 60)
         image.wait_for(timeout=10_000)
         assert image.get_attribute("src") != figure_tp4, "TP 2 drew the same figure as TP 4"
+
+        page.locator(".lm-MenuBar-itemLabel", has_text="File").first.click()  # the learner saves their copy
+        page.locator(".lm-Menu-itemLabel:text-is('Save Notebook')").click()
+        deadline = time.time() + 30
+        while sha256(copy) == copy_before and time.time() < deadline:
+            time.sleep(0.5)
+        assert sha256(copy) != copy_before, f"File > Save did not write {CHAPTER}"
 
         ranks = lab_ranks(lab.proc.pid)
         assert len(ranks) >= 4, f"expected the warm ranks of world 4 under the kernel, found {len(ranks)}"
@@ -180,7 +120,8 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
     finally:
         page.close()
         shut_down_kernels(lab)
-    assert sha256(chapter) == before, f"{CHAPTER} was changed by the session"
+    assert sha256(shipped) == before, f"{SHIPPED} was changed by the session"
+    assert tracked_changes() == tracked_before, f"tracked files changed:\n{tracked_changes()}"
     print(json.dumps(timings))
     out = ROOT / "build" / "browser_check.json"
     out.parent.mkdir(exist_ok=True)

@@ -153,3 +153,10 @@ class RankGrid:
 
     def _size(self, dim: str | tuple[str, ...]) -> int:
         return math.prod(getattr(self, d) for d in self._dims(dim))
+
+
+def choose_divisor(n: int) -> str:
+    """The end of a refusal for a size that must divide ``n``: "choose 1, 2 or 4" (the values themselves, not the
+    rule, so a learner at a slider sees which positions work)."""
+    divisors = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return "choose " + (divisors[0] if len(divisors) == 1 else ", ".join(divisors[:-1]) + " or " + divisors[-1])
