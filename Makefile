@@ -3,7 +3,7 @@
 #   make lab-update the course's new version of chapters you edited (yours kept under lab/previous/)
 #   make test       create the environment if needed, run the whole test suite (what CI runs)
 #   make test-other-cpu  the tests and nbval again under another CPU's kernels (CI runs it too)
-#   make test-browser  chapter 05 used in the real JupyterLab through headless Chromium (CI runs it too)
+#   make test-browser  every chapter used in the real JupyterLab through headless Chromium (CI runs it too)
 #   make mutants    every wrong answer against its exercise check, with a report per exercise
 SHELL := /bin/bash
 PY := .venv/bin/python
@@ -57,9 +57,11 @@ test-other-cpu: $(STAMP)
 		$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
 
-# A learner's session in a real browser: make lab, chapter 05 run from the menu, its widget used, a kernel
-# restart; Cancel, interrupt and a crashed rank. Needs Chromium (Debian: apt-get install chromium; or
-# CHROMIUM=/path); .ci/run installs it.
+# A learner's session in a real browser, in one make lab: chapter 05 in depth (its widget, a refusal, a kernel
+# restart; Cancel, interrupt and a crashed rank), then every chapter: Run All, every widget moved, one exercise
+# answered wrong, saved, tab closed and its ranks gone after the idle time; no tracked file changed. Screenshots
+# of every widget go to build/browser/. Needs Chromium (Debian: apt-get install chromium; or CHROMIUM=/path);
+# .ci/run installs it.
 test-browser: $(STAMP)
 	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "playwright>=1.40"
 	$(PYTEST) -q -s -p no:cacheprovider -m browser tests/browser

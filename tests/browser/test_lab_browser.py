@@ -4,8 +4,9 @@
 runs every cell with Run > Run All Cells, and uses the head-count widget, which reruns real ranks:
 
 * every code cell ran, none printed an error, and the widget's first run came back from 4 ranks;
-* moving "heads" from 8 to 7 (not divisible by TP 4) shows the launcher's one-sentence message, no traceback,
-  and nothing is launched; moving it back reruns the ranks; TP 2 draws a different figure;
+* moving "heads" from 8 to 7 (7 query heads cannot share 2 KV heads) shows the launcher's one-sentence message,
+  no traceback, and nothing is launched; moving it back starts ranks again (the chapter's last cell stopped them),
+  and the status line says so while they start; TP 2 then runs on those warm ranks and draws a different figure;
 * Kernel > Restart Kernel leaves none of the ranks behind;
 * File > Save writes the learner's copy, and no tracked file changed: the course's notebook, its committed
   figures (Run All drew them under build/) and everything else ``git status`` watches.
@@ -82,9 +83,11 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
         assert "n_kv_heads=2" in refusal and "hidden" not in refusal and "Traceback" not in refusal, refusal
         assert len(refusal.rstrip(".").split(". ")) == 1, f"the refusal should be one sentence: {refusal!r}"
 
-        page.keyboard.press("ArrowRight")  # back to 8: a new run on the warm ranks (same picture, new run)
-        timings["rerun_s"] = wait_status(page, box, "t.includes('world 4') && t.includes('ran in')", 60)
-        assert "warm ranks" in status_text(box)
+        # Back to 8. The chapter's last cell stopped its ranks, so this run starts new ones, and says so while it does
+        page.keyboard.press("ArrowRight")
+        wait_status(page, box, "t.includes('starting 4 ranks (a cold start: about ')", 30)
+        timings["rerun_cold_s"] = wait_status(page, box, "t.includes('world 4') && t.includes('ran in')", 120)
+        assert "cold start" in status_text(box)
 
         tp = box.locator(".widget-hslider:has(.widget-label:text-is('TP')) .noUi-handle")
         tp.focus()
@@ -93,6 +96,7 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
         wait_status(page, box, "t.includes('tp_size=3') || t.includes('n_heads=8')", 30)
         page.keyboard.press("ArrowLeft")  # TP 2: valid, a different sharding and a different figure
         timings["rerun_tp2_s"] = wait_status(page, box, f"t.includes('ran in') && t !== {json.dumps(marker)}", 60)
+        assert "warm ranks" in status_text(box)  # the ranks the previous move started
         image.wait_for(timeout=10_000)
         assert image.get_attribute("src") != figure_tp4, "TP 2 drew the same figure as TP 4"
 

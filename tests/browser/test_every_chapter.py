@@ -1,0 +1,201 @@
+"""Every chapter, as a learner meets it in ``make lab``: open the copy in ``lab/``, Run All, move every widget, answer
+one exercise wrong, save, close the tab.
+
+For each chapter, in one lab session (``conftest.py``), in the headless Chromium:
+
+* Run > Run All Cells runs every code cell, and no cell prints a traceback;
+* every widget (each cell output that holds controls) has its first control that is not greyed out moved once,
+  and its output changes (a new figure, a new verdict or a one-sentence refusal) with nothing left saying it is
+  busy; a screenshot of each is saved under ``build/browser/`` for review;
+* one exercise (the first with a wrong answer in ``tests/wrong_answers/``) gets that wrong answer typed into its
+  cell; running the cell and its check shows the check's reason for it;
+* File > Save writes the learner's copy; the tab is closed (the kernel keeps running, as after closing a tab);
+  the chapter's ranks are then gone within the lab's idle time (``lab_ui.IDLE_S``) plus the reaper's period.
+
+Finally no tracked file changed (``git status --porcelain``): figures went under ``build/``, notebooks into
+``lab/``. Per chapter, Run All's seconds and each widget's seconds to answer are written to
+``build/browser/every_chapter.json``.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import time
+
+import pytest
+
+from course_utils.exercises import exercises
+from tests.browser.lab_ui import (BUSY, IDLE_S, kernel_pids, lab_ranks, open_page, run_all, save, shut_down_kernels,
+                                  tracked_changes)
+from tests.exercise_sources import wrong_answers
+from tests.lab_server import ROOT, get, request
+
+pytestmark = pytest.mark.browser
+CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+OUT = ROOT / "build" / "browser"
+REPORT: dict[str, dict] = {}
+CLOSED: list[tuple[str, int, float]] = []  # (chapter, kernel pid, when its tab closed)
+# A cell output with controls in it: one widget as the learner sees it.
+WIDGET = (".jp-CodeCell .jp-OutputArea-output:has(.widget-hslider, .widget-dropdown, .widget-toggle-buttons, "
+          ".widget-checkbox)")
+
+
+@pytest.fixture(scope="module")
+def session_start(lab):
+    OUT.mkdir(parents=True, exist_ok=True)
+    return {"tracked": tracked_changes()}
+
+
+def signature(widget) -> str:
+    """What a move must change: the widget's status lines and outputs (verdicts, refusals, figures), not the
+    controls' own labels and read-outs, which change at once."""
+    texts = widget.locator(".widget-html-content, .widget-output").all_inner_texts()
+    images = [img.get_attribute("src") or "" for img in widget.locator("img").all()]
+    return "|".join(texts) + "|" + "|".join(str(hash(src)) for src in images)
+
+
+def move_first_control(widget) -> str:
+    """Move the first control a learner can use; return what was moved."""
+    for slider in widget.locator(".widget-hslider").all():
+        handle = slider.locator(".noUi-handle")
+        if handle.count() == 0 or slider.locator("[disabled]").count() or "disabled" in (slider.get_attribute("class") or ""):
+            continue
+        now, top = float(handle.get_attribute("aria-valuenow")), float(handle.get_attribute("aria-valuemax"))
+        handle.focus()
+        handle.press("ArrowLeft" if now >= top else "ArrowRight")
+        return f"slider {slider.locator('.widget-label').first.inner_text()!r}"
+    for select in widget.locator(".widget-dropdown select").all():
+        if select.is_disabled():
+            continue
+        n = select.locator("option").count()
+        if n < 2:
+            continue
+        index = select.evaluate("s => s.selectedIndex")
+        select.select_option(index=(index + 1) % n)
+        return f"dropdown -> option {(index + 1) % n}"
+    for group in widget.locator(".widget-toggle-buttons").all():
+        buttons = [b for b in group.locator("button:not(.mod-active)").all() if not b.is_disabled()]
+        if buttons:
+            buttons[0].click()
+            return f"toggle -> {buttons[0].inner_text()!r}"
+    for box in widget.locator(".widget-checkbox input[type=checkbox]").all():
+        if not box.is_disabled():
+            box.click()
+            return "checkbox"
+    raise AssertionError(f"no control to move in a widget: {widget.inner_text()[:200]!r}")
+
+
+def settled(widget, before: str, timeout_s: float = 240) -> float:
+    """Seconds until the widget's output differs from ``before`` and nothing in it says it is still busy."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        now = signature(widget)
+        if now != before and not any(b in now for b in BUSY):
+            return time.perf_counter() - t0
+        time.sleep(0.25)
+    raise AssertionError(f"the widget did not answer within {timeout_s:.0f} s: {widget.inner_text()[:300]!r}")
+
+
+def answer_wrong(page, chapter: str) -> dict:
+    """Type the chapter's first wrong answer into its exercise cell, run it and its check; return what was shown."""
+    number = chapter[:2]
+    catalogue = {e.name: e for e in exercises() if e.chapter == number}
+    name, fn, fragment = wrong_answers(number)[0]
+    function = catalogue[name].function
+    source = re.sub(rf"^def {fn.__name__}\(", f"def {function}(", inspect.getsource(fn), count=1, flags=re.M)
+    cells = page.locator(".jp-CodeCell")
+    index = next(i for i in range(cells.count())
+                 if f"def {function}(" in cells.nth(i).locator(".jp-InputArea-editor").inner_text())
+    editor = cells.nth(index).locator(".jp-InputArea-editor")
+    editor.click()
+    page.keyboard.press("Control+a")
+    page.keyboard.insert_text(source)  # as pasted: no auto-indent, no auto-closed brackets
+    page.keyboard.press("Shift+Enter")  # the answer; the check cell below is selected
+    check = cells.nth(index + 1)
+    before = check.locator(".jp-OutputArea").inner_text()
+    page.keyboard.press("Shift+Enter")
+    t0 = time.perf_counter()
+    deadline = t0 + 600
+    while time.perf_counter() < deadline:
+        shown = check.locator(".jp-OutputArea").inner_text()
+        if shown != before and fragment in shown:
+            return {"exercise": name, "answer": fn.__name__, "seconds": time.perf_counter() - t0}
+        time.sleep(0.5)
+    raise AssertionError(f"{chapter}: the check of {name} did not show {fragment!r} for {fn.__name__}: {shown[-800:]!r}")
+
+
+def shut_down_kernel_of(lab, path: str) -> None:
+    for session in json.loads(get(lab.url("api/sessions"))[1]):
+        if session["path"] == path:
+            request(lab.url(f"api/kernels/{session['kernel']['id']}"), method="DELETE")
+
+
+def ranks_gone_after_idle(lab, closed: list[tuple[str, int, float]]) -> list[str]:
+    """Chapters whose ranks are still running later than the idle time (plus the reaper's period and a stop)
+    after their tab closed."""
+    late = []
+    for chapter, kernel, when in closed:
+        deadline = when + IDLE_S + IDLE_S / 4 + 30
+        while lab_ranks(lab.proc.pid, kernel) and time.time() < deadline:
+            time.sleep(1)
+        left = lab_ranks(lab.proc.pid, kernel)
+        if left:
+            late.append(f"{chapter}: {len(left)} rank process(es) {IDLE_S} s + margin after its tab closed")
+            for p in left:
+                p.kill()
+    return late
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
+    kernels_before = kernel_pids(lab.proc.pid)
+    page = open_page(browser, lab, f"lab/{chapter}")
+    report = REPORT.setdefault(chapter, {"widgets": []})
+    try:
+        report["run_all_s"] = run_all(page)
+        tracebacks = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] "
+                                  ":text('Traceback')").count()
+        assert tracebacks == 0, f"{chapter}: a cell printed a traceback"
+
+        widgets = page.locator(WIDGET)
+        for i in range(widgets.count()):
+            widget = widgets.nth(i)
+            widget.scroll_into_view_if_needed()
+            before = signature(widget)
+            assert not any(b in before for b in BUSY), f"{chapter} widget {i} still busy after Run All: {before[:300]!r}"
+            moved = move_first_control(widget)
+            seconds = settled(widget, before)
+            widget.screenshot(path=str(OUT / f"{chapter[:-6]}_widget{i}.png"))
+            report["widgets"].append({"moved": moved, "seconds": round(seconds, 2)})
+
+        if wrong_answers(chapter[:2]):
+            report["exercise"] = answer_wrong(page, chapter)
+        save(page)
+        kernel = next(iter(kernel_pids(lab.proc.pid) - kernels_before), None)
+        assert kernel is not None, f"{chapter}: no kernel of its own"
+    except Exception:
+        page.screenshot(path=str(OUT / f"{chapter[:-6]}_failure.png"))
+        print(f"screenshot: {OUT / (chapter[:-6] + '_failure.png')}\nlab log:\n{lab.log_tail()}")
+        page.close()
+        shut_down_kernels(lab)
+        raise
+    page.close()  # the tab closes; its kernel, and any ranks the widgets started, keep running
+    CLOSED.append((chapter, kernel, time.time()))
+    # Earlier chapters' ranks should be gone by now or soon: check them, then let their kernels go (memory).
+    done = [c for c in CLOSED if time.time() - c[2] > IDLE_S + IDLE_S / 4 + 30]
+    late = ranks_gone_after_idle(lab, done)
+    for c in done:
+        CLOSED.remove(c)
+        shut_down_kernel_of(lab, f"lab/{c[0]}")
+    assert not late, late
+    print(json.dumps({chapter: report}), flush=True)
+
+
+def test_every_closed_chapter_lost_its_ranks_and_no_tracked_file_changed(lab, session_start):
+    late = ranks_gone_after_idle(lab, CLOSED)
+    shut_down_kernels(lab)
+    (OUT / "every_chapter.json").write_text(json.dumps(REPORT, indent=1))
+    assert not late, late
+    assert tracked_changes() == session_start["tracked"], f"tracked files changed:\n{tracked_changes()}"
+    assert len(REPORT) == len(CHAPTERS)
