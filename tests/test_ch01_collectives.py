@@ -40,6 +40,7 @@ def test_minimal_script_sums_to_n_n_plus_1_over_2_on_every_rank(n, tmp_path, mon
         assert f"all_reduce -> {n * (n + 1) // 2}," in run.lines(rank)[0]
 
 
+@pytest.mark.once  # process handling and messages: the same on every CPU
 def test_run_script_kills_the_whole_group_on_timeout(tmp_path):
     # Rank 1 never joins the all_reduce; the default gloo timeout is 30 minutes, so only our timeout ends it.
     script = tmp_path / "hang.py"
@@ -73,6 +74,7 @@ def test_run_script_rejects_bad_input():
 
 # -- rank, local_rank, world_size on two agents ----------------------------------------------------------
 
+@pytest.mark.once  # process handling and messages: the same on every CPU
 def test_two_nodes_two_processes_each():
     res = cu.run("workers.ch01_env", world_size=4, nnodes=2, warm=False, gpus_per_node=2, **RUN)
     assert [d["rank"] for d in res.ranks] == [0, 1, 2, 3]
@@ -230,6 +232,7 @@ def test_bandwidth_rejects_bad_sizes():
 
 # -- debugging: TORCH_DISTRIBUTED_DEBUG=DETAIL names the mismatch ---------------------------------------
 
+@pytest.mark.once  # process handling and messages: the same on every CPU
 def test_detail_mode_names_mismatched_shapes():
     with pytest.raises(cu.WorkerFailed) as info:
         cu.run("workers.drills", world_size=2, mode="shape_mismatch", bad_rank=1, collective_timeout=5.0,

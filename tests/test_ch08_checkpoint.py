@@ -327,6 +327,7 @@ def _scan(path):
     return cu.run("workers.ch08_atomic", world_size=1, part="scan", ckpt_dir=path, **RUN)[0]
 
 
+@pytest.mark.once  # files left by a killed process: the same on every CPU
 @pytest.mark.ranks
 def test_atomic_save_killed_midway_leaves_the_previous_checkpoint_chosen(tmp_path):
     root = str(tmp_path)
@@ -340,6 +341,7 @@ def test_atomic_save_killed_midway_leaves_the_previous_checkpoint_chosen(tmp_pat
     assert scan["naive_pick"]["name"] == "step_00000001"  # nothing newer even looks like a checkpoint
 
 
+@pytest.mark.once  # files left by a killed process: the same on every CPU
 @pytest.mark.ranks
 def test_naive_save_killed_midway_leaves_a_truncated_file_or_a_torn_directory(tmp_path):
     root = str(tmp_path / "per_step")

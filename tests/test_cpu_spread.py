@@ -42,6 +42,7 @@ def test_ci_checks_avx2_on_an_avx512_machine_and_the_plain_kernels_elsewhere():
     assert cs.second_variant("SVE256") == "default"  # an ARM machine
 
 
+@pytest.mark.once  # it starts every variant itself
 def test_each_variant_runs_the_kernels_it_claims():
     # ATen ignores a capability the CPU lacks, so a variant is offered only where it is what it says
     names = cs.available_variants()

@@ -9,7 +9,7 @@ import pytest
 
 from course_utils.widgets import LiveRun, slider
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.once]  # widget mechanics (reruns, queueing, cancel, status lines): the same on every CPU
 
 
 def draw(res, params):

@@ -21,7 +21,7 @@ import course_utils as cu
 from workers.runtime import _cli_params
 from course_utils.paths import ROOT
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.once]  # command lines and process handling, with whole-number results: the same on every CPU
 WORKERS = sorted(p for p in (ROOT / "workers").glob("*.py")
                  if "entrypoint(main)" in p.read_text() and p.name != "runtime.py")
 UNDER_PLAIN_TORCHRUN = ["ch03_mappings.py", "ch11_zero1.py"]  # groups; a model, an optimizer, broadcast

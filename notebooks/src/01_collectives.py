@@ -227,8 +227,9 @@ for c in ("reduce", "reduce_scatter"):
 
 # %% [markdown]
 # ### Explore
-# Pick a collective and a world size; the widget reruns it on real ranks (warm ranks answer in
-# milliseconds; a new world size starts new ranks, a few seconds) and redraws before/after.
+# Pick a collective and a world size; the widget reruns it on real ranks and redraws before/after. On warm
+# ranks a change answers in about 0.1 s; a new world size starts new ranks first, about 4 s for 4 ranks and 7 s
+# for 8 on an idle 2-core machine (`make bench`), longer on a busy one; the status line says which, and the time.
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W

@@ -209,7 +209,8 @@ plots.savefig(ch09.draw_high_lr(high, run_cfg.high_lr, cfg.vocab), "09_high_lr")
 # on all of them.
 #
 # Explore: learning rate, qk-layernorm and z-loss (every change is a new run on a real rank). The widget's
-# runs are half as long as the ones above, which is long enough for the logits to run away:
+# runs are half as long as the ones above, which is long enough for the logits to run away; a change answers in
+# about 1 s on the warm rank of an idle 2-core machine (`make bench`), several times that on a busy one:
 
 # %% tags=["nbval-ignore-output"]
 WIDGET_STEPS = 60  # half the run, so that a change answers in a second or two

@@ -344,8 +344,8 @@ check("combine", combine)
 # ranks). Each change trains the MoE GPT for 40 steps on real ranks and draws the last step's tokens per expert (EP
 # ranks' boundaries marked), the drops and the busiest expert's load over training, and the bytes each rank's dispatch
 # sent against the model. Combinations the layer cannot take (experts not divisible by EP, top-k above the experts)
-# are refused before a rank starts. A change of EP size starts new ranks (10-20 s here); the same size reuses the warm
-# ones (a few seconds for 40 steps).
+# are refused before a rank starts. A change of EP size starts new ranks (about 7 s on an idle 2-core machine, `make
+# bench`; the status line says so); the same size reuses the warm ones (about 2 s for 40 steps).
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W

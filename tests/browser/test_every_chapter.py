@@ -6,7 +6,8 @@ For each chapter, in one lab session (``conftest.py``), in the headless Chromium
 * Run > Run All Cells runs every code cell, and no cell prints a traceback;
 * every widget (each cell output that holds controls) has its first control that is not greyed out moved once,
   and its output changes (a new figure, a new verdict or a one-sentence refusal) with nothing left saying it is
-  busy; a screenshot of each is saved under ``build/browser/`` for review;
+  busy and nothing saying it broke (a drawing that raised, a rank's exception, a timeout); a screenshot of each
+  is saved under ``build/browser/`` for review;
 * one exercise (the first with a wrong answer in ``tests/wrong_answers/``) gets that wrong answer typed into its
   cell; running the cell and its check shows the check's reason for it;
 * File > Save writes the learner's copy; the tab is closed (the kernel keeps running, as after closing a tab);
@@ -36,6 +37,9 @@ CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"
 OUT = ROOT / "build" / "browser"
 REPORT: dict[str, dict] = {}
 CLOSED: list[tuple[str, int, float]] = []  # (chapter, kernel pid, when its tab closed)
+# What a widget shows when it is broken rather than answering: a drawing that raised, a rank's exception, a run
+# that timed out (a refusal is an answer: one sentence about the settings).
+BROKEN = ("drawing failed", "Traceback", " raised ", "timed out", "Error: ")
 # A cell output with controls in it: one widget as the learner sees it.
 WIDGET = (".jp-CodeCell .jp-OutputArea-output:has(.widget-hslider, .widget-dropdown, .widget-toggle-buttons, "
           ".widget-checkbox)")
@@ -91,7 +95,7 @@ def settled(widget, before: str, timeout_s: float = 240) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
         now = signature(widget)
-        if now != before and not any(b in now for b in BUSY):
+        if (now != before or any(b in now for b in BROKEN)) and not any(b in now for b in BUSY):
             return time.perf_counter() - t0
         time.sleep(0.25)
     raise AssertionError(f"the widget did not answer within {timeout_s:.0f} s: {widget.inner_text()[:300]!r}")
@@ -164,9 +168,12 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
             widget.scroll_into_view_if_needed()
             before = signature(widget)
             assert not any(b in before for b in BUSY), f"{chapter} widget {i} still busy after Run All: {before[:300]!r}"
+            assert not any(b in before for b in BROKEN), f"{chapter} widget {i} broken after Run All: {before[:400]!r}"
             moved = move_first_control(widget)
             seconds = settled(widget, before)
             widget.screenshot(path=str(OUT / f"{chapter[:-6]}_widget{i}.png"))
+            shown = signature(widget)
+            assert not any(b in shown for b in BROKEN), f"{chapter} widget {i} after {moved}: {shown[:400]!r}"
             report["widgets"].append({"moved": moved, "seconds": round(seconds, 2)})
 
         if wrong_answers(chapter[:2]):
