@@ -36,13 +36,23 @@ lab-update: $(STAMP)
 doctor: $(STAMP)
 	$(PY) -m course_utils.doctor
 
-# Unit tests, rank tests under torchrun, grading self-test; then every notebook headless (papermill) and nbval.
-# nbval: a cell may take 600 s (cold-starting ranks on a loaded machine); pytest-timeout backs it up at 660.
+# Unit tests, rank tests under torchrun, grading self-test; then every notebook headless (papermill) and nbval,
+# side by side: a chapter's execution leaves a core idle about a third of the time (ranks starting, a kernel
+# drawing), and each has its own figures and scratch folders. Each prints its own lines as it goes.
 test: $(STAMP)
 	$(PYTEST) -q
 	$(PY) -m course_utils.notebooks check
+	$(MAKE) --no-print-directory -j2 --output-sync=line test-notebooks nbval
+
+# Every chapter headless into build/executed (papermill), the run a learner's `make notebooks` does in place.
+test-notebooks: $(STAMP)
 	$(PY) -m course_utils.notebooks execute --out $(NB_OUT) --timeout 600
-	COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-figures $(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
+
+# Every chapter re-executed and its outputs compared with the committed ones (nbval). A cell may take 600 s
+# (cold-starting ranks on a loaded machine); pytest-timeout backs it up at 660.
+nbval: $(STAMP)
+	COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-figures COURSE_SCRATCH_DIR=$(CURDIR)/$(NB_OUT)/nbval-scratch \
+		$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
 
 # The same tests and nbval comparisons once more under another CPU's kernels: AVX2 on an AVX-512 machine, the
@@ -54,6 +64,7 @@ test-other-cpu: $(STAMP)
 	@echo "other CPU kernels: $$($(PY) -m course_utils.cpu_spread --second-variant-env)"
 	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) $(PYTEST) -q -p no:cacheprovider -m "not browser and not load and not once"
 	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-other-cpu \
+		COURSE_SCRATCH_DIR=$(CURDIR)/$(NB_OUT)/nbval-other-cpu-scratch \
 		$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
 

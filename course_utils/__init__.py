@@ -10,7 +10,7 @@ _EXPORTS = {
     "RunResult": "course_utils.results", "CourseError": "course_utils.results",
     "InvalidParameter": "course_utils.results", "WorkerFailed": "course_utils.results",
     "JobTimeout": "course_utils.results", "JobCancelled": "course_utils.results",
-    "check": "course_utils.exercises",
+    "check": "course_utils.exercises", "each": "course_utils.progress",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -126,33 +126,58 @@ def draw_bucket_counts(runs: dict):
     return fig
 
 
+def _label_rows(xs: list[int], min_gap: float) -> list[int]:
+    """A row for each label at x (in order) so that labels in one row are at least ``min_gap`` apart."""
+    last: list[float] = []  # the x of each row's latest label
+    rows = []
+    for x in xs:
+        row = next((i for i, seen in enumerate(last) if x - seen >= min_gap), len(last))
+        if row == len(last):
+            last.append(x)
+        else:
+            last[row] = x
+        rows.append(row)
+    return rows
+
+
 def draw_bucket_timeline(res, step: int = 1, ax=None):
-    """The order of events in one backward: each gradient landing in .grad, and each all-reduce DDP launches."""
+    """The order of events in one backward: each gradient landing in .grad, and each all-reduce DDP launches.
+
+    Each all-reduce is labelled above the dots; labels closer than a label's width (a bucket per layer at 12
+    layers) are staggered into rows instead of covering each other and the dots."""
     d = res[0]
     events = [e for e in d["events"] if e["step"] == step]
     n_params = len(d["param_names"])
+    reduces = [(t, e) for t, e in enumerate(events) if e["kind"] != "grad"]
+    # A label ("bucket 11" / "1028 KiB" at 7 pt) is about 1/9 of the plot's width wide: in event units, that.
+    rows = _label_rows([t for t, _ in reduces], min_gap=max(len(events), 1) / 9)
+    n_rows = max(rows, default=0) + 1
     if ax is None:
-        fig, ax = plt.subplots(figsize=(7.5, 3.0))
+        fig, ax = plt.subplots(figsize=(7.5, 3.0 + 0.3 * (n_rows - 1)))
     else:
         fig = ax.figure
     colours = plt.cm.tab10.colors
     bucket_of = {}
-    for e in events:
-        if e["kind"] == "all_reduce":
-            for p in e["params"]:
-                bucket_of[p] = e["bucket"]
+    for _, e in reduces:
+        for p in e["params"]:
+            bucket_of[p] = e["bucket"]
     for t, e in enumerate(events):
         if e["kind"] == "grad":
-            b = bucket_of.get(e["param"], 0)
-            ax.scatter(t, e["param"], color=colours[b % 10], s=30)
-        else:
-            ax.axvline(t, color=colours[e["bucket"] % 10], lw=2, alpha=0.8)
-            ax.text(t, n_params - 0.5, f"all-reduce\nbucket {e['bucket']}\n{e['bytes'] / 1024:.0f} KiB",
-                    fontsize=7, ha="center", va="top", color=colours[e["bucket"] % 10],
-                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
-    ax.set_ylim(-1, n_params + 1.5)
-    ax.set_yticks(range(n_params), d["param_names"], fontsize=6)
-    ax.set_xlabel("order of events during backward")
+            ax.scatter(t, e["param"], color=colours[bucket_of.get(e["param"], 0) % 10], s=30, zorder=3)
+    # The labels take the top of the axes (a band of `band` per row, in axes fractions); the dots stay below it.
+    band = 0.6 / (3.0 + 0.3 * (n_rows - 1))  # two 7-pt lines, as a fraction of the axes' height
+    top = n_params / (1 - band * n_rows) - 1  # y limit that leaves that band empty above the last dot
+    for (t, e), row in zip(reduces, rows):
+        colour = colours[e["bucket"] % 10]
+        ax.axvline(t, color=colour, lw=2, alpha=0.8, ymax=1 - band * (n_rows - row - 1) - 0.02)
+        ax.text(t, 1 - band * (n_rows - row) + 0.01, f"bucket {e['bucket']}\n{e['bytes'] / 1024:.0f} KiB",
+                transform=ax.get_xaxis_transform(), fontsize=7, ha="center", va="bottom", color=colour,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.9, "pad": 0.5})
+    ax.set_ylim(-1, top)
+    every = 1 if n_params <= 14 else 2  # past 7 layers, every other name (the ticks between are their biases)
+    ax.set_yticks(range(n_params), minor=True)
+    ax.set_yticks(range(0, n_params, every), d["param_names"][::every], fontsize=6)
+    ax.set_xlabel("order of events during backward (vertical lines: an all-reduce launched)")
     ax.set_title(f"Backward of step {step + 1}: gradients ready (dots) and all-reduces launched (lines)")
     return fig
 

@@ -119,11 +119,16 @@ def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
         for e in d["timeline"]:
             colour = cmap(e["micro"] % cmap.N)
             light = e["kind"] == "F"
-            ax.barh(y, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, height=0.8, color=colour,
-                    alpha=0.45 if light else 1.0, edgecolor="k", lw=0.4, hatch=HATCHES[e.get("chunk", 0) % len(HATCHES)])
+            hatch = HATCHES[e.get("chunk", 0) % len(HATCHES)]
+            bars = ax.barh(y, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, height=0.8, color=colour,
+                           alpha=0.45 if light else 1.0, edgecolor="k", lw=0.4, hatch=hatch)
+            if hatch:  # thin grey hatching: it marks the chunk without drowning the box's label
+                for bar in bars:
+                    bar.set_hatchcolor("0.3"), bar.set_hatch_linewidth(0.6)
             if (e["end"] - e["start"]) > 0.025 * span:  # label only boxes wide enough to hold it
                 ax.text((e["start"] + e["end"]) / 2 * 1e3, y, f"{e['kind']}{e['micro']}", ha="center", va="center",
-                        fontsize=7)
+                        fontsize=7, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 0.8}
+                        if hatch else None)
     ax.set_yticks([d["stage"] for d in rows], [f"stage {d['stage']}\n(rank {i + pipeline * len(rows)})"
                                                for i, d in enumerate(rows)])
     ax.invert_yaxis()

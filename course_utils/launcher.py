@@ -18,7 +18,7 @@ Warm ranks do not outlive their use: a set left idle for ``POOL_IDLE_S`` (10 min
 is stopped by a background thread of the notebook's kernel, whether or not the notebook's tab is still open, and
 the next run that needs it says so (``Job.start_note``). A cold start is announced with the time it is expected to
 take: this machine's last start of that many ranks (``build/cold_starts.json``), or a model measured on a 2-core
-machine before any.
+machine before any; ``run`` in a notebook prints it as a progress line before it waits (``course_utils.progress``).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from course_utils import progress
 from course_utils.jobs import RankJob
 from course_utils.results import CourseError, InvalidParameter, JobCancelled, RunResult, WorkerFailed
 from course_utils.validate import check_params, max_world_size, takes_param
@@ -135,7 +136,10 @@ def _record_start(world_size: int, seconds: float) -> None:
         seen = json.loads(path.read_text()) if path.exists() else {}
         seen[str(world_size)] = round(seconds, 1)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(seen, sort_keys=True) + "\n")
+        # Written whole then renamed: other notebooks (make test runs two executions at once) may read it meanwhile.
+        tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(seen, sort_keys=True) + "\n")
+        os.replace(tmp, path)
     except (OSError, ValueError):
         pass  # an estimate for next time, never a reason to fail a run
 
@@ -329,6 +333,13 @@ def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT
                nnodes=nnodes, env=env, collective_timeout_s=coll_timeout, on_event=on_event)
 
 
+def _announced(job: "Job") -> "Job":
+    """A cell (or an exercise check) about to wait for new ranks says so, with the time to expect."""
+    if job.cold:
+        progress.say(f"{job.worker}: {job.start_note}")
+    return job
+
+
 def run(worker: str, world_size: int = 2, **kwargs: Any) -> RunResult:
     """Run ``worker`` on ``world_size`` ranks and return every rank's results (see ``launch`` for options).
 
@@ -337,13 +348,13 @@ def run(worker: str, world_size: int = 2, **kwargs: Any) -> RunResult:
     ``--max-restarts=1`` would; the result's ``retried`` and ``describe()`` say so. Any other failure, or the same
     one twice, is raised."""
     try:
-        return launch(worker, world_size, **kwargs).wait()
+        return _announced(launch(worker, world_size, **kwargs)).wait()
     except WorkerFailed as exc:
         if not exc.lost_connection_making_groups:
             raise
         why = f"rank {exc.rank} lost a connection while making process groups ({exc.error_type}: " \
               f"{str(exc.errors[exc.rank]['message']).splitlines()[0][:120]})"
-    result = launch(worker, world_size, **kwargs).wait()  # the failed job closed its ranks: these are new
+    result = _announced(launch(worker, world_size, **kwargs)).wait()  # the failed job closed its ranks: new ones
     result.retried = why
     return result
 

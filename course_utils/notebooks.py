@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     # Regenerating the chapters in place regenerates their committed figures; a run that does not write the
     # notebook back must not rewrite them either. The kernels papermill starts inherit this environment.
     os.environ["COURSE_FIGURES_DIR"] = str((a.out / "figures").resolve() if a.out else COMMITTED_FIGURES)
+    if a.out:  # its own checkpoints and traces: nbval may be executing the same chapters at the same time
+        os.environ["COURSE_SCRATCH_DIR"] = str((a.out / "scratch").resolve())
     failed = 0
     for src in sources():
         if a.names and src.stem not in a.names:

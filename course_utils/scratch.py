@@ -7,6 +7,7 @@ how Jupyter and papermill stop kernels.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -22,10 +23,13 @@ TORCHELASTIC_LOGS = SCRATCH / "torchelastic"
 
 
 def scratch_dir(name: str) -> Path:
-    """An empty folder ``build/scratch/<name>`` (whatever an earlier run left there is removed first)."""
+    """An empty folder ``build/scratch/<name>`` (whatever an earlier run left there is removed first).
+
+    ``COURSE_SCRATCH_DIR`` moves these folders elsewhere: two executions of the chapters at once (``make test``
+    runs papermill and nbval side by side) must not empty each other's checkpoints."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
         raise ValueError(f"scratch folder name {name!r}: use letters, digits, '_', '-' and '.' only")
-    path = SCRATCH / name
+    path = Path(os.environ.get("COURSE_SCRATCH_DIR") or SCRATCH) / name
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path

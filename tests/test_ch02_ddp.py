@@ -204,3 +204,45 @@ def test_no_sync_accumulation_equals_a_big_batch_with_one_all_reduce():
         assert d["without_no_sync"]["all_reduces"] == k  # every backward all-reduces
         assert torch.allclose(d["with_no_sync"]["grad"], big_batch, **FP32_TOL)
         assert torch.allclose(d["without_no_sync"]["grad"], big_batch, **FP32_TOL)
+
+
+def _timeline(layers: int, per_bucket: int) -> list[dict]:
+    """What workers.ch02_internals reports for one backward: each layer's bias then weight gradient lands, last
+    layer first; an all-reduce follows every ``per_bucket`` layers (257 KiB each, as Linear(256, 256))."""
+    names = [f"layer{i}.{k}" for i in range(layers) for k in ("weight", "bias")]
+    events, pending, bucket = [], [], 0
+    for layer in reversed(range(layers)):
+        for p in (2 * layer + 1, 2 * layer):
+            events.append({"step": 1, "kind": "grad", "param": p})
+            pending.append(p)
+        if len(pending) == 2 * per_bucket or layer == 0:
+            events.append({"step": 1, "kind": "all_reduce", "bucket": bucket, "params": pending,
+                           "bytes": 263_168 * len(pending) // 2})
+            pending, bucket = [], bucket + 1
+    return [{"events": events, "param_names": names}]
+
+
+@pytest.mark.parametrize("layers, per_bucket", [(12, 1), (6, 2), (1, 1)])
+def test_bucket_labels_never_cover_each_other_or_the_dots(layers, per_bucket):
+    """At 12 layers and a small cap (a bucket per layer) the labels once sat on each other and on the dots."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_utils.ch02 import draw_bucket_timeline
+
+    fig = draw_bucket_timeline(_timeline(layers, per_bucket), step=1)
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    labels = [t.get_window_extent(renderer) for t in ax.texts]
+    assert len(labels) == -(-layers // per_bucket)
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            assert not a.overlaps(b), "two bucket labels overlap"
+    for coll in ax.collections:
+        for x, y in coll.get_offsets():
+            px, py = ax.transData.transform((x, y))
+            for box in labels:
+                assert not box.contains(px, py + 4) and not box.contains(px, py - 4), \
+                    f"a label covers the dot at event {x:g}"
+    plt.close(fig)

@@ -17,10 +17,10 @@ from workers.pipeline.schedules import all_stages, simulate
 matplotlib.use("Agg")
 
 
-def fake_result(name: str, p: int, m: int):
-    sim = simulate(all_stages(name, p, m))
+def fake_result(name: str, p: int, m: int, v: int = 1):
+    sim = simulate(all_stages(name, p, m, v) if v > 1 else all_stages(name, p, m))
     ranks = [{"pipeline": 0, "stage": s, "schedule": name, "config": PipelineConfig(micro_batches=m).as_dict(),
-              "chunks": 1, "timeline": [{**e, "start": e["start"] / 1e3, "end": e["end"] / 1e3} for e in sim["timeline"][s]]}
+              "chunks": v, "timeline": [{**e, "start": e["start"] / 1e3, "end": e["end"] / 1e3} for e in sim["timeline"][s]]}
              for s in range(p)]
     return SimpleNamespace(ranks=ranks)
 
@@ -40,6 +40,21 @@ def test_gantt_draws_one_row_per_stage_and_one_box_per_action():
     ax = fig.axes[0]
     assert len(ax.patches) == 4 * 2 * 8  # every F and B of every stage, none invented
     assert len(ax.get_yticks()) == 4
+
+
+def test_interleaved_labels_stay_readable_over_the_hatching():
+    """The interleaved Gantt hatches a rank's later chunks; the hatching once hid the F/B labels on them."""
+    fig = pp.gantt_figure(fake_result("interleaved", 4, 8, v=2))
+    ax = fig.axes[0]
+    hatched = [b for b in ax.patches if b.get_hatch()]
+    assert len(hatched) == 4 * 2 * 8  # chunk 1's F and B of every micro-batch, on every stage
+    assert all(b.get_hatch_linewidth() < 1 and b.get_hatchcolor()[:3] != (0, 0, 0) for b in hatched)
+    on_hatched = [t for t in ax.texts if any(b.contains_point(ax.transData.transform(t.get_position()))
+                                             for b in hatched)]
+    assert on_hatched, "no label on a hatched box: the test would prove nothing"
+    for t in on_hatched:
+        box = t.get_bbox_patch()
+        assert box is not None and box.get_facecolor()[:3] == (1, 1, 1), f"label {t.get_text()} has no white ground"
 
 
 def test_chunks_crossover_is_where_the_replayed_bubbles_cross():

@@ -1,5 +1,8 @@
 """Notebook scratch folders: one run's files at most, under build/, never in /tmp."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -30,3 +33,12 @@ def test_no_notebook_writes_temporary_directories_that_outlive_its_kernel():
     offenders = [src.name for src in sorted((ROOT / "notebooks" / "src").glob("*.py"))
                  if re.search(r"\b(mkdtemp|TemporaryDirectory)\(", src.read_text())]
     assert not offenders, f"use course_utils.scratch.scratch_dir in {offenders}"
+
+
+def test_course_scratch_dir_moves_the_folders(tmp_path):
+    """Two executions of the chapters at once (make test: papermill beside nbval) each get their own."""
+    out = subprocess.run([sys.executable, "-c", "from course_utils.scratch import scratch_dir; print(scratch_dir('x'))"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env=dict(os.environ, COURSE_SCRATCH_DIR=str(tmp_path / "mine")))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(tmp_path / "mine" / "x") and (tmp_path / "mine" / "x").is_dir()

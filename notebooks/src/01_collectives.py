@@ -20,7 +20,7 @@
 
 # %%
 import course_utils as cu
-from course_utils import ch01, plots, reference_data
+from course_utils import ch01, plots, progress, reference_data
 from course_utils.exercises import check
 from course_utils.paths import ROOT
 from course_utils.tables import Table
@@ -58,6 +58,7 @@ print((ROOT / "workers" / "ch01_minimal.py").read_text())
 from concurrent.futures import ThreadPoolExecutor
 
 WORLDS = (1, 2, 4, 8)
+progress.say("four torchrun jobs at once, 15 ranks starting from scratch: about 15 s on an idle 2-core machine")
 with ThreadPoolExecutor(len(WORLDS)) as pool:
     minimal_runs = dict(zip(WORLDS, pool.map(
         lambda n: ch01.run_script("workers/ch01_minimal.py", n, timeout=120), WORLDS)))

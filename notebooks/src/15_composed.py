@@ -207,9 +207,9 @@ print(f"reference: {len(reference['losses'])} steps, {len(reference['params'])} 
 
 # %%
 runs, verdicts = {}, {}
-for name in ch15.LAYOUTS_8:  # world 8 first: at most 8 ranks stay warm, so one cold start serves all of these
-    for zero in (0, 1):
-        runs[name, zero], verdicts[name, zero] = ch15.run_layout(name, zero=zero)
+# world 8 first: at most 8 ranks stay warm, so one cold start serves all of these; each() says which one is running
+for name, zero in cu.each([(n, z) for n in ch15.LAYOUTS_8 for z in (0, 1)], "layout", lambda c: f"{c[0]}, ZeRO-{c[1]}"):
+    runs[name, zero], verdicts[name, zero] = ch15.run_layout(name, zero=zero)
 
 # %% [markdown]
 # The largest relative difference of each run (float64 rounding: its digits depend on this CPU's kernels, so this
@@ -300,9 +300,8 @@ print(f"replica problems found under dropout_per_rank: {len(problems) > 0}; the 
 # and the explorer below.
 
 # %%
-for name in ch15.LAYOUTS_4:
-    for zero in (0, 1):
-        runs[name, zero], verdicts[name, zero] = ch15.run_layout(name, zero=zero)
+for name, zero in cu.each([(n, z) for n in ch15.LAYOUTS_4 for z in (0, 1)], "layout", lambda c: f"{c[0]}, ZeRO-{c[1]}"):
+    runs[name, zero], verdicts[name, zero] = ch15.run_layout(name, zero=zero)
 
 # %% [markdown]
 # Every layout of the issue, ZeRO 0 and 1 (the differences vary by CPU, so this cell's output is not compared):
