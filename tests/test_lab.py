@@ -113,8 +113,14 @@ def test_only_make_notebooks_writes_the_committed_figures(tmp_path, monkeypatch,
     from course_utils.paths import COMMITTED_FIGURES
 
     seen = []
-    monkeypatch.setattr(notebooks, "execute", lambda nb, dst, timeout: seen.append(os.environ["COURSE_FIGURES_DIR"]) or 0.0)
-    monkeypatch.delenv("COURSE_FIGURES_DIR", raising=False)
+    monkeypatch.setattr(notebooks, "execute", lambda nb, dst, timeout: seen.append(
+        (os.environ["COURSE_FIGURES_DIR"], os.environ.get("COURSE_SCRATCH_DIR"))) or 0.0)
+    for name in ("COURSE_FIGURES_DIR", "COURSE_SCRATCH_DIR"):  # main() sets them: recorded, so restored after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     argv = ["execute", "00_overview"] + (["--out", str(tmp_path / out)] if out else [])
     assert notebooks.main(argv) == 0
-    assert seen == [str(COMMITTED_FIGURES if out is None else (tmp_path / out / "figures").resolve())]
+    if out is None:  # in place: the committed figures, the usual scratch folders
+        assert seen == [(str(COMMITTED_FIGURES), None)]
+    else:  # beside: figures and scratch folders of its own (nbval may be executing the same chapters meanwhile)
+        assert seen == [(str((tmp_path / out / "figures").resolve()), str((tmp_path / out / "scratch").resolve()))]
