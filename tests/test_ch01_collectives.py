@@ -6,6 +6,7 @@ inputs without communication). The inputs are small integers, so SUM/MIN/MAX/AVG
 PRODUCT is compared with rtol 1e-6 (float32 products of two-digit numbers are exact up to world 4 here,
 the tolerance is for larger worlds).
 """
+import os
 import textwrap
 import time
 
@@ -27,12 +28,14 @@ RUN = dict(timeout=30)  # same pool key as the exercise checks: the warm ranks a
 @pytest.mark.parametrize("n", [1, 2])
 def test_minimal_script_sums_to_n_n_plus_1_over_2_on_every_rank(n, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where torchrun would leave a torchelastic_* folder
-    before = set(scratch.TORCHELASTIC_LOGS.glob("script-*")) if scratch.TORCHELASTIC_LOGS.exists() else set()
+    # this process's runs only: a notebook running chapter 01 meanwhile (CI's browser test) has folders of its own
+    mine = f"script-{os.getpid()}-*"
+    before = set(scratch.TORCHELASTIC_LOGS.glob(mine)) if scratch.TORCHELASTIC_LOGS.exists() else set()
     run = ch01.run_script("workers/ch01_minimal.py", n, timeout=120)
     assert run.ok, str(run) + "\n" + "\n".join(run.agent)
     # the rank logs torchrun needs for --tee lived in the course's scratch area and left with the run
     assert not list(tmp_path.glob("torchelastic_*"))
-    assert (set(scratch.TORCHELASTIC_LOGS.glob("script-*")) if scratch.TORCHELASTIC_LOGS.exists() else set()) <= before
+    assert (set(scratch.TORCHELASTIC_LOGS.glob(mine)) if scratch.TORCHELASTIC_LOGS.exists() else set()) <= before
     assert sorted(run.by_rank) == list(range(n))
     for rank in range(n):
         # rank r contributed r + 1; all_reduce SUM leaves 1 + ... + n on every rank
