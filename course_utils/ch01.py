@@ -53,7 +53,35 @@ class ScriptRun:
         return "\n".join(out)
 
 
-_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+_RANK_PREFIX = re.compile(r"\[default(\d+)\]:")
+
+
+def parse_tee(output: str) -> tuple[dict[int, list[str]], list[str]]:
+    """Each rank's lines and torchrun's own, from ``--tee`` output.
+
+    torchrun copies each rank's log file to its stdout as it grows, a prefix ``[defaultN]:`` per piece it reads.
+    On a busy machine it can read a line before the rank finished writing it: the piece ends without a newline,
+    the next rank's prefix follows on the same line, and the line's end comes later as a piece of its own. So the
+    pieces are joined per rank before splitting into lines, instead of reading the output line by line."""
+    texts: dict[int, str] = {}
+    agent: list[str] = []
+    i = 0
+    while i < len(output):
+        m = _RANK_PREFIX.match(output, i)
+        newline = output.find("\n", m.end() if m else i)
+        end = len(output) if newline < 0 else newline + 1
+        following = _RANK_PREFIX.search(output, m.end() if m else i + 1, end)
+        if following:  # another rank's piece starts before this line ends
+            end = following.start()
+        if m:
+            rank = int(m.group(1))
+            texts[rank] = texts.get(rank, "") + output[m.end():end]
+        else:
+            line = output[i:end].rstrip("\n")
+            if line.strip() and not set(line.strip()) <= {"*"}:
+                agent.append(line)
+        i = end
+    return {rank: text.splitlines() for rank, text in sorted(texts.items())}, agent
 
 
 def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, args: tuple = (),
@@ -99,12 +127,7 @@ def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, 
     finally:
         scratch.remove_job_log_dir(log_dir)
     run = ScriptRun(cmd, nproc, proc.returncode, time.perf_counter() - start, timed_out)
-    for line in output.splitlines():
-        m = _RANK_PREFIX.match(line)
-        if m:
-            run.by_rank.setdefault(int(m.group(1)), []).append(m.group(2))
-        elif line.strip() and not set(line.strip()) <= {"*"}:
-            run.agent.append(line)
+    run.by_rank, run.agent = parse_tee(output)
     return run
 
 

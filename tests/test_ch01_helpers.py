@@ -85,3 +85,23 @@ def test_traceback_from_starts_at_the_workers_own_frame():
     assert out[1].strip() == "dist.all_reduce(x, group=group)"
     assert out[-1].startswith("RuntimeError: Timed out") and not any("pool.py" in line for line in out)
     assert ch01.traceback_from(tb, "no_such.py").splitlines()[0] == "Traceback (most recent call last):"
+
+
+def test_tee_output_is_split_by_rank_even_when_torchrun_cut_a_line():
+    """CI, test-other-cpu beside the browser test: torchrun read rank 1's line before its newline, so rank 0's piece
+    followed on the same line and rank 1's newline came as a piece of its own."""
+    from course_utils.ch01 import parse_tee
+
+    output = ("*****************************************\n"
+              "W1204 torchrun warning\n"
+              "[default1]:rank 1/2 (local_rank 1, cpu): all_reduce -> 3, n(n+1)/2 = 3"
+              "[default0]:rank 0/2 (local_rank 0, cpu): all_reduce -> 3, n(n+1)/2 = 3\n"
+              "[default1]:\n"
+              "[default0]:second line of rank 0\n")
+    by_rank, agent = parse_tee(output)
+    assert by_rank == {0: ["rank 0/2 (local_rank 0, cpu): all_reduce -> 3, n(n+1)/2 = 3", "second line of rank 0"],
+                       1: ["rank 1/2 (local_rank 1, cpu): all_reduce -> 3, n(n+1)/2 = 3"]}
+    assert agent == ["W1204 torchrun warning"]
+    # whole lines, the usual case, including a rank's empty line
+    by_rank, agent = parse_tee("[default0]:a\n[default0]:\n[default0]:b\nagent line\n[default1]:c")
+    assert by_rank == {0: ["a", "", "b"], 1: ["c"]} and agent == ["agent line"]
