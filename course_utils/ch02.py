@@ -153,7 +153,7 @@ def draw_bucket_timeline(res, step: int = 1, ax=None):
     rows = _label_rows([t for t, _ in reduces], min_gap=max(len(events), 1) / 9)
     n_rows = max(rows, default=0) + 1
     if ax is None:
-        fig, ax = plt.subplots(figsize=(7.5, 3.0 + 0.3 * (n_rows - 1)))
+        fig, ax = plt.subplots(figsize=(7.5, 3.0 + 0.3 * (n_rows - 1)))  # a little taller per extra row of labels
     else:
         fig = ax.figure
     colours = plt.cm.tab10.colors
@@ -165,7 +165,7 @@ def draw_bucket_timeline(res, step: int = 1, ax=None):
         if e["kind"] == "grad":
             ax.scatter(t, e["param"], color=colours[bucket_of.get(e["param"], 0) % 10], s=30, zorder=3)
     # The labels take the top of the axes (a band of `band` per row, in axes fractions); the dots stay below it.
-    band = 0.6 / (3.0 + 0.3 * (n_rows - 1))  # two 7-pt lines, as a fraction of the axes' height
+    band = 0.6 / fig.get_figheight()  # two 7-pt lines (about 0.25 in) and the axes' share of the figure
     top = n_params / (1 - band * n_rows) - 1  # y limit that leaves that band empty above the last dot
     for (t, e), row in zip(reduces, rows):
         colour = colours[e["bucket"] % 10]
