@@ -38,11 +38,12 @@ doctor: $(STAMP)
 
 # Unit tests, rank tests under torchrun, grading self-test; then every notebook headless (papermill) and nbval,
 # side by side: a chapter's execution leaves a core idle about a third of the time (ranks starting, a kernel
-# drawing), and each has its own figures and scratch folders. Each prints its own lines as it goes.
+# drawing), and each has its own figures and scratch folders. Both print as they go (no output sync: make's
+# --output-sync holds a command's whole output until it ends), so their lines interleave.
 test: $(STAMP)
 	$(PYTEST) -q
 	$(PY) -m course_utils.notebooks check
-	$(MAKE) --no-print-directory -j2 --output-sync=line test-notebooks nbval
+	$(MAKE) --no-print-directory -j2 test-notebooks nbval
 
 # Every chapter headless into build/executed (papermill), the run a learner's `make notebooks` does in place.
 test-notebooks: $(STAMP)
