@@ -36,11 +36,13 @@ lab-update: $(STAMP)
 doctor: $(STAMP)
 	$(PY) -m course_utils.doctor
 
-# Unit tests, rank tests under torchrun, grading self-test; then every notebook headless (papermill) and nbval,
+# The linter (ruff, configured in pyproject.toml); unit tests, rank tests under torchrun, grading self-test; then every
+# notebook headless (papermill) and nbval,
 # side by side: a chapter's execution leaves a core idle about a third of the time (ranks starting, a kernel
 # drawing), and each has its own figures and scratch folders. Both print as they go (no output sync: make's
 # --output-sync holds a command's whole output until it ends), so their lines interleave.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PYTEST) -q
 	$(PY) -m course_utils.notebooks check
 	$(MAKE) --no-print-directory -j2 test-notebooks nbval

@@ -99,7 +99,7 @@ def bench_composed(steps: int = 6) -> dict:
     import torch
 
     import course_utils as cu
-    from workers.composed.model import ComposedConfig
+    from workers.composed.model import MODEL
     from workers.composed.train import reference_run
 
     params = dict(dp=2, tp=2, pp=2, cp=1, micro_batches=4, steps=steps, report=False, timed=True)
@@ -110,11 +110,11 @@ def bench_composed(steps: int = 6) -> dict:
         (r["comm_s"][i][dim] or 0.0) / (r["schedule_s"][i] + r["sync_s"][i]) for r in res.ranks for i in range(1, steps))
         for dim in ("tp", "pp", "dp")}
     torch.set_num_threads(1)  # each rank runs one thread (the Makefile's OMP_NUM_THREADS=1)
-    reference_run(ComposedConfig(), steps=1, global_batch=8, lr=0.01)  # first-call costs (kernels, allocator)
+    reference_run(MODEL, steps=1, global_batch=8, lr=0.01)  # first-call costs (kernels, allocator)
     timed = []
     for n in (1, steps + 1):  # the difference leaves out building the model
         t0 = time.perf_counter()
-        reference_run(ComposedConfig(), steps=n, global_batch=8, lr=0.01)
+        reference_run(MODEL, steps=n, global_batch=8, lr=0.01)
         timed.append(time.perf_counter() - t0)
     one = (timed[1] - timed[0]) / steps
     composed = statistics.median(per_step)
@@ -168,8 +168,8 @@ def widget_table(records: list[dict]) -> str:
         if "error" in r:
             rows.append([r["chapter"], r["worker"], "-", "-", r["error"], "-"])
             continue
-        fmt = (lambda v: "-" if v is None else f"{v:.1f}")
-        rows.append([r["chapter"], r["worker"], r["control"], r["world_size"], fmt(r["warm_median_s"]), fmt(r["cold_s"])])
+        rows.append([r["chapter"], r["worker"], r["control"], r["world_size"], _seconds(r["warm_median_s"]),
+                     _seconds(r["cold_s"])])
     return str(Table(["chapter", "worker", "control moved", "ranks", "warm (s, median of 3)", "cold (s)"], rows,
                      caption="widget: a control moved -> the new figure drawn (CPU wall time, this machine)"))
 
@@ -237,3 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _seconds(v) -> str:
+    return "-" if v is None else f"{v:.1f}"

@@ -168,8 +168,8 @@ def time_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "time 
 
 def plan_row(label: str, p: Plan) -> list[str]:
     lay = p.layout
-    return [label, f"{p.n_gpus}", f"{lay.tp}/{lay.cp}/{lay.pp}/{lay.dp}", f"{lay.zero_stage}",
-            f"{lay.num_microbatches}", f"{p.sequences_per_step}", f"{p.total_memory_bytes / GB:.1f}",
+    return [label, f"{p.n_gpus}", f"{lay.tp}/{lay.cp}/{lay.pp}/{lay.dp}", f"{lay.zero}",
+            f"{lay.micro_batches}", f"{p.sequences_per_step}", f"{p.total_memory_bytes / GB:.1f}",
             "yes" if p.fits else "NO", f"{p.step_time_s:.2f}", f"{p.tokens_per_second / 1e3:,.0f}",
             f"{100 * p.comm_total_s / p.step_time_s:.0f}%", f"{100 * p.mfu:.0f}%"]
 
@@ -398,21 +398,23 @@ def _draw_plan(p: Plan):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [1, 2.2]})
     memory_bars([p], [f"tp{p.layout.tp} cp{p.layout.cp} pp{p.layout.pp} dp{p.layout.dp}"], ax=ax1,
                 title=f"{p.model.name}")
-    time_bars([p], [f"ZeRO-{p.layout.zero_stage}"], ax=ax2,
+    time_bars([p], [f"ZeRO-{p.layout.zero}"], ax=ax2,
               title=f"{p.step_time_s:.2f} s/step, MFU {100 * p.mfu:.0f}% (modelled)")
     fig.tight_layout()
     return fig
 
 
-def planner_view(model: str, n_gpus: int, tp: int, pp: int, cp: int, zero_stage: int, seq: int, micro_batch: int,
+def planner_view(model: str, n_gpus: int, tp: int, pp: int, cp: int, zero: int, seq: int, micro_batch: int,
                  recompute: str, cluster_name: str, inter_node: str) -> Plan:
-    """What the widget shows for one setting of its controls (raises LayoutError with the planner's sentence)."""
-    layout = Layout(tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute)
+    """What the widget shows for one setting of its controls (raises LayoutError with the planner's sentence).
+    Sequence parallelism is on, as in every large run the chapter quotes."""
+    layout = Layout(tp=tp, pp=pp, cp=cp, zero=zero, seq=seq, micro_batch=micro_batch, recompute=recompute,
+                    sequence_parallel=True)
     return plan(model, layout, n_gpus, cluster_name=cluster_name, inter_node=inter_node)
 
 
 def planner_widget(model: str = "llama-3-70b", n_gpus: int = 256, tp: int = 8, pp: int = 4, cp: int = 1,
-                   zero_stage: int = 1, seq: int = 4096, micro_batch: int = 1, recompute: str = "selective",
+                   zero: int = 1, seq: int = 4096, micro_batch: int = 1, recompute: str = "selective",
                    cluster_name: str = "h100-ib", inter_node: str = "ib-ndr400"):
     """Controls -> ``planner.plan`` -> stacked memory bars with the GPU line, time bars and the summary.
 
@@ -429,7 +431,7 @@ def planner_widget(model: str = "llama-3-70b", n_gpus: int = 256, tp: int = 8, p
         "n_gpus": W.Dropdown(options=GPU_COUNTS, value=n_gpus, description="GPUs", style=style,
                              layout=W.Layout(width="150px")),
         "tp": degree("TP", tp), "pp": degree("PP", pp), "cp": degree("CP", cp),
-        "zero_stage": W.Dropdown(options=[0, 1, 2, 3], value=zero_stage, description="ZeRO", style=style,
+        "zero": W.Dropdown(options=[0, 1, 2, 3], value=zero, description="ZeRO", style=style,
                                  layout=W.Layout(width="120px")),
         "seq": W.Dropdown(options=[2048, 4096, 8192, 16384, 32768, 131072], value=seq, description="sequence",
                           style=style, layout=W.Layout(width="170px")),
@@ -460,7 +462,7 @@ def planner_widget(model: str = "llama-3-70b", n_gpus: int = 256, tp: int = 8, p
 
     out = W.interactive_output(update, controls)
     rows = [W.HBox([controls["model"], controls["n_gpus"], controls["cluster_name"], controls["inter_node"]]),
-            W.HBox([controls["tp"], controls["cp"], controls["pp"], controls["zero_stage"]]),
+            W.HBox([controls["tp"], controls["cp"], controls["pp"], controls["zero"]]),
             W.HBox([controls["seq"], controls["micro_batch"], controls["recompute"]])]
     box = W.VBox(rows + [out, text])
     box.controls = controls  # named like planner_view's parameters

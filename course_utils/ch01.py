@@ -182,8 +182,8 @@ def device_table(result) -> str:
     return str(Table.of(rows))
 
 
-def drill_outcome(job):
-    """Wait for a debugging drill (a ``Job``) and return the exception it ended with, or None if it succeeded."""
+def fault_outcome(job):
+    """Wait for a run with an injected fault (a ``Job``) and return the exception it ended with, or None if it succeeded."""
     from course_utils.results import WorkerFailed
 
     try:
@@ -194,7 +194,7 @@ def drill_outcome(job):
 
 
 def traceback_from(traceback_text: str, filename: str) -> str:
-    """The end of a rank's traceback, from the last frame in ``filename`` (e.g. "drills.py") on: the line of
+    """The end of a rank's traceback, from the last frame in ``filename`` (e.g. "rank_faults.py") on: the line of
     the worker that made the call, then the library frames under it, then the error. Paths under the
     repository are shown relative to it. The whole traceback if no frame is in ``filename``."""
     lines = traceback_text.strip().splitlines()

@@ -105,7 +105,7 @@ def gradcheck_rows(results: dict) -> list[dict]:
         for circuit in per_rank[0]:
             passed = [v[circuit]["passed"] for v in per_rank]
             ratios = [v[circuit]["grad_ratio"] for v in per_rank]
-            rows.append({"variant": variant, "circuit": circuit, "ranks": res[0].get("tp_size", res.world_size),
+            rows.append({"variant": variant, "circuit": circuit, "ranks": res[0].get("tp", res.world_size),
                          "gradcheck": "pass" if all(passed) else ("FAIL" if not any(passed) else "mixed"),
                          "ratio": ", ".join(f"{r:.3g}" for r in ratios)})
     return rows
@@ -145,7 +145,7 @@ def scaling_rows(results: dict, x: torch.Tensor, w: torch.Tensor) -> list[dict]:
     for n, res in sorted(results.items()):
         params = res.ranks[0]
         want = replicated_loss_reference(x, w)
-        group0 = [r for r, d in enumerate(res.ranks) if r < params["tp_size"]]
+        group0 = [r for r, d in enumerate(res.ranks) if r < params["tp"]]
         for name in params["results"]:
             grad_w = torch.cat([res[r]["results"][name]["grad_weight"] for r in group0])  # shards, in row order
             grad_x = res[0]["results"][name]["grad_input"]
@@ -185,7 +185,7 @@ def draw_scaling(rows: list[dict]):
 
 def row_parallel_rows(res, problem: dict, mode: str, input_is_parallel: bool = False) -> list[dict]:
     """Max |distributed - single process| for the output and every gradient, over the ranks of group 0."""
-    tp = res[0]["tp_size"]
+    tp = res[0]["tp"]
     ranks = range(tp)
     if mode == "row":
         want = linear_reference(problem["x"], problem["weight"], problem["bias"], problem["grad_output"])

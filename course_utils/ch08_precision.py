@@ -150,10 +150,10 @@ def rounding_demo() -> Table:
     rows = []
     for fmt in ("bf16", "fp16"):
         half = torch.finfo(_dtype(fmt)).eps / 2  # half the gap between 1 and the next value
-        for label, x in ((f"1 + eps/2 (a tie; 1 is even)", 1 + half),
-                         (f"1 + eps/2 + a little", 1 + half * (1 + 2**-6)),
-                         (f"1 + 3 eps/2 (a tie; 1 + 2 eps is even)", 1 + 3 * half),
-                         (f"1 + eps", 1 + 2 * half)):
+        for label, x in (("1 + eps/2 (a tie; 1 is even)", 1 + half),
+                         ("1 + eps/2 + a little", 1 + half * (1 + 2**-6)),
+                         ("1 + 3 eps/2 (a tie; 1 + 2 eps is even)", 1 + 3 * half),
+                         ("1 + eps", 1 + 2 * half)):
             rows.append([fmt, label, f"{x:.10g}", f"{round_to(x, fmt):.10g}"])
     return Table(["format", "x", "x exactly", "rounded"], rows, "torch's casts: round to nearest, ties to even")
 

@@ -27,7 +27,7 @@ def ledger_plans(model: str, dps: tuple[int, ...], *, tp: int = 1, pp: int = 1, 
     out = {}
     for dp in dps:
         for stage in range(4):
-            layout = Layout(tp=tp, pp=pp, zero_stage=stage, seq=seq, num_microbatches=4 * pp if pp > 1 else 1)
+            layout = Layout(tp=tp, pp=pp, zero=stage, seq=seq, sequence_parallel=True)
             out[(dp, stage)] = plan(model, layout, tp * pp * dp)
     return out
 
@@ -128,7 +128,7 @@ def ledger_moment(config: dict, n_params: int, step: int, moment: str) -> dict:
     """
     bf16 = config["dtype"] == "bfloat16"
     w = 2 if bf16 else 4
-    dp = config["world_size"] if config["zero_stage"] == 1 else 1
+    dp = config["world_size"] if config["zero"] == 1 else 1
     stepped = step >= 2 or (step == 1 and moment == "step")
     k = (4 if bf16 else 0) + ((8 if config["optimizer"] == "adamw" else 4) if stepped else 0)
     states = model_state_bytes(n_params, dp=dp, zero_stage=1, weight_bytes=w, grad_bytes=w,
@@ -252,10 +252,10 @@ def gpu_data(kind: str = "memory") -> dict | None:
 def gpu_memory_report(data: dict, title: str | None = None):
     """Figure and text for a GPU memory record (the JSON ``tools/gpu/ch11_memory.sh`` writes): every run that
     succeeded is drawn (accounted bytes, ledger, ``torch.cuda.memory_allocated``); every run that failed is named."""
-    ok = {f"{'DDP' if r['zero_stage'] == 0 else 'ZeRO-1'}, N={r['world_size']}": r["ranks"][0]
+    ok = {f"{'DDP' if r['zero'] == 0 else 'ZeRO-1'}, N={r['world_size']}": r["ranks"][0]
           for r in data["runs"] if "ranks" in r}
     lines = [f"GPU measurement: {reference_data.label(data)}"]
-    lines += [f"  world {r['world_size']} zero {r['zero_stage']} ({r.get('grad_sync', '')}) failed: {r['error']}"
+    lines += [f"  world {r['world_size']} zero {r['zero']} ({r.get('grad_sync', '')}) failed: {r['error']}"
               for r in data["runs"] if "error" in r]
     for label, r in ok.items():
         steady = moments_of(r)
@@ -283,16 +283,16 @@ def live_memory_record(shape: dict | None = None, worlds: tuple[int, ...] = (1, 
         for zero in zero_stages:
             for grad_sync in ("reduce_scatter", "all_reduce"):
                 try:
-                    res = cu.run("workers.ch11_memory", world, zero_stage=zero, grad_sync=grad_sync, timeout=timeout,
+                    res = cu.run("workers.ch11_memory", world, zero=zero, grad_sync=grad_sync, timeout=timeout,
                                  **(shape or {}))
-                    record["runs"].append({"world_size": world, "zero_stage": zero, "grad_sync": grad_sync,
+                    record["runs"].append({"world_size": world, "zero": zero, "grad_sync": grad_sync,
                                            "backend": res.backend, "ranks": res.ranks})
                     break
                 except cu.InvalidParameter:
                     raise
                 except Exception as exc:  # noqa: BLE001 - record it, try the next setting
                     first = str(exc).splitlines()[0] if str(exc) else ""
-                    record["runs"].append({"world_size": world, "zero_stage": zero, "grad_sync": grad_sync,
+                    record["runs"].append({"world_size": world, "zero": zero, "grad_sync": grad_sync,
                                            "error": f"{type(exc).__name__}: {first}"})
                     if zero == 0:
                         break  # DDP does not reduce-scatter; nothing else to try

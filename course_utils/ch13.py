@@ -40,7 +40,7 @@ def compare_to_reference(res, steps: int = 1, lr: float = 0.1) -> dict:
     first = res[0]
     cfg = PipelineConfig(**first["config"])
     ref = reference_step(cfg, steps=steps, lr=lr)
-    n_pipes = len(res.ranks) // first["num_stages"]
+    n_pipes = len(res.ranks) // first["pp"]
     report = {"grad_max_abs": 0.0, "weight_max_abs": 0.0, "loss_max_abs": 0.0, "within_tol": True,
               "parameters": len(ref["grads"])}
     for pipe in range(n_pipes):
@@ -81,7 +81,7 @@ def bubble_formulas(p: int, m: int) -> dict:
 def formula_bubble(res, pipeline: int = 0) -> float:
     """What the ledger predicts for this run, idle / total: (p-1)/(v m + p-1)."""
     rows = pipeline_ranks(res, pipeline)
-    return pipeline_bubble_fraction(len(rows), rows[0]["config"]["micro_batches"], rows[0].get("chunks", 1),
+    return pipeline_bubble_fraction(len(rows), rows[0]["config"]["micro_batches"], rows[0].get("virtual_stages", 1),
                                     denominator="total")
 
 
@@ -108,7 +108,7 @@ def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
     """One row per stage; F boxes (light) and B boxes (dark) coloured by micro-batch, hatched by model chunk
     (interleaved schedule); white is idle."""
     rows = pipeline_ranks(res, pipeline)
-    m, v = rows[0]["config"]["micro_batches"], rows[0].get("chunks", 1)
+    m, v = rows[0]["config"]["micro_batches"], rows[0].get("virtual_stages", 1)
     cmap = plt.get_cmap("tab10" if m <= 10 else "tab20")
     fig = None
     if ax is None:

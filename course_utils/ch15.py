@@ -1,8 +1,8 @@
 """Chapter 15, notebook side: run a layout of DP x TP x PP x CP (and ZeRO-1) on real ranks, hold it to the
 one-process run, and draw what each rank holds and does.
 
-The ranks run ``workers/ch15_composed.py``; the layout and its refusal are ``workers/composed/layout.py``; the
-ground truth is ``workers/composed/train.reference_run`` and the verdict ``workers/composed/equivalence.compare``.
+The ranks run ``workers/ch15_composed.py``; the layout and its rules are ``workers/layout/rules.py`` (the trainer's
+refusal, ``workers/composed/train.py: layout_problem``, adds what it does not implement); the ground truth is ``workers/composed/train.reference_run`` and the verdict ``workers/composed/equivalence.compare``.
 What is computed here without ranks (``holdings``, ``group_rows``, ``micro_batch_weights``) is what the layout
 *predicts*; ``holdings_mismatches`` holds the ranks' own reports to that prediction.
 """
@@ -19,22 +19,27 @@ from course_utils.plots import CPU_NOTE
 from course_utils.tables import Table
 from course_utils.widgets import LiveRun
 from workers.composed.equivalence import TIED, TOLERANCE, compare, relative_error
-from workers.composed.layout import DEGREES, Layout, problem
-from workers.composed.model import ComposedConfig, make_batch
-from workers.composed.train import DRILLS, reference_run
+from workers.composed.model import MODEL, model_config
+from workers.model.batch import make_batch
+from workers.composed.train import layout_problem as trainer_problem
+from workers.layout import Layout
+from workers.layout.rules import DEGREES
+from workers.model import GPTConfig
+from workers.composed.faults import FAULTS
+from workers.composed.train import reference_run
 from workers.context_parallel.split import chunk_ranges
-from workers.parallel.grid import DIMS
+from workers.layout.grid import DIMS
 from workers.pipeline.schedules import virtual_stage
 
 WORKER = "workers.ch15_composed"
-CONFIG = ComposedConfig()  # the worker's defaults: vocab 32, seq 16, hidden 32, heads 8, layers 4
+CONFIG = MODEL  # the worker's defaults: vocab 32, seq 16, hidden 32, heads 8, layers 4
 GLOBAL_BATCH = 8  # the worker's default global batch (samples per optimizer step)
 STEPS = 3
 # the issue's layouts, DPxTPxPPxCP: six of 8 ranks, then two of 4 (at most 8 ranks stay warm: world 8 first)
 LAYOUTS_8 = ["8x1x1x1", "1x8x1x1", "2x2x2x1", "2x2x1x2", "1x2x2x2", "2x1x2x2"]
 LAYOUTS_4 = ["1x1x4x1", "1x1x1x4"]
-# drill -> (a layout where it shows, the options it needs); the same cases as tests/test_ch15_composed.py
-DRILL_CASES = {
+# fault -> (a layout where it shows, the options it needs); the same cases as tests/test_ch15_composed.py
+FAULT_CASES = {
     "grads_over_dp_only": ("2x2x1x2", {}),
     "grads_over_tp": ("2x2x2x1", {}),
     "layernorm_not_reduced": ("2x2x1x2", {"sequence_parallel": True}),
@@ -46,7 +51,7 @@ DRILL_CASES = {
 # the parameters of one layer that tensor parallelism cuts (heads for attention, ffn columns for the MLP)
 SHARDED_PER_LAYER = ("attention.qkv.weight", "attention.qkv.bias", "attention.proj.weight", "mlp.fc1.weight",
                      "mlp.fc1.bias", "mlp.fc2.weight")
-LAYOUT_OPTIONS = ("zero", "sequence_parallel", "micro_batches", "schedule", "chunks", "split")
+LAYOUT_OPTIONS = ("zero", "sequence_parallel", "micro_batches", "schedule", "virtual_stages", "split")
 
 
 # -- the layout, before any rank starts ---------------------------------------------------------------------------
@@ -64,11 +69,10 @@ def worker_params(layout: Layout) -> dict:
     return {d: getattr(layout, d) for d in (*DEGREES, *LAYOUT_OPTIONS)}
 
 
-def layout_problem(layout: Layout, world: int | None = None, cfg: ComposedConfig = CONFIG,
+def layout_problem(layout: Layout, world: int | None = None, cfg: GPTConfig = CONFIG,
                    global_batch: int = GLOBAL_BATCH) -> str | None:
-    """``problem`` for this chapter's model: one sentence naming every degree that does not fit, or None."""
-    return problem(layout, layout.world if world is None else world, layers=cfg.layers, heads=cfg.heads,
-                   kv_heads=cfg.kv_heads, ffn=cfg.ffn, seq=cfg.seq, global_batch=global_batch)
+    """The worker's refusal for this chapter's model: one sentence naming every degree that does not fit, or None."""
+    return trainer_problem(layout, layout.world if world is None else world, cfg, global_batch)
 
 
 def group_rows(layout: Layout) -> list[dict]:
@@ -112,18 +116,19 @@ def _span(values) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
-def holdings(layout: Layout, cfg: ComposedConfig = CONFIG, global_batch: int = GLOBAL_BATCH) -> list[dict]:
+def holdings(layout: Layout, cfg: GPTConfig = CONFIG, global_batch: int = GLOBAL_BATCH) -> list[dict]:
     """What each rank holds under ``layout``, from the layout alone: its layers (per model chunk), its heads and
     ffn columns of each layer (TP), its tokens (CP; rows under sequence parallelism), its samples (DP), and which
     ends of the model it holds (the embedding and position table on the first stage, ``ln_f`` and the tied head on
     the last: the embedding itself when one stage holds both ends, a copy, ``head.weight``, otherwise)."""
-    grid, per = layout.grid, cfg.layers // layout.virtual_stages
+    layout = layout.resolve(layout.world)  # dp None: one replica
+    grid, per = layout.grid, cfg.layers // (layout.pp * layout.virtual_stages)
     out = []
     for rank in range(grid.world):
         c = grid.coords(rank)
-        chunks = [virtual_stage(c["pp"], ch, layout.pp) for ch in range(layout.chunks)]
+        chunks = [virtual_stage(c["pp"], ch, layout.pp) for ch in range(layout.virtual_stages)]
         layers = [list(range(vs * per, (vs + 1) * per)) for vs in chunks]
-        first, last = 0 in chunks, layout.virtual_stages - 1 in chunks
+        first, last = 0 in chunks, layout.pp * layout.virtual_stages - 1 in chunks
         heads = cfg.heads // layout.tp
         ffn = cfg.ffn // layout.tp
         tokens = [t for a, b in chunk_ranges(cfg.seq, layout.cp, c["cp"], layout.split) for t in range(a, b)]
@@ -161,7 +166,7 @@ def _token_label(tokens: list[int]) -> str:
     return ",".join(runs)
 
 
-def mesh_figure(layout: Layout, cfg: ComposedConfig = CONFIG, global_batch: int = GLOBAL_BATCH, title: str | None = None,
+def mesh_figure(layout: Layout, cfg: GPTConfig = CONFIG, global_batch: int = GLOBAL_BATCH, title: str | None = None,
                 ax=None):
     """One box per rank, in the grid's order: a row per (dp, pp), a column per (cp, tp), so that a TP group is a run
     of boxes side by side, a pipeline a column going down inside its data-parallel replica (framed), and a CP ring
@@ -200,10 +205,10 @@ def mesh_figure(layout: Layout, cfg: ComposedConfig = CONFIG, global_batch: int 
 
 
 def micro_batch_weights(dp: int, micro_batches: int, step: int = 0, global_batch: int = GLOBAL_BATCH,
-                        cfg: ComposedConfig = CONFIG, data_seed: int = 1) -> list[dict]:
+                        cfg: GPTConfig = CONFIG, data_seed: int = 1) -> list[dict]:
     """For every (dp rank, micro-batch): its valid tokens n, the valid tokens N of the whole global batch (a token's
     right weight in the loss is 1/N), and n m dp (its weight is 1/(n m dp) when every micro-batch is averaged over
-    its own tokens, then over m and dp: the ``per_microbatch_mean`` drill). The ragged batch is the worker's
+    its own tokens, then over m and dp: the ``per_microbatch_mean`` fault). The ragged batch is the worker's
     ``make_batch``."""
     _, valid = make_batch(cfg, global_batch, step, data_seed)  # [B, seq]
     total = int(valid.sum())
@@ -224,12 +229,12 @@ def micro_batch_weights(dp: int, micro_batches: int, step: int = 0, global_batch
 def reference(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, lr: float = 0.01, seed: int = 0,
               data_seed: int = 1, dropout: float = 0.0, dtype: str = "float64") -> dict:
     """The one-process run every layout must equal (computed once per setting)."""
-    return reference_run(ComposedConfig(dropout=dropout), steps=steps, global_batch=global_batch, lr=lr, seed=seed,
+    return reference_run(model_config(dropout=dropout), steps=steps, global_batch=global_batch, lr=lr, seed=seed,
                          data_seed=data_seed, dtype=getattr(torch, dtype))
 
 
 def run_layout(name: str, *, timeout: float = 240, **options):
-    """Run layout ``name`` (``"2x2x2x1"``) with ``options`` (zero, sequence_parallel, micro_batches, dropout, drill,
+    """Run layout ``name`` (``"2x2x2x1"``) with ``options`` (zero, sequence_parallel, micro_batches, dropout, fault,
     ...) on real ranks and compare it with the one-process run: ``(RunResult, verdict)``."""
     layout = layout_for(name, **options)
     extra = {k: v for k, v in options.items() if k not in LAYOUT_OPTIONS}
@@ -280,7 +285,7 @@ def reported_holdings(ranks: list[dict]) -> list[dict]:
 def holdings_mismatches(ranks: list[dict]) -> list[str]:
     """Where a rank's report differs from what its layout predicts (``holdings``); empty when they agree."""
     layout = Layout(**ranks[0]["layout"])
-    cfg = ComposedConfig(**{k: ranks[0]["config"][k] for k in ComposedConfig().as_dict()})
+    cfg = CONFIG.replace(**{k: v for k, v in ranks[0]["config"].items() if k in CONFIG.as_dict()})
     predicted = holdings(layout, cfg, ranks[0]["config"]["global_batch"])
     out = []
     for want, got in zip(predicted, reported_holdings(ranks)):
@@ -290,12 +295,12 @@ def holdings_mismatches(ranks: list[dict]) -> list[str]:
     return out
 
 
-def drill_row(drill: str, name: str, verdict: dict) -> dict:
-    """What the check said about a drill: the first thing it names, and whether it was caught (failed, at the
+def fault_row(fault: str, name: str, verdict: dict) -> dict:
+    """What the check said about a fault: the first thing it names, and whether it was caught (failed, at the
     first step, by far more than rounding)."""
     first = verdict["first"]
     caught = not verdict["ok"] and first is not None and first["step"] == 0 and first["error"] > 1e-5
-    return {"drill": drill, "layout": name, "breaks": DRILLS[drill][0],
+    return {"fault": fault, "layout": name, "breaks": FAULTS[fault][0],
             "first named": _named(first), "caught": caught}
 
 
@@ -385,7 +390,7 @@ def draw_run(res, params: dict):
 class LayoutRun(LiveRun):
     """``LiveRun`` of the composed worker whose world size is the product of the chosen degrees.
 
-    A layout that does not fit is refused by the worker's ``check_params`` (``layout.problem``) before any rank
+    A layout that does not fit is refused by the worker's ``check_params`` (``train.layout_problem``) before any rank
     starts, and its one sentence shows in the widget's status line."""
 
     def __init__(self, controls: dict, *, params: dict | None = None, timeout: float = 120, **kw):

@@ -26,7 +26,8 @@ import math
 from course_utils import planner, timelines
 from course_utils.ledger import model_state_bytes, pipeline_bubble_fraction
 from course_utils.tables import Table
-from workers.composed.model import ComposedConfig, dense_shapes
+from workers.composed.model import dense_shapes, model_config
+from workers.layout import Layout
 from workers.context_parallel.blocks import work_per_rank
 from workers.parallel.plan import REPLICATED, block_plan
 
@@ -40,17 +41,15 @@ def model_shape(config: dict) -> planner.ModelShape:
                               source="workers/composed/model.py")
 
 
-def _cfg(config: dict) -> ComposedConfig:
-    return ComposedConfig(**{k: config[k] for k in ("vocab", "seq", "hidden", "heads", "layers", "dropout")})
+def _cfg(config: dict):
+    return model_config(**{k: config[k] for k in ("vocab", "seq", "hidden", "heads", "layers", "dropout")})
 
 
-def planner_layout(layout: dict, config: dict) -> planner.Layout:
-    """The run's layout in the planner's terms (resolved: dp and m filled in)."""
-    m = layout["micro_batches"]
-    return planner.Layout(tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], dp=layout["dp"], zero_stage=layout["zero"],
-                          micro_batch=config["global_batch"] // (layout["dp"] * m), seq=config["seq"],
-                          num_microbatches=m, recompute="none", sequence_parallel=layout["sequence_parallel"],
-                          virtual_stages=layout["chunks"])
+def _step_layout(layout: dict, config: dict) -> Layout:
+    """The run's layout with the step's shape the planner needs: sequences per micro-batch, tokens per sequence,
+    and no recomputation (the course's trainer keeps every activation)."""
+    return Layout(**{**layout, "micro_batch": config["global_batch"] // (layout["dp"] * layout["micro_batches"]),
+                     "seq": config["seq"], "recompute": "none"})
 
 
 def first_rank(ranks: list[dict]) -> dict:
@@ -58,7 +57,7 @@ def first_rank(ranks: list[dict]) -> dict:
 
 
 def _virtual_stages(layout: dict, stage: int) -> list[int]:
-    return [c * layout["pp"] + stage for c in range(layout["chunks"])]
+    return [c * layout["pp"] + stage for c in range(layout["virtual_stages"])]
 
 
 def local_param_counts(layout: dict, config: dict, stage: int) -> dict[str, int]:
@@ -66,7 +65,7 @@ def local_param_counts(layout: dict, config: dict, stage: int) -> dict[str, int]
     cfg, tp = _cfg(config), layout["tp"]
     shapes = dense_shapes(cfg)
     split = {f"{module}.{param}": how for module, param, how in block_plan()}
-    V = layout["pp"] * layout["chunks"]
+    V = layout["pp"] * layout["virtual_stages"]
     per = cfg.layers // V
     out = {}
     for vs in _virtual_stages(layout, stage):
@@ -113,7 +112,7 @@ def implementation_bytes(layout: dict, config: dict, stage: int) -> dict[str, fl
     """Bytes a rank of ``stage`` (at dp = cp = tp = 0) sends per step, per dimension, by what the code does."""
     cfg, E = _cfg(config), ELEMENT[config["dtype"]]
     tp, pp, cp, m, sp = layout["tp"], layout["pp"], layout["cp"], layout["micro_batches"], layout["sequence_parallel"]
-    V = pp * layout["chunks"]
+    V = pp * layout["virtual_stages"]
     held = _virtual_stages(layout, stage)
     layers = len(held) * cfg.layers // V
     b = config["global_batch"] // (layout["dp"] * m)
@@ -161,7 +160,7 @@ def comm_rows(ranks: list[dict], step: int = 0) -> list[dict]:
     rank = first_rank(ranks)
     layout, config = rank["layout"], rank["config"]
     E = ELEMENT[config["dtype"]]
-    plan_layout = planner_layout(layout, config)
+    plan_layout = _step_layout(layout, config)
     predicted = {dim: sum(c.wire_bytes for c in calls) for dim, calls in
                  planner.step_collectives(model_shape(config), plan_layout, weight_bytes=E, grad_bytes=E,
                                           bytes_per_element=E).items()}
@@ -183,7 +182,7 @@ def memory_rows(ranks: list[dict], step: int = 0) -> list[dict]:
     layout, config = rank["layout"], rank["config"]
     E = ELEMENT[config["dtype"]]
     shape = model_shape(config)
-    plan_layout = planner_layout(layout, config)
+    plan_layout = _step_layout(layout, config)
     pp, tp = layout["pp"], layout["tp"]
     stage_params = shape.n_params if pp == 1 else math.ceil(shape.layers / pp) * shape.params_per_layer \
         + shape.vocab * shape.hidden
@@ -221,7 +220,7 @@ def bubble(ranks: list[dict], step: int = -1) -> dict:
     layout = rows[0]["layout"]
     idle = timelines.idle_fractions([r["timelines"][step] for r in rows])
     return {"measured": sum(idle) / len(idle), "per_stage": idle,
-            "formula": pipeline_bubble_fraction(layout["pp"], layout["micro_batches"], layout["chunks"],
+            "formula": pipeline_bubble_fraction(layout["pp"], layout["micro_batches"], layout["virtual_stages"],
                                                 denominator="total")}
 
 

@@ -1,4 +1,4 @@
-"""Chapter 16's notebook glue: the expert-parallel layer against one process, the drills, split sizes and bytes,
+"""Chapter 16's notebook glue: the expert-parallel layer against one process, the faults, split sizes and bytes,
 the imbalance, the MoE GPT's training figures, and the explorer widget.
 
 The rank side is ``workers/moe/`` (``layer.py``: the layer and the reference; ``equivalence.py``: the check) and
@@ -18,12 +18,12 @@ from course_utils.widgets import LiveRun
 from workers.moe.batch import SWEEP
 from workers.moe.config import MoEConfig
 from workers.moe.equivalence import TOLERANCE, compare, reference
-from workers.moe.layer import DRILLS
+from workers.moe.faults import FAULTS
 
 WORKER, TRAIN = "workers.ch16_moe", "workers.ch16_moe_train"
 LAYOUTS = ((1, 1), (2, 2), (4, 4), (4, 2))  # (world, ep): EP 1, 2, 4, and EP 2 x expert-DP 2
-DRILL_LAYOUT = (4, 2)
-DRILL_CASE = {"experts": 8, "top_k": 2, "capacity_factor": 1.0}
+FAULT_LAYOUT = (4, 2)
+FAULT_CASE = {"experts": 8, "top_k": 2, "capacity_factor": 1.0}
 # chapter 09's tiny GPT with an MoE FFN: what the training figures and the widget run
 TRAIN_STEPS, TRAIN_WORLD, AUX = 150, 2, 0.01
 WIDGET_STEPS = 40
@@ -74,16 +74,16 @@ def equivalence_table(rows: list[dict], errors: bool = False) -> Table:
                     caption=f"float64, tolerance {TOLERANCE:g}" if not errors else "max |difference| (varies by CPU)")
 
 
-def run_drill(drill: str):
-    world, ep = DRILL_LAYOUT
-    res = cu.run(WORKER, world, timeout=180, ep=ep, drill=drill, **DRILL_CASE)
+def run_fault(fault: str):
+    world, ep = FAULT_LAYOUT
+    res = cu.run(WORKER, world, timeout=180, ep=ep, fault=fault, **FAULT_CASE)
     cases = _cases(res, 0)
     return compare(cases, reference(MoEConfig(**cases[0]["config"]), res[0]), world, ep)
 
 
-def drill_rows() -> list[dict]:
-    return [{"drill": d, "caught": "yes" if found else "NO", "what the check says first": found[0] if found else ""}
-            for d in DRILLS if d != "none" for found in [run_drill(d)]]
+def fault_rows() -> list[dict]:
+    return [{"fault": d, "caught": "yes" if found else "NO", "what the check says first": found[0] if found else ""}
+            for d in FAULTS if d != "none" for found in [run_fault(d)]]
 
 
 def split_rows(res) -> list[dict]:

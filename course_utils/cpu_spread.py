@@ -269,7 +269,7 @@ def _telemetry(res) -> dict:
     "plain_last10_loss": Criterion(">", 2.5, f"{T09}; {NB09}"),
     "qk_max_attn_logit": Criterion("<", 100, f"{T09}; {NB09}"),
     "qk_z_max_attn_logit": Criterion("<", 100, f"{NB09}"),
-    "qk_last10_loss": Criterion("<", 2.0, f"{T09}; {NB09}"),
+    "qk_gain_over_plain": Criterion(">", 0.5, f"{T09}; {NB09}: qk-layernorm ends at least 0.5 below plain"),
     "z_abs_final_log_z": Criterion("<", 1.5, f"{T09}; {NB09}"),
     "plain_final_log_z": Criterion(">", 3.0, f"{T09}; {NB09}"),
     "z_max_attn_logit": Criterion(">", 1e3, f"{T09}"),
@@ -282,6 +282,7 @@ def ch09_high_lr(seed: int) -> dict[str, float]:
                              "qk_z": {"qk_layernorm": True, "z_loss": 1e-2}}.items()}
     out = {f"{n}_max_attn_logit": max(t["max_attn_logit"]) for n, t in runs.items()}
     out.update({f"{n}_last10_loss": _mean(t["loss"][-10:]) for n, t in runs.items()})
+    out["qk_gain_over_plain"] = out["plain_last10_loss"] - out["qk_last10_loss"]
     out["z_abs_final_log_z"] = abs(runs["z"]["log_z_mean"][-1])
     out["plain_final_log_z"] = runs["plain"]["log_z_mean"][-1]
     return out

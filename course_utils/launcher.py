@@ -35,7 +35,7 @@ from typing import Any, Callable
 from course_utils import progress
 from course_utils.jobs import RankJob
 from course_utils.results import CourseError, InvalidParameter, JobCancelled, RunResult, WorkerFailed
-from course_utils.validate import check_params, max_world_size, takes_param
+from course_utils.validate import check_params, current_names, max_world_size, takes_param
 from workers.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -126,7 +126,7 @@ def expected_start_s(world_size: int) -> tuple[float, str]:
         return float(seen[str(world_size)]), "this machine's last start"
     except (OSError, ValueError, KeyError, TypeError):
         # torchrun, `import torch` and rendezvous on an idle 2-core EPYC (2026-12-04): 2.9 s for 2 ranks,
-        # 4.4-4.6 s for 4, 7.4-7.9 s for 8 (workers.drills, warm=False, twice each).
+        # 4.4-4.6 s for 4, 7.4-7.9 s for 8 (workers.rank_faults, warm=False, twice each).
         return 1.5 + 0.8 * world_size, "an idle 2-core machine"
 
 
@@ -322,6 +322,7 @@ def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT
 
     ``seed`` seeds every rank's random generators before the run, and is also the worker's own ``seed``
     parameter when its ``main`` has one (the data or weights it draws from it): one seed, not two."""
+    params = current_names(worker, params)
     if takes_param(worker, "seed"):
         params = {**params, "seed": seed}
     check_params(worker, world_size, params, nnodes=nnodes)

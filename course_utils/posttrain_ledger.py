@@ -125,13 +125,14 @@ def finetune_memory(shape: ModelShape | str, method: str, r: int = 16, targets=A
     return memory_from_counts(method, adapters, n, per)
 
 
-# -- the chapter's tiny GPT (``workers/gpt``), so that the ledger can be checked against what a rank holds --
+# -- the chapter's tiny GPT (the course's ``workers/model/gpt.py``), so that the ledger can be checked against what a
+# rank holds --
 
 def toy_matrices(hidden: int, vocab: int) -> dict[str, tuple[int, int]]:
-    """(d_out, k_in) of each nn.Linear of the tiny GPT: fused qkv, proj, the GELU MLP's fc and out (per
+    """(d_out, k_in) of each nn.Linear of the tiny GPT: fused qkv, proj, the GELU MLP's fc1 and fc2 (per
     layer), and the untied LM head (once)."""
     d = hidden
-    return {"qkv": (3 * d, d), "proj": (d, d), "fc": (4 * d, d), "out": (d, 4 * d), "head": (vocab, d)}
+    return {"qkv": (3 * d, d), "proj": (d, d), "fc1": (4 * d, d), "fc2": (d, 4 * d), "head": (vocab, d)}
 
 
 def toy_params(hidden: int, layers: int, vocab: int, seq: int) -> int:

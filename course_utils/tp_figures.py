@@ -127,7 +127,7 @@ def gpu_results(pattern: str = "tp_block_*.json") -> list[dict]:
 
 # -- chapter 05: the fused-QKV trap ------------------------------------------------------------------------
 
-def qkv_split_figure(n_heads: int = 4, n_kv_heads: int = 4, head_dim: int = 2, tp: int = 2):
+def qkv_split_figure(heads: int = 4, kv_heads: int = 4, head_dim: int = 2, tp: int = 2):
     """The rows of a fused [Q; K; V] weight coloured by the rank that gets them: by heads, and chunked naively."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
@@ -135,24 +135,24 @@ def qkv_split_figure(n_heads: int = 4, n_kv_heads: int = 4, head_dim: int = 2, t
     from course_utils.tp_viz import rank_colours
     from workers.parallel.attention import naive_qkv_rows, qkv_rows
 
-    rows = (n_heads + 2 * n_kv_heads) * head_dim
+    rows = (heads + 2 * kv_heads) * head_dim
     colours = rank_colours(tp)
     fig, axes = plt.subplots(1, 2, figsize=(7.0, 4.2))
     for ax, (title, fn) in zip(axes, (("by heads (right)", qkv_rows), ("w.chunk(t) (wrong)", naive_qkv_rows))):
         owners: dict[int, list[int]] = {}
         for r in range(tp):
-            for row in fn(n_heads, n_kv_heads, head_dim, r, tp).tolist():
+            for row in fn(heads, kv_heads, head_dim, r, tp).tolist():
                 owners.setdefault(row, []).append(r)
         for row in range(rows):
             ranks = owners.get(row, [])
             for i, r in enumerate(ranks):
                 ax.add_patch(Rectangle((i / len(ranks), row), 1 / len(ranks), 1, facecolor=colours[r],
                                        edgecolor="white", linewidth=0.3))
-        for h in range(n_heads + 2 * n_kv_heads):
-            part, k = (("q", h) if h < n_heads else ("k", h - n_heads) if h < n_heads + n_kv_heads
-                       else ("v", h - n_heads - n_kv_heads))
+        for h in range(heads + 2 * kv_heads):
+            part, k = (("q", h) if h < heads else ("k", h - heads) if h < heads + kv_heads
+                       else ("v", h - heads - kv_heads))
             ax.text(-0.05, (h + 0.5) * head_dim, f"{part}{k}", ha="right", va="center", fontsize=8)
-        for boundary in (n_heads * head_dim, (n_heads + n_kv_heads) * head_dim):
+        for boundary in (heads * head_dim, (heads + kv_heads) * head_dim):
             ax.axhline(boundary, color="black", linewidth=1)
         ax.set_xlim(0, 1)
         ax.set_ylim(rows, 0)
@@ -160,7 +160,7 @@ def qkv_split_figure(n_heads: int = 4, n_kv_heads: int = 4, head_dim: int = 2, t
         ax.set_yticks([])
         ax.grid(False)
         ax.set_title(title, fontsize=10)
-    fig.suptitle(f"fused QKV weight, {n_heads} query heads, {n_kv_heads} KV heads, TP {tp}: rows held by each rank",
+    fig.suptitle(f"fused QKV weight, {heads} query heads, {kv_heads} KV heads, TP {tp}: rows held by each rank",
                  fontsize=10)
     fig.legend(handles=[Patch(color=colours[r], label=f"rank {r}") for r in range(tp)], loc="lower center",
                ncol=tp, fontsize=8, frameon=False)
@@ -171,12 +171,14 @@ def qkv_split_figure(n_heads: int = 4, n_kv_heads: int = 4, head_dim: int = 2, t
 # -- chapter 06: training and GPU results ------------------------------------------------------------------
 
 def training_figure(dense_losses: list[float], runs: dict):
-    """Dense losses and each parallel run's, and their relative difference per step."""
+    """The one-process GPT's losses and each parallel run's, and their relative difference per step."""
     import matplotlib.pyplot as plt
+
+    from course_utils.tp_check import LOSS_RTOL
 
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.4))
     steps = range(1, len(dense_losses) + 1)
-    axes[0].plot(steps, dense_losses, "k-", linewidth=3, alpha=0.3, label="dense (one process, float64)")
+    axes[0].plot(steps, dense_losses, "k-", linewidth=3, alpha=0.3, label="one process (float64)")
     for i, (label, losses) in enumerate(runs.items()):
         axes[0].plot(steps, losses, "o--", color=f"C{i}", markersize=4, label=label)
         rel = [max(abs(g - w) / abs(w), 1e-12) for g, w in zip(losses, dense_losses)]
@@ -184,13 +186,13 @@ def training_figure(dense_losses: list[float], runs: dict):
     axes[0].set_xlabel("optimizer step")
     axes[0].set_ylabel("loss")
     axes[0].legend(fontsize=7)
-    axes[0].set_title("Adam on the block: losses", fontsize=10)
-    axes[1].axhline(1e-5, color="black", linestyle="--", linewidth=1)
+    axes[0].set_title("Adam on the GPT: cross-entropy", fontsize=10)
+    axes[1].axhline(LOSS_RTOL, color="black", linestyle="--", linewidth=1)
     axes[1].set_yscale("log")
     axes[1].set_ylim(1e-10, 1e-3)
     axes[1].set_xlabel("optimizer step")
     axes[1].set_ylabel("|loss - dense loss| / dense loss")
-    axes[1].set_title("relative difference (tolerance 1e-5)", fontsize=10)
+    axes[1].set_title(f"relative difference (tolerance {LOSS_RTOL:g})", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -19,23 +19,20 @@ from workers.parallel.attention import head_problem
 BYTES = {"bf16": 2, "fp32": 4}
 
 
-def problem(hidden: int, ffn: int, n_heads: int, n_kv_heads: int, tp: int, seq: int = 0) -> str | None:
+def problem(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int, seq: int = 0) -> str | None:
     """One sentence saying why this layer cannot be split over ``tp`` ranks this way, or None. The heads and KV
-    heads follow the ranks' own rule (``workers.parallel.attention.head_problem``)."""
-    for name, value in (("hidden", hidden), ("ffn", ffn), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
-                        ("TP", tp)):
-        if value < 1:
-            return f"{name}={value} must be at least 1"
-    if hidden % n_heads:
-        return f"hidden={hidden} is not divisible by n_heads={n_heads}: the head size hidden/n_heads must be whole"
-    bad = head_problem(n_heads, n_kv_heads, tp)
-    if bad:
-        return bad
-    if ffn % tp:
-        return f"ffn={ffn} is not divisible by TP={tp}: each rank holds ffn/TP columns of fc1 and rows of fc2"
-    if seq and seq % tp:
-        return f"seq={seq} is not divisible by TP={tp}: sequence parallelism gives each rank seq/TP positions"
-    return None
+    heads follow the course's one rule (``workers/layout/rules.py: heads_problem``, through ``head_problem``)."""
+    from workers.runtime import at_least, divides, refusal
+
+    sizes = refusal(*(at_least(name, value) for name, value in
+                      (("hidden", hidden), ("ffn", ffn), ("heads", heads), ("kv_heads", kv_heads), ("tp", tp))))
+    if sizes:
+        return sizes
+    if hidden % heads:
+        return f"hidden={hidden} is not divisible by heads={heads}: the head size hidden/heads must be whole"
+    return refusal(head_problem(heads, kv_heads, tp),
+                   divides("tp", tp, "ffn", ffn),  # each rank holds ffn/tp columns of fc1 and rows of fc2
+                   divides("tp", tp, "seq", seq) if seq else None)  # sequence parallelism: seq/tp positions each
 
 
 @dataclass(frozen=True)
@@ -50,32 +47,32 @@ class Block:
     label: str = ""
 
 
-def layout(hidden: int, ffn: int, n_heads: int, n_kv_heads: int, tp: int, *, activation: str = "gelu") -> dict:
+def layout(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int, *, activation: str = "gelu") -> dict:
     """Blocks of every weight of one layer, per-rank heads, and parameter counts. Raises ValueError on a bad shape."""
-    bad = problem(hidden, ffn, n_heads, n_kv_heads, tp)
+    bad = problem(hidden, ffn, heads, kv_heads, tp)
     if bad:
         raise ValueError(bad)
-    d = hidden // n_heads
-    q_per = n_heads // tp
-    replicated_kv = tp > n_kv_heads
+    d = hidden // heads
+    q_per = heads // tp
+    replicated_kv = tp > kv_heads
     kv_owner = {}  # kv head -> ranks holding it
     for r in range(tp):
-        heads = ([r // (tp // n_kv_heads)] if replicated_kv
-                 else list(range(r * n_kv_heads // tp, (r + 1) * n_kv_heads // tp)))
-        for k in heads:
+        held = ([r // (tp // kv_heads)] if replicated_kv
+                else list(range(r * kv_heads // tp, (r + 1) * kv_heads // tp)))
+        for k in held:
             kv_owner.setdefault(k, []).append(r)
-    qkv = [Block(h * d, (h + 1) * d, 0, hidden, (h // q_per,), f"q{h}") for h in range(n_heads)]
-    for part, offset in (("k", n_heads * d), ("v", (n_heads + n_kv_heads) * d)):
+    qkv = [Block(h * d, (h + 1) * d, 0, hidden, (h // q_per,), f"q{h}") for h in range(heads)]
+    for part, offset in (("k", heads * d), ("v", (heads + kv_heads) * d)):
         qkv += [Block(offset + k * d, offset + (k + 1) * d, 0, hidden, tuple(kv_owner[k]), f"{part}{k}")
-                for k in range(n_kv_heads)]
+                for k in range(kv_heads)]
     f = ffn // tp
     width1 = 2 * ffn if activation == "swiglu" else ffn
     fc1 = [Block(r * f, (r + 1) * f, 0, hidden, (r,), "gate" if activation == "swiglu" else "") for r in range(tp)]
     if activation == "swiglu":
         fc1 += [Block(ffn + r * f, ffn + (r + 1) * f, 0, hidden, (r,), "up") for r in range(tp)]
     weights = {
-        "attention.qkv  (column, by heads)": ((n_heads + 2 * n_kv_heads) * d, hidden, qkv),
-        "attention.proj  (row)": (hidden, n_heads * d,
+        "attention.qkv  (column, by heads)": ((heads + 2 * kv_heads) * d, hidden, qkv),
+        "attention.proj  (row)": (hidden, heads * d,
                                   [Block(0, hidden, r * q_per * d, (r + 1) * q_per * d, (r,)) for r in range(tp)]),
         "mlp.fc1  (column)": (width1, hidden, fc1),
         "mlp.fc2  (row)": (hidden, ffn, [Block(0, hidden, r * f, (r + 1) * f, (r,)) for r in range(tp)]),
@@ -90,10 +87,10 @@ def layout(hidden: int, ffn: int, n_heads: int, n_kv_heads: int, tp: int, *, act
         params += (2 if activation == "swiglu" else 1) * f
         replicated = 2 * hidden + 4 * hidden  # proj and fc2 biases, two LayerNorms (weight and bias)
         per_rank.append({"rank": r, "query_heads": list(range(r * q_per, (r + 1) * q_per)),
-                         "kv_heads": sorted(k for k, owners in kv_owner.items() if r in owners),
+                         "kv_head_ids": sorted(k for k, owners in kv_owner.items() if r in owners),
                          "sharded_params": params, "replicated_params": replicated,
                          "params": params + replicated})
-    dense = sum(rows * cols for rows, cols, _ in weights.values()) + (n_heads + 2 * n_kv_heads) * d + width1 \
+    dense = sum(rows * cols for rows, cols, _ in weights.values()) + (heads + 2 * kv_heads) * d + width1 \
         + 2 * hidden + 4 * hidden
     return {"weights": weights, "per_rank": per_rank, "dense_params": dense, "replicated_kv": replicated_kv,
             "head_dim": d}
@@ -125,13 +122,13 @@ def rank_colours(tp: int):
     return [cmap(i % cmap.N) for i in range(tp)]
 
 
-def sharding_figure(hidden: int = 64, ffn: int = 256, n_heads: int = 8, n_kv_heads: int = 4, tp: int = 4, *,
+def sharding_figure(hidden: int = 64, ffn: int = 256, heads: int = 8, kv_heads: int = 4, tp: int = 4, *,
                     activation: str = "gelu", seq: int = 2048, batch: int = 1, dtype: str = "bf16"):
     """Every weight of one layer coloured by the rank that holds each block, with bytes and communication."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
-    plan = layout(hidden, ffn, n_heads, n_kv_heads, tp, activation=activation)
+    plan = layout(hidden, ffn, heads, kv_heads, tp, activation=activation)
     colours = rank_colours(tp)
     fig, axes = plt.subplots(1, 4, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 1, 1, 1.6]})
     for ax, (title, (rows, cols, blocks)) in zip(axes, plan["weights"].items()):
@@ -143,8 +140,8 @@ def sharding_figure(hidden: int = 64, ffn: int = 256, n_heads: int = 8, n_kv_hea
                                        edgecolor="white", linewidth=0.4))
         if title.startswith("attention.qkv"):
             d = plan["head_dim"]
-            for name, start, end in (("Q", 0, n_heads * d), ("K", n_heads * d, (n_heads + n_kv_heads) * d),
-                                     ("V", (n_heads + n_kv_heads) * d, rows)):
+            for name, start, end in (("Q", 0, heads * d), ("K", heads * d, (heads + kv_heads) * d),
+                                     ("V", (heads + kv_heads) * d, rows)):
                 ax.text(-0.04 * cols, (start + end) / 2, name, ha="right", va="center", fontsize=10)
                 ax.axhline(start, color="black", linewidth=0.8)
         if activation == "swiglu" and title.startswith("mlp.fc1"):
@@ -162,7 +159,7 @@ def sharding_figure(hidden: int = 64, ffn: int = 256, n_heads: int = 8, n_kv_hea
     nbytes = BYTES[dtype]
     comm = comm_per_step(hidden, tp, seq=seq, batch=batch, bytes_per_element=nbytes)
     kv_note = " (KV heads replicated: striped blocks)" if plan["replicated_kv"] else ""
-    fig.suptitle(f"hidden {hidden}, ffn {ffn}, {n_heads} heads, {n_kv_heads} KV heads, TP {tp}{kv_note}\n"
+    fig.suptitle(f"hidden {hidden}, ffn {ffn}, {heads} heads, {kv_heads} KV heads, TP {tp}{kv_note}\n"
                  f"per rank: {per['params']:,} parameters = {_fmt_bytes(per['params'] * nbytes)} {dtype} "
                  f"(dense layer {_fmt_bytes(plan['dense_params'] * nbytes)}); per layer and step (s={seq}, b={batch}): "
                  f"{comm['collectives']}, {_fmt_bytes(comm['wire_bytes'])} sent per rank", fontsize=9)
@@ -172,29 +169,29 @@ def sharding_figure(hidden: int = 64, ffn: int = 256, n_heads: int = 8, n_kv_hea
     return fig
 
 
-def kv_copy_grad_sync(hidden: int, n_heads: int, n_kv_heads: int, tp: int, *, bytes_per_element: float = 2,
+def kv_copy_grad_sync(hidden: int, heads: int, kv_heads: int, tp: int, *, bytes_per_element: float = 2,
                       bias: bool = False) -> dict:
     """The gradient all-reduce that replicated KV heads add, per layer and step, on one rank (chapter 05).
 
-    When TP exceeds the KV heads, each KV head's K and V rows live on ``copies = tp / n_kv_heads`` ranks;
+    When TP exceeds the KV heads, each KV head's K and V rows live on ``copies = tp / kv_heads`` ranks;
     each copy sees only its own query heads' share of their gradient, so the rows enter through ``f`` over
     the group of copies and the backward all-reduces their gradient: ``2 d h`` weight elements (and, with
     ``bias``, a second all-reduce of ``2 d`` bias elements). ``wire_bytes`` uses the ring's 2(c-1)/c, like
     every other count in the course. Zero when the KV heads are split.
     """
-    bad = problem(hidden, 4 * hidden, n_heads, n_kv_heads, tp)
+    bad = problem(hidden, 4 * hidden, heads, kv_heads, tp)
     if bad:
         raise ValueError(bad)
-    copies = tp // n_kv_heads if tp > n_kv_heads else 1
+    copies = tp // kv_heads if tp > kv_heads else 1
     if copies == 1:
         return {"copies": 1, "all_reduces": 0, "message_bytes": [], "wire_bytes": 0.0}
-    d = hidden // n_heads
+    d = hidden // heads
     messages = [2 * d * hidden * bytes_per_element] + ([2 * d * bytes_per_element] if bias else [])
     return {"copies": copies, "all_reduces": len(messages), "message_bytes": messages,
             "wire_bytes": sum(2 * (copies - 1) / copies * m for m in messages)}
 
 
-def head_table(hidden: int, n_heads: int, n_kv_heads: int, tps=(1, 2, 4, 8), *, seq: int = 2048, batch: int = 1,
+def head_table(hidden: int, heads: int, kv_heads: int, tps=(1, 2, 4, 8), *, seq: int = 2048, batch: int = 1,
                dtype: str = "bf16", bias: bool = False) -> list[dict]:
     """Chapter 05's table: per TP, heads and KV heads per rank, attention parameter bytes, all-reduce bytes.
 
@@ -204,18 +201,18 @@ def head_table(hidden: int, n_heads: int, n_kv_heads: int, tps=(1, 2, 4, 8), *, 
     nbytes = BYTES[dtype]
     rows = []
     for tp in tps:
-        bad = problem(hidden, 4 * hidden, n_heads, n_kv_heads, tp)
+        bad = problem(hidden, 4 * hidden, heads, kv_heads, tp)
         if bad:
             rows.append({"TP": tp, "problem": bad})
             continue
-        plan = layout(hidden, 4 * hidden, n_heads, n_kv_heads, tp)
+        plan = layout(hidden, 4 * hidden, heads, kv_heads, tp)
         (qkv_rows, _, qkv_blocks), (_, proj_cols, proj_blocks) = list(plan["weights"].values())[:2]
         attn = sum((b.r1 - b.r0) * (b.c1 - b.c0) for b in qkv_blocks + proj_blocks if 0 in b.ranks)
         comm = tp_comm_bytes_per_layer(batch, seq, hidden, tp, bytes_per_element=nbytes)
-        kv = kv_copy_grad_sync(hidden, n_heads, n_kv_heads, tp, bytes_per_element=nbytes, bias=bias)
-        rows.append({"TP": tp, "query heads/rank": n_heads // tp,
-                     "KV heads/rank": len(plan["per_rank"][0]["kv_heads"]),
-                     "KV": "replicated x%d" % (tp // n_kv_heads) if plan["replicated_kv"] else "split",
+        kv = kv_copy_grad_sync(hidden, heads, kv_heads, tp, bytes_per_element=nbytes, bias=bias)
+        rows.append({"TP": tp, "query heads/rank": heads // tp,
+                     "KV heads/rank": len(plan["per_rank"][0]["kv_head_ids"]),
+                     "KV": "replicated x%d" % (tp // kv_heads) if plan["replicated_kv"] else "split",
                      "attention weights/rank": _fmt_bytes(attn * nbytes),
                      "all-reduce fwd+bwd (attention)": f"2 x {_fmt_bytes(comm.wire_bytes_per_all_reduce)}"
                      if tp > 1 else "none",
@@ -233,7 +230,7 @@ class ShardingWidget:
     one step, which also works without a kernel, so the tests can see exactly what a learner sees.
     """
 
-    def __init__(self, hidden: int = 64, ffn: int = 256, n_heads: int = 8, n_kv_heads: int = 4, tp: int = 4):
+    def __init__(self, hidden: int = 64, ffn: int = 256, heads: int = 8, kv_heads: int = 4, tp: int = 4):
         import threading
 
         import ipywidgets as W
@@ -245,8 +242,8 @@ class ShardingWidget:
                                style={"description_width": "initial"})
 
         self.controls = {"hidden": islider("hidden", hidden, 16, 512, 16), "ffn": islider("ffn", ffn, 16, 2048, 16),
-                         "n_heads": islider("heads", n_heads, 1, 32),
-                         "n_kv_heads": islider("KV heads", n_kv_heads, 1, 32), "tp": islider("TP", tp, 1, 16),
+                         "heads": islider("heads", heads, 1, 32),
+                         "kv_heads": islider("KV heads", kv_heads, 1, 32), "tp": islider("TP", tp, 1, 16),
                          "activation": W.Dropdown(options=["gelu", "swiglu"], value="gelu", description="MLP")}
         self.out = W.Output()
         self.status = W.HTML()
@@ -268,7 +265,7 @@ class ShardingWidget:
     def _render(self, kw: dict) -> tuple[str, bytes | None]:
         from course_utils.widgets import figure_png
 
-        bad = problem(kw["hidden"], kw["ffn"], kw["n_heads"], kw["n_kv_heads"], kw["tp"])
+        bad = problem(kw["hidden"], kw["ffn"], kw["heads"], kw["kv_heads"], kw["tp"])
         if bad:
             return bad, None
         try:
@@ -293,15 +290,15 @@ class ShardingWidget:
         import threading
 
         kw = self.settings()
-        bad = problem(kw["hidden"], kw["ffn"], kw["n_heads"], kw["n_kv_heads"], kw["tp"])
+        bad = problem(kw["hidden"], kw["ffn"], kw["heads"], kw["kv_heads"], kw["tp"])
         with self._lock:
             self._wanted += 1
             if bad:
                 self.status.value = ""
                 self._show(kw, (bad, None))
                 return
-            self.status.value = (f"<i>drawing hidden {kw['hidden']}, ffn {kw['ffn']}, {kw['n_heads']} heads, "
-                                 f"{kw['n_kv_heads']} KV heads, TP {kw['tp']}, {kw['activation']}...</i>")
+            self.status.value = (f"<i>drawing hidden {kw['hidden']}, ffn {kw['ffn']}, {kw['heads']} heads, "
+                                 f"{kw['kv_heads']} KV heads, TP {kw['tp']}, {kw['activation']}...</i>")
             if self._drawing:
                 return
             self._drawing = True

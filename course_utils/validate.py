@@ -83,6 +83,15 @@ def takes_param(worker: str, name: str) -> bool:
     return main is not None and name in inspect.signature(main).parameters
 
 
+def current_names(worker: str, params: dict) -> dict:
+    """``params`` with the old names a worker no longer takes (``workers.runtime.RENAMED``: ``tp_size``, ``n_heads``,
+    ...) replaced by their new ones, each with a warning, so a saved notebook keeps running for one release."""
+    from workers.runtime import RENAMED, renamed
+
+    return {(renamed(k) if k in RENAMED and not takes_param(worker, k) and takes_param(worker, RENAMED[k]) else k): v
+            for k, v in params.items()}
+
+
 def check_params(worker: str, world_size, params: dict, *, nnodes: int = 1) -> None:
     check_world_size(world_size, nnodes)
     module = load_worker(worker)

@@ -3,7 +3,7 @@
 
 def layout_70b():
     """Llama 3 70B on 256 H100s (32 nodes of 8): TP fills a node over NVLink, 4 pipeline stages, 8 replicas."""
-    return dict(tp=8, pp=4, dp=8, zero_stage=1)
+    return dict(tp=8, pp=4, dp=8, zero=1)
 
 
 def min_gpus_fsdp(n_params, gpu_memory_bytes, reserved_bytes=0.0):

@@ -21,10 +21,10 @@ def row_parallel_forward(x, weight, bias, group):
     return reduce_from_tensor_model_parallel_region(partial, group) + bias  # g, then the bias once
 
 
-def swiglu_shard(w, rank, world_size):
+def swiglu_shard(w, rank, tp):
     """Rows of the fused [gate; up] for this rank: its block of gate, then the same block of up."""
     import torch
 
     ffn = w.shape[0] // 2
-    n = ffn // world_size
+    n = ffn // tp
     return torch.cat([w[rank * n:(rank + 1) * n], w[ffn + rank * n:ffn + (rank + 1) * n]])

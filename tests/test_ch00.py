@@ -61,7 +61,7 @@ def test_partition_table_counts_zero_collectives_as_the_planner_does():
 
 
 def test_memory_bars_are_as_tall_as_the_plans_bytes_with_the_gpu_line():
-    plans = [plan("70B", Layout(tp=8, pp=4, zero_stage=1), 256), plan("70B", Layout(tp=1, zero_stage=0), 256)]
+    plans = [plan("70B", Layout(tp=8, pp=4, zero=1, sequence_parallel=True), 256), plan("70B", Layout(tp=1, zero=0, sequence_parallel=True), 256)]
     ax = ch00.memory_bars(plans, ["fits", "does not"])
     tops = [0.0, 0.0]
     for patch in ax.patches:  # stacked: the highest edge of each bar is the sum of the four states
@@ -80,8 +80,8 @@ def test_zoomed_memory_bars_stay_linear_and_draw_every_bar_whole():
     # The 70B figure zooms to 130 GB so that DDP's 1.2 TB bar does not flatten the others against the 80 GB
     # line; a full-scale linear panel above shows every bar whole, so no segment's share is distorted (a log
     # axis, which the figure once used, made DDP's 69% of optimizer states look like a thin band).
-    ddp, fsdp, base = (plan("70B", lay, 256) for lay in (Layout(zero_stage=0), Layout(zero_stage=3),
-                                                          Layout(tp=8, pp=4, zero_stage=1)))
+    ddp, fsdp, base = (plan("70B", lay, 256) for lay in (Layout(zero=0), Layout(zero=3),
+                                                          Layout(tp=8, pp=4, zero=1, sequence_parallel=True)))
     totals = [p.total_memory_bytes / GB for p in (ddp, fsdp, base)]
     ax = ch00.memory_bars([ddp, fsdp, base], ["ddp", "fsdp", "tp8 pp4"], zoom_gb=130)
     for panel in (ax, ax.upper):
@@ -100,7 +100,7 @@ def test_zoomed_memory_bars_stay_linear_and_draw_every_bar_whole():
 
 
 def test_time_bars_sum_to_the_step_and_print_batch_throughput_and_mfu():
-    plans = [plan("70B", Layout(tp=8, zero_stage=1), 256), plan("70B", Layout(tp=8, pp=4, zero_stage=1), 256)]
+    plans = [plan("70B", Layout(tp=8, zero=1, sequence_parallel=True), 256), plan("70B", Layout(tp=8, pp=4, zero=1, sequence_parallel=True), 256)]
     ax = ch00.time_bars(plans, ["tp8", "tp8 pp4"])
     ends = [0.0, 0.0]
     for patch in ax.patches:
@@ -154,8 +154,10 @@ def test_planner_widget_controls_are_the_planner_views_parameters():
     values = {name: c.value for name, c in box.controls.items()}
     p = ch00.planner_view(**values)
     assert p.fits and p.layout.dp == 256 // (8 * 4)
-    with pytest.raises(LayoutError, match="key/value heads"):
-        ch00.planner_view(**{**values, "tp": 16})
+    copies = ch00.planner_view(**{**values, "tp": 16, "pp": 2})  # valid: each of the 8 KV heads on 2 ranks
+    assert any("copied onto 2 ranks" in n for n in copies.notes) and any("more than one" in n for n in copies.notes)
+    with pytest.raises(LayoutError, match="tp=3 does not divide heads=64"):
+        ch00.planner_view(**{**values, "tp": 3, "pp": 1, "n_gpus": 3 * 64})
     slow = ch00.planner_view(**{**values, "inter_node": "ethernet100"})
     assert slow.comm_time_s["dp"] > p.comm_time_s["dp"]  # the network control reaches the plan
     plt.close("all")
@@ -184,10 +186,10 @@ def test_notebook_claims_about_the_70b_layouts():
     def at(layout):
         return plan("70B", layout, 256, global_batch=256)
 
-    ddp, fsdp = at(Layout(zero_stage=0)), at(Layout(zero_stage=3))
-    tp8, base = at(Layout(tp=8, zero_stage=1)), at(Layout(tp=8, pp=4, zero_stage=1))
-    none = at(Layout(tp=8, pp=4, zero_stage=1, recompute="none"))
-    full = at(Layout(tp=8, pp=4, zero_stage=1, recompute="full"))
+    ddp, fsdp = at(Layout(zero=0)), at(Layout(zero=3))
+    tp8, base = at(Layout(tp=8, zero=1, sequence_parallel=True)), at(Layout(tp=8, pp=4, zero=1, sequence_parallel=True))
+    none = at(Layout(tp=8, pp=4, zero=1, recompute="none", sequence_parallel=True))
+    full = at(Layout(tp=8, pp=4, zero=1, recompute="full", sequence_parallel=True))
     every = (ddp, fsdp, tp8, base, none, full)
     assert {p.sequences_per_step for p in every} == {256}
     assert ddp.total_memory_bytes > 1e12 and not ddp.fits and round(ddp.memory["optimizer"] / ddp.total_memory_bytes, 2) == 0.69
@@ -205,7 +207,7 @@ def test_notebook_claims_about_the_70b_layouts():
 def test_the_per_step_trap_the_notebook_shows():
     # With the planner's default m, TP8 + ZeRO-1 (32 sequences) takes half the seconds per step of TP8 PP4
     # (128 sequences) but delivers about half the tokens per second: step times of different batches are no race.
-    tp8, base = plan("70B", Layout(tp=8, zero_stage=1), 256), plan("70B", Layout(tp=8, pp=4, zero_stage=1), 256)
+    tp8, base = plan("70B", Layout(tp=8, zero=1, sequence_parallel=True), 256), plan("70B", Layout(tp=8, pp=4, zero=1, sequence_parallel=True), 256)
     assert (tp8.sequences_per_step, base.sequences_per_step) == (32, 128)
     assert tp8.step_time_s < 0.5 * base.step_time_s
     assert tp8.tokens_per_second < 0.55 * base.tokens_per_second and tp8.mfu < 0.55 * base.mfu
@@ -214,8 +216,8 @@ def test_the_per_step_trap_the_notebook_shows():
 def test_notebook_claims_about_the_typical_configurations():
     # Section 7's prose: with the planner's default m = 4 pp micro-batches per replica (1 without PP), the
     # three typical layouts train on 8, 32 and 512 sequences per step, fewer than the 1024-GPU table's 2048.
-    typical = [plan("7B", Layout(zero_stage=1), 8), plan("70B", Layout(tp=8, pp=4, zero_stage=1), 64),
-               plan("405B", Layout(tp=8, pp=16, zero_stage=1), 1024)]
+    typical = [plan("7B", Layout(zero=1), 8), plan("70B", Layout(tp=8, pp=4, zero=1, sequence_parallel=True), 64),
+               plan("405B", Layout(tp=8, pp=16, zero=1, sequence_parallel=True), 1024)]
     assert [p.tokens_per_step // p.layout.seq for p in typical] == [8, 32, 512]
 
 

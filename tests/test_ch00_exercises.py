@@ -13,7 +13,7 @@ def test_the_reference_layout_is_checked_by_the_planner_not_by_a_fixed_answer():
     # Several layouts fit; the check must accept any of them and refuse one that does not fit.
     from course_utils.catalogue.ch00 import check_layout_70b
 
-    assert check_layout_70b(lambda: dict(tp=8, pp=1, dp=32, zero_stage=1))[0] == PASS
-    assert check_layout_70b(lambda: dict(tp=4, pp=8, dp=8, zero_stage=1))[0] == PASS
-    status, message = check_layout_70b(lambda: dict(tp=1, pp=1, dp=256, zero_stage=3))
+    assert check_layout_70b(lambda: dict(tp=8, pp=1, dp=32, zero=1))[0] == PASS
+    assert check_layout_70b(lambda: dict(tp=4, pp=8, dp=8, zero=1))[0] == PASS
+    status, message = check_layout_70b(lambda: dict(tp=1, pp=1, dp=256, zero=3))
     assert status == FAIL and "activations" in message

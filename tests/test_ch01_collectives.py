@@ -1,5 +1,5 @@
 """Chapter 01 on real ranks: the minimal script, rank/local_rank on two nodes, every collective against a
-single-process reference, async timing, the bandwidth sweep, and the DETAIL debugging drill.
+single-process reference, async timing, the bandwidth sweep, and the DETAIL injected fault.
 
 Every collective is compared with ``workers.collectives.reference.reference`` (float64, built from the same
 inputs without communication). The inputs are small integers, so SUM/MIN/MAX/AVG must match exactly;
@@ -175,10 +175,10 @@ def test_bitwise_op_on_floats_is_reported_not_crashed(op):
 
 @pytest.mark.parametrize("params, fragment", [
     ({"collective": "allreduce"}, "is not one of"),
-    ({"op": "mean"}, "not a reduction"),
+    ({"op": "mean"}, "op='mean' is not one of"),
     ({"root": 2}, "use 0 to 1"),
-    ({"chunk": 0}, "too few"),
-    ({"dtype": "float16"}, "not one this chapter runs"),
+    ({"chunk": 0}, "chunk=0 must be at least 1"),
+    ({"dtype": "float16"}, "dtype='float16' is not one of 'float32' or 'int64'"),
     ({"op": "avg", "dtype": "int64"}, "would have to round"),
 ])
 def test_collectives_bad_parameters_are_refused_in_one_sentence(params, fragment):
@@ -238,7 +238,7 @@ def test_bandwidth_rejects_bad_sizes():
 @pytest.mark.once  # process handling and messages: the same on every CPU
 def test_detail_mode_names_mismatched_shapes():
     with pytest.raises(cu.WorkerFailed) as info:
-        cu.run("workers.drills", world_size=2, mode="shape_mismatch", bad_rank=1, collective_timeout=5.0,
+        cu.run("workers.rank_faults", world_size=2, mode="shape_mismatch", bad_rank=1, collective_timeout=5.0,
                timeout=40, warm=False, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     msg = str(info.value)
     assert "Detected mismatch between collectives" in msg

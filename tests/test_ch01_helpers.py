@@ -73,15 +73,15 @@ def test_comm_device_keeps_gloo_on_the_cpu_where_it_has_no_cuda_implementation()
 
 
 def test_traceback_from_starts_at_the_workers_own_frame():
-    # Drill 1 prints the traceback from the worker's line on: the frame in drills.py must come first.
+    # Drill 1 prints the traceback from the worker's line on: the frame in rank_faults.py must come first.
     root = ch01.ROOT
     tb = (f'Traceback (most recent call last):\n'
           f'  File "{root}/workers/pool.py", line 105, in run_task\n    out = module.main(ctx, **params)\n'
-          f'  File "{root}/workers/drills.py", line 47, in main\n    dist.all_reduce(x, group=group)\n'
+          f'  File "{root}/workers/rank_faults.py", line 47, in main\n    dist.all_reduce(x, group=group)\n'
           f'  File "/venv/torch/distributed/distributed_c10d.py", line 3252, in all_reduce\n    work.wait()\n'
           f'RuntimeError: Timed out waiting 2000ms for recv operation to complete\n')
-    out = ch01.traceback_from(tb, "drills.py").splitlines()
-    assert out[0] == '  File "workers/drills.py", line 47, in main'  # relative to the repository
+    out = ch01.traceback_from(tb, "rank_faults.py").splitlines()
+    assert out[0] == '  File "workers/rank_faults.py", line 47, in main'  # relative to the repository
     assert out[1].strip() == "dist.all_reduce(x, group=group)"
     assert out[-1].startswith("RuntimeError: Timed out") and not any("pool.py" in line for line in out)
     assert ch01.traceback_from(tb, "no_such.py").splitlines()[0] == "Traceback (most recent call last):"

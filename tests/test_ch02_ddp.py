@@ -109,7 +109,7 @@ def test_comparison_catches_a_rank_that_does_not_average(baseline):
 
 @pytest.mark.ranks
 def test_batch_that_does_not_split_is_refused_before_launch():
-    with pytest.raises(cu.InvalidParameter, match="choose a multiple of 4"):
+    with pytest.raises(cu.InvalidParameter, match="choose a positive multiple of 4"):
         cu.run("workers.ch02_ddp", world_size=4, global_batch=10)
 
 

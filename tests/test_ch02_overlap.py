@@ -9,7 +9,7 @@ import torch
 import course_utils as cu
 from course_utils.ch02 import compare_to_baseline
 from workers.data_parallel.buckets import MIB, bucket_assignment, ddp_bucket_limits
-from workers.data_parallel.model import FP32_TOL, Setup, make_model, train_single
+from workers.data_parallel.model import Setup, make_model, train_single
 
 pytestmark = pytest.mark.ranks
 

@@ -37,7 +37,7 @@ def test_gradcheck_passes_through_every_correct_mapping(world_size):
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "correct"])
 def test_gradcheck_fails_exactly_where_a_wrong_mapping_is_used(variant):
     # world 4 as two groups of 2, each running its own gradcheck: the ratios are for n = 2
-    res = cu.run("workers.ch03_gradcheck", world_size=4, tp_size=2, variant=variant, timeout=120)
+    res = cu.run("workers.ch03_gradcheck", world_size=4, tp=2, variant=variant, timeout=120)
     assert res.gather("group_ranks") == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for verdicts in res.gather("gradcheck"):
         for circuit, v in verdicts.items():
@@ -48,7 +48,7 @@ def test_gradcheck_fails_exactly_where_a_wrong_mapping_is_used(variant):
 
 
 def test_the_scaling_trap_grows_with_n_and_g_does_not():
-    runs = {tp: cu.run("workers.ch03_scaling_trap", world_size=4, tp_size=tp, timeout=60) for tp in (1, 2, 4)}
+    runs = {tp: cu.run("workers.ch03_scaling_trap", world_size=4, tp=tp, timeout=60) for tp in (1, 2, 4)}
     x, w = trap_problem(0, 4, 8, 4)
     rows = ch03.scaling_rows(runs, x, w)
     assert {r["backward"] for r in rows} >= {"megatron_g", "all_reduce_backward"}
@@ -93,11 +93,13 @@ def test_row_parallel_weight_gradients_are_complete_on_each_rank_without_communi
 
 
 def test_invalid_parameters_are_refused_before_launch():
-    with pytest.raises(cu.InvalidParameter, match="not known"):
+    with pytest.raises(cu.InvalidParameter, match="variant='nope' is not one of 'correct'"):
         cu.run("workers.ch03_gradcheck", world_size=2, variant="nope")
-    with pytest.raises(cu.InvalidParameter, match="multiples of the group size 4"):
+    with pytest.raises(cu.InvalidParameter, match="rows=6 must be a positive multiple of tp=4"):
         cu.run("workers.ch03_gradcheck", world_size=4, rows=6)
-    with pytest.raises(cu.InvalidParameter, match="not divisible"):
+    with pytest.raises(cu.InvalidParameter, match="tp=4 does not divide hidden=6: choose 1, 2, 3 or 6"):
         cu.run("workers.ch03_row_parallel", world_size=4, mode="row", hidden=6)
-    with pytest.raises(cu.InvalidParameter, match="not divisible"):
+    with pytest.raises(cu.InvalidParameter, match="tp=4 does not divide hidden=6"):
         cu.run("workers.ch03_scaling_trap", world_size=4, hidden=6)
+    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide world_size=4: choose 1, 2 or 4"):
+        cu.run("workers.ch03_scaling_trap", world_size=4, tp=3)

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.ranks
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_shares_add_up_and_communication_is_zero_without_collectives(tp):
-    res = cu.run("workers.ch06_profile", world_size=2, tp_size=tp, hidden=32, n_heads=4, seqs=[8, 16], batch=2,
+    res = cu.run("workers.ch06_profile", world_size=2, tp=tp, hidden=32, heads=4, seqs=[8, 16], batch=2,
                  repeats=3, warmup=1, timeout=120)
     for prof in res[0]["profiles"]:
         share = prof["forward_share"]

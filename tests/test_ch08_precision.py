@@ -218,7 +218,7 @@ def test_nan_and_back_to_back_infs():
 
 @ranks
 def test_parameters_a_learner_can_get_wrong_are_refused_before_launch():
-    with pytest.raises(cu.InvalidParameter, match="choose one of"):
+    with pytest.raises(cu.InvalidParameter, match="part='loss_sacling' is not one of"):
         cu.run(WORKER, world_size=1, part="loss_sacling", **RUN)
     with pytest.raises(cu.InvalidParameter, match="inf_rank=3"):
         cu.run(WORKER, world_size=2, part="loss_scaling", inf_rank=3, **RUN)

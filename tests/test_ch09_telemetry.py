@@ -8,15 +8,16 @@ import torch
 from course_utils.ch09_tables import (LLAMA3_INTERRUPTIONS, LLAMA3_TOTAL_INTERRUPTIONS, LLAMA3_TOTAL_UNEXPECTED,
                                       TRIAGE, by_category, percent_of_total)
 from workers.gpt import telemetry as tm
-from workers.gpt.config import FAULTS, GPTConfig, TrainConfig
+from workers.gpt.config import FAULTS, MODEL, TrainConfig
 from workers.gpt.data import Loader, MarkovDataset, entropy_rate
 from workers.gpt.detect import SpikeDetector, first_divergence, odd_ones_out
-from workers.gpt.model import layer_groups, make_model, token_loss
+from workers.gpt.telemetry import layer_groups, token_loss
+from workers.model import make_model
 from workers.gpt.reduce import gradient_fingerprint, projection_probes, reduction_culprits
 from workers.gpt.train import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-SMALL = GPTConfig(vocab=16, seq=8, hidden=32, heads=2, layers=2)
+SMALL = MODEL.replace(vocab=16, seq=8, hidden=32, heads=2, layers=2)  # chapter 09's model, smaller
 
 
 def _one_step(cfg=SMALL, tcfg=TrainConfig(steps=1, global_batch=4)):
@@ -66,7 +67,7 @@ def test_max_attention_logit_is_the_largest_causal_q_dot_k():
     model = make_model(SMALL, seed=3)
     tokens = torch.randint(0, SMALL.vocab, (2, SMALL.seq))
     model(tokens)
-    attn = model.blocks[0].attn
+    attn = model.blocks[0].attention
     x = model.blocks[0].ln1(model.embed(tokens) + model.pos)  # the first block's attention input, [2, 8, 32]
     q, k, _ = attn.qkv(x).split(SMALL.hidden, dim=-1)
     q = q.view(2, SMALL.seq, SMALL.heads, -1).transpose(1, 2)
@@ -80,10 +81,10 @@ def test_qk_layernorm_bounds_the_logits_whatever_the_weights():
     # |LN(q) . LN(k)| / sqrt(d) <= sqrt(d) with unit gains (each normalised vector has norm sqrt(d)),
     # however large the projection weights grow. Without it the logits scale with the weights squared.
     for qk in (False, True):
-        cfg = GPTConfig(vocab=16, seq=8, hidden=32, heads=2, layers=1, qk_layernorm=qk)
+        cfg = MODEL.replace(vocab=16, seq=8, hidden=32, heads=2, layers=1, qk_layernorm=qk)
         model = make_model(cfg)
         with torch.no_grad():
-            model.blocks[0].attn.qkv.weight.mul_(1000)
+            model.blocks[0].attention.qkv.weight.mul_(1000)
         model(torch.randint(0, 16, (2, 8)))
         if qk:
             assert model.max_attention_logit() <= math.sqrt(cfg.head_dim) + 1e-4

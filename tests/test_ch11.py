@@ -36,7 +36,7 @@ def test_ledger_figure_bars_are_the_plans_memory_and_zero_shards_one_state_per_s
 
 def test_ledger_moment_is_the_zero_ledger_with_adam_allocated_at_the_first_step():
     cfg = dict(layers=2, hidden=64, heads=4, vocab=256, seq=32, micro_batch=2, dtype="bfloat16", optimizer="adamw",
-               zero_stage=1, world_size=4)
+               zero=1, world_size=4)
     n = 1_000_000
     init = ch11.ledger_moment(cfg, n, 0, "init")
     assert init["optimizer"] == 4 * n / 4 and init["params"] == init["grads"] == 2 * n  # fp32 master shard only
@@ -45,7 +45,7 @@ def test_ledger_moment_is_the_zero_ledger_with_adam_allocated_at_the_first_step(
     assert ch11.ledger_moment(cfg, n, 1, "forward")["optimizer"] == init["optimizer"]  # Adam not yet stepped
     assert ch11.ledger_moment(cfg, n, 2, "forward")["activations"] > 0
     assert ch11.ledger_moment(cfg, n, 2, "backward")["activations"] == 0
-    ddp = ch11.ledger_moment({**cfg, "zero_stage": 0}, n, 2, "step")
+    ddp = ch11.ledger_moment({**cfg, "zero": 0}, n, 2, "step")
     assert ddp["optimizer"] == 12 * n
 
 
@@ -69,7 +69,7 @@ def test_moments_figure_draws_accounted_bytes_and_allocated_only_when_asked():
         moments.append({"step": 1, "moment": step_moment, "cuda_allocated": 90,
                         "accounted": {"params": 10, "grads": 10, "optimizer": 60, "activations": 5}})
     cfg = dict(layers=1, hidden=8, heads=1, vocab=8, seq=4, micro_batch=1, dtype="bfloat16", optimizer="adamw",
-               zero_stage=0, world_size=1)
+               zero=0, world_size=1)
     run = {"moments": moments, "config": cfg, "n_params": 5, "baseline_cuda_allocated": 5}
     fig = ch11.moments_figure({"x": run}, gpu=True, unit=1, unit_name="B")
     hatched = [p for p in fig.axes[0].patches if p.get_hatch()]
@@ -134,15 +134,15 @@ def test_gpu_memory_report_draws_every_successful_run_and_names_every_failed_one
     # with cuda_allocated set to the accounted total (a stand-in made in this test only, never saved).
     import course_utils as cu
 
-    res = cu.run("workers.ch11_memory", 1, zero_stage=0, timeout=240, hidden=64, heads=4, layers=2, vocab=256,
+    res = cu.run("workers.ch11_memory", 1, zero=0, timeout=240, hidden=64, heads=4, layers=2, vocab=256,
                  seq=32, micro_batch=2, steps=2)
     rank = res[0]
     assert rank["provenance"]["command"] == "workers.ch11_memory" and rank["provenance"]["device_kind"] == "cpu"
     for m in rank["moments"]:
         m["cuda_allocated"] = sum(m["accounted"].values())
     data = {"device_name": "stand-in", "torch": "x", "cuda": "y", "date": "2026-12-01", "path": "test",
-            "runs": [{"world_size": 1, "zero_stage": 0, "grad_sync": "reduce_scatter", "ranks": res.ranks},
-                     {"world_size": 2, "zero_stage": 1, "grad_sync": "reduce_scatter", "error": "RuntimeError: boom"}]}
+            "runs": [{"world_size": 1, "zero": 0, "grad_sync": "reduce_scatter", "ranks": res.ranks},
+                     {"world_size": 2, "zero": 1, "grad_sync": "reduce_scatter", "error": "RuntimeError: boom"}]}
     fig, text = ch11.gpu_memory_report(data)
     assert "world 2 zero 1 (reduce_scatter) failed: RuntimeError: boom" in text
     assert "DDP, N=1" in text and fig is not None and len(fig.axes) == 1
@@ -210,7 +210,7 @@ def test_moment_rows_show_every_step_so_the_first_steps_jump_is_visible():
                             "accounted": {"params": 20, "grads": 20, "optimizer": 124 if stepped else 40,
                                           "activations": 7 if moment == "forward" else 0}})
     cfg = dict(layers=1, hidden=8, heads=1, vocab=8, seq=4, micro_batch=1, dtype="bfloat16", optimizer="adamw",
-               zero_stage=0, world_size=1)
+               zero=0, world_size=1)
     rows = ch11.moment_rows({"x": {"moments": moments, "config": cfg, "n_params": 10}})
     assert [r[1] for r in rows] == ["init"] + [f"step {s}: {m}" for s in (1, 2)
                                                for m in ("forward", "backward", "step")]
@@ -225,7 +225,7 @@ def test_live_gpu_branch_runs_ddp_and_zero1_at_world_1_and_2():
     # the same function, worlds and stages; every run succeeds and the report draws all four.
     shape = dict(hidden=64, heads=4, layers=2, vocab=256, seq=32, micro_batch=2, steps=2)
     record = ch11.live_memory_record(shape, worlds=(1, 2), zero_stages=(0, 1), timeout=240)
-    assert [(r["world_size"], r["zero_stage"]) for r in record["runs"]] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [(r["world_size"], r["zero"]) for r in record["runs"]] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert all("ranks" in r and "error" not in r for r in record["runs"]), record["runs"]
     assert [len(r["ranks"]) for r in record["runs"]] == [1, 1, 2, 2]
     fig, text = ch11.gpu_memory_report(record)

@@ -102,8 +102,8 @@ def test_unknown_lora_target_is_refused_in_one_sentence():
 
 @pytest.mark.parametrize("world_size, params, message", [
     # each rank trains on batch / world_size rows: a batch that does not split evenly is refused
-    (2, {"batch": 7}, "batch=7 does not split into 2 equal shards: choose a multiple of 2"),
-    (4, {"batch": 2}, "batch=2 does not split into 4 equal shards"),
+    (2, {"batch": 7}, "batch=7 does not split evenly over world_size=2 (choose a positive multiple of 2)"),
+    (4, {"batch": 2}, "batch=2 does not split evenly over world_size=4"),
     # alpha / r scales the update: 0 would train nothing, a negative alpha would flip the update's sign
     (1, {"lora_rank": 4, "lora_alpha": 0.0}, "lora_alpha=0.0 must be positive"),
     (1, {"lora_rank": 4, "lora_alpha": -8.0}, "lora_alpha=-8.0 must be positive"),
@@ -140,7 +140,7 @@ def test_sft_shards_partition_the_batch(one_thread):
     whole, half0, half1 = first_loss(0, 1), first_loss(0, 2), first_loss(1, 2)
     assert half0 != pytest.approx(half1, rel=1e-3)
     assert (half0 + half1) / 2 == pytest.approx(whole, rel=1e-6)
-    with pytest.raises(ValueError, match="batch=8 does not split into 3 equal shards"):
+    with pytest.raises(ValueError, match="batch=8 does not split evenly over world_size=3"):
         sft(make_policy(0), steps=1, batch=8, world_size=3)
 
 

@@ -39,7 +39,7 @@ def test_lora_at_init_is_the_base_layer_exactly():
 def test_lora_model_at_init_equals_the_base_model():
     base = make_policy(0)
     adapted = make_policy(0)
-    apply_lora(adapted, ("qkv", "proj", "fc", "out"), r=4)
+    apply_lora(adapted, ("qkv", "proj", "fc1", "fc2"), r=4)
     tokens = task.sequences(task.all_pairs()[:8])[:, :-1]
     assert torch.equal(adapted(tokens), base(tokens))
 
@@ -58,7 +58,7 @@ def test_merge_is_equivalent_to_the_adapted_layer():
 
 def test_merged_model_equals_the_adapted_model():
     model = make_policy(0)
-    apply_lora(model, ("qkv", "fc"), r=2)
+    apply_lora(model, ("qkv", "fc1"), r=2)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, LoRALinear):

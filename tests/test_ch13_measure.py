@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import matplotlib
 import pytest
 
-from course_utils import ch13 as pp
+from course_utils import ch13
 from course_utils.ledger import pipeline_bubble_fraction
 from workers.pipeline.model import PipelineConfig
 from workers.pipeline.schedules import all_stages, simulate
@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 def fake_result(name: str, p: int, m: int, v: int = 1):
     sim = simulate(all_stages(name, p, m, v) if v > 1 else all_stages(name, p, m))
     ranks = [{"pipeline": 0, "stage": s, "schedule": name, "config": PipelineConfig(micro_batches=m).as_dict(),
-              "chunks": v, "timeline": [{**e, "start": e["start"] / 1e3, "end": e["end"] / 1e3} for e in sim["timeline"][s]]}
+              "virtual_stages": v, "timeline": [{**e, "start": e["start"] / 1e3, "end": e["end"] / 1e3} for e in sim["timeline"][s]]}
              for s in range(p)]
     return SimpleNamespace(ranks=ranks)
 
@@ -30,13 +30,13 @@ def fake_result(name: str, p: int, m: int, v: int = 1):
 def test_idle_fraction_of_an_ideal_timeline_is_the_formula(name, p, m):
     res = fake_result(name, p, m)
     want = pipeline_bubble_fraction(p, m, denominator="total")
-    assert pp.idle_fractions(res) == pytest.approx([want] * p)
-    assert pp.bubble_formulas(p, m)["bubble/ideal (p-1)/m"] == pytest.approx((p - 1) / m)
+    assert ch13.idle_fractions(res) == pytest.approx([want] * p)
+    assert ch13.bubble_formulas(p, m)["bubble/ideal (p-1)/m"] == pytest.approx((p - 1) / m)
 
 
 def test_gantt_draws_one_row_per_stage_and_one_box_per_action():
     res = fake_result("1f1b", 4, 8)
-    fig = pp.gantt_figure(res)
+    fig = ch13.gantt_figure(res)
     ax = fig.axes[0]
     assert len(ax.patches) == 4 * 2 * 8  # every F and B of every stage, none invented
     assert len(ax.get_yticks()) == 4
@@ -44,7 +44,7 @@ def test_gantt_draws_one_row_per_stage_and_one_box_per_action():
 
 def test_interleaved_labels_stay_readable_over_the_hatching():
     """The interleaved Gantt hatches a rank's later chunks; the hatching once hid the F/B labels on them."""
-    fig = pp.gantt_figure(fake_result("interleaved", 4, 8, v=2))
+    fig = ch13.gantt_figure(fake_result("interleaved", 4, 8, v=2))
     ax = fig.axes[0]
     hatched = [b for b in ax.patches if b.get_hatch()]
     assert len(hatched) == 4 * 2 * 8  # chunk 1's F and B of every micro-batch, on every stage
@@ -63,9 +63,9 @@ def test_chunks_crossover_is_where_the_replayed_bubbles_cross():
     def bubble(v, a):
         return ideal_bubble(all_stages("interleaved", 4, 8, v), message_time=a)
 
-    a = pp.chunks_crossover(4, 8, 2, 4)
+    a = ch13.chunks_crossover(4, 8, 2, 4)
     assert bubble(4, a) > bubble(2, a) and bubble(4, a - 0.005) <= bubble(2, a - 0.005)
-    assert 0 < a < pp.chunks_crossover(4, 8, 1, 2)  # the first split into chunks pays for longer
+    assert 0 < a < ch13.chunks_crossover(4, 8, 1, 2)  # the first split into chunks pays for longer
 
 
 def test_fit_message_time_recovers_the_latency_of_a_replayed_timeline():
@@ -76,11 +76,11 @@ def test_fit_message_time_recovers_the_latency_of_a_replayed_timeline():
     for name, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4)):
         schedules = all_stages(name, 4, 8, v)
         timeline = sim(schedules, 20.0, 40.0, message_time=0.3)["timeline"]
-        ranks = [{"pipeline": 0, "stage": s, "schedule": name, "chunks": v, "forward_ms": 20.0, "backward_ms": 40.0,
+        ranks = [{"pipeline": 0, "stage": s, "schedule": name, "virtual_stages": v, "forward_ms": 20.0, "backward_ms": 40.0,
                   "config": PipelineConfig(micro_batches=8).as_dict(), "actions": [list(a) for a in schedules[s]],
                   "timeline": timeline[s]} for s in range(4)]
         runs.append(SimpleNamespace(ranks=ranks))
-    fit = pp.fit_message_time(runs)
+    fit = ch13.fit_message_time(runs)
     assert fit["message_ms"] == pytest.approx(0.3)
     assert fit["simulated"] == pytest.approx(fit["measured"])
     assert all(f < got for f, got in zip(fit["formula"], fit["measured"]))

@@ -8,7 +8,7 @@ import pytest
 
 from course_utils.ledger import pipeline_bubble_fraction
 from workers.pipeline.model import partition_table
-from workers.pipeline.schedules import (all_stages, gpipe_schedule, ideal_bubble, interleaved_order,
+from workers.pipeline.schedules import (all_stages, ideal_bubble, interleaved_order,
                                         interleaved_schedule, num_warmup_interleaved, num_warmup_microbatches,
                                         one_f_one_b_schedule, peak_stash, simulate, validate, with_p2p)
 

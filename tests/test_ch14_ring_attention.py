@@ -78,11 +78,14 @@ def test_each_rank_sends_two_kv_chunks_per_ring_step(cp):
         assert d["sent_bytes"]["backward"] == (2 * (cp - 1) + 2 * cp * (cp > 1)) * chunk
 
 
+# Refused in the words of the course's one rule set (workers/layout/rules.py: problem), every offending value named.
 @pytest.mark.parametrize("params, fragment", [
-    ({"seq": 36, "split": "zigzag"}, "choose seq divisible by 8"),  # zigzag at cp 4 needs 2*4 chunks
-    ({"seq": 30, "split": "contiguous"}, "choose seq divisible by 4"),
-    ({"cp": 3}, "does not divide world_size=4"),
-    ({"split": "striped"}, "choose one of contiguous, zigzag"),
+    ({"seq": 36, "split": "zigzag"}, r"cp=4 cuts seq=36 into 8 chunks \(zigzag\)"),  # zigzag at cp 4: 2*4 chunks
+    ({"seq": 30, "split": "contiguous"}, r"cp=4 cuts seq=30 into 4 chunks \(contiguous\)"),
+    ({"cp": 3}, "cp=3 does not divide world_size=4: choose 1, 2 or 4"),
+    ({"cp": -1}, r"cp=-1 must be at least 0 \(0: the whole world\)"),
+    ({"split": "striped"}, "split='striped' is not one of 'contiguous' or 'zigzag'"),
+    ({"heads": 0, "dtype": "int8"}, "heads=0 must be at least 1; dtype='int8' is not one of 'float64' or 'float32'"),
 ])
 def test_invalid_input_is_refused_before_launching(params, fragment):
     with pytest.raises(InvalidParameter, match=fragment):

@@ -61,9 +61,12 @@ def test_every_visible_block_is_met_exactly_once_over_the_ring(split):
 
 
 def test_seq_that_does_not_split_is_named():
-    assert "divisible by 8" in split_problem(12, 4, "zigzag")  # zigzag needs 2*cp chunks
+    # the layout's rule (workers/layout/rules.py: problem), the sentence chapter 14's worker refuses with
+    assert split_problem(12, 4, "zigzag") == ("cp=4 cuts seq=12 into 8 chunks (zigzag), which does not divide it: "
+                                             "choose seq divisible by 8")
     assert split_problem(12, 4, "contiguous") is None
-    assert "divisible by 4" in split_problem(10, 4, "contiguous")
+    assert "cp=4 cuts seq=10 into 4 chunks (contiguous)" in split_problem(10, 4, "contiguous")
+    assert "split='striped' is not one of" in split_problem(8, 2, "striped")
 
 
 @pytest.mark.parametrize("seq, cp, split", [

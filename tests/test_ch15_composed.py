@@ -1,10 +1,10 @@
 """Chapter 15 on real ranks (gloo, CPU): every layout of DP x TP x PP x CP, with ZeRO 0 and 1, trains exactly
-like one process, and every composition bug of the drills is caught, named and located.
+like one process, and every composition bug of the faults is caught, named and located.
 
 Ground truth: ``workers/composed/train.reference_run``, the same model, data and AdamW in one process, in
 float64. The ranks run in float64 too, so the bound is ``equivalence.TOLERANCE["float64"]`` = 1e-10 relative to
 each tensor's largest entry, over the float64 rounding the layouts' other summation orders make (measured at
-most 4.5e-12 over every case here and seeds 0-2, on AVX-512, AVX2 and the plain kernels); every drill is off by
+most 4.5e-12 over every case here and seeds 0-2, on AVX-512, AVX2 and the plain kernels); every fault is off by
 more than 1e-4.
 World-8 cases run first, then world 4: at most eight ranks stay warm, so the order keeps cold starts to two.
 """
@@ -18,10 +18,12 @@ import course_utils as cu
 from course_utils.results import InvalidParameter
 from course_utils import ch15_truth as truth
 from workers.composed.equivalence import TOLERANCE, compare
-from workers.composed.layout import Layout, problem
-from workers.composed.model import ComposedConfig, make_batch
-from workers.composed.train import DRILLS, reference_run
-from workers.parallel.grid import DIMS
+from workers.composed.model import MODEL, model_config
+from workers.model.batch import make_batch
+from workers.composed.faults import FAULTS
+from workers.composed.train import layout_problem, reference_run
+from workers.layout import Layout
+from workers.layout.grid import DIMS
 
 WORKER = "workers.ch15_composed"
 pytestmark = pytest.mark.ranks
@@ -32,7 +34,7 @@ LAYOUTS = ["8x1x1x1", "1x8x1x1", "2x2x2x1", "2x2x1x2", "1x2x2x2", "2x1x2x2", "1x
 
 @lru_cache(maxsize=None)
 def reference(steps=3, global_batch=8, lr=0.01, seed=0, data_seed=1, dropout=0.0, dtype="float64"):
-    cfg = ComposedConfig(dropout=dropout)
+    cfg = model_config(dropout=dropout)
     return reference_run(cfg, steps=steps, global_batch=global_batch, lr=lr, seed=seed, data_seed=data_seed,
                          dtype=getattr(torch, dtype))
 
@@ -102,8 +104,8 @@ def test_sequence_parallel_dropout_and_the_other_schedules_and_splits(name, opti
     assert verdict["ok"], verdict["message"]
 
 
-# drill -> a layout where it shows, and the tensor the check must name first
-DRILL_CASES = [
+# fault -> a layout where it shows, and the tensor the check must name first
+FAULT_CASES = [
     ("grads_over_dp_only", "2x2x1x2", {}, "gradient", None),
     ("grads_over_tp", "2x2x2x1", {}, "gradient", None),
     ("layernorm_not_reduced", "2x2x1x2", {"sequence_parallel": True}, "gradient", r"ln1\.(weight|bias)$"),
@@ -112,16 +114,16 @@ DRILL_CASES = [
     ("dropout_shared", "2x2x1x2", {"dropout": 0.1, "sequence_parallel": True}, None, None),
     ("tied_not_reduced", "1x1x4x1", {"micro_batches": 4}, "gradient", r"^embed\.weight$"),
 ]
-DRILL_CASES.sort(key=lambda case: -Layout.parse(case[1]).world)
+FAULT_CASES.sort(key=lambda case: -Layout.parse(case[1]).world)
 
 
-@pytest.mark.parametrize("drill,name,options,what,tensor", DRILL_CASES)
-def test_each_drill_fails_the_check_naming_the_tensor(drill, name, options, what, tensor):
-    res, verdict = run(name, drill=drill, **options)
-    assert not verdict["ok"], f"{drill} went unnoticed"
+@pytest.mark.parametrize("fault,name,options,what,tensor", FAULT_CASES)
+def test_each_fault_fails_the_check_naming_the_tensor(fault, name, options, what, tensor):
+    res, verdict = run(name, fault=fault, **options)
+    assert not verdict["ok"], f"{fault} went unnoticed"
     first = verdict["first"]
     assert first["error"] > 1e-5 and first["step"] == 0  # far above rounding (1e5 x the tolerance), at the first step
-    print(drill, verdict["message"])
+    print(fault, verdict["message"])
     if what:
         assert first["what"] == what, verdict["message"]
     if tensor:
@@ -132,7 +134,7 @@ def test_each_drill_fails_the_check_naming_the_tensor(drill, name, options, what
 
 
 def test_a_tp_replica_with_its_own_dropout_mask_is_caught_as_diverging_copies():
-    _, verdict = run("2x2x2x1", drill="dropout_per_rank", dropout=0.1)
+    _, verdict = run("2x2x2x1", fault="dropout_per_rank", dropout=0.1)
     # the two TP ranks no longer compute the same replicated activations: their replicated LayerNorm
     # weights take different steps, and the digests say which copies disagree
     assert verdict["replica_problems"] and "bit for bit equal" in verdict["replica_problems"][0]
@@ -152,37 +154,39 @@ def test_the_measured_bubble_is_the_schedules(name, m):
 def test_accumulating_ragged_micro_batches_equals_one_big_batch():
     """m micro-batches with different token counts, normalised by the global token count, equal the one-batch
     reference; averaging each micro-batch over its own tokens does not."""
-    tokens, valid = make_batch(ComposedConfig(), 8, 0, 1)
+    tokens, valid = make_batch(MODEL, 8, 0, 1)
     per_micro = valid.view(4, 2, -1).sum(dim=(1, 2)).tolist()  # 4 micro-batches of 2 samples
     assert len(set(per_micro)) > 1, per_micro  # the counts really are ragged
     _, good = run("1x1x4x1", micro_batches=4)
-    _, bad = run("1x1x4x1", micro_batches=4, drill="per_microbatch_mean")
+    _, bad = run("1x1x4x1", micro_batches=4, fault="per_microbatch_mean")
     assert good["ok"] and not bad["ok"] and bad["first"]["what"] == "loss"
 
 
 @pytest.mark.parametrize("layout,message", [
     (Layout(dp=2, tp=3, pp=1, cp=1), "dp x tp x pp x cp = 2x3x1x1 makes 6 ranks, not the world's 4; tp=3 does not "
-                                     "divide heads=8; tp=3 does not divide ffn=128"),
+                                     "divide heads=8: choose 1, 2, 4 or 8; tp=3 does not divide ffn=128"),
     (Layout(dp=1, tp=1, pp=3, cp=1), "dp x tp x pp x cp = 1x1x3x1 makes 3 ranks, not the world's 4; pp=3 does not "
-                                     "divide layers=4"),
+                                     "divide layers=4 into equal stages"),
+    (Layout(dp=4, zero=2), "zero=2 is not one of 0 or 1"),
+    (Layout(dp=4), None),
     (Layout(dp=1, tp=1, pp=1, cp=4, split="zigzag"), None),
     (Layout(dp=1, tp=2, pp=1, cp=2, sequence_parallel=True), None),
-    (Layout(dp=1, tp=1, pp=2, cp=2, schedule="interleaved", chunks=2, micro_batches=3),
+    (Layout(dp=1, tp=1, pp=2, cp=2, schedule="interleaved", virtual_stages=2, micro_batches=3),
      "micro_batches=3 is not a multiple of pp=2"),
 ])
 def test_a_layout_that_does_not_fit_is_refused_naming_every_degree(layout, message):
-    found = problem(layout, 4, layers=4, heads=8, kv_heads=8, ffn=128, seq=16, global_batch=8)
+    found = layout_problem(layout, 4, MODEL, global_batch=8)
     if message is None:
         assert found is None
     else:
-        assert found.startswith(message) and found.endswith(": choose degrees that fit"), found
+        assert found.startswith(message), found
 
 
-def test_a_bad_layout_or_drill_is_refused_before_any_rank_starts():
+def test_a_bad_layout_or_fault_is_refused_before_any_rank_starts():
     with pytest.raises(InvalidParameter, match="cp=4 cuts seq=12 into 8 chunks"):
         cu.run(WORKER, world_size=4, cp=4, seq=12)
     with pytest.raises(InvalidParameter, match="tp=8 does not divide heads=4"):
         cu.run(WORKER, world_size=8, tp=8, heads=4, hidden=32)
-    with pytest.raises(InvalidParameter, match="drill='tied_not_reduced' cannot show on layout 4x1x1x1: it needs pp > 1"):
-        cu.run(WORKER, world_size=4, drill="tied_not_reduced")
-    assert set(DRILLS) >= {d for d, *_ in DRILL_CASES}
+    with pytest.raises(InvalidParameter, match="fault='tied_not_reduced' cannot show on layout 4x1x1x1: it needs pp > 1"):
+        cu.run(WORKER, world_size=4, fault="tied_not_reduced")
+    assert set(FAULTS) >= {d for d, *_ in FAULT_CASES}

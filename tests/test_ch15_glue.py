@@ -12,15 +12,15 @@ import matplotlib.pyplot as plt
 import pytest
 
 from course_utils import ch15
-from workers.composed.layout import Layout
-from workers.composed.train import DRILLS
-from workers.parallel.grid import DIMS
+from workers.layout import Layout
+from workers.composed.faults import FAULTS
+from workers.layout.grid import DIMS
 
 matplotlib.use("Agg")
 
 
-def test_the_issue_layouts_and_the_drill_cases_fit_the_model_and_show():
-    from workers.composed.train import drill_problem
+def test_the_issue_layouts_and_the_fault_cases_fit_the_model_and_show():
+    from workers.composed.faults import fault_problem
 
     for name in ch15.LAYOUTS_8 + ch15.LAYOUTS_4:
         layout = ch15.layout_for(name)
@@ -28,30 +28,30 @@ def test_the_issue_layouts_and_the_drill_cases_fit_the_model_and_show():
         assert layout.micro_batches == (2 if layout.pp > 1 else 1)
     assert [Layout.parse(n).world for n in ch15.LAYOUTS_8] == [8] * 6
     assert [Layout.parse(n).world for n in ch15.LAYOUTS_4] == [4] * 2
-    assert set(ch15.DRILL_CASES) == set(DRILLS) - {"none"}
-    for drill, (name, options) in ch15.DRILL_CASES.items():
+    assert set(ch15.FAULT_CASES) == set(FAULTS) - {"none"}
+    for fault, (name, options) in ch15.FAULT_CASES.items():
         layout = ch15.layout_for(name, **options)
-        assert ch15.layout_problem(layout) is None, drill
-        assert drill_problem(drill, layout, options.get("dropout", 0.0)) is None, drill
+        assert ch15.layout_problem(layout) is None, fault
+        assert fault_problem(fault, layout, options.get("dropout", 0.0)) is None, fault
     # world 8 first in the dict's order, so the notebook's loops keep cold starts to one per world size
-    worlds = [Layout.parse(n).world for n, _ in ch15.DRILL_CASES.values()]
+    worlds = [Layout.parse(n).world for n, _ in ch15.FAULT_CASES.values()]
     assert worlds == sorted(worlds, reverse=True)
 
 
 def test_layout_for_keeps_the_options_and_the_worker_params_name_every_degree():
-    layout = ch15.layout_for("2x2x1x2", zero=1, sequence_parallel=True, dropout=0.1, drill="dropout_shared")
+    layout = ch15.layout_for("2x2x1x2", zero=1, sequence_parallel=True, dropout=0.1, fault="dropout_shared")
     assert (layout.dp, layout.tp, layout.pp, layout.cp, layout.zero, layout.sequence_parallel) == (2, 2, 1, 2, 1, True)
     assert layout.micro_batches == 1
     assert ch15.layout_for("1x1x4x1", micro_batches=4).micro_batches == 4
     params = ch15.worker_params(layout)
     assert params == {"dp": 2, "tp": 2, "pp": 1, "cp": 2, "zero": 1, "sequence_parallel": True, "micro_batches": 1,
-                      "schedule": "1f1b", "chunks": 1, "split": "zigzag"}
+                      "schedule": "1f1b", "virtual_stages": 1, "split": "zigzag"}
 
 
 def test_a_layout_that_does_not_fit_is_refused_in_one_sentence():
     assert ch15.layout_problem(Layout.parse("2x3x1x1"), world=8) == (
-        "dp x tp x pp x cp = 2x3x1x1 makes 6 ranks, not the world's 8; tp=3 does not divide heads=8; "
-        "tp=3 does not divide ffn=128: choose degrees that fit")
+        "dp x tp x pp x cp = 2x3x1x1 makes 6 ranks, not the world's 8; tp=3 does not divide heads=8: choose 1, 2, 4 "
+        "or 8; tp=3 does not divide ffn=128")
     assert "pp=3 does not divide layers=4" in ch15.layout_problem(Layout.parse("1x1x3x1"))
     assert "does not divide global_batch=8" in ch15.layout_problem(Layout.parse("8x1x1x1", micro_batches=2))
 
@@ -110,7 +110,7 @@ def test_holdings_cover_every_layer_head_token_and_sample_once_per_replica():
 
 
 def test_holdings_of_an_interleaved_pipeline_and_of_sequence_parallelism():
-    held = ch15.holdings(Layout(pp=2, chunks=2, schedule="interleaved", micro_batches=2))
+    held = ch15.holdings(Layout(dp=1, pp=2, virtual_stages=2, schedule="interleaved", micro_batches=2))
     assert [h["layers"] for h in held] == [[[0], [2]], [[1], [3]]]  # chunk c of stage s is virtual stage c p + s
     assert held[0]["embed"] and held[1]["head"] == "head.weight"  # the last virtual stage is chunk 1 of stage 1
     sp = ch15.holdings(Layout(tp=2, cp=2, sequence_parallel=True))
@@ -157,13 +157,13 @@ def test_verdict_rows_and_tables():
     text = str(ch15.equivalence_table(rows))
     assert "2e-12" in text and "3e-14" in text  # one significant digit
     assert "difference" not in str(ch15.equivalence_table(rows, differences=False))
-    assert ch15.drill_row("tied_not_reduced", "1x1x4x1", _verdict(False, tensor="head.weight"))["first named"] == \
+    assert ch15.fault_row("tied_not_reduced", "1x1x4x1", _verdict(False, tensor="head.weight"))["first named"] == \
         "gradient of embed.weight"  # the head is named by what it copies
-    loss = ch15.drill_row("per_microbatch_mean", "2x2x2x1", _verdict(False, "loss", "loss", 2e-3))
+    loss = ch15.fault_row("per_microbatch_mean", "2x2x2x1", _verdict(False, "loss", "loss", 2e-3))
     assert loss["first named"] == "the loss" and loss["caught"]
-    assert not ch15.drill_row("grads_over_tp", "2x2x2x1", _verdict(True))["caught"]
-    assert not ch15.drill_row("grads_over_tp", "2x2x2x1", _verdict(False, step=1))["caught"]  # too late
-    assert not ch15.drill_row("grads_over_tp", "2x2x2x1", _verdict(False, error=1e-9))["caught"]  # rounding-sized
+    assert not ch15.fault_row("grads_over_tp", "2x2x2x1", _verdict(True))["caught"]
+    assert not ch15.fault_row("grads_over_tp", "2x2x2x1", _verdict(False, step=1))["caught"]  # too late
+    assert not ch15.fault_row("grads_over_tp", "2x2x2x1", _verdict(False, error=1e-9))["caught"]  # rounding-sized
 
 
 def _fake_ranks():
@@ -197,12 +197,12 @@ def test_the_explorer_runs_on_the_product_of_the_degrees_and_refuses_a_bad_layou
     assert live.settings()["world_size"] == 4
     controls["pp"].value = 3  # observed: a request, refused by the worker's check_params before any rank starts
     assert live.idle.is_set() and live._job is None
-    assert "pp=3 does not divide layers=4" in live.status.value
+    assert "pp=3 does not divide layers=4 into equal stages" in live.status.value
     controls["dp"].value = 8  # 8 x 2 x 3 x 1 = 48 ranks: more than this machine runs
     assert "world_size=48 is more ranks than this machine runs" in live.status.value
     controls["tp"].value = 1
     controls["pp"].value = 1  # 8x1x1x1 with m = 2: dp x m = 16 does not divide the batch of 8
-    assert "dp x micro_batches = 8 x 2 does not divide global_batch=8" in live.status.value
+    assert "dp=8 x micro_batches=2 = 16 does not divide global_batch=8" in live.status.value
     assert live._job is None and len(live.history) == 4
     assert all(isinstance(outcome, Exception) for _, outcome in live.history)
 

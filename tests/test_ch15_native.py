@@ -20,7 +20,7 @@ import course_utils as cu
 from course_utils import ch15
 from course_utils.results import InvalidParameter
 from workers.composed.equivalence import TOLERANCE
-from workers.composed.model import ComposedConfig
+from workers.composed.model import MODEL
 from workers.composed.train import reference_run
 
 WORKER = "workers.ch15_native"
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.ranks
 
 @lru_cache(maxsize=None)
 def reference():
-    return reference_run(ComposedConfig(), steps=3, global_batch=8, lr=0.01, seed=0, data_seed=1, dtype=torch.float64)
+    return reference_run(MODEL, steps=3, global_batch=8, lr=0.01, seed=0, data_seed=1, dtype=torch.float64)
 
 
 def run(api: str, **params):
@@ -68,7 +68,7 @@ def test_every_api_equals_one_process(case):
 
 def check_layout(api: str, ranks: list[dict]) -> None:
     """What each API made of the parameters, and the collectives of one step (exact: names, placements, counts)."""
-    placements, layers = ranks[0]["placements"], ComposedConfig().layers
+    placements, layers = ranks[0]["placements"], MODEL.layers
     colwise, rowwise, plain = "(Shard(dim=0),)", "(Shard(dim=1),)", "plain tensor (replicated)"
     if api == "tp":  # ColwiseParallel cuts rows (the output features), RowwiseParallel columns; the rest replicated
         assert placements["blocks.0.attention.wq.weight"] == placements["blocks.0.mlp.fc1.weight"] == colwise
@@ -110,10 +110,10 @@ def test_colwise_parallel_on_the_fused_qkv_is_the_fused_qkv_trap():
 
 
 @pytest.mark.parametrize("params,fragment", [
-    ({"api": "zero3"}, "api='zero3' is not known: choose one of tp, fsdp, pipelining, tp_fsdp"),
+    ({"api": "zero3"}, "api='zero3' is not one of 'tp', 'fsdp', 'pipelining' or 'tp_fsdp'"),
     ({"api": "pipelining", "micro_batches": 2}, "which torch's Schedule1F1B refuses: choose micro_batches >= 4"),
     ({"api": "fsdp", "qkv": "fused"}, "use api='tp' or 'tp_fsdp'"),
-    ({"api": "tp_fsdp", "tp": 3}, "tp=3 must divide world_size=4"),
+    ({"api": "tp_fsdp", "tp": 3}, "tp=3 does not divide world_size=4"),
 ])
 def test_a_bad_parameter_is_refused_before_launch(params, fragment):
     with pytest.raises(InvalidParameter, match=re.escape(fragment)):

@@ -98,7 +98,7 @@ def test_the_explorer_runs_on_ep_ranks_and_refuses_before_launching():
     live = ch16.MoEExplorer(controls, auto_start=False)
     assert live.settings()["world_size"] == 4 and live.fixed == {"steps": ch16.WIDGET_STEPS}
     controls["capacity_factor"].value = 0.0  # refused by the worker's check_params before any rank starts
-    assert live._job is None and "experts=6 is not divisible by ep=4" in live.status.value
+    assert live._job is None and "ep=4 does not divide experts=6" in live.status.value
     controls["top_k"].value = 8
     controls["experts"].value = 4
     assert "top_k=8 must be between 1 and experts=4" in live.status.value

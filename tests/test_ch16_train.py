@@ -53,7 +53,7 @@ def test_aux_loss_balances_the_experts():
 
 @pytest.mark.once  # what is refused does not depend on a CPU's kernels
 def test_the_training_worker_refuses_before_launch():
-    with pytest.raises(InvalidParameter, match="experts=6 is not divisible by ep=4"):
+    with pytest.raises(InvalidParameter, match="ep=4 does not divide experts=6"):
         cu.run(TRAIN, 4, timeout=60, experts=6)
-    with pytest.raises(InvalidParameter, match="global_batch=6 does not split over 4 ranks"):
+    with pytest.raises(InvalidParameter, match="global_batch=6 does not split evenly over world_size=4"):
         cu.run(TRAIN, 4, timeout=60, global_batch=6)

@@ -1,4 +1,4 @@
-"""The rank grid (workers/parallel/grid.py): one layout of the world from which every chapter slices its groups.
+"""The rank grid (workers/layout/grid.py): one layout of the world from which every chapter slices its groups.
 
 Start here when a chapter needs a new kind of group: add nothing but a dimension size to ``RankGrid.for_world``.
 The layout is plain data, so most of it is checked without ranks; one test compares it with torch's own
@@ -11,7 +11,7 @@ import pytest
 
 import course_utils as cu
 from course_utils.paths import ROOT
-from workers.parallel.grid import DIMS, RankGrid
+from workers.layout.grid import DIMS, RankGrid
 
 
 def test_the_docstring_example_world_of_eight():
@@ -57,7 +57,8 @@ def test_data_parallel_takes_what_the_other_degrees_leave():
 @pytest.mark.parametrize("world, sizes, message", [
     (8, {"tp": 3}, "tp=3 (3 ranks per data-parallel replica) does not divide the world size 8"),
     (8, {"dp": 2, "tp": 2}, "dp=2 x tp=2 makes 4 ranks, not the world's 8: choose degrees whose product is 8"),
-    (4, {"ep": 2}, "unknown parallel dimension(s) ep: the grid has dp, pp, cp, tp"),
+    (4, {"xp": 2}, "unknown parallel dimension(s) xp: the grid has dp, pp, cp, tp (and ep)"),
+    (6, {"ep": 4}, "ep=4 does not divide dp x cp = 6: expert parallelism is carved out of them"),
     (4, {"tp": 0}, "tp=0 must be whole numbers >= 1"),
 ])
 def test_a_layout_that_does_not_fit_is_refused_naming_every_degree(world, sizes, message):
@@ -68,8 +69,8 @@ def test_a_layout_that_does_not_fit_is_refused_naming_every_degree(world, sizes,
 
 def test_unknown_dimensions_and_ranks_are_refused():
     grid = RankGrid.for_world(4, tp=2)
-    with pytest.raises(ValueError, match="unknown parallel dimension 'ep'"):
-        grid.groups("ep")
+    with pytest.raises(ValueError, match="unknown parallel dimension 'xp'"):
+        grid.groups("xp")
     with pytest.raises(ValueError, match="rank 4 is outside a grid of 4 ranks"):
         grid.coords(4)
 
@@ -87,7 +88,7 @@ def test_the_grid_matches_torch_device_mesh(shape):
 def test_the_chapters_take_their_groups_from_the_grid():
     """Pipelines (chapter 13) and rings (14) are ``pp`` and ``cp`` slices of the grid: a world of 4 holds two
     of each side by side, and both compute the same thing. No worker does group arithmetic of its own."""
-    pipes = cu.run("workers.ch13_pipeline", world_size=4, stages=2, micro_batches=2, schedule="gpipe")
+    pipes = cu.run("workers.ch13_pipeline", world_size=4, pp=2, micro_batches=2, schedule="gpipe")
     assert pipes[1]["losses"] == pipes[3]["losses"] and pipes[1]["losses"]  # the two pipelines' last stages
     ring = cu.run("workers.ch14_ring_attention", world_size=4, cp=2, seq=16, split="contiguous", backward=False)
     for a, b in ((0, 2), (1, 3)):  # the same place in each ring: the same rows, the same output
@@ -99,8 +100,19 @@ def test_the_chapters_take_their_groups_from_the_grid():
 
 
 def test_a_refusal_names_the_sizes_that_divide_the_world():
-    from workers.parallel.grid import choose_divisor
+    from workers.runtime import choose_divisor
 
     assert choose_divisor(4) == "choose 1, 2 or 4"
     assert choose_divisor(6) == "choose 1, 2, 3 or 6"
     assert choose_divisor(1) == "choose 1"
+
+
+def test_expert_groups_are_carved_out_of_data_and_context_parallelism():
+    # ep ranks exchange tokens: a run of ep consecutive members of the dp x cp group; edp ranks hold the same experts
+    grid = RankGrid.for_world(4, ep=2)
+    assert [grid.group("ep", r) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert grid.groups("edp") == [[0, 2], [1, 3]] and grid.edp == 2
+    grid = RankGrid.for_world(8, tp=2, ep=2)  # tp innermost: the ep groups skip over the tp partner
+    assert grid.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.size("ep") == 2 and grid.size("edp") == 2

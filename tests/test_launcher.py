@@ -67,12 +67,12 @@ def test_cold_run_leaves_no_process():
 def test_crash_ends_job_promptly_with_the_rank_traceback():
     start = time.time()
     with pytest.raises(cu.WorkerFailed) as info:
-        cu.run("workers.drills", world_size=2, mode="raise", bad_rank=1, timeout=120)
+        cu.run("workers.rank_faults", world_size=2, mode="raise", bad_rank=1, timeout=120)
     assert time.time() - start < 60  # well before the 120 s timeout (a cold start included): the error ended it
     err = info.value
     assert err.rank == 1 and err.error_type == "ValueError"
     assert "rank 1 was told to fail" in str(err)
-    assert "drills.py" in err.rank_traceback  # the rank's own traceback, not the notebook's
+    assert "rank_faults.py" in err.rank_traceback  # the rank's own traceback, not the notebook's
 
 
 def test_a_connection_lost_while_making_groups_is_retried_once_on_fresh_ranks(tmp_path):
@@ -104,33 +104,33 @@ def test_an_error_of_the_workers_own_while_making_groups_is_not_retried(tmp_path
 
 def test_rank_that_dies_without_traceback_is_named():
     with pytest.raises(cu.WorkerFailed) as info:
-        cu.run("workers.drills", world_size=2, mode="die", bad_rank=0, timeout=60)
+        cu.run("workers.rank_faults", world_size=2, mode="die", bad_rank=0, timeout=60)
     assert "died" in str(info.value) and info.value.rank == 0
 
 
 def test_stuck_rank_times_out_and_names_the_collective():
     start = time.time()
     with pytest.raises(cu.JobTimeout) as info:
-        cu.run("workers.drills", world_size=2, mode="skip_collective", bad_rank=1, seconds=300, timeout=4, warm=False)
+        cu.run("workers.rank_faults", world_size=2, mode="skip_collective", bad_rank=1, seconds=300, timeout=4, warm=False)
     # ended by the 4 s job timeout (plus a cold start), not by gloo's 60 s timeout nor the 300 s sleep
     assert time.time() - start < 55
     stuck = info.value.stuck
     # rank 0 is inside all_reduce, waiting for rank 1, which is sleeping at the line that skips it
     assert "all_reduce" in stuck[0], stuck
-    assert "drills.py" in stuck[1] and "sleep" in stuck[1], stuck
+    assert "rank_faults.py" in stuck[1] and "sleep" in stuck[1], stuck
 
 
 def test_short_collective_timeout_turns_a_hang_into_an_error():
-    # The drill in chapter 01: gloo itself gives up after 2 s and rank 0 reports where.
+    # The injected fault in chapter 01: gloo itself gives up after 2 s and rank 0 reports where.
     with pytest.raises(cu.WorkerFailed) as info:
-        cu.run("workers.drills", world_size=2, mode="skip_collective", bad_rank=1, seconds=30,
+        cu.run("workers.rank_faults", world_size=2, mode="skip_collective", bad_rank=1, seconds=30,
                collective_timeout=2.0, timeout=40, warm=False)
     assert info.value.rank == 0
     assert "all_reduce" in info.value.rank_traceback
 
 
 def test_cancel_leaves_no_process_behind():
-    job = cu.launch("workers.drills", world_size=2, mode="slow_metrics", seconds=60, timeout=120, warm=False)
+    job = cu.launch("workers.rank_faults", world_size=2, mode="slow_metrics", seconds=60, timeout=120, warm=False)
     deadline = time.time() + 60
     while not all(job.metrics) and time.time() < deadline:  # metrics stream while it runs
         time.sleep(0.1)
@@ -164,7 +164,7 @@ def test_two_jobs_at_once_do_not_collide():
     ({"world_size": 0}, "starts no rank"),
     ({"world_size": 9}, "at most 8"),
     ({"world_size": 2.5}, "whole number"),
-    ({"world_size": 2, "mode": "explode"}, "not a drill"),
+    ({"world_size": 2, "mode": "explode"}, "mode='explode' is not one of"),
     ({"world_size": 2, "bad_rank": 3}, "use 0 to 1"),
     ({"world_size": 2, "sconds": 3}, "did you mean 'seconds'"),
     ({"world_size": 2, "seconds": "long"}, "should be a float"),
@@ -173,7 +173,7 @@ def test_two_jobs_at_once_do_not_collide():
 def test_invalid_parameters_are_rejected_before_launch(kwargs, fragment):
     before = set(psutil.Process().children(recursive=True))
     with pytest.raises(cu.InvalidParameter) as info:
-        cu.launch("workers.drills", **kwargs)
+        cu.launch("workers.rank_faults", **kwargs)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)  # one sentence
     assert set(psutil.Process().children(recursive=True)) == before  # nothing was started
@@ -372,7 +372,7 @@ def test_describe_stack_names_the_collective():
 
 
 def test_watch_shows_live_metrics_then_the_outcome():
-    job = cu.launch("workers.drills", world_size=2, mode="slow_metrics", seconds=1.0, timeout=60)
+    job = cu.launch("workers.rank_faults", world_size=2, mode="slow_metrics", seconds=1.0, timeout=60)
     view = job.watch()
     status = view.children[0].children[1]
     res = job.wait()

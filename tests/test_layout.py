@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from course_utils.chapter_map import ROOT, SPINE, imports, render
+from course_utils.chapter_map import ROOT, SPINE, chapters, imports, render
 
 # Thin re-exports kept because a path is part of the course's public surface (see CONTRIBUTING).
 SHIMS = {
@@ -29,6 +29,21 @@ SHIMS = {
 CROSS_CHAPTER_TOOLS = {"course_utils/cpu_spread.py", "course_utils/bench.py"}
 # One topic with a notebook side and a rank side, by design: the same name says so.
 TWO_SIDES = {"exercises": "course_utils/exercises.py grades in the notebook; workers/exercises/ checks on ranks"}
+# Files under workers/ that belong to no chapter because every chapter runs through them. Everything else under
+# workers/ is in some chapter of docs/CHAPTERS.md (named by its notebook, glue or catalogue, or imported from there),
+# or is a shim above. A key ending in "/" stands for a whole package.
+SHARED_LIBRARY = {
+    "workers/__init__.py": "the package every worker is imported from (the spine)",
+    "workers/runtime.py": "the spine: the entrypoint each worker's main(ctx) runs under, free_port, collective timeout",
+    "workers/protocol.py": "the spine: how every rank answers the launcher",
+    "workers/pool.py": "the spine: the warm ranks that load any chapter's worker",
+    "workers/provenance.py": "the spine: the record every measurement carries",
+    "workers/hello.py": "the smallest worker: the warm-up before every rank-side grade (course_utils/exercises.py) "
+                        "and the spine's smoke test",
+    "workers/attention/compile_report.py": "a command run by hand (`python -m workers.attention.compile_report`) that "
+                                           "writes the compile facts of chapter 07's kernels quoted in "
+                                           "docs/attention_kernel_notes.md",
+}
 SCANNED = ("workers", "course_utils", "notebooks/src", "tests", "solutions", "tools")
 GLUE = re.compile(r"course_utils/ch(\d\d)(_\w+)?\.py$")
 
@@ -99,6 +114,29 @@ def notebook_side_violations(root: Path) -> list[str]:
     return out
 
 
+def unmapped_worker_violations(root: Path) -> list[str]:
+    """Files under ``workers/`` that no chapter of the map loads and that are neither shared library nor a shim."""
+    chs = chapters(root)
+    mapped = set().union(*(ch.files() for ch in chs))
+    out = []
+    for path in sorted((root / "workers").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if "__pycache__" in path.parts or ".ipynb_checkpoints" in path.parts:
+            continue
+        shared = rel in SHARED_LIBRARY or any(k.endswith("/") and rel.startswith(k) for k in SHARED_LIBRARY)
+        if rel not in mapped and not shared and rel not in SHIMS:
+            out.append(f"{rel} belongs to no chapter: name it from a chapter's notebook, glue or catalogue (or import "
+                       "it from one of its workers), or list it in SHARED_LIBRARY with the reason")
+    for key in sorted(SHARED_LIBRARY):
+        if not (root / key).exists():
+            out.append(f"SHARED_LIBRARY lists {key}, which is gone: drop it")
+        users = [ch.number for ch in chs if key in ch.files() or (key.endswith("/") and
+                                                                   any(f.startswith(key) for f in ch.files()))]
+        if users:
+            out.append(f"SHARED_LIBRARY lists {key}, but chapter(s) {', '.join(users)} load it: the map places it, drop it")
+    return out
+
+
 def test_the_rank_side_has_only_the_spine_scripts_and_topic_packages():
     assert rank_side_violations(ROOT) == []
 
@@ -122,6 +160,19 @@ def test_every_shim_still_works_as_documented():
 def test_the_chapter_map_is_up_to_date():
     assert (ROOT / "docs" / "CHAPTERS.md").read_text() == render(ROOT), \
         "docs/CHAPTERS.md is stale: run `python -m course_utils.notebooks map`"
+
+
+def test_every_worker_file_belongs_to_a_chapter_or_the_shared_library():
+    assert set(SPINE) <= set(SHARED_LIBRARY), "the spine is shared library: list each spine file with its reason"
+    assert unmapped_worker_violations(ROOT) == []
+
+
+def test_the_map_follows_the_workers_a_chapters_glue_names():
+    """Chapter 16's notebook names no worker; its glue does (``WORKER, TRAIN = "workers.ch16_moe", ...``), and the
+    train script's package is found through the script's imports."""
+    ch16 = next(ch for ch in chapters(ROOT) if ch.number == "16")
+    assert {"workers/ch16_moe.py", "workers/ch16_moe_train.py"} <= set(ch16.scripts)
+    assert {"workers/moe/train.py", "workers/moe/batch.py", "workers/moe/equivalence.py"} <= set(ch16.libraries)
 
 
 # -- the rules catch a misplaced file (in a scratch copy of the tree) ---------------------------------------------
@@ -167,6 +218,21 @@ def test_glue_used_by_another_chapter_and_a_colliding_name_are_caught(tree):
         "course_utils/attention.py shares its name with the package workers/attention/: name it for its chapter or role"]
 
 
+def test_a_worker_file_in_no_chapter_is_caught(tree):
+    before = unmapped_worker_violations(tree)
+    (tree / "workers" / "scratchpkg").mkdir()
+    (tree / "workers" / "scratchpkg" / "__init__.py").write_text("")
+    (tree / "workers" / "scratchpkg" / "helper.py").write_text("def double(x):\n    return 2 * x\n")
+    (tree / "workers" / "scratchpkg" / "orphan.py").write_text("def triple(x):\n    return 3 * x\n")
+    (tree / "workers" / "ch16_scratch.py").write_text(
+        "from workers.scratchpkg.helper import double\n\n\ndef main(ctx):\n    return double(ctx.rank)\n")
+    glue = tree / "course_utils" / "ch16.py"  # named by chapter 16's glue: the script and what it imports belong
+    glue.write_text(glue.read_text() + '\nSCRATCH = "workers.ch16_scratch"\n')
+    assert _new(unmapped_worker_violations(tree), before) == [
+        ("workers/scratchpkg/orphan.py belongs to no chapter: name it from a chapter's notebook, glue or catalogue (or "
+         "import it from one of its workers), or list it in SHARED_LIBRARY with the reason")]
+
+
 def test_a_stale_map_is_caught(tree):
     (tree / "tests" / "test_ch13_new.py").write_text("def test_x():\n    pass\n")
     assert render(tree) != (tree / "docs" / "CHAPTERS.md").read_text()
@@ -174,9 +240,12 @@ def test_a_stale_map_is_caught(tree):
 
 # -- one vocabulary for a model's shape ---------------------------------------------------------------------------
 
-# Other codebases' names for the same shape ("dim" alone is left out: it also names a tensor or grid dimension).
+# Other codebases' names for the same shape ("dim" alone is left out: it also names a tensor or grid dimension), and
+# the course's own retired names (workers/runtime.py: RENAMED, still accepted from a learner for one release).
 OTHER_SPELLINGS = {"d_model", "n_layers", "num_layers", "n_layer", "n_embd", "n_head", "hidden_size", "model_dim",
-                   "num_heads", "num_attention_heads", "ffn_dim", "intermediate_size"}
+                   "num_heads", "num_attention_heads", "ffn_dim", "intermediate_size",
+                   "tp_size", "n_heads", "n_kv_heads", "ffn_hidden", "zero_stage", "num_microbatches", "chunks",
+                   "stages", "drill"}
 
 
 def shape_spelling_violations(root: Path) -> list[str]:
@@ -188,7 +257,8 @@ def shape_spelling_violations(root: Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
-                names = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+                names = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                         and "InitVar" not in ast.unparse(s.annotation)]  # an InitVar is an old name, accepted
             elif isinstance(node, ast.FunctionDef) and node.name in ("main", "check_params"):
                 names = [a.arg for a in node.args.args + node.args.kwonlyargs]
             out += [f"{path.relative_to(root).as_posix()}:{node.lineno} {node.name} spells {n}" for n in names
@@ -202,16 +272,15 @@ def test_a_model_shape_has_one_spelling():
 
 def test_every_shape_reads_the_same_names():
     from course_utils.planner import ModelShape
-    from workers.gpt.config import GPTConfig
-    from workers.parallel.dense import BlockConfig
+    from workers.model import BlockConfig, GPTConfig
 
-    shapes = [GPTConfig(hidden=64, heads=4), BlockConfig(hidden=64, n_heads=4, n_kv_heads=0, ffn_hidden=0),
+    shapes = [GPTConfig(hidden=64, heads=4), BlockConfig(hidden=64, heads=4, kv_heads=0, ffn=0),
               ModelShape("toy", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=32, mlp="gelu")]
     assert [(s.hidden, s.heads, s.kv_heads, s.ffn) for s in shapes] == [(64, 4, 4, 256)] * 3
 
 
 def test_another_spelling_is_caught(tree):
     before = shape_spelling_violations(tree)
-    (tree / "workers" / "gpt" / "config.py").write_text(
-        (tree / "workers" / "gpt" / "config.py").read_text().replace("    hidden: int", "    d_model: int", 1))
+    (tree / "workers" / "model" / "gpt.py").write_text(
+        (tree / "workers" / "model" / "gpt.py").read_text().replace("    hidden: int", "    d_model: int", 1))
     assert [v.split(" ", 1)[1] for v in _new(shape_spelling_violations(tree), before)] == ["GPTConfig spells d_model"]

@@ -86,7 +86,7 @@ def test_every_mapping_matches_the_reference_exactly(world_size):
 def test_mappings_stay_inside_their_process_group():
     # world 4 as two tensor-parallel groups [0,1] and [2,3] with different data: any leak across groups
     # (a collective on the world instead of the group) changes the sums and the gathered tensors.
-    res = cu.run(WORKER, world_size=4, tp_size=2, timeout=60)
+    res = cu.run(WORKER, world_size=4, tp=2, timeout=60)
     rows = mapping_rows(res)
     assert {r["group"] for r in rows} == {"[0,1]", "[2,3]"}
     assert all(r["exact"] for r in rows), [r for r in rows if not r["exact"]]
@@ -319,9 +319,9 @@ def test_a_wrong_backward_is_caught(name, broken):
 
 @pytest.mark.ranks
 def test_bad_sizes_are_refused_in_one_sentence():
-    with pytest.raises(cu.InvalidParameter, match="does not divide"):
-        cu.run(WORKER, world_size=4, tp_size=3, timeout=60)
-    with pytest.raises(cu.InvalidParameter, match="not a mapping"):
+    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide world_size=4: choose 1, 2 or 4"):
+        cu.run(WORKER, world_size=4, tp=3, timeout=60)
+    with pytest.raises(cu.InvalidParameter, match="mapping='copy_to' is not one of 'all', "):
         cu.run(WORKER, world_size=2, mapping="copy_to", timeout=60)
 
 

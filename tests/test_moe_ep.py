@@ -106,9 +106,9 @@ def test_all_to_all_bytes_equal_the_model_when_routing_is_even(world, ep, top_k)
         assert c["counts"].tolist() == [tokens // world * top_k // 8] * 8
 
 
-# -- the drills: each bug caught and named -------------------------------------------------------------------------
+# -- the faults: each bug caught and named -------------------------------------------------------------------------
 
-DRILLS = {
+FAULTS = {
     "router_not_reduced": ["router.weight's gradient differs on ranks 0, 1, 2, 3", "never all-reduced"],
     "expert_grads_averaged_over_edp": ["exactly 2.00x the reference's = ep (2)", "not the world"],
     "combine_order_not_restored": ["the output differs at", "chose and kept the same experts"],
@@ -116,27 +116,27 @@ DRILLS = {
 }
 
 
-@pytest.mark.parametrize("drill", DRILLS)
-def test_each_drill_is_caught_and_named(drill):
+@pytest.mark.parametrize("fault", FAULTS)
+def test_each_fault_is_caught_and_named(fault):
     world, ep = 4, 2
-    res = cu.run(WORKER, world, timeout=180, ep=ep, experts=8, top_k=2, capacity_factor=1.0, drill=drill)
+    res = cu.run(WORKER, world, timeout=180, ep=ep, experts=8, top_k=2, capacity_factor=1.0, fault=fault)
     cases = _cases(res, 0)
     found = compare(cases, reference(MoEConfig(**cases[0]["config"]), res[0]), world, ep)
-    assert found, drill
+    assert found, fault
     text = " | ".join(found)
-    for fragment in DRILLS[drill]:
-        assert fragment in text, (drill, found)
+    for fragment in FAULTS[fault]:
+        assert fragment in text, (fault, found)
 
 
 # -- refused before launch -----------------------------------------------------------------------------------------
 
 @pytest.mark.once  # what is refused does not depend on a CPU's kernels
 @pytest.mark.parametrize("params, fragment", [
-    ({"ep": 4, "experts": 6}, "experts=6 is not divisible by ep=4"),
+    ({"ep": 4, "experts": 6}, "ep=4 does not divide experts=6"),
     ({"experts": 4, "top_k": 5}, "top_k=5 must be between 1 and experts=4"),
-    ({"ep": 3}, "experts=4 is not divisible by ep=3"),
-    ({"tokens": 30}, "do not split evenly over 4 ranks"),
-    ({"drill": "swap_experts"}, "drill='swap_experts' is not one of"),
+    ({"ep": 3}, "ep=3 does not divide experts=4"),
+    ({"tokens": 30}, "tokens=30 does not split evenly over world_size=4"),
+    ({"fault": "swap_experts"}, "fault='swap_experts' is not one of"),
 ])
 def test_invalid_layouts_are_refused_before_launch(params, fragment):
     with pytest.raises(InvalidParameter) as err:

@@ -13,7 +13,7 @@ from torch import nn
 from course_utils import tp_check
 from course_utils.ledger import activation_bytes_per_layer
 from workers.parallel.activations import TOP, recompute_gradient_error, saved_for_backward
-from workers.parallel.dense import BlockConfig, build
+from workers.model.dense import BlockConfig, build
 
 S, B, H, A = 32, 2, 32, 4  # as/h = 4: the s x s terms are a large share, so missing them cannot hide
 SBH = S * B * H
@@ -22,7 +22,7 @@ LN_STATS = 2 * (2 * S * B * FP32)  # two LayerNorms, each a mean and a 1/std per
 
 
 def block(dropout=0.0):
-    return build("block", BlockConfig(hidden=H, n_heads=A, hidden_dropout=dropout), seed=3)
+    return build("block", BlockConfig(hidden=H, heads=A, hidden_dropout=dropout), seed=3)
 
 
 def x_in():

@@ -23,10 +23,10 @@ def test_flops_convention():
 
 
 def test_plain_block_loads_the_course_weights_and_matches_the_dense_block():
-    from workers.parallel.dense import BlockConfig, DenseBlock
+    from workers.model.dense import BlockConfig, DenseBlock
 
     torch.manual_seed(0)
-    cfg = BlockConfig(hidden=32, n_heads=4)
+    cfg = BlockConfig(hidden=32, heads=4)
     dense = DenseBlock(cfg)
     plain = bench.PlainBlock(32, 4)
     plain.load_course(dense)

@@ -43,7 +43,7 @@ def test_tp_1_communicates_nothing():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_attention_one_all_reduce_each_way(world_size):
-    res = cu.run("workers.ch05_attention_tp", world_size=world_size, hidden=HIDDEN, n_heads=4, seq=SEQ, batch=BATCH)
+    res = cu.run("workers.ch05_attention_tp", world_size=world_size, hidden=HIDDEN, heads=4, seq=SEQ, batch=BATCH)
     assert sorted(activation_rows(res)) == [("proj", "all_reduce", "forward", 1), ("qkv", "all_reduce", "backward", 1)]
 
 
@@ -110,7 +110,7 @@ def test_wire_factors_are_the_ring_algorithms():
 
 
 def test_groups_of_two_inside_a_world_of_four_send_the_bytes_of_tp_2():
-    res = cu.run("workers.ch06_block", world_size=4, tp_size=2, hidden=HIDDEN, seq=SEQ, batch=BATCH)
+    res = cu.run("workers.ch06_block", world_size=4, tp=2, hidden=HIDDEN, seq=SEQ, batch=BATCH)
     expected = tp_comm_bytes_per_layer(BATCH, SEQ, HIDDEN, 2, bytes_per_element=FP32)
     for rank in range(4):
         assert tp_check.comm_count(res, "all_reduce", "forward", rank) == 2

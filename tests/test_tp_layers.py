@@ -14,7 +14,7 @@ import torch
 
 import course_utils as cu
 from course_utils import tp_check
-from workers.parallel.dense import build
+from workers.model.dense import build
 from workers.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from workers.parallel.mlp import naive_rows, swiglu_rows
 
@@ -29,7 +29,7 @@ def run(world_size, **params):
 
 
 CASES = [("column", {}), ("column", {"gather_output": True}), ("row", {}), ("row", {"input_is_parallel": False}),
-         ("mlp", {}), ("mlp", {"activation": "swiglu"}), ("mlp", {"bias": False, "ffn_hidden": 24})]
+         ("mlp", {}), ("mlp", {"activation": "swiglu"}), ("mlp", {"bias": False, "ffn": 24})]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -74,8 +74,12 @@ def test_bias_added_on_every_rank_shifts_the_output_by_t_minus_1_biases():
 
 
 def test_invalid_sizes_are_refused_in_one_sentence():
-    with pytest.raises(cu.InvalidParameter, match="ffn_hidden=18 is not divisible by the tensor-parallel size 4"):
-        cu.run(WORKER, world_size=4, module="mlp", ffn_hidden=18)
+    with pytest.raises(cu.InvalidParameter, match="tp=4 does not divide ffn=18: choose 1, 2, 3, 6, 9 or 18"):
+        cu.run(WORKER, world_size=4, module="mlp", ffn=18)
+    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide world_size=4: choose 1, 2 or 4"):
+        cu.run(WORKER, world_size=4, tp=3)
+    with pytest.raises(cu.InvalidParameter, match="module='block' is not one of 'column', 'row' or 'mlp'"):
+        cu.run(WORKER, world_size=2, module="block")
 
 
 # -- no ranks needed: how from_dense cuts the weights -------------------------------------------------

@@ -20,20 +20,21 @@ def test_every_weight_entry_is_covered_once_per_copy(shape):
 
 def test_parameter_count_matches_the_real_modules():
     # the drawing's arithmetic against the parallel block's actual parameters (TP 1: the dense layer)
-    from workers.parallel.dense import BlockConfig, build
+    from workers.model.dense import BlockConfig, build
 
-    cfg = BlockConfig(hidden=64, n_heads=8, n_kv_heads=2, ffn_hidden=256)
+    cfg = BlockConfig(hidden=64, heads=8, kv_heads=2, ffn=256)
     dense = build("block", cfg)
     plan = tp_viz.layout(64, 256, 8, 2, 1)
     assert plan["dense_params"] == sum(p.numel() for p in dense.parameters()) == plan["per_rank"][0]["params"]
 
 
 @pytest.mark.parametrize("args,fragment", [
-    ((64, 256, 6, 6, 4), "hidden=64 is not divisible by n_heads=6"),
-    ((48, 192, 6, 6, 4), "n_heads=6 is not divisible by the tensor-parallel size 4"),
-    ((96, 384, 12, 6, 4), "do not divide one another"),
-    ((64, 250, 8, 8, 4), "ffn=250 is not divisible by TP=4"),
-    ((64, 256, 8, 3, 1), "not a multiple of n_kv_heads=3"),
+    ((64, 256, 6, 6, 4), "hidden=64 is not divisible by heads=6"),
+    ((48, 192, 6, 6, 4), "tp=4 does not divide heads=6: choose 1, 2, 3 or 6"),
+    ((96, 384, 12, 6, 4), "tp=4 and kv_heads=6 do not divide one another"),
+    ((64, 250, 8, 8, 4), "tp=4 does not divide ffn=250: choose 1, 2, 5, 10, 25, 50, 125 or 250"),
+    ((64, 256, 8, 3, 1), "not a multiple of kv_heads=3"),
+    ((64, 256, 8, 8, 0), "tp=0 must be at least 1"),
 ])
 def test_invalid_combinations_are_one_sentence(args, fragment):
     message = tp_viz.problem(*args)
@@ -46,8 +47,8 @@ def test_widget_shows_a_sentence_for_an_invalid_choice_and_a_figure_otherwise():
     w = tp_viz.ShardingWidget()
     assert w.message == "" and "image/png" in w.out.outputs[0]["data"]
     w.controls["tp"].value = 3  # 8 heads over 3 ranks
-    assert "n_heads=8 is not divisible by the tensor-parallel size 3" in w.message
-    assert w.out.outputs[0]["text"].startswith("n_heads=8")
+    assert "tp=3 does not divide heads=8: choose 1, 2, 4 or 8" in w.message
+    assert w.out.outputs[0]["text"].startswith("tp=3 does not divide heads=8")
     w.controls["tp"].value = 8  # 4 KV heads, TP 8: replicated twice, a valid split (drawn in the background)
     assert w.wait(60) and w.message == "" and "image/png" in w.out.outputs[0]["data"]
 
@@ -55,14 +56,14 @@ def test_widget_shows_a_sentence_for_an_invalid_choice_and_a_figure_otherwise():
 def test_the_ffn_refusal_the_notebook_suggests_can_be_reached_with_the_sliders():
     # chapter 04 tells the learner which slider settings show the FFN refusal: the sliders must allow them
     # (the FFN slider moves in steps of 16, so every settable FFN splits over TP 1, 2, 4, 8 and 16)
-    w = tp_viz.ShardingWidget(hidden=64, ffn=256, n_heads=8, n_kv_heads=8, tp=4)
-    settings = {"hidden": 48, "n_heads": 3, "n_kv_heads": 3, "tp": 3}
+    w = tp_viz.ShardingWidget(hidden=64, ffn=256, heads=8, kv_heads=8, tp=4)
+    settings = {"hidden": 48, "heads": 3, "kv_heads": 3, "tp": 3}
     for name, value in settings.items():
         c = w.controls[name]
         assert c.min <= value <= c.max and (value - c.min) % c.step == 0, (name, value)
         c.value = value
     assert w.controls["ffn"].value == 256
-    assert w.message.startswith("ffn=256 is not divisible by TP=3"), w.message
+    assert w.message.startswith("tp=3 does not divide ffn=256"), w.message
 
 
 def test_head_table_counts_the_kv_copy_gradient_all_reduce_only_when_kv_heads_are_replicated():
@@ -77,7 +78,7 @@ def test_head_table_counts_the_kv_copy_gradient_all_reduce_only_when_kv_heads_ar
 
 
 def test_the_sharding_widget_draws_only_the_newest_settings_and_says_it_is_busy_meanwhile():
-    w = tp_viz.ShardingWidget(hidden=64, ffn=256, n_heads=8, n_kv_heads=8, tp=4)
+    w = tp_viz.ShardingWidget(hidden=64, ffn=256, heads=8, kv_heads=8, tp=4)
     assert w.drawn == [w.settings()]
     busy = []
     w.status.observe(lambda change: busy.append(change["new"]), names="value")

@@ -33,7 +33,7 @@ def test_slider_change_reruns_on_real_ranks_and_draws():
 
 def test_invalid_setting_is_explained_not_launched():
     mode = slider("bad_rank", 0, 0, 5)
-    live = LiveRun("workers.drills", {"bad_rank": mode}, lambda r, p: "ok", params={"world_size": 2, "mode": "ok"})
+    live = LiveRun("workers.rank_faults", {"bad_rank": mode}, lambda r, p: "ok", params={"world_size": 2, "mode": "ok"})
     assert live.wait(120)
     mode.value = 3
     assert live.wait(5)
@@ -43,7 +43,7 @@ def test_invalid_setting_is_explained_not_launched():
 
 def test_changes_during_a_run_queue_and_only_the_newest_runs():
     seconds = slider("seconds", 2, 0, 10)
-    live = LiveRun("workers.drills", {"seconds": seconds}, lambda r, p: f"slept {p['seconds']}",
+    live = LiveRun("workers.rank_faults", {"seconds": seconds}, lambda r, p: f"slept {p['seconds']}",
                    params={"world_size": 2, "mode": "sleep"}, timeout=60)
     time.sleep(0.5)
     for s in (3, 4, 0):  # three changes while the first run sleeps
@@ -55,7 +55,7 @@ def test_changes_during_a_run_queue_and_only_the_newest_runs():
 
 def test_cancel_button_stops_the_run():
     seconds = slider("seconds", 30, 0, 60)
-    live = LiveRun("workers.drills", {"seconds": seconds}, lambda r, p: "done",
+    live = LiveRun("workers.rank_faults", {"seconds": seconds}, lambda r, p: "done",
                    params={"world_size": 2, "mode": "sleep"}, timeout=120)
     time.sleep(1.0)
     start = time.time()
@@ -103,7 +103,7 @@ def test_derived_parameters_follow_the_controls_and_greyed_controls_follow_the_s
 
     mode = W.Dropdown(options=["ok", "sleep"], value="ok", description="mode")
     seconds = slider("seconds", 0, 0, 5)
-    live = LiveRun("workers.drills", {"mode": mode, "seconds": seconds}, lambda r, p: f"bad_rank {p['bad_rank']}",
+    live = LiveRun("workers.rank_faults", {"mode": mode, "seconds": seconds}, lambda r, p: f"bad_rank {p['bad_rank']}",
                    params={"world_size": 2}, derive=lambda s: {"bad_rank": 1 if s["mode"] == "ok" else 0},
                    applies={"seconds": lambda s: s["mode"] == "sleep"})
     assert live.wait(120)

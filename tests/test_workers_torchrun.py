@@ -70,6 +70,6 @@ def test_every_worker_parses_its_command_line_and_runs_its_defaults_at_world_2(s
 
 
 def test_a_failing_rank_fails_torchrun_with_its_traceback():
-    out = torchrun(ROOT / "workers" / "drills.py", 2, "--mode", "raise", "--bad-rank", "1")
+    out = torchrun(ROOT / "workers" / "rank_faults.py", 2, "--mode", "raise", "--bad-rank", "1")
     assert out.returncode != 0
     assert "rank 1 was told to fail" in out.stderr

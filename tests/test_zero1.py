@@ -16,7 +16,7 @@ import pytest
 
 import course_utils as cu
 from course_utils.ledger import model_state_bytes
-from workers.zero.model import TiedGPTConfig
+from workers.zero.model import MODEL, model_config
 from workers.zero.zero1 import flat_partition, params_partition
 
 pytestmark = pytest.mark.ranks
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.ranks
 # ch11_zero1), so 2e-4 = 0.02 x lr; a shard stepped wrong or not gathered moves weights by ~lr = 1e-2.
 ADAM_TOL = 2e-4
 SGD_TOL = 1e-6  # SGD is linear in the gradient: the reordering stays ~1e-7 (measured <= 2.4e-7)
-N_PARAMS = TiedGPTConfig().n_params  # 27,840, divisible by 4: no padding
+N_PARAMS = MODEL.n_params  # 27,840, divisible by 4: no padding
 
 
 def _ledger(n_params, world, k):
@@ -95,7 +95,7 @@ def test_whole_tensor_partition_is_exact_but_only_balanced_within_a_tensor():
 
 def test_padding_when_the_world_size_does_not_divide_the_parameters():
     cfg = dict(vocab=61, hidden=30, heads=3)
-    n = TiedGPTConfig(**cfg).n_params
+    n = model_config(**cfg).n_params
     assert n % 4 == 2
     res = cu.run("workers.ch11_zero1", 4, optimizer="sgd", timeout=180, **cfg)
     shard = -(-n // 4)
@@ -127,16 +127,16 @@ def test_without_sharding_every_rank_holds_the_whole_state():
 
 
 def test_bad_settings_are_refused_before_launch_in_one_sentence():
-    with pytest.raises(cu.InvalidParameter, match="global_batch=6 rows do not split evenly over world_size=4"):
+    with pytest.raises(cu.InvalidParameter, match="global_batch=6 does not split evenly over world_size=4"):
         cu.run("workers.ch11_zero1", 4, global_batch=6)
-    with pytest.raises(cu.InvalidParameter, match="partition='rows' is not known"):
+    with pytest.raises(cu.InvalidParameter, match="partition='rows' is not one of"):
         cu.run("workers.ch11_zero1", 2, partition="rows")
     with pytest.raises(cu.InvalidParameter, match="needs master_weights=True"):
         cu.run("workers.ch11_zero1", 2, dtype="bfloat16")
-    with pytest.raises(cu.InvalidParameter, match=r"global_batch=0 gives the ranks no rows.*positive multiple of "
-                                                  r"world_size=2, such as 4"):
+    with pytest.raises(cu.InvalidParameter, match=r"global_batch=0 does not split evenly over world_size=2 \(choose a "
+                                                  r"positive multiple of 2\): it gives the ranks no rows"):
         cu.run("workers.ch11_zero1", 2, global_batch=0)
-    with pytest.raises(cu.InvalidParameter, match="heads=0 leaves nothing to train or compare; pass heads >= 1"):
+    with pytest.raises(cu.InvalidParameter, match="heads=0 does not divide hidden=32"):
         cu.run("workers.ch11_zero1", 2, heads=0)
 
 
@@ -149,7 +149,7 @@ SMALL = dict(hidden=64, heads=4, layers=2, vocab=256, seq=32, micro_batch=2, ste
 def test_accounted_model_states_at_the_four_moments_equal_the_ledger(world, zero):
     from course_utils import ch11
 
-    res = cu.run("workers.ch11_memory", world, zero_stage=zero, timeout=240, **SMALL)
+    res = cu.run("workers.ch11_memory", world, zero=zero, timeout=240, **SMALL)
     # what the forward saves, term by term (Korthikanti sec 4.1 without dropout, plus what the paper leaves out):
     # the same at every N, because ZeRO-1 does not touch activations and each saved tensor counts its own bytes
     saved_bytes = sum(t["bytes"] for t in ch11.activation_terms(res[0]["config"]))
@@ -172,7 +172,7 @@ def test_accounted_model_states_at_the_four_moments_equal_the_ledger(world, zero
 @pytest.mark.parametrize("leak", ["retain_graph", "stash"])
 def test_activations_kept_past_backward_are_seen(leak):
     # The zero after backward is a measurement: keep the graph, or a reference to saved tensors, and it is not zero.
-    res = cu.run("workers.ch11_memory", 1, zero_stage=0, leak=leak, timeout=240, **SMALL)
+    res = cu.run("workers.ch11_memory", 1, zero=0, leak=leak, timeout=240, **SMALL)
     b, s, h, layers = SMALL["micro_batch"], SMALL["seq"], SMALL["hidden"], SMALL["layers"]
     for m in res[0]["moments"]:
         if m["moment"] in ("backward", "step"):
@@ -204,13 +204,13 @@ def test_saved_activations_count_own_bytes_once_and_only_while_alive():
 
 
 def test_memory_worker_refuses_empty_runs_before_launch_in_one_sentence():
-    with pytest.raises(cu.InvalidParameter, match=r"micro_batch=0 gives each rank no rows.*pass micro_batch >= 1"):
+    with pytest.raises(cu.InvalidParameter, match=r"micro_batch=0 must be at least 1: it gives each rank no rows"):
         cu.run("workers.ch11_memory", 1, **{**SMALL, "micro_batch": 0})
-    with pytest.raises(cu.InvalidParameter, match=r"layers=0 builds a model without transformer layers.*layers >= 1"):
+    with pytest.raises(cu.InvalidParameter, match=r"layers=0 must be at least 1: it builds a model without transformer layers"):
         cu.run("workers.ch11_memory", 1, **{**SMALL, "layers": 0})
-    with pytest.raises(cu.InvalidParameter, match=r"steps=0 runs no training step.*pass steps >= 1"):
+    with pytest.raises(cu.InvalidParameter, match=r"steps=0 must be at least 1: it runs no training step"):
         cu.run("workers.ch11_memory", 1, **{**SMALL, "steps": 0})
-    with pytest.raises(cu.InvalidParameter, match=r"leak='forever' is not known"):
+    with pytest.raises(cu.InvalidParameter, match=r"leak='forever' is not one of"):
         cu.run("workers.ch11_memory", 1, **{**SMALL, "leak": "forever"})
 
 

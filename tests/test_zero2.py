@@ -62,7 +62,7 @@ def test_no_rank_keeps_a_whole_gradient_and_buckets_leave_during_backward():
 
 
 def test_bad_settings_are_refused_before_launch():
-    with pytest.raises(InvalidParameter, match="global_batch=6 rows do not split evenly over world_size=4"):
+    with pytest.raises(InvalidParameter, match="global_batch=6 does not split evenly over world_size=4"):
         cu.run(WORKER, 4, global_batch=6)
     with pytest.raises(InvalidParameter, match="bucket_cap_mb=0 must be positive"):
         cu.run(WORKER, 2, bucket_cap_mb=0)

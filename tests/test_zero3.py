@@ -100,7 +100,7 @@ def test_memory_over_a_step_follows_the_units_and_the_switches():
 
 
 def test_bad_settings_are_refused_before_launch():
-    with pytest.raises(InvalidParameter, match="global_batch=6 rows do not split evenly over world_size=4"):
+    with pytest.raises(InvalidParameter, match="global_batch=6 does not split evenly over world_size=4"):
         cu.run(WORKER, 4, global_batch=6)
-    with pytest.raises(InvalidParameter, match="hidden=30 is not divisible by heads=4"):
+    with pytest.raises(InvalidParameter, match="heads=4 does not divide hidden=30"):
         cu.run(WORKER, 2, hidden=30)

@@ -23,15 +23,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.runtime import entrypoint
+from workers.runtime import at_least, entrypoint, refusal
 
 
 def check_params(world_size, size_mb, iters, matmuls, matmul_n, **_):
-    if not 0 < size_mb <= 256:
-        return f"size_mb={size_mb} is outside 0 to 256 MB: pick a size that fits in memory on every rank"
-    if iters < 1 or matmuls < 0 or matmul_n < 1:
-        return "iters and matmul_n must be at least 1 and matmuls at least 0"
-    return None
+    size = None if 0 < size_mb <= 256 else (f"size_mb={size_mb} is outside 0 to 256 MB: pick a size that fits in "
+                                            "memory on every rank")
+    return refusal(size, at_least("iters", iters), at_least("matmuls", matmuls, 0), at_least("matmul_n", matmul_n))
 
 
 def main(ctx, size_mb: float = 8.0, iters: int = 5, matmuls: int = 4, matmul_n: int = 256):

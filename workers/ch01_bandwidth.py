@@ -15,20 +15,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.runtime import all_gather_single, entrypoint, reduce_scatter_single
+from workers.runtime import all_gather_single, at_least, entrypoint, one_of, reduce_scatter_single, refusal
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
 MAX_BYTES = 1 << 30
 
 
 def check_params(world_size, collective, sizes, iters, warmup, **_):
-    if collective not in COLLECTIVES:
-        return f"collective={collective!r} is not benchmarked here: choose one of {', '.join(COLLECTIVES)}"
-    if not sizes or any((not isinstance(s, int)) or s < 4 or s > MAX_BYTES for s in sizes):
-        return f"sizes must be whole numbers of bytes from 4 to {MAX_BYTES} (1 GiB), not {sizes!r}"
-    if iters < 1 or warmup < 0:
-        return f"iters={iters} must be at least 1 and warmup={warmup} at least 0"
-    return None
+    bad_sizes = not sizes or any((not isinstance(s, int)) or s < 4 or s > MAX_BYTES for s in sizes)
+    return refusal(one_of("collective", collective, COLLECTIVES),
+                   f"sizes must be whole numbers of bytes from 4 to {MAX_BYTES} (1 GiB), not {sizes!r}" if bad_sizes
+                   else None,
+                   at_least("iters", iters), at_least("warmup", warmup, 0))
 
 
 def element_count(collective: str, nbytes: int, world_size: int) -> int:

@@ -17,25 +17,18 @@ import torch
 import torch.distributed as dist
 
 from workers.collectives.reference import COLLECTIVES, DTYPES, OPS, REDUCING, input_for
-from workers.runtime import entrypoint
+from workers.runtime import at_least, entrypoint, one_of, refusal
 
 BARRIER_DELAY_S = 0.1  # rank r arrives at the barrier r * 100 ms late
 
 
 def check_params(world_size, collective, op, chunk, root, dtype="float32", **_):
-    if collective not in COLLECTIVES:
-        return f"collective={collective!r} is not one of {', '.join(COLLECTIVES)}"
-    if op not in OPS:
-        return f"op={op!r} is not a reduction this chapter runs: choose one of {', '.join(OPS)}"
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not one this chapter runs: choose one of {', '.join(DTYPES)}"
-    if dtype == "int64" and op == "avg" and collective in REDUCING:
-        return "op=avg on int64 tensors would have to round: use dtype=float32 for an average"
-    if chunk < 1:
-        return f"chunk={chunk} elements per rank per block is too few: use 1 or more"
-    if not 0 <= root < world_size:
-        return f"root={root} is not a rank of a world of {world_size}: use 0 to {world_size - 1}"
-    return None
+    rounds = dtype == "int64" and op == "avg" and collective in REDUCING
+    return refusal(one_of("collective", collective, COLLECTIVES), one_of("op", op, OPS), one_of("dtype", dtype, DTYPES),
+                   "op=avg on int64 tensors would have to round: use dtype=float32 for an average" if rounds else None,
+                   (why := at_least("chunk", chunk)) and f"{why} element per rank per block",
+                   None if 0 <= root < world_size else
+                   f"root={root} is not a rank of a world of {world_size}: use 0 to {world_size - 1}")
 
 
 def _op(op: str):

@@ -21,23 +21,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from workers.data_parallel.buckets import predict_ddp_buckets
 from workers.data_parallel.model import (Setup, flat, flat_grads, grads_on, loss_fn, make_batches, make_model,
                                          make_stack, shard)
-from workers.runtime import entrypoint
+from workers.runtime import at_least, batch_over_world, entrypoint, one_of, refusal
 
 PARTS = ("broadcast", "average", "buckets")
 
 
 def check_params(world_size, part, bucket_cap_mb, layers, width, steps, global_batch, **_):
-    if part not in PARTS:
-        return f"part={part!r} is not a part of this worker: choose one of {', '.join(PARTS)}"
-    if bucket_cap_mb <= 0:
-        return f"bucket_cap_mb={bucket_cap_mb} must be positive (use default_cap=True for DDP's default)"
-    if not 1 <= layers <= 64 or not 1 <= width <= 2048:
-        return f"layers={layers}, width={width}: keep 1 <= layers <= 64 and 1 <= width <= 2048 on a CPU"
-    if steps < 1:
-        return f"steps={steps}: run at least 1 step"
-    if global_batch % world_size:
-        return f"global_batch={global_batch} does not split into {world_size} equal shards: choose a multiple of {world_size}"
-    return None
+    return refusal(one_of("part", part, PARTS),
+                   None if bucket_cap_mb > 0 else
+                   f"bucket_cap_mb={bucket_cap_mb} must be positive (use default_cap=True for DDP's default)",
+                   None if 1 <= layers <= 64 else f"layers={layers}: keep 1 <= layers <= 64 on a CPU",
+                   None if 1 <= width <= 2048 else f"width={width}: keep 1 <= width <= 2048 on a CPU",
+                   at_least("steps", steps), batch_over_world(global_batch, world_size))
 
 
 def _wrap(model, ctx, **kw):

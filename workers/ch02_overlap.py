@@ -19,14 +19,12 @@ from workers.data_parallel.buckets import MIB, predict_ddp_buckets
 from workers.data_parallel.model import (Setup, flat, flat_grads, loss_fn, make_batches, make_model, shard,
                                          training_problem)
 from workers.data_parallel.overlap import OverlappedDDP, overlap_summary
-from workers.runtime import entrypoint
+from workers.runtime import at_least, entrypoint, refusal
 
 
 def check_params(world_size, global_batch, steps, lr, bucket_cap_bytes, **_):
-    problem = training_problem(world_size, global_batch, steps, lr)
-    if problem is None and bucket_cap_bytes < 1:
-        problem = f"bucket_cap_bytes={bucket_cap_bytes} must be at least 1 byte"
-    return problem
+    return refusal(training_problem(world_size, global_batch, steps, lr),
+                   (why := at_least("bucket_cap_bytes", bucket_cap_bytes)) and f"{why} byte")
 
 
 def _train(ctx, setup: Setup, wrap, finish=None) -> dict:

@@ -18,23 +18,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from workers.data_parallel.model import Setup, flat_grads, loss_fn, make_batches, make_model, shard
-from workers.runtime import entrypoint
+from workers.runtime import batch_over_world, entrypoint, one_of, refusal
 
 PARTS = ("sampler", "reduction", "no_sync")
 
 
 def check_params(world_size, part, dataset_size, epochs, accumulation, global_batch, **_):
-    if part not in PARTS:
-        return f"part={part!r} is not a part of this worker: choose one of {', '.join(PARTS)}"
-    if not 1 <= dataset_size <= 10_000:
-        return f"dataset_size={dataset_size}: use 1 to 10000 samples"
-    if not 1 <= epochs <= 20:
-        return f"epochs={epochs}: use 1 to 20 epochs"
-    if not 1 <= accumulation <= 64:
-        return f"accumulation={accumulation}: use 1 to 64 micro-batches"
-    if global_batch % world_size:
-        return f"global_batch={global_batch} does not split into {world_size} equal shards: choose a multiple of {world_size}"
-    return None
+    return refusal(one_of("part", part, PARTS),
+                   None if 1 <= dataset_size <= 10_000 else f"dataset_size={dataset_size}: use 1 to 10000 samples",
+                   None if 1 <= epochs <= 20 else f"epochs={epochs}: use 1 to 20 epochs",
+                   None if 1 <= accumulation <= 64 else f"accumulation={accumulation}: use 1 to 64 micro-batches",
+                   batch_over_world(global_batch, world_size))
 
 
 def sampler(ctx, dataset_size: int, epochs: int, seed: int) -> dict:

@@ -17,28 +17,32 @@ and the wrong mappings live in ``workers/parallel/circuits.py``.
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
+from workers.layout.mesh import Mesh
 from workers.parallel.circuits import CIRCUITS, VARIANTS, circuits, library
-from workers.parallel.groups import TensorParallelGroups
-from workers.runtime import entrypoint
-from workers.parallel.grid import choose_divisor
+from workers.runtime import divides, entrypoint, one_of, refusal
 
 
-def check_params(world_size, variant, rows, hidden, tp_size, **_):
-    if variant not in VARIANTS:
-        return f"variant={variant!r} is not known: choose one of {', '.join(VARIANTS)}"
-    tp = tp_size or world_size
-    if tp < 1 or world_size % tp:
-        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
-    if rows % tp or hidden % tp or rows < 1 or hidden < 1:
-        return (f"rows={rows} and hidden={hidden} must be positive multiples of the group size {tp}: "
-                f"try rows={tp} hidden={2 * tp}")
-    return None
+def check_params(world_size, variant, rows, hidden, tp, **_):
+    group = tp or world_size
+    return refusal(one_of("variant", variant, list(VARIANTS)), divides("tp", group, "world_size", world_size)) or \
+        refusal(*(_multiple(name, value, group) for name, value in (("rows", rows), ("hidden", hidden))))
 
 
-def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: int = 0, tp_size: int = 0,
+def _multiple(name: str, value: int, group: int) -> str | None:
+    """rows and hidden are split over the group's ranks: the group size must divide them."""
+    if isinstance(value, int) and value >= 1 and value % group == 0:
+        return None
+    return (f"{name}={value} must be a positive multiple of tp={group} (each rank holds {name}/tp of it): "
+            f"try {2 * group}")
+
+
+def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: int = 0, tp: int = 0,
          group_timeout: float = 20.0):
-    """gradcheck every circuit in float64 on this rank, inside its group of ``tp_size`` ranks (0: the world)."""
-    tp = tp_size or ctx.world_size
+    """gradcheck every circuit in float64 on this rank, inside its tensor-parallel group of ``tp`` ranks.
+
+    ``tp`` 0 means the whole world (one group).
+    """
+    tp = tp or ctx.world_size
     m = {**library(), **VARIANTS[variant]}
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((rows, hidden), generator=gen, dtype=torch.float64).to(ctx.device).requires_grad_()  # replicated
@@ -46,8 +50,8 @@ def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: in
     for name in CIRCUITS:
         # Fresh groups per circuit with a short timeout: if a broken backward ever left the ranks out of
         # step, the next circuit could not be confused with this one, and the wait ends in an error.
-        with TensorParallelGroups(tp, timeout_s=group_timeout) as groups:
-            fn = circuits(m, groups.group, groups.rank, hidden, seed, ctx.device)[name]
+        with Mesh.for_world(("tp",), tp=tp, timeout_s=group_timeout) as mesh:
+            fn = circuits(m, mesh.group("tp"), mesh.rank_in("tp"), hidden, seed, ctx.device)[name]
             try:
                 torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7, rtol=1e-5, raise_exception=True)
                 verdicts[name] = {"passed": True, "message": ""}
@@ -55,7 +59,7 @@ def main(ctx, variant: str = "correct", rows: int = 4, hidden: int = 4, seed: in
                 verdicts[name] = {"passed": False, "message": str(exc).strip().splitlines()[0]}
             # How far off is the backward? One vector-Jacobian product against a central difference.
             verdicts[name]["grad_ratio"] = _vjp_ratio(fn, x)
-    return {"gradcheck": verdicts, "variant": variant, "tp_size": tp, "group_ranks": groups.ranks}
+    return {"gradcheck": verdicts, "variant": variant, "tp": tp, "group_ranks": mesh.ranks("tp")}
 
 
 def _vjp_ratio(fn, x: torch.Tensor, eps: float = 1e-6) -> float:

@@ -1,39 +1,33 @@
 """Run every mapping of ``workers/parallel/mappings.py`` on real ranks; send back inputs, outputs and gradients.
 
-    torchrun --nproc-per-node 4 workers/ch03_mappings.py --mapping all --tp-size 2
+    torchrun --nproc-per-node 4 workers/ch03_mappings.py --mapping all --tp 2
 
 Each rank builds the inputs and output gradients of *all* ranks from one seed (``reference.example``),
 keeps its own, runs forward and backward, and returns its input, the gradient it was given, its output
 and the gradient of its input: everything the notebook needs to rebuild the run in one process
-(``reference.compare``). ``tp_size`` < world size splits the world into tensor-parallel groups of that
-size ([0..tp-1], [tp..2tp-1], ...) and every mapping runs inside its own group only.
+(``reference.compare``). ``tp`` < world size splits the world into tensor-parallel groups of that
+size ([0..tp-1], [tp..2tp-1], ...) and every mapping runs inside its own group only; ``tp`` 0 (the
+default) means one group, the whole world.
 """
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from workers.layout.mesh import Mesh
 from workers.parallel import mappings
-from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.reference import MAPPING_NAMES, example, uneven_splits
-from workers.runtime import entrypoint
+from workers.runtime import at_least, divides, entrypoint, one_of, refusal
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def check_params(world_size, mapping, rows, cols, dtype, tp_size, implementation, **_):
-    if mapping != "all" and mapping not in MAPPING_NAMES:
-        return f"mapping={mapping!r} is not a mapping: choose 'all' or one of {', '.join(MAPPING_NAMES)}"
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not supported here: choose one of {', '.join(DTYPES)}"
-    if rows < 1 or cols < 1:
-        return f"rows={rows} and cols={cols} must be at least 1 (they are the block sizes per rank)"
-    tp = tp_size or world_size
-    if tp < 1 or world_size % tp:
-        return f"tp_size={tp_size} does not divide world_size={world_size}: choose a divisor of {world_size}"
-    if implementation is not None and mapping == "all":
-        return "an implementation replaces one mapping: pass mapping='<its name>' with it"
-    return None
+def check_params(world_size, mapping, rows, cols, dtype, tp, implementation, **_):
+    return refusal(one_of("mapping", mapping, ("all",) + tuple(MAPPING_NAMES)), one_of("dtype", dtype, list(DTYPES)),
+                   at_least("rows", rows), at_least("cols", cols),  # the block sizes per rank
+                   divides("tp", tp or world_size, "world_size", world_size),
+                   "an implementation replaces one mapping: pass mapping='<its name>' with it"
+                   if implementation is not None and mapping == "all" else None)
 
 
 def run_mapping(ctx, name: str, fn, group, group_index: int, *, rows: int, cols: int, dtype: torch.dtype,
@@ -55,20 +49,23 @@ def run_mapping(ctx, name: str, fn, group, group_index: int, *, rows: int, cols:
 
 
 def main(ctx, mapping: str = "all", rows: int = 2, cols: int = 3, dtype: str = "float64", seed: int = 0,
-         tp_size: int = 0, uneven: bool = False, tensor_parallel_output_grad: bool = True, implementation=None):
-    """Forward and backward of each mapping; ``implementation`` (a function) replaces the library's."""
+         tp: int = 0, uneven: bool = False, tensor_parallel_output_grad: bool = True, implementation=None):
+    """Forward and backward of each mapping; ``implementation`` (a function) replaces the library's.
+
+    ``tp``: the ranks per tensor-parallel group (0: the whole world).
+    """
     names = MAPPING_NAMES if mapping == "all" else (mapping,)
     records = {}
     # Record warnings too: the library must not lean on deprecated collectives (torch 2.13 renamed some).
-    with TensorParallelGroups(tp_size) as tp, mappings.record_communication() as log, \
+    with Mesh.for_world(("tp",), tp=tp or ctx.world_size) as mesh, mappings.record_communication() as log, \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i, name in enumerate(names):
             fn = implementation if implementation is not None else mappings.MAPPINGS[name]
-            records[name] = run_mapping(ctx, name, fn, tp.group, tp.index, rows=rows, cols=cols,
+            records[name] = run_mapping(ctx, name, fn, mesh.group("tp"), mesh.index("tp"), rows=rows, cols=cols,
                                         dtype=DTYPES[dtype], seed=seed + i, uneven=uneven,
                                         tensor_parallel_output_grad=tensor_parallel_output_grad)
-    return {"records": records, "group_ranks": tp.ranks, "group_rank": tp.rank,
+    return {"records": records, "group_ranks": mesh.ranks("tp"), "group_rank": mesh.rank_in("tp"),
             "communication": log, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
 
 

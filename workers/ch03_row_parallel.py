@@ -15,36 +15,32 @@ and ``reference.mlp_reference``.
 """
 import torch
 
+from workers.layout.mesh import Mesh
 from workers.parallel import mappings as M
-from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.problems import row_parallel_problem
-from workers.runtime import entrypoint
-from workers.parallel.grid import choose_divisor
+from workers.runtime import divides, entrypoint, one_of, refusal
 
 MODES = ("row", "mlp")
 
 
-def check_params(world_size, mode, hidden, ffn, tp_size, **_):
-    if mode not in MODES:
-        return f"mode={mode!r} is not known: choose one of {', '.join(MODES)}"
-    tp = tp_size or world_size
-    if world_size % tp:
-        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
-    split = hidden if mode == "row" else ffn
-    if split % tp:
-        return f"{'hidden' if mode == 'row' else 'ffn'}={split} is not divisible by the tensor-parallel size {tp}"
-    return None
+def check_params(world_size, mode, hidden, ffn, tp, **_):
+    group = tp or world_size
+    split, name = (hidden, "hidden") if mode == "row" else (ffn, "ffn")  # what the row-parallel layer cuts
+    return refusal(one_of("mode", mode, MODES), divides("tp", group, "world_size", world_size)) or \
+        divides("tp", group, name, split)
 
 
 def main(ctx, mode: str = "row", input_is_parallel: bool = False, batch: int = 4, hidden: int = 8, out: int = 6,
-         ffn: int = 16, seed: int = 0, tp_size: int = 0):
+         ffn: int = 16, seed: int = 0, tp: int = 0):
+    """One row-parallel layer (or MLP) forward and backward in this rank's group of ``tp`` ranks (0: the world)."""
     p = {k: v.to(ctx.device) for k, v in row_parallel_problem(mode, seed, batch, hidden, out, ffn).items()}
-    with TensorParallelGroups(tp_size) as tp, M.record_communication() as log:
+    with Mesh.for_world(("tp",), tp=tp or ctx.world_size) as mesh, M.record_communication() as log:
+        group, me, size = mesh.group("tp"), mesh.rank_in("tp"), mesh.size("tp")
         if mode == "row":
-            sent = _row(p, tp.group, tp.rank, tp.size, input_is_parallel)
+            sent = _row(p, group, me, size, input_is_parallel)
         else:
-            sent = _mlp(p, tp.group, tp.rank, tp.size)
-    return {**sent, "communication": log, "tp_size": tp.size, "group_rank": tp.rank}
+            sent = _mlp(p, group, me, size)
+    return {**sent, "communication": log, "tp": size, "group_rank": me}
 
 
 def _row(p: dict, group, me: int, tp: int, input_is_parallel: bool) -> dict:

@@ -19,11 +19,10 @@ import warnings
 import torch.distributed as dist
 
 from workers.parallel import mappings as M
+from workers.layout.mesh import Mesh
 from workers.parallel.faults import all_reduce_both_ways
-from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.problems import scaling_trap_problem
-from workers.runtime import entrypoint
-from workers.parallel.grid import choose_divisor
+from workers.runtime import divides, entrypoint
 
 
 def _torch_distributed_nn(x, group):
@@ -49,32 +48,30 @@ REDUCTIONS = {
 }
 
 
-def check_params(world_size, hidden, tp_size, **_):
-    tp = tp_size or world_size
-    if world_size % tp:
-        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
-    if hidden % tp:
-        return f"hidden={hidden} is not divisible by the tensor-parallel size {tp}: use a multiple of {tp}"
-    return None
+def check_params(world_size, hidden, tp, **_):
+    group = tp or world_size
+    return divides("tp", group, "world_size", world_size) or divides("tp", group, "hidden", hidden)
 
 
-def main(ctx, batch: int = 4, hidden: int = 8, out: int = 4, seed: int = 0, tp_size: int = 0):
-    """Gradients of W_r and X under each backward of the all-reduce, for one tensor-parallel group size."""
+def main(ctx, batch: int = 4, hidden: int = 8, out: int = 4, seed: int = 0, tp: int = 0):
+    """Gradients of W_r and X under each backward of the all-reduce, for one tensor-parallel group size ``tp``
+    (0: the whole world)."""
     x_full, w_full = scaling_trap_problem(seed, batch, hidden, out)
     results = {}
-    with TensorParallelGroups(tp_size) as tp:
-        rows, me = hidden // tp.size, tp.rank
+    with Mesh.for_world(("tp",), tp=tp or ctx.world_size) as mesh:
+        group, size, me = mesh.group("tp"), mesh.size("tp"), mesh.rank_in("tp")
+        rows = hidden // size
         for name, reduce in REDUCTIONS.items():
             if name.startswith("torch.") and not _has_torch_distributed_nn():
                 continue
             x = x_full.clone().to(ctx.device).requires_grad_()  # replicated leaf, fresh for each variant
             w_r = w_full[me * rows:(me + 1) * rows].clone().to(ctx.device).requires_grad_()  # [h/n, o]
-            x_r = M.scatter_to_tensor_model_parallel_region(x, group=tp.group)  # [b, h/n]
-            y = reduce(x_r @ w_r, tp.group)  # [b, o], replicated
+            x_r = M.scatter_to_tensor_model_parallel_region(x, group=group)  # [b, h/n]
+            y = reduce(x_r @ w_r, group)  # [b, o], replicated
             loss = 0.5 * y.square().sum()
             loss.backward()
             results[name] = {"loss": loss.item(), "grad_weight": w_r.grad, "grad_input": x.grad}
-    return {"results": results, "tp_size": tp.size, "group_rank": me, "weight_rows": [me * rows, (me + 1) * rows]}
+    return {"results": results, "tp": size, "group_rank": me, "weight_rows": [me * rows, (me + 1) * rows]}
 
 
 if __name__ == "__main__":

@@ -1,56 +1,54 @@
 """Attention split by heads (GQA included) on real ranks, against the dense module (chapter 05).
 
-    torchrun --nproc-per-node 4 workers/ch05_attention_tp.py --n-heads 8 --n-kv-heads 2
+    torchrun --nproc-per-node 4 workers/ch05_attention_tp.py --heads 8 --kv-heads 2
 
-Each rank keeps its n_heads/t query heads and the KV heads they read (split when t divides n_kv_heads,
-replicated when n_kv_heads divides t), runs forward and backward on the same input, and returns its part
+Each rank keeps its heads/t query heads and the KV heads they read (split when t divides kv_heads,
+replicated when kv_heads divides t), runs forward and backward on the same input, and returns its part
 of every tensor and the collectives it ran. ``split="naive"`` cuts the fused [Q; K; V] weight into t
 contiguous chunks instead of by heads: the run succeeds and the numbers are wrong, which is the point.
 """
+from workers.layout.mesh import Mesh
+from workers.model.dense import BlockConfig
 from workers.parallel.attention import kv_heads_for_rank
-from workers.parallel.dense import BlockConfig
-from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.harness import DTYPES, forward_backward, problem
-from workers.parallel.layers import group_size_rank
-from workers.runtime import entrypoint
-from workers.parallel.grid import choose_divisor
+from workers.runtime import divides, entrypoint, one_of, refusal
 
 
-def check_params(world_size, tp_size=0, hidden=32, n_heads=4, n_kv_heads=0, seq=8, batch=2, sequence_parallel=False,
+def check_params(world_size, tp=0, hidden=32, heads=4, kv_heads=0, seq=8, batch=2, sequence_parallel=False,
                  split="right", fault="", dtype="float32", **_):
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
-    if split not in ("right", "naive"):
-        return f"split={split!r} must be 'right' (by heads) or 'naive' (contiguous chunks)"
-    if tp_size < 0 or (tp_size and world_size % tp_size):
-        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
-    world_size = tp_size or world_size  # the rules below are about the tensor-parallel group
-    cfg = BlockConfig(hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads)
-    bad = problem("attention", cfg, world_size, seq, batch, sequence_parallel=sequence_parallel, fault=fault)
-    if bad is None and split == "naive" and ((n_heads + 2 * cfg.kv_heads) * cfg.head_dim) % world_size:
-        bad = f"the fused QKV weight's rows do not split into {world_size} equal chunks: choose another world size"
-    if bad is None and split == "naive" and world_size > cfg.kv_heads:
-        bad = ("split='naive' is only shown where the shapes happen to fit (n_kv_heads divisible by the world "
-               "size); with replicated KV heads the naive chunk has the wrong number of rows")
+    bad = refusal(one_of("dtype", dtype, list(DTYPES)), one_of("split", split, ("right", "naive")),
+                  divides("tp", tp or world_size, "world_size", world_size))
+    if bad:
+        return bad
+    tp = tp or world_size  # the rules below are about the tensor-parallel group
+    cfg = BlockConfig(hidden=hidden, heads=heads, kv_heads=kv_heads)
+    bad = problem("attention", cfg, tp, seq, batch, sequence_parallel=sequence_parallel, fault=fault)
+    if bad is None and split == "naive" and ((heads + 2 * cfg.kv_heads) * cfg.head_dim) % tp:
+        bad = f"the fused QKV weight's rows do not split into tp={tp} equal chunks: choose another tp"
+    if bad is None and split == "naive" and tp > cfg.kv_heads:
+        bad = (f"split='naive' is only shown where the shapes happen to fit (tp dividing kv_heads={cfg.kv_heads}); "
+               f"with tp={tp} the KV heads are replicated and the naive chunk has the wrong number of rows")
     return bad
 
 
-def main(ctx, hidden: int = 32, n_heads: int = 4, n_kv_heads: int = 0, bias: bool = True, causal: bool = True,
+def main(ctx, hidden: int = 32, heads: int = 4, kv_heads: int = 0, bias: bool = True, causal: bool = True,
          seq: int = 8, batch: int = 2, seed: int = 0, sequence_parallel: bool = False, split: str = "right",
-         fault: str = "", dtype: str = "float32", tp_size: int = 0):
+         fault: str = "", dtype: str = "float32", tp: int = 0):
     """Forward and backward of this rank's heads; its parts of every tensor, and the collectives it ran.
 
-    ``tp_size`` (0: the whole world): tensor-parallel groups of that size, each running the same attention.
+    ``tp``: tensor-parallel groups of that size, each running the same attention; 0 (the default) means one
+    group, the whole world. ``kv_heads`` 0 means as many as ``heads`` (multi-head attention).
+    Returns, besides the tensors, ``query_heads`` and ``kv_head_ids``: the heads this rank holds.
     """
-    cfg = BlockConfig(hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, bias=bias, causal=causal)
-    with TensorParallelGroups(tp_size) as groups:
-        out = forward_backward("attention", cfg, seq=seq, batch=batch, seed=seed, group=groups.group,
+    cfg = BlockConfig(hidden=hidden, heads=heads, kv_heads=kv_heads, bias=bias, causal=causal)
+    with Mesh.for_world(("tp",), tp=tp or ctx.world_size) as mesh:
+        out = forward_backward("attention", cfg, seq=seq, batch=batch, seed=seed, group=mesh.group("tp"),
                                device=ctx.device, dtype=DTYPES[dtype], sequence_parallel=sequence_parallel,
                                split=split, fault=fault)
-        tp, rank = group_size_rank(groups.group)
-        heads = list(range(rank * n_heads // tp, (rank + 1) * n_heads // tp))
-        return {**out, "config": cfg.as_dict(), "query_heads": heads, **groups.describe(),
-                "kv_heads": kv_heads_for_rank(n_heads, cfg.kv_heads, tp, rank)}
+        t, rank = mesh.size("tp"), mesh.rank_in("tp")
+        query_heads = list(range(rank * heads // t, (rank + 1) * heads // t))
+        return {**out, "config": cfg.as_dict(), "query_heads": query_heads, **mesh.describe("tp"),
+                "kv_head_ids": kv_heads_for_rank(heads, cfg.kv_heads, t, rank)}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where the time of one tensor-parallel block goes: LayerNorm, attention, MLP, communication, backward.
 
     torchrun --nproc-per-node 2 workers/ch06_profile.py --seqs 64 128 256 --hidden 128
-    torchrun --nproc-per-node 1 workers/ch06_profile.py --dtype bfloat16 --hidden 4096 --n-heads 32 \\
+    torchrun --nproc-per-node 1 workers/ch06_profile.py --dtype bfloat16 --hidden 4096 --heads 32 \\
         --seqs 1024 4096 --trace-dir /tmp/traces          # on a GPU
 
 For each sequence length: ``warmup`` untimed steps, then ``repeats`` timed forward + backward steps of
@@ -23,34 +23,28 @@ import time
 
 import torch
 
+from workers.layout.mesh import Mesh
+from workers.model.dense import BlockConfig
 from workers.parallel.attention import destroy_owned_groups
 from workers.parallel.block import ParallelBlock
 from workers.parallel.comm_stats import CommLedger, name_scopes
-from workers.parallel.dense import BlockConfig
-from workers.parallel.groups import TensorParallelGroups
 from workers.parallel.harness import problem
-from workers.runtime import entrypoint
-from workers.parallel.grid import choose_divisor
+from workers.runtime import at_least, divides, entrypoint, one_of, refusal
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAGES = ("ln1", "attention", "residual1", "ln2", "mlp", "residual2")
 
 
-def check_params(world_size, tp_size=0, hidden=128, n_heads=8, seq=128, seqs=(), batch=2, sequence_parallel=False,
+def check_params(world_size, tp=0, hidden=128, heads=8, seq=128, seqs=(), batch=2, sequence_parallel=False,
                  repeats=5, warmup=2, dtype="float32", **_):
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
-    if repeats < 1 or warmup < 0:
-        return f"repeats={repeats} must be at least 1 and warmup={warmup} at least 0"
-    if tp_size < 0 or (tp_size and world_size % tp_size):
-        return f"tp_size={tp_size} does not divide world_size={world_size}: {choose_divisor(world_size)}"
-    world_size = tp_size or world_size
-    cfg = BlockConfig(hidden=hidden, n_heads=n_heads)
-    for s in [int(v) for v in (list(seqs) or [seq])]:
-        bad = problem("block", cfg, world_size, s, batch, sequence_parallel=sequence_parallel)
-        if bad:
-            return bad
-    return None
+    bad = refusal(one_of("dtype", dtype, list(DTYPES)), at_least("repeats", repeats), at_least("warmup", warmup, 0),
+                  divides("tp", tp or world_size, "world_size", world_size))
+    if bad:
+        return bad
+    cfg = BlockConfig(hidden=hidden, heads=heads)
+    found = (problem("block", cfg, tp or world_size, int(s), batch, sequence_parallel=sequence_parallel)
+             for s in (list(seqs) or [seq]))
+    return next((bad for bad in found if bad), None)  # the first sequence length that does not fit, once
 
 
 class SegmentTimer:
@@ -157,23 +151,24 @@ def profile_one(ctx, cfg: BlockConfig, seq: int, batch: int, *, sequence_paralle
             "device": str(ctx.device) if ctx.device.type == "cpu" else torch.cuda.get_device_name(ctx.device)}
 
 
-def main(ctx, hidden: int = 128, n_heads: int = 8, seq: int = 128, seqs: list = (), batch: int = 2,
+def main(ctx, hidden: int = 128, heads: int = 8, seq: int = 128, seqs: list = (), batch: int = 2,
          sequence_parallel: bool = False, repeats: int = 5, warmup: int = 2, dtype: str = "float32",
-         trace_dir: str = "", tp_size: int = 0):
+         trace_dir: str = "", tp: int = 0):
     """Median per-segment times of ``repeats`` forward + backward steps, for each sequence length.
 
-    ``tp_size`` (0: the whole world): tensor-parallel groups of that size, each profiling its own block at
-    the same time (``tp_size=1`` on 2 ranks: two TP-1 blocks side by side, one core each on this machine).
+    ``tp``: tensor-parallel groups of that size, each profiling its own block at the same time (``tp=1`` on 2
+    ranks: two TP-1 blocks side by side, one core each on this machine); 0 (the default) means the whole world.
     """
-    cfg = BlockConfig(hidden=hidden, n_heads=n_heads)
+    cfg = BlockConfig(hidden=hidden, heads=heads)
     profiles = []
-    with TensorParallelGroups(tp_size) as tp:
+    with Mesh.for_world(("tp",), tp=tp or ctx.world_size) as mesh:
         for s in [int(v) for v in (list(seqs) or [seq])]:
             profiles.append(profile_one(ctx, cfg, s, batch, sequence_parallel=sequence_parallel, repeats=repeats,
-                                        warmup=warmup, dtype=DTYPES[dtype], trace_dir=trace_dir, group=tp.group,
-                                        tp=tp.size))
+                                        warmup=warmup, dtype=DTYPES[dtype], trace_dir=trace_dir,
+                                        group=mesh.group("tp"), tp=mesh.size("tp")))
             ctx.metric(step=len(profiles), seq=s, forward_ms=profiles[-1]["forward_s"] * 1e3)
-        return {"profiles": profiles, "config": cfg.as_dict(), "threads": torch.get_num_threads(), **tp.describe()}
+        return {"profiles": profiles, "config": cfg.as_dict(), "threads": torch.get_num_threads(),
+                **mesh.describe("tp")}
 
 
 if __name__ == "__main__":

@@ -24,29 +24,22 @@ import torch
 
 from workers.checkpointing import atomic
 from workers.checkpointing.faults import KillAfterBytes, naive_save_dir
-from workers.runtime import entrypoint
+from workers.runtime import at_least, entrypoint, one_of, refusal
 
 WRITERS = ("naive", "atomic")
 FILES = ("model.pt", "optimizer.pt", "meta.pt")
 
 
 def check_params(world_size, part, ckpt_dir, writer, step, kill_at_bytes, kill_after_file, how, **_):
-    if part not in ("save", "scan"):
-        return f"part={part!r}: choose 'save' or 'scan'"
-    if not ckpt_dir:
-        return "ckpt_dir is empty: give the directory the checkpoints go to (a temporary directory is fine)"
-    if writer not in WRITERS:
-        return f"writer={writer!r}: choose 'naive' or 'atomic'"
-    if step < 0:
-        return f"step={step} must be 0 or more"
-    if kill_after_file and kill_after_file not in FILES:
-        return f"kill_after_file={kill_after_file!r}: the files of a save are {', '.join(FILES)}"
-    if (kill_at_bytes >= 0 or kill_after_file) and world_size != 1:
-        return (f"a rank that kills itself leaves the other {world_size - 1} waiting in their next collective: "
-                "run the crash at world_size=1")
-    if how not in ("sigkill", "exit"):
-        return f"how={how!r}: choose 'sigkill' or 'exit'"
-    return None
+    crash = (kill_at_bytes >= 0 or kill_after_file) and world_size != 1
+    return refusal(one_of("part", part, ("save", "scan")),
+                   None if ckpt_dir else
+                   "ckpt_dir is empty: give the directory the checkpoints go to (a temporary directory is fine)",
+                   one_of("writer", writer, WRITERS), at_least("step", step, 0),
+                   one_of("kill_after_file", kill_after_file, ("",) + FILES),  # '': no kill after a file
+                   f"a rank that kills itself leaves the other {world_size - 1} waiting in their next collective: "
+                   "run the crash at world_size=1" if crash else None,
+                   one_of("how", how, ("sigkill", "exit")))
 
 
 def checkpoint_files(step: int, megabytes: float) -> dict:

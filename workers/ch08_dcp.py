@@ -40,19 +40,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from workers.checkpointing.sharded import make_mlp
-from workers.runtime import collective_timeout, entrypoint
+from workers.runtime import at_least, collective_timeout, entrypoint, one_of, refusal
 
 PARTS = ("save", "load", "async")
 
 
 def check_params(world_size, part, ckpt_dir, width, layers, repeats, **_):
-    if part not in PARTS:
-        return f"part={part!r}: choose one of {', '.join(PARTS)}"
-    if not ckpt_dir:
-        return "ckpt_dir is empty: give the directory the checkpoint is written to or read from"
-    if width < 1 or layers < 1 or repeats < 1:
-        return "width, layers and repeats must be at least 1"
-    return None
+    return refusal(one_of("part", part, PARTS),
+                   None if ckpt_dir else
+                   "ckpt_dir is empty: give the directory the checkpoint is written to or read from",
+                   at_least("width", width), at_least("layers", layers), at_least("repeats", repeats))
 
 
 def _cpu_group(ctx):

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers.precision.numerics import master_weights, underflow
-from workers.runtime import entrypoint
+from workers.runtime import at_least, entrypoint, one_of, refusal
 
 PARTS = ("loss_scaling", "underflow", "master_weights")
 INJECT = {"inf": float("inf"), "nan": float("nan")}
@@ -35,30 +35,32 @@ def _steps_lr(part: str, steps: int, lr: float) -> tuple[int, float]:
 
 def check_params(world_size, part, steps, lr, init_scale, growth_factor, backoff_factor, growth_interval,
                  inf_steps, inf_rank, inject, batch_per_rank, loss_scale, tokens_per_rank, tokens_per_step, **_):
-    if part not in PARTS:
-        return f"part={part!r} is not a part of this worker: choose one of {', '.join(PARTS)}"
-    if not 0 <= steps <= 2000:
-        return f"steps={steps}: use 1 to 2000 steps (or 0 for the part's default)"
-    if lr < 0:
-        return f"lr={lr} must be positive (or 0 for the part's default)"
-    steps, _ = _steps_lr(part, steps, lr)
-    if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
-        return ("GradScaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= 1 "
-                f"(got {init_scale}, {growth_factor}, {backoff_factor}, {growth_interval})")
-    if part == "loss_scaling" and any(not isinstance(s, int) or not 0 <= s < steps for s in inf_steps):
-        return f"inf_steps={list(inf_steps)} must be step numbers from 0 to steps - 1 = {steps - 1}"
-    if not -1 <= inf_rank < world_size:
-        return f"inf_rank={inf_rank} is not a rank of a world of {world_size}: use 0 to {world_size - 1}, or -1 for every rank"
-    if inject not in INJECT:
-        return f"inject={inject!r}: choose 'inf' or 'nan'"
-    if batch_per_rank < 1 or tokens_per_rank < 1:
-        return "batch_per_rank and tokens_per_rank must be at least 1"
-    if tokens_per_step < tokens_per_rank:
-        return (f"tokens_per_step={tokens_per_step} counts every token of the step, so it cannot be smaller than "
-                f"this rank's tokens_per_rank={tokens_per_rank}")
-    if loss_scale <= 0:
-        return f"loss_scale={loss_scale} must be positive"
-    return None
+    steps_ok = 0 <= steps <= 2000
+    run_steps = _steps_lr(part, steps, lr)[0] if part in PARTS else steps  # 0: the part's default
+    bad_inf_steps = part == "loss_scaling" and steps_ok and \
+        any(not isinstance(s, int) or not 0 <= s < run_steps for s in inf_steps)
+    return refusal(
+        one_of("part", part, PARTS),
+        None if steps_ok else f"steps={steps}: use 1 to 2000 steps (or 0 for the part's default)",
+        (why := at_least("lr", lr, 0)) and f"{why} (0 takes the part's default)",
+        None if init_scale > 0 else f"init_scale={init_scale} must be positive (GradScaler's first scale)",
+        None if growth_factor > 1 else
+        f"growth_factor={growth_factor} must be above 1 (GradScaler grows the scale by it)",
+        None if 0 < backoff_factor < 1 else
+        f"backoff_factor={backoff_factor} must be between 0 and 1 (GradScaler shrinks the scale by it on an overflow)",
+        (why := at_least("growth_interval", growth_interval)) and
+        f"{why} (GradScaler's good steps in a row before the scale grows)",
+        f"inf_steps={list(inf_steps)} must be step numbers from 0 to steps - 1 = {run_steps - 1}"
+        if bad_inf_steps else None,
+        None if -1 <= inf_rank < world_size else
+        (f"inf_rank={inf_rank} is not a rank of a world of {world_size}: use 0 to {world_size - 1}, "
+         "or -1 for every rank"),
+        one_of("inject", inject, INJECT), at_least("batch_per_rank", batch_per_rank),
+        at_least("tokens_per_rank", tokens_per_rank),
+        None if tokens_per_step >= tokens_per_rank else
+        (f"tokens_per_step={tokens_per_step} counts every token of the step, so it cannot be smaller than "
+         f"this rank's tokens_per_rank={tokens_per_rank}"),
+        None if loss_scale > 0 else f"loss_scale={loss_scale} must be positive")
 
 
 # -- loss scaling under DDP ------------------------------------------------------------------------------

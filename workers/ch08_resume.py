@@ -31,7 +31,7 @@ from workers.checkpointing.state import capture_training_state, restore_training
 from workers.checkpointing.training import (RunConfig, flat_params, make_dataset, make_model, make_optimizer,
                                             make_sampler, make_scaler, make_scheduler, next_batch, rank_seed,
                                             seed_rngs, train_step)
-from workers.runtime import entrypoint
+from workers.runtime import at_least, batch_over_world, entrypoint, one_of, refusal
 
 MODES = ("straight", "save", "resume")
 OMITTABLE = ("rng", "sampler", "scheduler", "optimizer", "scaler")
@@ -44,25 +44,19 @@ def _omit_list(omit: str) -> list[str]:
 
 
 def check_params(world_size, mode, steps, save_at, ckpt_dir, omit, global_batch, precision, growth_interval, **_):
-    if mode not in MODES:
-        return f"mode={mode!r}: choose one of {', '.join(MODES)}"
-    if precision not in PRECISIONS:
-        return f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}"
-    if growth_interval < 1:
-        return f"growth_interval={growth_interval} must be at least 1 (good steps in a row before the scale grows)"
-    if global_batch % world_size:
-        return (f"global_batch={global_batch} does not split into {world_size} equal shards: "
-                f"choose a multiple of {world_size}")
-    if not 1 <= save_at < steps:
-        return f"save_at={save_at} must be at least 1 and below steps={steps}, so that there is something to resume"
-    if mode != "straight" and not ckpt_dir:
-        return f"mode={mode!r} needs ckpt_dir: the directory the checkpoints go to (a temporary directory is fine)"
-    bad = [p for p in _omit_list(omit) if p not in OMITTABLE]
-    if bad:
-        return f"omit={omit!r}: the parts that can be left out are {', '.join(OMITTABLE)}"
-    if "scaler" in _omit_list(omit) and precision != "fp16":
-        return "omit='scaler' needs precision='fp16': an fp32 run has no loss scaler to leave out"
-    return None
+    omitted = _omit_list(omit)
+    bad = [p for p in omitted if p not in OMITTABLE]
+    return refusal(
+        one_of("mode", mode, MODES), one_of("precision", precision, PRECISIONS),
+        (why := at_least("growth_interval", growth_interval)) and f"{why} (good steps in a row before the scale grows)",
+        batch_over_world(global_batch, world_size),
+        None if 1 <= save_at < steps else
+        f"save_at={save_at} must be at least 1 and below steps={steps}, so that there is something to resume",
+        f"mode={mode!r} needs ckpt_dir: the directory the checkpoints go to (a temporary directory is fine)"
+        if mode in ("save", "resume") and not ckpt_dir else None,
+        f"omit={omit!r}: the parts that can be left out are {', '.join(OMITTABLE)}" if bad else None,
+        "omit='scaler' needs precision='fp16': an fp32 run has no loss scaler to leave out"
+        if "scaler" in omitted and precision != "fp16" else None)
 
 
 def _config(steps, n_samples, global_batch, dropout, lr, warmup_steps, seed, precision, growth_interval) -> RunConfig:

@@ -15,12 +15,12 @@ log Z, loss scale and the batch's sample ids (``ctx.metric``); the same telemetr
 Diagnostics: fp32_grad_probe=True grades the gradients against exact fp32 ones; freeze_dormant_from=s gives
 no update, from step s on, to the weights that had no gradient before s (see ``workers/gpt/config.py``).
 """
-from workers.gpt.config import FAULTS, GPTConfig, split_params
+from workers.gpt.config import FAULTS, MODEL, split_params
 from workers.gpt.detect import checksum_alarm
-from workers.gpt.model import make_model
+from workers.model import make_model
 from workers.gpt.telemetry import columns
 from workers.gpt.train import Trainer
-from workers.runtime import entrypoint
+from workers.runtime import at_least, batch_over_world, divides, entrypoint, one_of, refusal
 
 STEPPED_FAULTS = ("garbage_batch", "sum_not_average", "bit_flip")  # the faults that happen at at_step
 TELEMETRY = ("step", "lr", "loss", "local_loss", "grad_norm", "layer_grad_norms", "update_ratio", "max_attn_logit",
@@ -31,48 +31,41 @@ TELEMETRY = ("step", "lr", "loss", "local_loss", "grad_norm", "layer_grad_norms"
 
 def n_parameters(vocab: int, seq: int, hidden: int, heads: int, layers: int, qk_layernorm: bool) -> int:
     """Elements in the model's flat parameter vector (what flip_index indexes)."""
-    cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, qk_layernorm=qk_layernorm)
+    cfg = MODEL.replace(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, qk_layernorm=qk_layernorm)
     return sum(p.numel() for p in make_model(cfg).parameters())
 
 
 def check_params(world_size, fault, at_step, fault_rank, steps, global_batch, hidden, heads, snapshot_every,
                  flip_bit, flip_target, flip_index, dtype, replay_from, lr, high_lr, freeze_dormant_from, vocab, seq,
                  layers, qk_layernorm, **_):
-    if fault not in FAULTS:
-        return f"fault={fault!r} is not one of {', '.join(FAULTS)}: pick one of those"
-    if steps < 1:
-        return f"steps={steps} trains nothing: use at least 1 step"
-    if global_batch < world_size or global_batch % world_size:
-        return (f"global_batch={global_batch} does not split into {world_size} equal shards of samples: "
-                f"choose a multiple of {world_size}")
-    if hidden % heads:
-        return f"hidden={hidden} is not divisible by heads={heads}: choose heads that divide {hidden}"
-    if fault in STEPPED_FAULTS and not 0 <= at_step < steps:
-        return f"at_step={at_step} is outside the run's steps 0..{steps - 1}: inject the fault during the run"
-    if fault in ("sum_not_average", "bit_flip") and not 0 <= fault_rank < world_size:
-        return f"fault_rank={fault_rank} is not a rank of a world of {world_size}: use 0..{world_size - 1}"
-    if fault == "sum_not_average" and world_size < 2:
-        return "fault='sum_not_average' needs at least 2 ranks (one rank has nothing to average): use world_size=2"
-    if snapshot_every < 1:
-        return f"snapshot_every={snapshot_every} must be at least 1 step"
-    if not 0 <= flip_bit <= 31:
-        return f"flip_bit={flip_bit} is not a bit of a 32-bit float: use 0 (lowest mantissa bit) to 31 (sign)"
-    if flip_target not in ("grad", "param"):
-        return f"flip_target={flip_target!r} must be 'grad' (before the all-reduce) or 'param' (after the step)"
-    if fault == "bit_flip":
-        n = n_parameters(vocab, seq, hidden, heads, layers, qk_layernorm)
-        if not 0 <= flip_index < n:
-            return f"flip_index={flip_index} is not an element of the model's {n} parameters: use 0..{n - 1}"
-    if dtype not in ("auto", "float32", "float16"):
-        return f"dtype={dtype!r} must be 'auto', 'float32' or 'float16'"
-    if replay_from % snapshot_every or not 0 <= replay_from < steps:
-        return (f"replay_from={replay_from} has no snapshot: use a multiple of snapshot_every={snapshot_every} "
-                f"below steps={steps}")
-    if not -1 <= freeze_dormant_from < steps:
-        return (f"freeze_dormant_from={freeze_dormant_from} is not a step of the run: use 0..{steps - 1}, "
-                "or -1 for no freeze")
-    if lr <= 0 or high_lr <= 0:
-        return f"learning rates must be positive (lr={lr}, high_lr={high_lr})"
+    few_steps = at_least("steps", steps)  # the clauses about steps of the run wait until there are some
+    snap = at_least("snapshot_every", snapshot_every)
+    why = refusal(
+        one_of("fault", fault, FAULTS), few_steps, batch_over_world(global_batch, world_size),
+        at_least("hidden", hidden) or divides("heads", heads, "hidden", hidden),
+        f"at_step={at_step} is outside the run's steps 0..{steps - 1}: inject the fault during the run"
+        if not few_steps and fault in STEPPED_FAULTS and not 0 <= at_step < steps else None,
+        f"fault_rank={fault_rank} is not a rank of a world of {world_size}: use 0..{world_size - 1}"
+        if fault in ("sum_not_average", "bit_flip") and not 0 <= fault_rank < world_size else None,
+        "fault='sum_not_average' needs at least 2 ranks (one rank has nothing to average): use world_size=2"
+        if fault == "sum_not_average" and world_size < 2 else None,
+        snap and f"{snap} step",
+        None if 0 <= flip_bit <= 31 else
+        f"flip_bit={flip_bit} is not a bit of a 32-bit float: use 0 (lowest mantissa bit) to 31 (sign)",
+        (flip := one_of("flip_target", flip_target, ("grad", "param"))) and
+        f"{flip}: 'grad' flips before the all-reduce, 'param' after the step",
+        one_of("dtype", dtype, ("auto", "float32", "float16")),
+        (f"replay_from={replay_from} has no snapshot: use a multiple of snapshot_every={snapshot_every} "
+         f"below steps={steps}")
+        if not (few_steps or snap) and (replay_from % snapshot_every or not 0 <= replay_from < steps) else None,
+        None if few_steps or -1 <= freeze_dormant_from < steps else
+        f"freeze_dormant_from={freeze_dormant_from} is not a step of the run: use 0..{steps - 1}, or -1 for no freeze",
+        None if lr > 0 else f"lr={lr} must be positive", None if high_lr > 0 else f"high_lr={high_lr} must be positive")
+    if why or fault != "bit_flip":
+        return why
+    n = n_parameters(vocab, seq, hidden, heads, layers, qk_layernorm)  # a model of this shape: the rest is valid
+    if not 0 <= flip_index < n:
+        return f"flip_index={flip_index} is not an element of the model's {n} parameters: use 0..{n - 1}"
     return None
 
 

@@ -14,20 +14,9 @@ import torch
 
 from workers.provenance import record
 from workers.runtime import entrypoint
+from workers.timing.cuda import median_ms
 
 E4M3_MAX = 448.0  # Micikevicius et al. 2022, Table 1
-
-
-def _median_ms(fn, repeats: int) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
 
 
 def _to_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,9 +56,7 @@ def main(ctx, size: int = 8192, repeats: int = 20, warmup: int = 3):
     for name, fn in (("bf16", bf16), ("fp8_e4m3_per_tensor", fp8)):
         try:
             result = fn()
-            for _ in range(warmup):
-                fn()
-            ms = _median_ms(fn, repeats)
+            ms = median_ms(fn, repeats, warmup=warmup)  # CUDA events around each call (workers/timing/cuda.py)
             out[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "rel_error": _rel_err(result, reference)}
         except Exception as exc:  # noqa: BLE001 - an unsupported GPU or torch build: report it, do not crash
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}

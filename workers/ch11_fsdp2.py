@@ -34,9 +34,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from workers.composed.native import NativeMesh
+from workers.layout import Mesh, RankGrid
 from workers.runtime import entrypoint
-from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, flat_params, loss_fn, make_batches, make_model, \
+from workers.zero.model import OPTIMIZER_CLASSES, model_config, flat_params, loss_fn, make_batches, make_model, \
     run_problem, shard_rows, train_reference
 from workers.zero.zero3 import Zero3Model
 
@@ -85,7 +85,7 @@ def _full(model) -> torch.Tensor:
 
 def main(ctx, steps: int = 3, global_batch: int = 8, reshard_after_forward: bool = True, vocab: int = 64,
          seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2, seed: int = 0):
-    cfg = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    cfg = model_config(vocab, seq, hidden, heads, layers)
     base = 100 * seed
     batches = make_batches(cfg, global_batch, steps, seed=base + 1)
     reference = train_reference(cfg, "adamw", batches, seed=base)
@@ -94,10 +94,10 @@ def main(ctx, steps: int = 3, global_batch: int = 8, reshard_after_forward: bool
     hand_model = make_model(cfg, seed=base)
     hand = Zero3Model(hand_model, list(hand_model.blocks), cls, reshard_after_forward=reshard_after_forward, **hyper)
 
-    mesh = NativeMesh(ctx.rank, ctx.world_size, dp=ctx.world_size)
+    mesh = Mesh(RankGrid.for_world(ctx.world_size), ctx.rank, ("dp",), fresh=True)
     try:
         native = make_model(cfg, seed=base)  # every rank the same weights: fully_shard keeps its slice of them
-        _fsdp2(native, mesh["dp"], reshard_after_forward)
+        _fsdp2(native, mesh.device_mesh(("dp",)), reshard_after_forward)
         native_opt = cls(native.parameters(), **hyper)
         out = {"hand_loss": [], "fsdp2_loss": [], "hand_error": [], "fsdp2_error": [], "between": [],
                "fsdp2_calls": [], "hand_calls": []}

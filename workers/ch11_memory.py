@@ -27,9 +27,9 @@ import contextlib
 import torch
 
 from workers.provenance import record as provenance_record
-from workers.runtime import entrypoint
+from workers.runtime import at_least, divides, entrypoint, one_of, refusal
 from workers.zero.memory import SavedActivations
-from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, loss_fn, make_batches, make_model, shard_rows
+from workers.zero.model import OPTIMIZER_CLASSES, model_config, loss_fn, make_batches, make_model, shard_rows
 from workers.zero.zero1 import GRAD_SYNCS, Zero1Optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -45,31 +45,26 @@ CPU_LIMIT_BYTES = 4e9  # refuse CPU runs whose model states alone would exceed t
 
 
 def model_state_estimate(layers: int, hidden: int, vocab: int, seq: int, dtype: str) -> float:
-    n = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=1, layers=layers).n_params
+    n = model_config(vocab, seq, hidden, 1, layers).n_params
     return n * (2 * (2 if dtype == "bfloat16" else 4) + (12 if dtype == "bfloat16" else 8))
 
 
 def check_params(world_size, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int = 32000,
                  seq: int = 2048, micro_batch: int = 2, steps: int = 2, dtype: str = "bfloat16",
-                 optimizer: str = "adamw", zero_stage: int = 1, grad_sync: str = "reduce_scatter", leak: str = "none",
+                 optimizer: str = "adamw", zero: int = 1, grad_sync: str = "reduce_scatter", leak: str = "none",
                  **_):
-    for name, value in (("micro_batch", micro_batch), ("layers", layers), ("steps", steps), ("hidden", hidden),
-                        ("heads", heads), ("vocab", vocab), ("seq", seq)):
-        if value < 1:
-            return f"{name}={value} {EMPTY_WHY.get(name, 'is not a model shape')}; pass {name} >= 1"
-    if leak not in LEAKS:
-        return f"leak={leak!r} is not known; use one of {list(LEAKS)}"
-    if grad_sync not in GRAD_SYNCS:
-        return f"grad_sync={grad_sync!r} is not known; use one of {list(GRAD_SYNCS)}"
-    if hidden % heads:
-        return f"hidden={hidden} is not divisible by heads={heads}; choose heads that divide it"
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}"
-    if optimizer not in OPTIMIZER_CLASSES:
-        return f"optimizer={optimizer!r} is not known; use one of {sorted(OPTIMIZER_CLASSES)}"
-    if zero_stage not in (0, 1):
-        return f"zero_stage={zero_stage} is not built here; use 0 (DDP) or 1 (ZeRO-1)"
-    if not torch.cuda.is_available():
+    empty = [(low := at_least(name, value)) and (f"{low}: it {EMPTY_WHY[name]}" if name in EMPTY_WHY else low)
+             for name, value in (("micro_batch", micro_batch), ("layers", layers), ("steps", steps),
+                                 ("hidden", hidden), ("vocab", vocab), ("seq", seq))]
+    why = refusal(*empty, divides("heads", heads, "hidden", hidden) if hidden >= 1 else None,
+                  one_of("leak", leak, LEAKS),
+                  one_of("grad_sync", grad_sync, GRAD_SYNCS), one_of("dtype", dtype, DTYPES),
+                  one_of("optimizer", optimizer, OPTIMIZER_CLASSES),
+                  (stage := one_of("zero", zero, (0, 1))) and
+                  f"{stage} (0 is DDP and 1 is ZeRO-1, the two this worker builds)")
+    if why:
+        return why
+    if not torch.cuda.is_available():  # the estimate needs the valid shape and dtype checked above
         need = model_state_estimate(layers, hidden, vocab, seq, dtype) * world_size
         if need > CPU_LIMIT_BYTES:
             return (f"without a GPU this shape needs about {need / 1e9:.0f} GB of CPU memory for the model states of "
@@ -85,8 +80,8 @@ CPU_EXAMPLE_ARGS = ["--layers", "2", "--hidden", "128", "--heads", "4", "--vocab
 
 def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int = 32000, seq: int = 2048,
          micro_batch: int = 2, steps: int = 2, dtype: str = "bfloat16", optimizer: str = "adamw",
-         zero_stage: int = 1, grad_sync: str = "reduce_scatter", leak: str = "none"):
-    cfg = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+         zero: int = 1, grad_sync: str = "reduce_scatter", leak: str = "none"):
+    cfg = model_config(vocab, seq, hidden, heads, layers)
     torch_dtype = DTYPES[dtype]
     cuda = ctx.device.type == "cuda"
 
@@ -105,7 +100,7 @@ def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int 
     baseline = allocated().get("cuda_allocated", 0)  # whatever this process held before (the gloo/NCCL buffers)
     model = make_model(cfg, seed=0, dtype=torch_dtype, device=ctx.device)
     cls, hyper = OPTIMIZER_CLASSES[optimizer]
-    opt = Zero1Optimizer(model.parameters(), cls, shard=zero_stage == 1, grad_sync=grad_sync,
+    opt = Zero1Optimizer(model.parameters(), cls, shard=zero == 1, grad_sync=grad_sync,
                          master_weights=torch_dtype != torch.float32, **hyper)
     param_ptrs = {f.flat_params.untyped_storage().data_ptr() for f in opt.groups}
     batches = make_batches(cfg, micro_batch * ctx.world_size, steps)
@@ -148,8 +143,8 @@ def main(ctx, layers: int = 20, hidden: int = 2048, heads: int = 16, vocab: int 
         "owned_numel": opt.owned_numel(),
         "moments": moments,
         "baseline_cuda_allocated": baseline,
-        "config": {**cfg.as_params(), "micro_batch": micro_batch, "dtype": dtype, "optimizer": optimizer,
-                   "zero_stage": zero_stage, "grad_sync": grad_sync, "world_size": ctx.world_size, "leak": leak},
+        "config": {**cfg.as_dict(), "micro_batch": micro_batch, "dtype": dtype, "optimizer": optimizer,
+                   "zero": zero, "grad_sync": grad_sync, "world_size": ctx.world_size, "leak": leak},
         "device": str(ctx.device),
         "backend": ctx.backend,
     }

@@ -21,8 +21,8 @@ import contextlib
 
 import torch
 
-from workers.runtime import entrypoint
-from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, flat_params, loss_fn, make_batches, make_model, \
+from workers.runtime import entrypoint, one_of, refusal
+from workers.zero.model import OPTIMIZER_CLASSES, model_config, flat_params, loss_fn, make_batches, make_model, \
     run_problem, shard_rows, train_reference
 from workers.zero.recorder import CollectiveRecorder
 from workers.zero.zero1 import Zero1Optimizer
@@ -35,14 +35,10 @@ MOMENTS = ("init", "forward", "backward", "step")
 
 def check_params(world_size, stage: int = 3, global_batch: int = 8, steps: int = 2, hidden: int = 32,
                  heads: int = 4, bucket_cap_mb: float = 0.01, **_):
-    if stage not in STAGES:
-        return f"stage={stage} is not a ZeRO stage; use 0, 1, 2 or 3"
-    why = run_problem(world_size, global_batch, steps, hidden, heads)
-    if why:
-        return why
-    if bucket_cap_mb <= 0:
-        return f"bucket_cap_mb={bucket_cap_mb} must be positive (DDP's default is 25)"
-    return None
+    return refusal((why := one_of("stage", stage, STAGES)) and f"{why} (ZeRO's stages, 0 being plain DDP)",
+                   run_problem(world_size, global_batch, steps, hidden, heads),
+                   None if bucket_cap_mb > 0 else
+                   f"bucket_cap_mb={bucket_cap_mb} must be positive (DDP's default is 25)")
 
 
 class Stage:
@@ -89,7 +85,7 @@ class Stage:
 def main(ctx, stage: int = 3, steps: int = 2, global_batch: int = 8, bucket_cap_mb: float = 0.01,
          prefetch: bool = False, reshard_after_forward: bool = True, vocab: int = 64, seq: int = 16, hidden: int = 32,
          heads: int = 4, layers: int = 2, seed: int = 0):
-    cfg = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    cfg = model_config(vocab, seq, hidden, heads, layers)
     base = 100 * seed
     batches = make_batches(cfg, global_batch, steps, seed=base + 1)
     model = make_model(cfg, seed=base + ctx.rank, device=ctx.device)  # own weights: the stage equalises them
@@ -116,7 +112,7 @@ def main(ctx, stage: int = 3, steps: int = 2, global_batch: int = 8, bucket_cap_
     return {"stage": stage, "world_size": ctx.world_size, "n_params": cfg.n_params, "padded_numel": trainer.padded,
             "moments": moments, "comm": recorder.summary(), "calls": recorder.calls, "max_abs_error": errors,
             "timeline": trainer.impl.timeline if stage == 3 else [],  # whole params/grads after every hook
-            "steps": steps, "config": {**cfg.as_params(), "prefetch": prefetch,
+            "steps": steps, "config": {**cfg.as_dict(), "prefetch": prefetch,
                                        "reshard_after_forward": reshard_after_forward}}
 
 

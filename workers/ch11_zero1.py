@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from workers.runtime import entrypoint
-from workers.zero.model import (OPTIMIZER_CLASSES, STATE_BYTES_PER_PARAM, TiedGPTConfig, flat_params, loss_fn,
+from workers.runtime import at_least, batch_over_world, divides, entrypoint, one_of, refusal
+from workers.zero.model import (OPTIMIZER_CLASSES, STATE_BYTES_PER_PARAM, model_config, flat_params, loss_fn,
                                 make_batches, make_model, shard_rows, train_reference)
 from workers.zero.zero1 import GRAD_SYNCS, PARTITIONS, Zero1Optimizer
 
@@ -25,36 +25,24 @@ def check_params(world_size, global_batch: int = 8, optimizer: str = "adamw", pa
                  grad_sync: str = "reduce_scatter", dtype: str = "float32", master_weights: bool = False,
                  steps: int = 3, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2,
                  **_):
-    if global_batch < 1:
-        return (f"global_batch={global_batch} gives the ranks no rows, so the loss is a mean over nothing (NaN); "
-                f"choose a positive multiple of world_size={world_size}, such as {2 * world_size}")
-    for name, value in (("steps", steps), ("vocab", vocab), ("seq", seq), ("hidden", hidden), ("heads", heads),
-                        ("layers", layers)):
-        if value < 1:
-            return f"{name}={value} leaves nothing to train or compare; pass {name} >= 1"
-    if global_batch % world_size:
-        return (f"global_batch={global_batch} rows do not split evenly over world_size={world_size}; "
-                f"choose a global batch that is a multiple of {world_size}")
-    if optimizer not in OPTIMIZER_CLASSES:
-        return f"optimizer={optimizer!r} is not known; use one of {sorted(OPTIMIZER_CLASSES)}"
-    if partition not in PARTITIONS:
-        return f"partition={partition!r} is not known; use one of {list(PARTITIONS)}"
-    if grad_sync not in GRAD_SYNCS:
-        return f"grad_sync={grad_sync!r} is not known; use one of {list(GRAD_SYNCS)}"
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not supported here; use one of {sorted(DTYPES)}"
-    if dtype != "float32" and not master_weights:
-        return f"dtype={dtype} needs master_weights=True (an fp32 copy for the optimizer), as mixed precision does"
-    if hidden % heads:
-        return f"hidden={hidden} is not divisible by heads={heads}; choose heads that divide it"
-    return None
+    batch = batch_over_world(global_batch, world_size)
+    if global_batch < 1:  # the chapter's why: the loss would be a mean over nothing
+        batch += ": it gives the ranks no rows, so the loss is a mean over nothing (NaN)"
+    return refusal(
+        batch, *(at_least(name, value) for name, value in (("steps", steps), ("vocab", vocab), ("seq", seq),
+                                                            ("hidden", hidden), ("layers", layers))),
+        divides("heads", heads, "hidden", hidden) if hidden >= 1 else None,
+        one_of("optimizer", optimizer, OPTIMIZER_CLASSES), one_of("partition", partition, PARTITIONS),
+        one_of("grad_sync", grad_sync, GRAD_SYNCS), one_of("dtype", dtype, DTYPES),
+        f"dtype={dtype} needs master_weights=True (an fp32 copy for the optimizer), as mixed precision does"
+        if dtype in DTYPES and dtype != "float32" and not master_weights else None)
 
 
 def main(ctx, optimizer: str = "adamw", partition: str = "flat", grad_sync: str = "reduce_scatter",
          steps: int = 3, global_batch: int = 8, dtype: str = "float32", master_weights: bool = False,
          shard: bool = True, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2,
          seed: int = 0):
-    cfg = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    cfg = model_config(vocab, seq, hidden, heads, layers)
     torch_dtype = DTYPES[dtype]
     base = 100 * seed  # seed 0: models 0, 1, ... per rank, data 1
     batches = make_batches(cfg, global_batch, steps, seed=base + 1)

@@ -13,26 +13,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from workers.runtime import entrypoint
-from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, flat_params, loss_fn, make_batches, make_model, \
+from workers.runtime import at_least, batch_over_world, entrypoint, refusal
+from workers.zero.model import OPTIMIZER_CLASSES, model_config, flat_params, loss_fn, make_batches, make_model, \
     shard_rows, train_reference
 from workers.zero.zero2 import Zero2Optimizer
 
 
 def check_params(world_size, global_batch: int = 8, steps: int = 3, bucket_cap_mb: float = 0.01, **_):
-    if global_batch < 1 or global_batch % world_size:
-        return (f"global_batch={global_batch} rows do not split evenly over world_size={world_size}; choose a "
-                f"positive multiple of {world_size}")
-    if steps < 1:
-        return f"steps={steps} leaves nothing to train or compare; pass steps >= 1"
-    if bucket_cap_mb <= 0:
-        return f"bucket_cap_mb={bucket_cap_mb} must be positive (DDP's default is 25)"
-    return None
+    return refusal(batch_over_world(global_batch, world_size), at_least("steps", steps),
+                   None if bucket_cap_mb > 0 else
+                   f"bucket_cap_mb={bucket_cap_mb} must be positive (DDP's default is 25)")
 
 
 def main(ctx, steps: int = 3, global_batch: int = 8, bucket_cap_mb: float = 0.01, overlap: bool = True,
          vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2, seed: int = 0):
-    cfg = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    cfg = model_config(vocab, seq, hidden, heads, layers)
     base = 100 * seed
     batches = make_batches(cfg, global_batch, steps, seed=base + 1)
     model = make_model(cfg, seed=base + ctx.rank, device=ctx.device)  # own weights: the broadcast equalises them

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from workers.runtime import entrypoint
-from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, loss_fn, make_batches, make_model, shard_rows, \
+from workers.zero.model import OPTIMIZER_CLASSES, model_config, loss_fn, make_batches, make_model, shard_rows, \
     run_problem, train_reference
 from workers.zero.zero3 import Zero3Model
 
@@ -26,7 +26,7 @@ def check_params(world_size, global_batch: int = 8, steps: int = 3, hidden: int 
 
 def main(ctx, steps: int = 3, global_batch: int = 8, prefetch: bool = False, reshard_after_forward: bool = True,
          vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2, seed: int = 0):
-    cfg = TiedGPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
+    cfg = model_config(vocab, seq, hidden, heads, layers)
     base = 100 * seed
     batches = make_batches(cfg, global_batch, steps, seed=base + 1)
     model = make_model(cfg, seed=base + ctx.rank, device=ctx.device)  # own weights: the broadcast equalises them

@@ -6,19 +6,14 @@ Streams loss, the implicit rewards beta * log(pi / pi_ref) of chosen and rejecte
 the preference accuracy; returns the history and the held-out evaluation before and after.
 """
 from workers.posttrain.train import dpo, evaluate, frozen_copy, make_policy, sft
-from workers.runtime import entrypoint
+from workers.runtime import at_least, entrypoint, refusal
 
 
 def check_params(world_size, steps, sft_steps, lr, beta, batch, **_):
-    if steps < 1 or sft_steps < 0:
-        return f"steps={steps} must be at least 1 and sft_steps={sft_steps} at least 0"
-    if lr <= 0:
-        return f"lr={lr} must be positive"
-    if beta <= 0:
-        return f"beta={beta} must be positive: it scales the implicit reward (try 0.1)"
-    if batch < 1:
-        return f"batch={batch} must be at least 1 pair"
-    return None
+    return refusal(at_least("steps", steps), at_least("sft_steps", sft_steps, 0),
+                   None if lr > 0 else f"lr={lr} must be positive",
+                   None if beta > 0 else f"beta={beta} must be positive: it scales the implicit reward (try 0.1)",
+                   (why := at_least("batch", batch)) and f"{why} pair")
 
 
 def main(ctx, steps: int = 60, sft_steps: int = 150, lr: float = 1e-3, beta: float = 0.1, batch: int = 32,

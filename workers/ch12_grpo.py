@@ -10,24 +10,20 @@ held-out evaluation of the SFT model (``before``) and of the GRPO policy (``afte
 reward on the training prompts before and after (exact, not sampled).
 """
 from workers.posttrain.train import evaluate, expected_reward, frozen_copy, grpo, make_policy, sft
-from workers.runtime import entrypoint
+from workers.runtime import at_least, entrypoint, refusal
 
 
 def check_params(world_size, steps, sft_steps, lr, group_size, prompts_per_rank, kl_coef, clip_eps, inner_steps,
                  temperature, **_):
-    if steps < 1 or sft_steps < 0:
-        return f"steps={steps} must be at least 1 and sft_steps={sft_steps} at least 0"
-    if lr <= 0:
-        return f"lr={lr} must be positive"
-    if group_size < 2:
-        return f"group_size={group_size} leaves nothing to compare within a group: use at least 2 (GRPO uses 64)"
-    if prompts_per_rank < 1 or inner_steps < 1:
-        return f"prompts_per_rank={prompts_per_rank} and inner_steps={inner_steps} must be at least 1"
-    if kl_coef < 0 or not 0 < clip_eps < 1:
-        return f"kl_coef={kl_coef} must be >= 0 and clip_eps={clip_eps} between 0 and 1 (try 0.2)"
-    if temperature <= 0:
-        return f"temperature={temperature} must be positive (1.0 samples the policy as it is)"
-    return None
+    return refusal(at_least("steps", steps), at_least("sft_steps", sft_steps, 0),
+                   None if lr > 0 else f"lr={lr} must be positive",
+                   (why := at_least("group_size", group_size, 2)) and
+                   f"{why}: one answer leaves nothing to compare within a group (GRPO uses 64)",
+                   at_least("prompts_per_rank", prompts_per_rank), at_least("inner_steps", inner_steps),
+                   at_least("kl_coef", kl_coef, 0),
+                   None if 0 < clip_eps < 1 else f"clip_eps={clip_eps} must be between 0 and 1 (try 0.2)",
+                   None if temperature > 0 else
+                   f"temperature={temperature} must be positive (1.0 samples the policy as it is)")
 
 
 def main(ctx, steps: int = 40, sft_steps: int = 150, lr: float = 1e-3, group_size: int = 8,

@@ -14,24 +14,20 @@ from workers.posttrain.lora import (LORA_ALPHA, LORA_TARGETS, LoRALinear, apply_
                                     trainable_params)
 from workers.posttrain.state import measured_state_bytes
 from workers.posttrain.train import adamw, evaluate, make_policy, sft
-from workers.runtime import entrypoint
+from workers.runtime import at_least, batch_over_world, entrypoint, refusal
 
 
 def check_params(world_size, steps, lr, batch, lora_rank, lora_alpha, lora_targets, **_):
-    if steps < 1:
-        return f"steps={steps} trains nothing: use at least 1 step"
-    if lr <= 0:
-        return f"lr={lr} must be positive"
-    if batch < world_size or batch % world_size:
-        return f"batch={batch} does not split into {world_size} equal shards: choose a multiple of {world_size}"
-    if lora_rank < 0:
-        return f"lora_rank={lora_rank} must be 0 (full fine-tuning) or a positive rank"
-    if lora_alpha <= 0:
-        return f"lora_alpha={lora_alpha} must be positive: it scales the adapter's update by alpha / r (try 8.0)"
     unknown = [t for t in lora_targets if t not in LORA_TARGETS]
-    if unknown or not lora_targets:
-        return (f"lora_targets={list(lora_targets)} must name some of the model's Linear layers: "
-                f"{', '.join(LORA_TARGETS)}")
+    why = refusal(at_least("steps", steps), None if lr > 0 else f"lr={lr} must be positive",
+                  batch_over_world(batch, world_size, "batch"),
+                  (low := at_least("lora_rank", lora_rank, 0)) and f"{low} (0: full fine-tuning, r >= 1: LoRA)",
+                  None if lora_alpha > 0 else
+                  f"lora_alpha={lora_alpha} must be positive: it scales the adapter's update by alpha / r (try 8.0)",
+                  f"lora_targets={list(lora_targets)} must name some of the model's Linear layers: "
+                  f"{', '.join(LORA_TARGETS)}" if unknown or not lora_targets else None)
+    if why:
+        return why
     ignored = [name for name, given, default in (("lora_targets", tuple(lora_targets), LORA_TARGETS),
                                                  ("lora_alpha", lora_alpha, LORA_ALPHA)) if given != default]
     if not lora_rank and ignored:

@@ -5,8 +5,9 @@
 
 Every rank derives the same whole-sequence q, k, v and upstream gradient dout from ``seed``
 (``workers/context_parallel/inputs.py``) and keeps only its rows (``split``: "contiguous" or "zigzag").
-``cp`` (0: the whole world) is the ring size; a world larger than cp runs world / cp identical rings side
-by side (ranks 0..cp-1, cp..2cp-1, ...), so cp = 1, 2 and 4 all run on one set of 4 warm ranks.
+``cp`` (0: the whole world) is the ring size, a degree of the course's one layout (``workers/layout/rules.py``, whose
+rules ``check_params`` asks); a world larger than cp runs world / cp identical rings side by side (ranks 0..cp-1,
+cp..2cp-1, ...), so cp = 1, 2 and 4 all run on one set of 4 warm ranks.
 Each rank returns its output rows, lse, dq, dk, dv (with the global positions of those rows), the blocks
 it computed at each ring step, its work and the bytes it sent. Ground truth:
 ``workers/attention/reference.attention_reference_grads`` on the whole sequence in one process.
@@ -14,26 +15,19 @@ it computed at each ring step, its work and the bytes it sent. Ground truth:
 from workers.context_parallel.attention import ring_attention_backward, ring_attention_forward
 from workers.context_parallel.inputs import DTYPES, make_inputs
 from workers.context_parallel.ring import Ring
-from workers.context_parallel.split import SPLITS, local_positions, split_problem, take_local
-from workers.parallel.grid import RankGrid, choose_divisor
-from workers.runtime import entrypoint
+from workers.context_parallel.split import local_positions, take_local
+from workers.layout.grid import RankGrid
+from workers.layout.rules import Layout, problem
+from workers.runtime import at_least, entrypoint, one_of, refusal
 
 
 def check_params(world_size, seq=64, heads=2, head_dim=16, batch=1, causal=True, split="zigzag", cp=0,
                  dtype="float64", **_):
-    ring = cp or world_size
-    if ring < 1 or world_size % ring:
-        return f"cp={cp} does not divide world_size={world_size}: {choose_divisor(world_size)}"
-    if split not in SPLITS:
-        return f"split={split!r} is not known: choose one of {', '.join(SPLITS)}"
-    problem = split_problem(seq, ring, split)
-    if problem:
-        return problem
-    if min(heads, head_dim, batch) < 1:
-        return f"heads={heads}, head_dim={head_dim} and batch={batch} must all be >= 1"
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
-    return None
+    # the layout's rules (cp against the world, the split, seq against its chunks), then this worker's own
+    degrees = (f"cp={cp} must be at least 0 (0: the whole world)" if cp < 0 else
+               problem(Layout(cp=cp or world_size, split=split, seq=seq), world_size))
+    return refusal(degrees, at_least("heads", heads), at_least("head_dim", head_dim), at_least("batch", batch),
+                   one_of("dtype", dtype, DTYPES))
 
 
 def main(ctx, seq: int = 64, heads: int = 2, head_dim: int = 16, batch: int = 1, causal: bool = True,

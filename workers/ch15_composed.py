@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 8 workers/ch15_composed.py --dp 2 --tp 2 --pp 2 --cp 1 --micro-batches 2
     torchrun --nproc-per-node 8 workers/ch15_composed.py --dp 2 --tp 2 --cp 2 --zero 1 --sequence-parallel true
-    torchrun --nproc-per-node 4 workers/ch15_composed.py --dp 1 --pp 4 --micro-batches 4 --drill tied_not_reduced
+    torchrun --nproc-per-node 4 workers/ch15_composed.py --dp 1 --pp 4 --micro-batches 4 --fault tied_not_reduced
 
 On a node of 8 GPUs the same command runs unchanged with NCCL (``workers/runtime.py`` picks it when every rank
 has a GPU): ``torchrun --nproc-per-node 8 workers/ch15_composed.py --dp 2 --tp 2 --pp 2 --dtype float32``.
@@ -21,58 +21,55 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.composed.layout import Layout, problem as layout_problem
-from workers.composed.model import ComposedConfig
-from workers.composed.train import ComposedTrainer, drill_problem, record
-from workers.parallel.grid import DIMS
-from workers.runtime import entrypoint
+from workers.composed.model import model_config
+from workers.composed.faults import fault_problem, inject
+from workers.composed.train import ComposedTrainer, layout_problem, record
+from workers.layout import DIMS, Layout
+from workers.runtime import at_least, entrypoint, one_of, refusal
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def _layout(world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, chunks, split) -> Layout:
-    rest = tp * pp * cp
-    if dp == 0:
-        dp = world_size // rest if rest and world_size % rest == 0 else 0
-    return Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, sequence_parallel=sequence_parallel,
-                  micro_batches=micro_batches, schedule=schedule, chunks=chunks, split=split)
+def _layout(dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, virtual_stages, split) -> Layout:
+    return Layout(dp=dp or None, tp=tp, pp=pp, cp=cp, zero=zero, sequence_parallel=sequence_parallel,
+                  micro_batches=micro_batches, schedule=schedule, virtual_stages=virtual_stages, split=split)
 
 
 def check_params(world_size, dp=0, tp=1, pp=1, cp=1, zero=0, sequence_parallel=False, micro_batches=1,
-                 schedule="1f1b", chunks=1, split="zigzag", steps=3, global_batch=8, lr=0.01, dropout=0.0, vocab=32,
-                 seq=16, hidden=32, heads=8, layers=4, drill="none", dtype="float64", forward_ms=0.0, backward_ms=0.0,
-                 **_):
-    if not (0 <= forward_ms <= 200 and 0 <= backward_ms <= 400):
-        return f"forward_ms={forward_ms} and backward_ms={backward_ms} must be between 0 and 200 / 400 ms"
-    if min(tp, pp, cp) < 1 or dp < 0:
-        return f"tp={tp}, pp={pp} and cp={cp} must be >= 1 (and dp >= 0; 0 takes what they leave)"
-    if dp == 0 and world_size % (tp * pp * cp):
-        return (f"tp x pp x cp = {tp * pp * cp} does not divide the world's {world_size} ranks: choose degrees whose "
-                f"product divides {world_size}")
-    cfg = ComposedConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, dropout=dropout)
-    layout = _layout(world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, chunks, split)
-    if steps < 1 or lr <= 0 or global_batch < 1:
-        return f"steps={steps} and global_batch={global_batch} must be >= 1 and lr={lr} positive"
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
-    return (cfg.problem() or layout_problem(layout, world_size, layers=layers, heads=heads, kv_heads=cfg.kv_heads,
-                                            ffn=cfg.ffn, seq=seq, global_batch=global_batch)
-            or drill_problem(drill, layout, dropout))
+                 schedule="1f1b", virtual_stages=1, split="zigzag", steps=3, global_batch=8, lr=0.01, dropout=0.0,
+                 vocab=32, seq=16, hidden=32, heads=8, layers=4, fault="none", dtype="float64", forward_ms=0.0,
+                 backward_ms=0.0, **_):
+    run = refusal(None if 0 <= forward_ms <= 200 and 0 <= backward_ms <= 400 else
+                  f"forward_ms={forward_ms} and backward_ms={backward_ms} must be between 0 and 200 / 400 ms",
+                  at_least("steps", steps), at_least("global_batch", global_batch),
+                  None if lr > 0 else f"lr={lr} must be positive", one_of("dtype", dtype, DTYPES),
+                  None if dp >= 0 else f"dp={dp} must be >= 0 (0 takes what the other degrees leave)")
+    cfg = model_config(vocab, seq, hidden, heads, layers, dropout)
+    layout = _layout(dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, virtual_stages, split)
+    return (run or cfg.problem() or layout_problem(layout, world_size, cfg, global_batch)
+            or fault_problem(fault, layout.resolve(world_size), dropout))
 
 
 def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0, sequence_parallel: bool = False,
-         micro_batches: int = 1, schedule: str = "1f1b", chunks: int = 1, split: str = "zigzag", steps: int = 3,
+         micro_batches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1, split: str = "zigzag", steps: int = 3,
          global_batch: int = 8, lr: float = 0.01, dropout: float = 0.0, vocab: int = 32, seq: int = 16,
-         hidden: int = 32, heads: int = 8, layers: int = 4, drill: str = "none", dtype: str = "float64",
+         hidden: int = 32, heads: int = 8, layers: int = 4, fault: str = "none", dtype: str = "float64",
          seed: int = 0, data_seed: int = 1, report: bool = True, forward_ms: float = 0.0, backward_ms: float = 0.0,
          timed: bool = False):
-    """``steps`` AdamW steps of the composed GPT on this layout."""
-    cfg = ComposedConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, dropout=dropout)
-    layout = _layout(ctx.world_size, dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, chunks, split)
+    """``steps`` AdamW steps of the composed GPT on this layout (with ``fault`` injected, if any)."""
+    with inject(fault):
+        return _train(ctx, cfg=model_config(vocab, seq, hidden, heads, layers, dropout),
+                      layout=_layout(dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, virtual_stages,
+                                     split).resolve(ctx.world_size),
+                      steps=steps, global_batch=global_batch, lr=lr, seed=seed, data_seed=data_seed, dtype=dtype,
+                      report=report, forward_ms=forward_ms, backward_ms=backward_ms, timed=timed, fault=fault)
+
+
+def _train(ctx, *, cfg, layout, steps, global_batch, lr, seed, data_seed, dtype, report, forward_ms, backward_ms, timed,
+           fault) -> dict:
     t0 = time.perf_counter()
     trainer = ComposedTrainer(layout, cfg, rank=ctx.rank, device=ctx.device, comm_device=ctx.comm_device("send"),
-                              global_batch=global_batch, lr=lr, seed=seed, data_seed=data_seed,
-                              dtype=DTYPES[dtype], drill=drill)
+                              global_batch=global_batch, lr=lr, seed=seed, data_seed=data_seed, dtype=DTYPES[dtype])
     setup_s = time.perf_counter() - t0
     try:
         steps_out = []
@@ -83,7 +80,7 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
                 out["grads"] = None
             steps_out.append(out)
         params = record(trainer.named, "value") if trainer.reporter and report else None
-        mesh = trainer.mesh.mesh  # torch's DeviceMesh: the groups each dimension's pieces were handed
+        mesh = trainer.device_mesh  # torch's DeviceMesh: the groups each dimension's pieces were handed
         mesh_groups = {d: dist.get_process_group_ranks(mesh.get_group(d)) for d in DIMS}
     finally:
         trainer.close()
@@ -99,7 +96,7 @@ def main(ctx, dp: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
             "comm_s": [s["comm_s"] for s in steps_out],
             "setup_s": setup_s, "mesh_s": trainer.build_s, "layout": layout.as_dict(), "layout_name": layout.name,
             "config": {**cfg.as_dict(), "steps": steps, "global_batch": global_batch, "lr": lr, "seed": seed,
-                       "data_seed": data_seed, "dtype": dtype, "drill": drill}}
+                       "data_seed": data_seed, "dtype": dtype, "fault": fault}}
 
 
 if __name__ == "__main__":

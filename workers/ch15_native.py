@@ -59,10 +59,12 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from workers.composed.model import ComposedConfig, make_batch, make_dense, token_losses
-from workers.composed.native import NativeMesh, NativeStage, dense_names, full
+from workers.composed.model import MODEL, make_dense
+from workers.model.batch import make_batch, token_losses
+from workers.composed.native import NativeStage, dense_names, full
+from workers.layout import DIMS, Mesh, RankGrid
 from workers.composed.train import BETAS, EPS, WEIGHT_DECAY
-from workers.runtime import collective_timeout, entrypoint
+from workers.runtime import at_least, batch_over_world, divides, entrypoint, one_of, refusal
 
 APIS = ("tp", "fsdp", "pipelining", "tp_fsdp")
 SCHEDULES = ("1f1b", "gpipe")
@@ -71,38 +73,30 @@ QKV = ("split", "fused")
 
 def check_params(world_size, api="tp", steps=3, global_batch=8, lr=0.01, micro_batches=2, schedule="1f1b",
                  qkv="split", tp=2, **_):
-    cfg = ComposedConfig()
-    if api not in APIS:
-        return f"api={api!r} is not known: choose one of {', '.join(APIS)}"
-    if steps < 1 or global_batch < 1 or lr <= 0:
-        return f"steps={steps} and global_batch={global_batch} must be >= 1 and lr={lr} positive"
-    if qkv not in QKV:
-        return f"qkv={qkv!r} is not known: choose 'split' (torchtitan's wq, wk, wv) or 'fused' (the trap)"
-    if qkv == "fused" and api not in ("tp", "tp_fsdp"):
-        return "qkv='fused' only matters where a tensor-parallel plan cuts the attention: use api='tp' or 'tp_fsdp'"
-    if api == "tp":
-        if cfg.heads % world_size:
-            return f"world_size={world_size} does not divide heads={cfg.heads}: choose a world size of 1, 2, 4 or 8"
-    elif api == "fsdp":
-        if global_batch % world_size:
-            return (f"world_size={world_size} does not divide global_batch={global_batch}: every rank takes "
-                    "B/world samples, choose 2, 4 or 8 ranks")
-    elif api == "tp_fsdp":
-        if tp < 1 or world_size % tp or cfg.heads % tp:
-            return f"tp={tp} must divide world_size={world_size} and heads={cfg.heads}: choose tp=2 on 4 ranks"
-        if global_batch % (world_size // tp):
-            return f"dp={world_size // tp} does not divide global_batch={global_batch}: choose a batch that it divides"
-    else:  # pipelining
-        if schedule not in SCHEDULES:
-            return f"schedule={schedule!r} is not known: choose one of {', '.join(SCHEDULES)}"
-        if world_size < 2 or cfg.layers % world_size:
-            return f"pipelining puts layers={cfg.layers} on world_size stages: run it on 2 or 4 ranks, not {world_size}"
-        if micro_batches < 1 or global_batch % micro_batches:
-            return f"micro_batches={micro_batches} must divide global_batch={global_batch}: choose 2, 4 or 8"
-        if schedule == "1f1b" and micro_batches < world_size:
-            return (f"micro_batches={micro_batches} is fewer than the {world_size} stages, which torch's Schedule1F1B "
-                    f"refuses: choose micro_batches >= {world_size}")
-    return None
+    cfg = MODEL
+    why = refusal(
+        one_of("api", api, APIS), at_least("steps", steps), at_least("global_batch", global_batch),
+        None if lr > 0 else f"lr={lr} must be positive",
+        (name := one_of("qkv", qkv, QKV)) and f"{name} ('split' is torchtitan's wq, wk and wv, 'fused' the trap)",
+        "qkv='fused' only matters where a tensor-parallel plan cuts the attention: use api='tp' or 'tp_fsdp'"
+        if qkv == "fused" and api in APIS and api not in ("tp", "tp_fsdp") else None)
+    if why:
+        return why
+    if api == "tp":  # every rank is a TP rank
+        return divides("world_size", world_size, "heads", cfg.heads)
+    if api == "fsdp":  # every rank is a DP rank: it takes global_batch / world_size samples
+        return batch_over_world(global_batch, world_size)
+    if api == "tp_fsdp":
+        return refusal(divides("tp", tp, "world_size", world_size), divides("tp", tp, "heads", cfg.heads)) or \
+            batch_over_world(global_batch, world_size // tp, per="dp")  # dp = world_size / tp ranks share the batch
+    # pipelining: one stage of equal layers per rank
+    return refusal(one_of("schedule", schedule, SCHEDULES),
+                   f"pipelining puts layers={cfg.layers} on world_size stages: run it on 2 or 4 ranks, not {world_size}"
+                   if world_size < 2 or cfg.layers % world_size else None,
+                   divides("micro_batches", micro_batches, "global_batch", global_batch),
+                   f"micro_batches={micro_batches} is fewer than the {world_size} stages, which torch's Schedule1F1B "
+                   f"refuses: choose micro_batches >= {world_size}"
+                   if schedule == "1f1b" and micro_batches < world_size else None)
 
 
 def _adamw(model, lr):
@@ -182,18 +176,21 @@ def _sharded(ctx, cfg, dense, api, qkv, tp, steps, global_batch, lr, data_seed, 
     tp = {"tp": ctx.world_size, "fsdp": 1}.get(api, tp)
     dp = ctx.world_size // tp
     sizes = {"tp": {"tp": tp}, "fsdp": {"dp": dp}, "tp_fsdp": {"dp": dp, "tp": tp}}[api]
-    mesh = NativeMesh(ctx.rank, ctx.world_size, **sizes)
+    names = tuple(d for d in DIMS if d in sizes)  # (dp, tp) outermost first: torchtitan's order
+    mesh = Mesh(RankGrid.for_world(ctx.world_size, **sizes), ctx.rank, names, fresh=True)
     try:
-        # fsdp keeps the dense fused qkv: FSDP2 shards whatever parameters a module has. Not DenseGPT itself,
+        world_mesh = mesh.device_mesh(names)
+        sub = {d: world_mesh if names == (d,) else world_mesh[d] for d in names}  # 1-D meshes, as torchtitan's
+        # fsdp keeps the dense fused qkv: FSDP2 shards whatever parameters a module has. Not the GPT itself,
         # though: its forward reaches into each block (block_forward calls block.ln1, block.attention, ...) without
         # calling the block, and FSDP2 gathers a module's parameters in hooks on its forward, which would never run
         # ("got mixed torch.Tensor and DTensor" in the first LayerNorm). NativeStage calls every block.
         fused = qkv == "fused" or api == "fsdp"
         model = NativeStage(dense, range(cfg.layers), first=True, last=True, fused=fused)
         if "tp" in sizes:
-            _apply_tp(model, mesh["tp"], fused)
+            _apply_tp(model, sub["tp"], fused)
         if "dp" in sizes:
-            _apply_fsdp(model, mesh["dp"])
+            _apply_fsdp(model, sub["dp"])
         optimizer = _adamw(model, lr)
         d = mesh.coords["dp"]
         mine = slice(d * global_batch // dp, (d + 1) * global_batch // dp)
@@ -227,8 +224,9 @@ def _pipelining(ctx, cfg, dense, micro_batches, schedule, steps, global_batch, l
     per = cfg.layers // world
     stage_module = NativeStage(dense, range(rank * per, (rank + 1) * per), first=first, last=last)
     # The tied embedding's two copies: the embedding on the first stage, head.weight on the last (Megatron's
-    # embedding group). Every rank takes part in making the group, as dist.new_group requires.
-    embedding_group = dist.new_group([0, world - 1], timeout=collective_timeout())
+    # embedding group, made by the mesh: every rank takes part, as dist.new_group requires).
+    mesh = Mesh(RankGrid.for_world(world, pp=world), rank, ("embedding",))
+    embedding_group = mesh.group("embedding")
     try:
         tied = stage_module.embed.weight if first else stage_module.head.weight if last else None
         count = {}  # the global batch's valid tokens, set before each step: the loss's denominator
@@ -268,7 +266,7 @@ def _pipelining(ctx, cfg, dense, micro_batches, schedule, steps, global_batch, l
             dist.broadcast(other, src=0, group=embedding_group)
             tied_equal = bool(torch.equal(other, tied.detach()))
     finally:
-        dist.destroy_process_group(embedding_group)
+        mesh.destroy()
     return {"losses": losses, "grads": grads, "params": params, "stage": rank, "mesh": {"pp": world},
             "layers": list(range(rank * per, (rank + 1) * per)), "tied_copies_equal": tied_equal, "placements": {}}
 
@@ -279,7 +277,7 @@ def main(ctx, api: str = "tp", steps: int = 3, global_batch: int = 8, lr: float 
     if ctx.device.type != "cpu":
         raise RuntimeError(f"workers/ch15_native.py runs on CPU ranks (gloo), not on {ctx.device}: "
                            "start it with COURSE_DEVICE=cpu COURSE_BACKEND=gloo")
-    cfg = ComposedConfig()
+    cfg = MODEL
     dense = make_dense(cfg, seed, torch.float64)
     run = _pipelining if api == "pipelining" else _sharded
     out = run(ctx, cfg, dense, api=api, qkv=qkv, tp=tp, micro_batches=micro_batches, schedule=schedule, steps=steps,

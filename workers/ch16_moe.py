@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 workers/ch16_moe.py --ep 2 --experts 8 --top-k 2 --capacity-factor 1.0
     torchrun --nproc-per-node 4 workers/ch16_moe.py --ep 4 --sweep true
-    torchrun --nproc-per-node 2 workers/ch16_moe.py --ep 2 --drill combine_order_not_restored
+    torchrun --nproc-per-node 2 workers/ch16_moe.py --ep 2 --fault combine_order_not_restored
 
 Every rank builds the whole layer from ``seed``, keeps the router, the shared experts and its ``experts / ep``
 routed experts (``workers/moe/layer.py``), routes its share of a batch of ``tokens`` tokens (``data_seed``;
@@ -20,45 +20,42 @@ the experts once.
 import time
 
 from workers.moe.batch import DTYPES, balance, batch, cases
-from workers.moe.layer import DRILLS, ExpertParallelGroups, MoELayer, build_weights, reduce_gradients
-from workers.runtime import entrypoint
+from workers.moe.faults import FAULTS, inject
+from workers.moe.layer import MoELayer, build_weights, expert_mesh, reduce_gradients
+from workers.runtime import entrypoint, one_of, refusal
 
 
 def check_params(world_size, ep=0, experts=4, top_k=2, capacity_factor=0.0, aux_coeff=0.1, z_coeff=0.01,
-                 shared_experts=0, hidden=16, ffn=32, tokens=32, drill="none", sweep=False, dtype="float64",
+                 shared_experts=0, hidden=16, ffn=32, tokens=32, fault="none", sweep=False, dtype="float64",
                  balanced=False, skew=0.0, **_):
     ep = ep or world_size
-    if balanced and (hidden < experts or top_k > 2 or skew):
-        return (f"balanced=True routes token t to experts t and t+1 through the first {experts} coordinates: it needs "
-                f"hidden >= experts, top_k <= 2 and skew=0 (here hidden={hidden}, top_k={top_k}, skew={skew})")
-    if drill not in DRILLS:
-        return f"drill={drill!r} is not one of {', '.join(DRILLS)}"
-    if dtype not in DTYPES:
-        return f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}"
     one = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
                aux_coeff=aux_coeff, z_coeff=z_coeff, shared_experts=shared_experts)
+    layer = None  # the first case (of a sweep's) that the layer cannot take
     for cfg in cases(sweep, **one):
-        why = cfg.problem(ep=ep, world=world_size, tokens=tokens)
-        if why:
-            return why
-    return None
+        layer = layer or cfg.problem(ep=ep, world=world_size, tokens=tokens)
+    return refusal(
+        (f"balanced=True routes token t to experts t and t+1 through the first {experts} coordinates: it needs "
+         f"hidden >= experts, top_k <= 2 and skew=0 (here hidden={hidden}, top_k={top_k}, skew={skew})")
+        if balanced and (hidden < experts or top_k > 2 or skew) else None,
+        one_of("fault", fault, FAULTS), one_of("dtype", dtype, DTYPES), layer)
 
 
 def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: float = 0.0, aux_coeff: float = 0.1,
          z_coeff: float = 0.01, shared_experts: int = 0, hidden: int = 16, ffn: int = 32, tokens: int = 32,
-         seed: int = 0, data_seed: int = 1, skew: float = 0.0, drill: str = "none", sweep: bool = False,
+         seed: int = 0, data_seed: int = 1, skew: float = 0.0, fault: str = "none", sweep: bool = False,
          dtype: str = "float64", balanced: bool = False, repeats: int = 1, report: bool = True):
     """One forward and backward per case; ``repeats`` > 1 times it (the last run is reported)."""
     ep = ep or ctx.world_size
     world, rank = ctx.world_size, ctx.rank
     out = []
-    with ExpertParallelGroups(world, ep, rank) as groups:
+    with expert_mesh(world, ep, rank) as mesh, inject(fault):
         one = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
                    aux_coeff=aux_coeff, z_coeff=z_coeff, shared_experts=shared_experts)
         for cfg in cases(sweep, **one):
             weights = build_weights(cfg, seed, DTYPES[dtype])
             weights = balance(cfg, weights) if balanced else weights
-            layer = MoELayer(cfg, groups, weights=weights, device=ctx.device, dtype=DTYPES[dtype], drill=drill)
+            layer = MoELayer(cfg, mesh, weights=weights, device=ctx.device, dtype=DTYPES[dtype])
             x_all, g_all = batch(cfg, tokens, data_seed, skew, DTYPES[dtype], weights, balanced)
             per = tokens // world
             rows = slice(rank * per, (rank + 1) * per)
@@ -69,12 +66,12 @@ def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: fl
                 y = layer(x)  # [T/W, h]
                 loss = (y * g_all[rows].to(ctx.device)).sum(dim=-1).mean() + layer.aux_loss
                 loss.backward()
-                reduce_gradients(layer.parameters(), layer.expert_parameters(), groups, drill,
+                reduce_gradients(layer.parameters(), layer.expert_parameters(), mesh,
                                  router_params=layer.router.parameters())
                 step_s = time.perf_counter() - t0
             rec = layer.last
             kept = int(rec.keep.sum())
-            case = {"config": cfg.as_dict(), "rows": [rows.start, rows.stop], "ep_rank": groups.ep_rank,
+            case = {"config": cfg.as_dict(), "rows": [rows.start, rows.stop], "ep_rank": layer.ep_rank,
                     "local_experts": layer.local, "experts": rec.experts.cpu(), "keep": rec.keep.cpu(),
                     "counts": rec.counts.cpu(), "kept": kept, "dropped": rec.keep.numel() - kept,
                     "send_splits": rec.send_splits, "recv_splits": rec.recv_splits,
@@ -82,14 +79,14 @@ def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: fl
                     "combine_s": rec.combine_s,
                     "step_s": step_s, "loss": float(loss), "aux": rec.aux, "z": rec.z,
                     # the bytes this rank's dispatch all-to-all moved to other ranks (the combine sends recv back)
-                    "dispatch_bytes": (sum(rec.send_splits) - rec.send_splits[groups.ep_rank]) * hidden * x.element_size(),
-                    "combine_bytes": (sum(rec.recv_splits) - rec.recv_splits[groups.ep_rank]) * hidden * x.element_size()}
+                    "dispatch_bytes": (sum(rec.send_splits) - rec.send_splits[layer.ep_rank]) * hidden * x.element_size(),
+                    "combine_bytes": (sum(rec.recv_splits) - rec.recv_splits[layer.ep_rank]) * hidden * x.element_size()}
             if report:
                 # the rank backpropagated its own mean loss; the global loss is the mean of the world's: / world
                 case.update(y=y.detach().cpu(), input_grad=(x.grad / world).cpu(),
                             grads={n: p.grad.detach().cpu() for n, p in layer.named_parameters()})
             out.append(case)
-    return {"world": world, "ep": ep, "edp": world // ep, "drill": drill, "tokens": tokens, "seed": seed,
+    return {"world": world, "ep": ep, "edp": world // ep, "fault": fault, "tokens": tokens, "seed": seed,
             "data_seed": data_seed, "skew": skew, "balanced": balanced, "dtype": dtype, "cases": out}
 
 

@@ -8,26 +8,23 @@ Every step streams the loss, the busiest expert's load over a perfectly even one
 fraction that would be dropped at capacity factors 1, 1.25, 1.5, 2, the load-balancing loss, and each rank's
 CPU seconds in its experts (``workers/moe/train.py``).
 """
-from workers.gpt.config import GPTConfig
 from workers.moe.config import MoEConfig
-from workers.moe.layer import ExpertParallelGroups
+from workers.moe.layer import expert_mesh
+from workers.model import GPTConfig
 from workers.moe.train import CAPACITY_FACTORS, MoETrainer
-from workers.runtime import entrypoint
+from workers.runtime import at_least, batch_over_world, divides, entrypoint, refusal
 
 
 def check_params(world_size, ep=0, experts=8, top_k=2, capacity_factor=0.0, aux_coeff=0.01, z_coeff=0.0,
                  shared_experts=0, ffn=64, steps=150, global_batch=16, lr=3e-3, hidden=32, heads=4, layers=2,
                  seq=32, vocab=32, **_):
     ep = ep or world_size
-    if steps < 1 or lr <= 0:
-        return f"steps={steps} must be >= 1 and lr={lr} positive"
-    if global_batch % world_size:
-        return f"global_batch={global_batch} does not split over {world_size} ranks: choose a multiple of {world_size}"
-    if hidden % heads:
-        return f"hidden={hidden} is not divisible by heads={heads}: choose heads that divide it"
     moe = MoEConfig(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
                     aux_coeff=aux_coeff, z_coeff=z_coeff, shared_experts=shared_experts)
-    return moe.problem(ep=ep, world=world_size)
+    return refusal(at_least("steps", steps), None if lr > 0 else f"lr={lr} must be positive",
+                   batch_over_world(global_batch, world_size),
+                   divides("heads", heads, "hidden", hidden) if hidden >= 1 else None,  # else the MoE layer refuses it
+                   moe.problem(ep=ep, world=world_size))
 
 
 def main(ctx, ep: int = 0, experts: int = 8, top_k: int = 2, capacity_factor: float = 0.0, aux_coeff: float = 0.01,
@@ -39,15 +36,15 @@ def main(ctx, ep: int = 0, experts: int = 8, top_k: int = 2, capacity_factor: fl
     moe = MoEConfig(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
                     aux_coeff=aux_coeff, z_coeff=z_coeff, shared_experts=shared_experts)
     records = []
-    with ExpertParallelGroups(ctx.world_size, ep or ctx.world_size, ctx.rank) as groups:
-        trainer = MoETrainer(gcfg, moe, groups, steps=steps, global_batch=global_batch, lr=lr, seed=seed,
+    with expert_mesh(ctx.world_size, ep or ctx.world_size, ctx.rank) as mesh:
+        trainer = MoETrainer(gcfg, moe, mesh, steps=steps, global_batch=global_batch, lr=lr, seed=seed,
                              data_seed=data_seed, device=ctx.device)
         for step in range(steps):
             rec = trainer.step()
             ctx.metric(step, loss=rec["loss"], max_load=max(rec["max_load"]), dropped=max(rec["dropped"]))
             records.append(rec)
     columns = {key: [r[key] for r in records] for key in records[0]}
-    return {"model": gcfg.__dict__ | {"ffn": ffn}, "moe": moe.as_dict(), "ep": groups.ep, "world": ctx.world_size,
+    return {"model": gcfg.__dict__ | {"ffn": ffn}, "moe": moe.as_dict(), "ep": mesh.size("ep"), "world": ctx.world_size,
             "capacity_factors": list(CAPACITY_FACTORS), "steps": steps, "global_batch": global_batch, **columns}
 
 

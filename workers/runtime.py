@@ -203,7 +203,7 @@ class Context:
         return self.device.type == "cuda"
 
     def new_group(self, ranks=None, timeout_s: float | None = None):
-        """A new process group with its own collective timeout (the hang drills use a short one)."""
+        """A new process group with its own collective timeout (the hang faults use a short one)."""
         timeout = datetime.timedelta(seconds=timeout_s or self.collective_timeout_s)
         return dist.new_group(ranks=ranks, timeout=timeout, backend=self.backend)
 
@@ -265,6 +265,78 @@ def error_payload(exc: BaseException) -> dict:
     }
 
 
+# -- refusing parameters: the sentences every check_params is made of ---------------------------------------
+# A worker's ``check_params(world_size, **params)`` returns one sentence that names what the learner can change,
+# or None. These helpers say the recurring rules the same way everywhere; each returns a clause or None, and
+# ``refusal`` joins the clauses that apply into the one sentence.
+
+RENAMED = {"tp_size": "tp", "stages": "pp", "n_heads": "heads", "n_kv_heads": "kv_heads", "ffn_hidden": "ffn",
+           "chunks": "virtual_stages", "zero_stage": "zero", "num_microbatches": "micro_batches", "drill": "fault"}
+
+
+def renamed(old: str) -> str:
+    """The new name of a renamed parameter, with a warning that the old one goes away after one release."""
+    import warnings
+
+    new = RENAMED[old]
+    warnings.warn(f"{old}= is now called {new}=; {old}= will stop working in the next release", FutureWarning,
+                  stacklevel=3)
+    return new
+
+
+def rename_params(params: dict) -> dict:
+    """``params`` with every old name (``RENAMED``) replaced by its new one, each with its warning."""
+    return {(renamed(k) if k in RENAMED else k): v for k, v in params.items()}
+
+
+def choose_divisor(n: int) -> str:
+    """The end of a refusal for a size that must divide ``n``: "choose 1, 2 or 4" (the values themselves, not the
+    rule, so a learner at a slider sees which positions work; past eight of them, the rule)."""
+    divisors = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return "choose " + (_either(divisors) if len(divisors) <= 8 else f"a divisor of {n}")
+
+
+def _either(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def divides(name: str, value, of: str, total: int) -> str | None:
+    """``tp=3 does not divide heads=8: choose 1, 2, 4 or 8``, or None when it does."""
+    if not isinstance(total, int) or total < 1:
+        return at_least(of, total)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1 and total % value == 0:
+        return None
+    return f"{name}={value} does not divide {of}={total}: {choose_divisor(total)}"
+
+
+def one_of(name: str, value, choices) -> str | None:
+    """``fault='x' is not one of 'none' or 'a'``, or None."""
+    if value in choices:
+        return None
+    return f"{name}={value!r} is not one of {_either([repr(c) for c in choices])}"
+
+
+def at_least(name: str, value, low: int | float = 1) -> str | None:
+    """``steps=0 must be at least 1``, or None (a bool or a non-number is refused too)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low:
+        return None
+    return f"{name}={value!r} must be at least {low}"
+
+
+def batch_over_world(global_batch, world: int, name: str = "global_batch", per: str = "world_size") -> str | None:
+    """The batch every data-parallel run splits evenly: ``global_batch=10 does not split over world_size=4 ...``."""
+    if isinstance(global_batch, int) and global_batch >= 1 and global_batch % world == 0:
+        return None
+    return (f"{name}={global_batch} does not split evenly over {per}={world} "
+            f"(choose a positive multiple of {world})")
+
+
+def refusal(*clauses: str | None) -> str | None:
+    """The clauses that apply, joined into one sentence (None when none applies)."""
+    found = [c for c in clauses if c]
+    return "; ".join(found) if found else None
+
+
 # -- running a worker from a terminal --------------------------------------------------------------
 
 def _cli_params(main: Callable, argv: list[str]) -> dict:
@@ -292,6 +364,12 @@ def _cli_params(main: Callable, argv: list[str]) -> dict:
 def entrypoint(main: Callable, argv: list[str] | None = None) -> None:
     """``if __name__ == "__main__": entrypoint(main)`` at the bottom of every worker."""
     params = _cli_params(main, sys.argv[1:] if argv is None else argv)
+    # the worker's own refusal, as course_utils.run gives it, before any process group exists
+    rule = getattr(sys.modules.get(main.__module__), "check_params", None)
+    message = rule(int(os.environ.get("WORLD_SIZE", 1)), **params) if rule is not None else None
+    if message:
+        print(f"{main.__module__}: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
     # one seed: a worker's own --seed also seeds the generators, as the launcher's seed does
     seed_all(int(params.get("seed", os.environ.get("COURSE_SEED", 0))))
     ctx = init_distributed()

@@ -17,7 +17,7 @@ H100_MEMORY = 80 * 2**30  # what the device exposes, in bytes (the planner's GPU
 
 # -- 1. a layout for 70B on 256 H100s ------------------------------------------------------------------
 
-LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage")
+LAYOUT_KEYS = ("tp", "pp", "dp", "zero")
 LAYOUT_FIXED = {"seq": 4096, "micro_batch": 1, "recompute": "selective"}
 
 
@@ -25,7 +25,7 @@ def plan_layout_70b(answer: dict):
     """The planner's verdict for the learner's layout (Llama 3 70B, 256 H100s, seq 4096, micro-batch 1)."""
     from course_utils.planner import Layout, plan
 
-    layout = Layout(tp=answer["tp"], pp=answer["pp"], dp=answer["dp"], zero_stage=answer["zero_stage"],
+    layout = Layout(tp=answer["tp"], pp=answer["pp"], dp=answer["dp"], zero=answer["zero"], sequence_parallel=True,
                     **LAYOUT_FIXED)
     return plan("70B", layout, 256, cluster_name="h100-ib")
 
@@ -34,13 +34,23 @@ def check_layout_70b(answer) -> tuple[str, str]:
     from course_utils.ledger import GB
     from course_utils.planner import LayoutError
 
+    from workers.runtime import rename_params
+
     got = answer()
+    if isinstance(got, dict):
+        got = rename_params(got)  # zero_stage= is the old name of zero= (one release)
     if not isinstance(got, dict) or not set(LAYOUT_KEYS) <= set(got):
-        return FAIL, f"return a dict with the keys {', '.join(LAYOUT_KEYS)}, for example dict(tp=8, pp=1, dp=32, zero_stage=1)"
+        return FAIL, f"return a dict with the keys {', '.join(LAYOUT_KEYS)}, for example dict(tp=8, pp=1, dp=32, zero=1)"
     try:
         p = plan_layout_70b(got)
-    except LayoutError as exc:  # includes tp > 8: Llama 3 70B's 8 KV heads refuse it before the node size does
+    except LayoutError as exc:
         return FAIL, str(exc)
+    node = p.cluster.gpus_per_node
+    if got["tp"] > node:  # valid (each of the 8 KV heads copied onto tp / 8 ranks), but not where TP belongs
+        return FAIL, (f"tp={got['tp']} spans {got['tp'] // node} nodes of {node} GPUs: tensor parallelism talks in "
+                      f"every layer (4 all-reduces per layer and micro-batch), over NVLink only inside a node, and "
+                      f"each of Llama 3 70B's 8 KV heads would be copied onto {got['tp'] // 8} GPUs; keep tp <= {node} "
+                      "and split further with pp")
     layers = p.model.layers
     if layers % got["pp"]:  # the planner only notes it; a real pipeline needs equal stages
         stages = sorted({layers // got["pp"], -(-layers // got["pp"])})
@@ -51,7 +61,7 @@ def check_layout_70b(answer) -> tuple[str, str]:
         biggest = max(p.memory, key=p.memory.get)
         return FAIL, (f"{p.total_memory_bytes / GB:.1f} GB per GPU does not fit in {p.gpu_memory_bytes / GB:.1f} GB "
                       f"(80 GiB); the largest term is {biggest} ({p.memory[biggest] / GB:.1f} GB): split the model "
-                      "further (tp, pp) or shard more state (a higher zero_stage)")
+                      "further (tp, pp) or shard more state (a higher zero)")
     return PASS, (f"fits: {p.total_memory_bytes / GB:.1f} GB of {p.gpu_memory_bytes / GB:.1f} GB per GPU, "
                   f"{p.step_time_s:.2f} s per step in the planner's model (MFU {100 * p.mfu:.0f}%)")
 

@@ -30,14 +30,14 @@ def _consecutive(world: int, n: int) -> list[tuple[int, ...]]:
 
 
 def _answers(answer, dp, pp, cp, tp) -> dict:
-    from workers.parallel.grid import DIMS
+    from workers.layout.grid import DIMS
 
     return {dim: _normal(answer(dp, pp, cp, tp, dim)) for dim in DIMS}
 
 
 def check_mesh_groups(answer) -> tuple[str, str]:
     """``answer(dp, pp, cp, tp, dim)``: every group along ``dim`` of the grid ``arange(world).view(dp, pp, cp, tp)``."""
-    from workers.parallel.grid import DIMS, RankGrid
+    from workers.layout.grid import DIMS, RankGrid
 
     for dp, pp, cp, tp in SHAPES:
         grid = RankGrid(dp=dp, pp=pp, cp=cp, tp=tp)
@@ -93,7 +93,8 @@ def check_layout_and_traffic(answer) -> tuple[str, str]:
     pp and dp. The layout is then run for one step and rank 0's measured bytes must equal the prediction."""
     import course_utils as cu
     from course_utils import ch15_truth as truth
-    from workers.composed.layout import Layout, problem
+    from course_utils.ch15 import layout_problem
+    from workers.layout import Layout
 
     try:
         layout_in, predicted = call_answer(answer)
@@ -106,8 +107,7 @@ def check_layout_and_traffic(answer) -> tuple[str, str]:
                       "sequence_parallel), predicted a dict of bytes per dimension, like {'tp': 0, 'cp': 0, 'pp': 0, "
                       "'dp': 0}")
     layout = Layout(**options)
-    why = problem(layout, WORLD, layers=CONFIG["layers"], heads=CONFIG["heads"], kv_heads=CONFIG["heads"],
-                  ffn=4 * CONFIG["hidden"], seq=CONFIG["seq"], global_batch=CONFIG["global_batch"])
+    why = layout_problem(layout, WORLD, global_batch=CONFIG["global_batch"])
     if why:
         return FAIL, f"layout {layout.name} is refused before launch: {why}"
     held = [(s, _state_bytes(layout.as_dict(), s)) for s in range(layout.pp)]

@@ -146,7 +146,8 @@ for tp, sp in ((1, False), (8, False), (8, True)):
 # GPU (the first pipeline stage) by state, and a step time split into compute (at 60% of the bf16 peak),
 # pipeline bubble and each parallelism's communication over the network tier its group spans. Groups are
 # laid out [TP, CP, PP, DP] from the innermost, as in Llama 3 (Figure 5): TP ranks are neighbours on one node.
-# Communication is *not* overlapped, so the times are an upper bound.
+# Communication is *not* overlapped, so the times are an upper bound. Every layout with TP here also uses
+# sequence parallelism (`sequence_parallel=True`), as the large runs do.
 #
 # Racing layouts needs one rule: **the same global batch**. A step is dp x m micro-batches; with the planner's
 # default m (4 pp, or 1 without PP) DDP's step holds 256 sequences, TP8 + ZeRO-1's holds 32 and TP8 PP4's 128, so
@@ -159,12 +160,12 @@ for tp, sp in ((1, False), (8, False), (8, True)):
 # %%
 GLOBAL_BATCH = 256  # sequences of 4096 tokens per optimizer step, the same for every layout
 LAYOUTS_70B = {
-    "DDP": Layout(tp=1, pp=1, zero_stage=0),
-    "FSDP (ZeRO-3)": Layout(tp=1, pp=1, zero_stage=3),
-    "TP8 + ZeRO-1": Layout(tp=8, pp=1, zero_stage=1),
-    "TP8 PP4 + ZeRO-1": Layout(tp=8, pp=4, zero_stage=1),
-    "... no recomputation": Layout(tp=8, pp=4, zero_stage=1, recompute="none"),
-    "... full recomputation": Layout(tp=8, pp=4, zero_stage=1, recompute="full"),
+    "DDP": Layout(tp=1, pp=1, zero=0),
+    "FSDP (ZeRO-3)": Layout(tp=1, pp=1, zero=3),
+    "TP8 + ZeRO-1": Layout(tp=8, pp=1, zero=1, sequence_parallel=True),
+    "TP8 PP4 + ZeRO-1": Layout(tp=8, pp=4, zero=1, sequence_parallel=True),
+    "... no recomputation": Layout(tp=8, pp=4, zero=1, recompute="none", sequence_parallel=True),
+    "... full recomputation": Layout(tp=8, pp=4, zero=1, recompute="full", sequence_parallel=True),
 }
 plans_70b = {name: plan("70B", layout, 256, global_batch=GLOBAL_BATCH) for name, layout in LAYOUTS_70B.items()}
 display(Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in plans_70b.items()],
@@ -178,7 +179,7 @@ print(f"fastest layout that fits (most tokens/s): {ch00.fastest_fitting(plans_70
 # %%
 for name in ("TP8 + ZeRO-1", "TP8 PP4 + ZeRO-1"):
     d = plan("70B", LAYOUTS_70B[name], 256)
-    print(f"{name:<17} default m={d.layout.num_microbatches:>2}: {d.sequences_per_step:>3} sequences in "
+    print(f"{name:<17} default m={d.layout.micro_batches:>2}: {d.sequences_per_step:>3} sequences in "
           f"{d.step_time_s:.2f} s = {d.tokens_per_second / 1e3:5.0f}k tokens/s, MFU {100 * d.mfu:.0f}%")
 
 # %% [markdown]
@@ -223,9 +224,9 @@ ch00.planner_widget()
 
 # %%
 TYPICAL = {
-    "Llama 2 7B": ("7B", 8, Layout(zero_stage=1)),
-    "Llama 3 70B": ("70B", 64, Layout(tp=8, pp=4, zero_stage=1)),
-    "Llama 3.1 405B": ("405B", 1024, Layout(tp=8, pp=16, zero_stage=1)),
+    "Llama 2 7B": ("7B", 8, Layout(zero=1)),
+    "Llama 3 70B": ("70B", 64, Layout(tp=8, pp=4, zero=1, sequence_parallel=True)),
+    "Llama 3.1 405B": ("405B", 1024, Layout(tp=8, pp=16, zero=1, sequence_parallel=True)),
 }
 typical = {name: plan(model, layout, n) for name, (model, n, layout) in TYPICAL.items()}
 display(Table(ch00.PLAN_HEADER, [ch00.plan_row(name, p) for name, p in typical.items()],
@@ -248,8 +249,8 @@ plots.savefig(fig, "00_typical_configs");
 
 # %% [markdown]
 # ### A 1024-GPU run
-# With 1024 GPUs fixed, the planner can enumerate every (tp, pp, dp) that keeps TP inside a node and
-# dividing the KV heads, for a global batch of 2048 sequences (8M tokens), fitting layouts first and fastest
+# With 1024 GPUs fixed, the planner can enumerate every (tp, pp, dp) that keeps TP inside a node and obeys
+# the head rules, for a global batch of 2048 sequences (8M tokens), fitting layouts first and fastest
 # first. For 405B the fastest fitting layouts are pipeline-heavy with TP=8; for 70B, less TP and more DP win
 # because the model's states already fit.
 
@@ -261,13 +262,13 @@ for key in ("405B", "70B"):
 
 # %% [markdown]
 # ### Exercise 2: a layout for 70B on 256 H100s
-# Return `dict(tp=..., pp=..., dp=..., zero_stage=...)` for Llama 3 70B on 256 H100s (32 nodes of 8), sequence
+# Return `dict(tp=..., pp=..., dp=..., zero=...)` for Llama 3 70B on 256 H100s (32 nodes of 8), sequence
 # 4096, micro-batch 1, selective recomputation, that fits in 80 GiB per GPU, keeps TP inside a node and gives
 # every pipeline stage the same number of layers. The check runs the planner on your layout.
 
 # %% tags=["exercise"]
 def layout_70b():
-    """A 4D layout for Llama 3 70B on 256 H100s: dict(tp=..., pp=..., dp=..., zero_stage=...)."""
+    """A 4D layout for Llama 3 70B on 256 H100s: dict(tp=..., pp=..., dp=..., zero=...)."""
     raise NotImplementedError
 
 
@@ -295,7 +296,7 @@ check("min_gpus_fsdp", min_gpus_fsdp)
 # falls as N grows, so it bisects):
 
 # %%
-FSDP_ONLY = Layout(tp=1, pp=1, zero_stage=3, recompute="full", seq=4096)
+FSDP_ONLY = Layout(tp=1, pp=1, zero=3, recompute="full", seq=4096)
 n405 = model_shape("405B").n_params
 states_only = max(1, -(-16 * n405 // GPUS["h100"].memory_bytes))
 p = min_gpus_to_fit("405B", FSDP_ONLY)
@@ -347,8 +348,9 @@ for tier, seconds in t["comm_s"].items():
 
 # %% [markdown]
 # Over NVLink the all-reduces cost a fraction of the matmuls and can partly overlap; over InfiniBand they
-# cost more than the matmuls themselves, every layer. The KV heads set a second limit: each TP rank must
-# hold whole KV heads, so Llama 3's 8 KV heads cap TP at 8, exactly one NVLink domain.
+# cost more than the matmuls themselves, every layer. The KV heads set a second limit: a KV head cannot be
+# split, so past Llama 3's 8 KV heads each one is copied onto tp / 8 ranks (chapter 05), memory and compute
+# spent twice for nothing. 8 KV heads cap TP at 8 without copies: exactly one NVLink domain.
 #
 # ### Exercise 4: why 8 KV heads cap TP at 8
 # Write `max_tp(heads, kv_heads, gpus_per_node=8)`: the largest TP degree that gives every GPU whole query

@@ -299,23 +299,23 @@ if on_cpu:  # on a GPU the worker does not read x before wait(): .item() would s
 #   alongside compute kernels: that is where overlap is meant to pay (again not measured in this notebook).
 
 # %% [markdown]
-# ## 5. Debugging drills: breaking a job on purpose
+# ## 5. Injected faults: breaking a job on purpose
 #
 # The classic distributed failure is not a crash but a **hang**: one rank never reaches a collective, every
-# other rank waits in it forever, and nothing prints. Three kinds of failure in four drills (the skipped
+# other rank waits in it forever, and nothing prints. Three kinds of failure in four injected faults (the skipped
 # collective twice, caught by two different safety nets), each on its own fresh ranks, with short timeouts so
 # that every failure arrives as an exception within seconds. They are independent jobs, so we start them all
 # now and read them one by one.
 
 # %%
-drills = {
-    "skip, gloo timeout": cu.launch("workers.drills", world_size=2, mode="skip_collective", bad_rank=1,
+faults = {
+    "skip, gloo timeout": cu.launch("workers.rank_faults", world_size=2, mode="skip_collective", bad_rank=1,
                                     seconds=20, collective_timeout=2.0, timeout=40, warm=False),
-    "skip, job timeout": cu.launch("workers.drills", world_size=2, mode="skip_collective", bad_rank=1,
+    "skip, job timeout": cu.launch("workers.rank_faults", world_size=2, mode="skip_collective", bad_rank=1,
                                    seconds=30, collective_timeout=30.0, timeout=5, warm=False),
-    "shape mismatch": cu.launch("workers.drills", world_size=2, mode="shape_mismatch", bad_rank=1,
+    "shape mismatch": cu.launch("workers.rank_faults", world_size=2, mode="shape_mismatch", bad_rank=1,
                                 collective_timeout=5.0, timeout=40, warm=False),
-    "shape mismatch, DETAIL": cu.launch("workers.drills", world_size=2, mode="shape_mismatch", bad_rank=1,
+    "shape mismatch, DETAIL": cu.launch("workers.rank_faults", world_size=2, mode="shape_mismatch", bad_rank=1,
                                         collective_timeout=5.0, timeout=40, warm=False,
                                         env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
 }
@@ -327,14 +327,14 @@ drills = {
 # runtime passes to `init_process_group(timeout=...)`), so gloo itself gives up and rank 0 raises:
 
 # %% tags=["nbval-ignore-output"]
-err = ch01.drill_outcome(drills["skip, gloo timeout"])
+err = ch01.fault_outcome(faults["skip, gloo timeout"])
 print(type(err).__name__, "from rank", err.rank)
 print(err.summary)
-print(ch01.traceback_from(err.rank_traceback, "drills.py"))  # from the worker's own frame down to the error
+print(ch01.traceback_from(err.rank_traceback, "rank_faults.py"))  # from the worker's own frame down to the error
 
 # %% [markdown]
 # Read it bottom-up: the error is a gloo **recv timeout** inside `all_reduce`, called from the line of
-# `workers/drills.py` printed first (`dist.all_reduce(x, group=group)`). The question to ask is never "why
+# `workers/rank_faults.py` printed first (`dist.all_reduce(x, group=group)`). The question to ask is never "why
 # is gloo slow" but "which rank did not call this collective?".
 #
 # Without `timeout=`, `init_process_group` waits 30 minutes for gloo and 10 for NCCL: that is what makes a
@@ -343,7 +343,7 @@ print(ch01.traceback_from(err.rank_traceback, "drills.py"))  # from the worker's
 # rank where it is, then stops them all:
 
 # %% tags=["nbval-ignore-output"]
-err = ch01.drill_outcome(drills["skip, job timeout"])
+err = ch01.fault_outcome(faults["skip, job timeout"])
 print(type(err).__name__)
 print(err.summary)
 for rank, where in err.stuck.items():
@@ -358,7 +358,7 @@ for rank, where in err.stuck.items():
 # collective, in the same order, so no one waits; the *sizes* disagree. What does gloo do?
 
 # %% tags=["nbval-ignore-output"]
-err = ch01.drill_outcome(drills["shape mismatch"])
+err = ch01.fault_outcome(faults["shape mismatch"])
 print(type(err).__name__, "-", err.summary.splitlines()[0][:220])
 print("what the other rank printed before it died:")
 print("\n".join(line for line in err.logs if "what()" in line or "EnforceNotMet" in line))
@@ -375,7 +375,7 @@ print("\n".join(line for line in err.logs if "what()" in line or "EnforceNotMet"
 # collective, so it is for debugging, not production.
 
 # %% tags=["nbval-ignore-output"]
-err = ch01.drill_outcome(drills["shape mismatch, DETAIL"])
+err = ch01.fault_outcome(faults["shape mismatch, DETAIL"])
 print(type(err).__name__, "from rank", err.rank)
 print(err.summary.split(" (ranks")[0].replace("Rank 1 is running", "\nRank 1 is running").replace(
     "Collectives differ", "\nCollectives differ"))

@@ -43,7 +43,7 @@ from workers.parallel.reference import LAYOUTS, MAPPING_NAMES
 
 plots.style()
 # Every run uses the same 4 ranks (started once, then kept warm), grouped as each experiment needs:
-# tp_size=2 makes two tensor-parallel groups, ranks [0, 1] and [2, 3], and every mapping runs inside its
+# tp=2 makes two tensor-parallel groups, ranks [0, 1] and [2, 3], and every mapping runs inside its
 # own group. 60 s per run; the collective timeout keeps its default, so these runs, the widget and the
 # exercise checks all share the same warm ranks.
 WORLD = 4
@@ -130,7 +130,7 @@ for code in (mappings._CopyToModelParallelRegion, mappings._ReduceFromModelParal
 # receive the same output gradient $C$. What is the gradient of $p_0$?
 
 # %%
-pairs = cu.run("workers.ch03_mappings", world_size=WORLD, tp_size=2, **LIMITS)
+pairs = cu.run("workers.ch03_mappings", world_size=WORLD, tp=2, **LIMITS)
 print("groups:", ch03.groups_of(pairs))
 
 # %% tags=["nbval-ignore-output"]
@@ -173,8 +173,8 @@ print(ch03.communication_table(pairs[0]["communication"]))
 # The 4 ranks, grouped three ways: 4 groups of 1, 2 groups of 2 (the run above), and 1 group of 4.
 
 # %%
-equivalence = {1: cu.run("workers.ch03_mappings", world_size=WORLD, tp_size=1, **LIMITS), 2: pairs,
-               4: cu.run("workers.ch03_mappings", world_size=WORLD, tp_size=4, **LIMITS)}
+equivalence = {1: cu.run("workers.ch03_mappings", world_size=WORLD, tp=1, **LIMITS), 2: pairs,
+               4: cu.run("workers.ch03_mappings", world_size=WORLD, tp=4, **LIMITS)}
 for tp, res in equivalence.items():
     rows = ch03.mapping_rows(res)
     print(f"groups of {tp}: {sum(r['exact'] for r in rows)}/{len(rows)} (group, mapping) pairs bit-identical "
@@ -202,7 +202,7 @@ explorer = LiveRun(
     "workers.ch03_mappings",
     {"mapping": W.Dropdown(options=list(MAPPING_NAMES), value="gather_from_sequence_parallel_region",
                            description="mapping"),
-     "tp_size": W.SelectionSlider(options=[1, 2, 4], value=2, description="ranks per group",
+     "tp": W.SelectionSlider(options=[1, 2, 4], value=2, description="ranks per group",
                                   continuous_update=False, style={"description_width": "initial"})},
     lambda res, p: ch03.draw_mapping(res, p["mapping"]),
     params={"world_size": WORLD, "rows": 1, "cols": 2}, timeout=30,
@@ -235,7 +235,7 @@ print(Table.of(ch03.gradcheck_rows(gradchecks), ["ranks", "circuit", "gradcheck"
 
 # %%
 wrong_variants = ["f_backward_identity", "g_backward_all_reduce", "gather_backward_sums", "scatter_wrong_chunk"]
-at_two = {v: cu.run("workers.ch03_gradcheck", world_size=WORLD, tp_size=2, variant=v, **LIMITS)
+at_two = {v: cu.run("workers.ch03_gradcheck", world_size=WORLD, tp=2, variant=v, **LIMITS)
           for v in ["correct"] + wrong_variants}
 gradcheck_rows = ch03.gradcheck_rows(at_two)
 
@@ -273,7 +273,7 @@ print(Table.of([r for r in gradcheck_rows if r["gradcheck"] != "pass"], ["varian
 
 # %%
 TRAP = {"batch": 4, "hidden": 8, "out": 4, "seed": 0}
-trap = {tp: cu.run("workers.ch03_scaling_trap", world_size=WORLD, tp_size=tp, **TRAP, **LIMITS) for tp in (1, 2, 4)}
+trap = {tp: cu.run("workers.ch03_scaling_trap", world_size=WORLD, tp=tp, **TRAP, **LIMITS) for tp in (1, 2, 4)}
 
 # %% [markdown]
 # Eight ranks need a torchrun start of their own (eight more processes importing torch), so the headless

@@ -43,7 +43,7 @@ def run_layer(tp, **params):
     The 4 ranks form 4/tp independent groups ([0], [1], [2], [3] at TP 1; [0, 1], [2, 3] at TP 2; all four at
     TP 4), each running the whole module; ``compare`` rebuilds and checks every group.
     """
-    res = cu.run(LAYERS, world_size=WORLD, tp_size=tp, seq=SEQ, batch=BATCH, hidden=HIDDEN, **LIMITS, **params)
+    res = cu.run(LAYERS, world_size=WORLD, tp=tp, seq=SEQ, batch=BATCH, hidden=HIDDEN, **LIMITS, **params)
     cfg = tp_check.config_of(res[0]["config"])
     return res, tp_check.compare(res, params.get("module", "mlp"), cfg, seq=SEQ, batch=BATCH)
 
@@ -216,7 +216,7 @@ print(tp_figures.fault_table({f: run_layer(2, module="mlp", fault=f)[1] for f in
 # output rows (column parallel). LayerNorms and the row-parallel biases are replicated.
 
 # %% tags=["nbval-ignore-output"]
-plots.savefig(tp_viz.sharding_figure(hidden=64, ffn=256, n_heads=8, n_kv_heads=8, tp=4), "04_sharding");
+plots.savefig(tp_viz.sharding_figure(hidden=64, ffn=256, heads=8, kv_heads=8, tp=4), "04_sharding");
 
 # %%
 for row in tp_viz.layout(64, 256, 8, 8, 4)["per_rank"][:2]:
@@ -229,7 +229,7 @@ print("dense layer parameters:", tp_viz.layout(64, 256, 8, 8, 4)["dense_params"]
 # at TP 3, where the heads split but the FFN of 256 does not.
 
 # %% tags=["nbval-ignore-output"]
-tp_viz.sharding_widget(hidden=64, ffn=256, n_heads=8, n_kv_heads=8, tp=4)
+tp_viz.sharding_widget(hidden=64, ffn=256, heads=8, kv_heads=8, tp=4)
 
 # %% [markdown]
 # ## 6. Exercises
@@ -269,10 +269,10 @@ cu.check("row_parallel_forward", row_parallel_forward)
 # projections fused, `fc1.weight = [gate; up]` of shape `[2 ffn, h]`, and then split the output in two
 # halves. Column parallelism is still right (everything stays elementwise), *if* each rank holds matching
 # columns of gate and up. Given the fused weight `w` (or bias), return the rows rank `rank` of
-# `world_size` must hold, laid out `[gate_r; up_r]` so that the local output splits into two halves too.
+# `tp` must hold, laid out `[gate_r; up_r]` so that the local output splits into two halves too.
 
 # %% tags=["exercise"]
-def swiglu_shard(w, rank, world_size):
+def swiglu_shard(w, rank, tp):
     raise NotImplementedError
 
 # %% tags=["check"]
@@ -296,12 +296,12 @@ def draw_equivalence(res, params):
     cfg = tp_check.config_of(res[0]["config"])
     rep = tp_check.compare(res, params["module"], cfg, seq=SEQ, batch=BATCH)
     verdict = "equal to the dense module" if rep.ok else f"DIFFERENT in {len(rep.failed + rep.problems)} tensor(s)"
-    return tp_figures.equivalence_figure({f"TP {params['tp_size']}": rep},
+    return tp_figures.equivalence_figure({f"TP {params['tp']}": rep},
                                          f"{params['module']}, {params['activation']}, {params['split']} split, "
                                          f"{params['fault'] or 'no fault'}: {verdict}")
 
 
-live = LiveRun(LAYERS, {"tp_size": slider("TP", 2, 1, 4),
+live = LiveRun(LAYERS, {"tp": slider("TP", 2, 1, 4),
                         "module": W.Dropdown(options=["mlp", "column", "row"], value="mlp", description="module"),
                         "activation": W.Dropdown(options=["gelu", "swiglu"], value="swiglu", description="MLP"),
                         "split": W.Dropdown(options=["right", "naive"], value="right", description="split"),

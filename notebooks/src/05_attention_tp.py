@@ -39,7 +39,7 @@ def run_attention(tp, **params):
     The 4 ranks form 4/tp independent tensor-parallel groups, each running the whole attention; ``compare``
     rebuilds and checks every group.
     """
-    res = cu.run(ATTENTION, world_size=WORLD, tp_size=tp, seq=SEQ, batch=BATCH, **LIMITS, **params)
+    res = cu.run(ATTENTION, world_size=WORLD, tp=tp, seq=SEQ, batch=BATCH, **LIMITS, **params)
     cfg = tp_check.config_of(res[0]["config"])
     return res, tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH)
 
@@ -47,14 +47,14 @@ def run_attention(tp, **params):
 # %% [markdown]
 # ## 1. Heads on ranks
 #
-# Our dense reference (`workers/parallel/dense.py: DenseAttention`) has one fused projection `qkv` of
-# shape `[(n_heads + 2 n_kv_heads) d, h]` laid out `[Q; K; V]`, causal scaled-dot-product attention, and
+# Our dense reference (`workers/model/dense.py: DenseAttention`) has one fused projection `qkv` of
+# shape `[(heads + 2 kv_heads) d, h]` laid out `[Q; K; V]`, causal scaled-dot-product attention, and
 # an output projection `proj`. The parallel version (`workers/parallel/attention.py: ParallelAttention`)
 # is built from it with `from_dense`. **Predict**: for 4 heads at TP 2, how many all-reduces in forward,
 # how many in backward, and in which layer?
 
 # %%
-mha = {t: run_attention(t, hidden=32, n_heads=4) for t in (1, 2, 4)}
+mha = {t: run_attention(t, hidden=32, heads=4) for t in (1, 2, 4)}
 for t, (res, rep) in mha.items():
     heads = [d["query_heads"] for d in res.ranks[:t]]  # the first group; the others hold the same heads
     print(f"TP {t}: query heads per rank {heads}; {rep.verdict()}")
@@ -101,16 +101,16 @@ for row in tp_viz.head_table(16384, 128, 8, tps=(1, 2, 4, 8, 16), seq=8192, batc
 # KV head 0?
 
 # %%
-gqa = {"GQA 8q/2kv, TP 2 (split)": run_attention(2, hidden=32, n_heads=8, n_kv_heads=2),
-       "GQA 8q/2kv, TP 4 (replicated x2)": run_attention(4, hidden=32, n_heads=8, n_kv_heads=2),
-       "MQA 4q/1kv, TP 4 (replicated x4)": run_attention(4, hidden=32, n_heads=4, n_kv_heads=1)}
+gqa = {"GQA 8q/2kv, TP 2 (split)": run_attention(2, hidden=32, heads=8, kv_heads=2),
+       "GQA 8q/2kv, TP 4 (replicated x2)": run_attention(4, hidden=32, heads=8, kv_heads=2),
+       "MQA 4q/1kv, TP 4 (replicated x4)": run_attention(4, hidden=32, heads=4, kv_heads=1)}
 for label, (res, rep) in gqa.items():
-    tp, cfg = res[0]["tp_size"], tp_check.config_of(res[0]["config"])
-    print(f"{label}: KV heads per rank {[d['kv_heads'] for d in res.ranks[:tp]]}; {rep.verdict()}")
+    tp, cfg = res[0]["tp"], tp_check.config_of(res[0]["config"])
+    print(f"{label}: KV heads per rank {[d['kv_head_ids'] for d in res.ranks[:tp]]}; {rep.verdict()}")
     syncs = [r for r in tp_check.comm_rows(res, kind="parameter") if r["scope"].endswith("kv_copies")]
     print("      gradient sums over KV copies (rank 0):",
           [(r["collective"], r["pass"], r["calls"], f"{r['message_bytes']} B") for r in syncs] or "none")
-    model = tp_viz.kv_copy_grad_sync(cfg.hidden, cfg.n_heads, cfg.kv_heads, tp, bytes_per_element=4, bias=True)
+    model = tp_viz.kv_copy_grad_sync(cfg.hidden, cfg.heads, cfg.kv_heads, tp, bytes_per_element=4, bias=True)
     print("      the table's model (tp_viz.kv_copy_grad_sync):",
           f"{model['all_reduces']} all-reduces, {' + '.join(map(str, model['message_bytes']))} B (K and V weight "
           "rows, then their biases)" if model["all_reduces"] else "none")
@@ -123,7 +123,7 @@ res4, _ = gqa["GQA 8q/2kv, TP 4 (replicated x2)"]
 kv_grads = [d["grads"]["qkv.weight"]["value"][2 * 4:] for d in res4.ranks]  # after this rank's 2 query heads (d=4)
 print("ranks 0 and 1 (KV head 0) identical:", torch.equal(kv_grads[0], kv_grads[1]),
       "| ranks 2 and 3 (KV head 1) identical:", torch.equal(kv_grads[2], kv_grads[3]))
-res_nosync, rep_nosync = run_attention(4, hidden=32, n_heads=8, n_kv_heads=2, fault="skip_parameter_grad_sync")
+res_nosync, rep_nosync = run_attention(4, hidden=32, heads=8, kv_heads=2, fault="skip_parameter_grad_sync")
 print("without the sum over copies:", rep_nosync.verdict())
 
 # %% tags=["nbval-ignore-output"]
@@ -147,13 +147,13 @@ plots.savefig(tp_figures.equivalence_figure(reports, "attention by head vs dense
 # heads 0 and 1 as its queries, query heads 2 and 3 as its keys, and key heads 0 and 1 as its values.
 
 # %% tags=["nbval-ignore-output"]
-plots.savefig(tp_figures.qkv_split_figure(n_heads=4, n_kv_heads=4, head_dim=2, tp=2), "05_qkv_split");
+plots.savefig(tp_figures.qkv_split_figure(heads=4, kv_heads=4, head_dim=2, tp=2), "05_qkv_split");
 
 # %% [markdown]
 # **Predict**: does the naive split give a slightly wrong output, or a completely different function?
 
 # %%
-res_naive, rep_naive = run_attention(2, hidden=32, n_heads=4, split="naive")
+res_naive, rep_naive = run_attention(2, hidden=32, heads=4, split="naive")
 print("naive chunking:", rep_naive.verdict())
 print(f"largest output error: {'above 0.1' if rep_naive.errors['output'] > 0.1 else 'small'}")
 
@@ -183,18 +183,18 @@ HEAD_DIM = 6  # the head size stays fixed and hidden follows the heads (8 heads:
 def draw_heads(res, params):
     cfg = tp_check.config_of(res[0]["config"])
     rep = tp_check.compare(res, "attention", cfg, seq=SEQ, batch=BATCH)
-    kv = [d["kv_heads"] for d in res.ranks[:params["tp_size"]]]
-    return tp_figures.equivalence_figure({f"TP {params['tp_size']}": rep},
-                                         f"{cfg.n_heads} heads of {cfg.head_dim}, {cfg.kv_heads} KV heads, "
+    kv = [d["kv_head_ids"] for d in res.ranks[:params["tp"]]]
+    return tp_figures.equivalence_figure({f"TP {params['tp']}": rep},
+                                         f"{cfg.heads} heads of {cfg.head_dim}, {cfg.kv_heads} KV heads, "
                                          f"KV per rank {kv}: "
                                          f"{'equal' if rep.ok else 'DIFFERENT'}")
 
 
-heads_live = LiveRun(ATTENTION, {"tp_size": slider("TP", 4, 1, 4), "n_heads": slider("heads", 8, 1, 16),
-                                 "n_kv_heads": slider("KV heads", 2, 1, 16),
+heads_live = LiveRun(ATTENTION, {"tp": slider("TP", 4, 1, 4), "heads": slider("heads", 8, 1, 16),
+                                 "kv_heads": slider("KV heads", 2, 1, 16),
                                  "split": W.Dropdown(options=["right", "naive"], value="right", description="split")},
                      draw_heads, params={"world_size": WORLD, "seq": SEQ, "batch": BATCH},
-                     derive=lambda s: {"hidden": HEAD_DIM * s["n_heads"]}, timeout=60)
+                     derive=lambda s: {"hidden": HEAD_DIM * s["heads"]}, timeout=60)
 heads_live.wait(60)
 heads_live
 
@@ -202,30 +202,30 @@ heads_live
 # And the pure sharding view from chapter 04 (no ranks), where you can push TP to 16:
 
 # %% tags=["nbval-ignore-output"]
-tp_viz.sharding_widget(hidden=64, ffn=256, n_heads=8, n_kv_heads=2, tp=4)
+tp_viz.sharding_widget(hidden=64, ffn=256, heads=8, kv_heads=2, tp=4)
 
 # %% [markdown]
 # ## 5. Exercises
 #
 # **Exercise 1: split a fused QKV weight by heads.** `w` is the fused `[Q; K; V]` weight
-# `[(n_heads + 2 n_kv_heads) * head_dim, h]` (or its bias, 1-D: index the first dimension). Return the
-# rows rank `rank` of `world_size` holds, laid out `[its Q heads; its K heads; its V heads]`. The check
+# `[(heads + 2 kv_heads) * head_dim, h]` (or its bias, 1-D: index the first dimension). Return the
+# rows rank `rank` of `tp` holds, laid out `[its Q heads; its K heads; its V heads]`. The check
 # runs attention with your shard on real ranks, for MHA, GQA with the KV heads split, and GQA with them
 # replicated.
 
 # %% tags=["exercise"]
-def split_fused_qkv(w, n_heads, n_kv_heads, head_dim, rank, world_size):
+def split_fused_qkv(w, heads, kv_heads, head_dim, rank, tp):
     raise NotImplementedError
 
 # %% tags=["check"]
 cu.check("split_fused_qkv", split_fused_qkv)
 
 # %% [markdown]
-# **Exercise 2: KV heads per rank.** Return the list of KV heads rank `rank` of `world_size` must hold,
+# **Exercise 2: KV heads per rank.** Return the list of KV heads rank `rank` of `tp` must hold,
 # in increasing order, whether they are split or replicated.
 
 # %% tags=["exercise"]
-def kv_heads_for_rank(n_heads, n_kv_heads, world_size, rank):
+def kv_heads_for_rank(heads, kv_heads, tp, rank):
     raise NotImplementedError
 
 # %% tags=["check"]

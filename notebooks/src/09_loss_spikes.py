@@ -30,14 +30,14 @@ import torch
 
 import course_utils as cu
 from course_utils import ch09, ch09_tables, plots, reference_data
-from workers.gpt.config import GPTConfig, TrainConfig
+from workers.gpt.config import MODEL, TrainConfig
 from workers.gpt.data import MarkovDataset, entropy_rate
-from workers.gpt.model import make_model
+from workers.model import make_model
 
 plots.style()
 TRAIN = "workers.ch09_train"
 LIMITS = {"timeout": 120}
-cfg, run_cfg = GPTConfig(), TrainConfig()
+cfg, run_cfg = MODEL, TrainConfig()
 floor = entropy_rate(MarkovDataset(cfg.vocab, cfg.seq, 1, run_cfg.data_seed).table)
 n_params = sum(p.numel() for p in make_model(cfg).parameters())
 print(cfg)

@@ -173,7 +173,7 @@ plots.savefig(ax.figure, "11_zero1_bytes");
 # %% [markdown]
 # ## 3. Memory at the four moments of a step
 #
-# `workers/ch11_memory.py` trains a GPT in bf16 with fp32 master weights and AdamW, as DDP (`zero_stage=0`)
+# `workers/ch11_memory.py` trains a GPT in bf16 with fp32 master weights and AdamW, as DDP (`zero=0`)
 # or ZeRO-1, and records memory after init, after the forward pass, after the backward pass and after the
 # optimizer step. On any machine it *accounts* bytes from the tensors themselves: the flat weight and gradient
 # buffers, the optimizer's state tensors, and the activations: every tensor autograd saves for backward
@@ -186,10 +186,10 @@ plots.savefig(ax.figure, "11_zero1_bytes");
 # %%
 SMALL = dict(hidden=128, heads=4, layers=2, vocab=512, seq=128, micro_batch=2, steps=2)
 memory_runs = {
-    "DDP, N=1": cu.run("workers.ch11_memory", 1, zero_stage=0, timeout=240, **SMALL)[0],
-    "DDP, N=2": cu.run("workers.ch11_memory", 2, zero_stage=0, timeout=240, **SMALL)[0],
-    "ZeRO-1, N=2": cu.run("workers.ch11_memory", 2, zero_stage=1, timeout=240, **SMALL)[0],
-    "ZeRO-1, N=4": cu.run("workers.ch11_memory", 4, zero_stage=1, timeout=240, **SMALL)[0],
+    "DDP, N=1": cu.run("workers.ch11_memory", 1, zero=0, timeout=240, **SMALL)[0],
+    "DDP, N=2": cu.run("workers.ch11_memory", 2, zero=0, timeout=240, **SMALL)[0],
+    "ZeRO-1, N=2": cu.run("workers.ch11_memory", 2, zero=1, timeout=240, **SMALL)[0],
+    "ZeRO-1, N=4": cu.run("workers.ch11_memory", 4, zero=1, timeout=240, **SMALL)[0],
 }
 display(Table(["run", "moment", "params", "grads", "optimizer", "activations", "saved tensors alive",
                "ledger: model states"], ch11.moment_rows(memory_runs),
@@ -207,7 +207,7 @@ display(Table(["run", "moment", "params", "grads", "optimizer", "activations", "
 
 # %%
 for leak in ("retain_graph", "stash"):
-    r = cu.run("workers.ch11_memory", 1, zero_stage=0, leak=leak, timeout=240, **SMALL)[0]
+    r = cu.run("workers.ch11_memory", 1, zero=0, leak=leak, timeout=240, **SMALL)[0]
     after = {m["moment"]: m for m in ch11.moments_of(r)}
     print(f"leak={leak}: activations after backward {after['backward']['accounted']['activations']:,} bytes "
           f"({after['backward']['saved_tensors_alive']} saved tensors alive), after the step "
@@ -285,7 +285,7 @@ else:
                optimizer="adamw")
     n_1b = 12 * 20 * 2048**2 + 10 * 20 * 2048 + (32000 + 2048) * 2048 + 2 * 2048
     for z, w in ((0, 1), (0, 2), (1, 2)):
-        pred = ch11.ledger_moments({**cfg, "zero_stage": z, "world_size": w}, n_1b)
+        pred = ch11.ledger_moments({**cfg, "zero": z, "world_size": w}, n_1b)
         print(f"  {'DDP' if z == 0 else 'ZeRO-1'}, N={w}: " + ", ".join(
             f"{moment} {sum(v.values()) / 2**30:.1f}" for moment, v in pred.items()))
 

@@ -73,12 +73,12 @@ print("after training, merged nn.Linear == adapted layer (fp32, atol 1e-6):",
       torch.allclose(layer.merge()(x), layer(x), atol=1e-6))
 
 # %% [markdown]
-# On the tiny GPT: adapters on every Linear inside the blocks (attention `qkv`, `proj`; MLP `fc`, `out`).
+# On the tiny GPT: adapters on every Linear inside the blocks (attention `qkv`, `proj`; MLP `fc1`, `fc2`).
 # The count from the real module must equal $\sum r(d+k)$.
 
 # %%
 model = make_policy(0)
-wrapped = apply_lora(model, ("qkv", "proj", "fc", "out"), r=4)
+wrapped = apply_lora(model, ("qkv", "proj", "fc1", "fc2"), r=4)
 D = TOY.hidden
 by_formula = TOY.layers * sum(lora_param_count(dd, kk, 4) for dd, kk in ((3 * D, D), (D, D), (4 * D, D), (D, 4 * D)))
 print("wrapped:", wrapped)
@@ -203,7 +203,7 @@ plots.savefig(ch12.draw_sft_masking(masked[0]["history"], unmasked[0]["history"]
 #
 # Sections 1 and 2 counted and priced LoRA; now train with it. Two SFT runs on the same data, for the
 # same 150 steps, from the same random init: **full fine-tuning** (all 58,176 weights train) and **LoRA**
-# with $r=4$, $\alpha=8$ on every `nn.Linear` of the model: `qkv`, `proj`, `fc`, `out` in both blocks, and
+# with $r=4$, $\alpha=8$ on every `nn.Linear` of the model: `qkv`, `proj`, `fc1`, `fc2` in both blocks, and
 # the LM `head` (why the head: the end of this section). Everything else is frozen.
 #
 # The learning rate first, measured rather than guessed: each method at four rates, scored by its mean

@@ -34,7 +34,7 @@
 
 # %%
 import course_utils as cu
-from course_utils import ch13 as pp
+from course_utils import ch13
 from course_utils import plots
 from course_utils.ledger import pipeline_bubble_fraction, tp_comm_bytes_per_layer
 from workers.pipeline.model import PipelineConfig, partition_table
@@ -87,7 +87,7 @@ print(f"tensor parallel (t=8): {tp.all_reduces} all-reduces, {tp.total_wire_byte
 # %%
 P, M = 4, 8
 for name in ("gpipe", "1f1b"):
-    print(f"{name}:\n{pp.schedule_text(all_stages(name, P, M))}\n")
+    print(f"{name}:\n{ch13.schedule_text(all_stages(name, P, M))}\n")
 
 # %% [markdown]
 # **Predict**: the most micro-batches each stage holds at once under each schedule; and the idle share
@@ -106,13 +106,16 @@ print(f"formula (p-1)/(m+p-1) = {pipeline_bubble_fraction(P, M, denominator='tot
 # Each micro-batch's loss is divided by m (as Megatron does), so the gradients accumulated over the m
 # micro-batches are those of the mean loss over the whole global batch. The reference
 # (`workers/pipeline/reference.py`) trains the same model unsplit in this process. Three SGD steps at
-# p = 1, 2 and 4 (p = 1 and 2 run as 4 and 2 identical pipelines on the 4 ranks; every copy is checked):
+# p = 1, 2 and 4 (p = 1 and 2 run as 4 and 2 identical pipelines on the 4 ranks; every copy is checked).
+# A run takes its degrees in the words of the course's one layout (`workers/layout/rules.py`, the one chapter 15
+# and chapter 00's planner use, whose rules refuse what cannot run): p stages is `pp=p`, and the v chunks per
+# stage of section 7 are `virtual_stages=v`.
 
 # %%
 STEPS = 3
 for name in ("gpipe", "1f1b"):
     for p in (1, 2, 4):
-        c = pp.compare_to_reference(run(schedule=name, stages=p, steps=STEPS), steps=STEPS)
+        c = ch13.compare_to_reference(run(schedule=name, pp=p, steps=STEPS), steps=STEPS)
         print(f"{name:>5}, p = {p}: losses, all {c['parameters']} gradients and weights within 1e-6 of one "
               f"process after {STEPS} steps: {c['within_tol']}")
 
@@ -129,12 +132,12 @@ for name in ("gpipe", "1f1b"):
 print("each action padded to", TIMED, "(a calibrated wait, not compute)")
 timed = {name: run(schedule=name, micro_batches=M, **TIMED) for name in ("gpipe", "1f1b")}
 for name, res in timed.items():
-    print(f"{name}: peak stashed micro-batches per stage, measured {[d['peak_stash'] for d in pp.pipeline_ranks(res)]}; "
-          f"actions per stage {[len(d['timeline']) for d in pp.pipeline_ranks(res)]}")
+    print(f"{name}: peak stashed micro-batches per stage, measured {[d['peak_stash'] for d in ch13.pipeline_ranks(res)]}; "
+          f"actions per stage {[len(d['timeline']) for d in ch13.pipeline_ranks(res)]}")
 
 # %% tags=["nbval-ignore-output"]
 for name, res in timed.items():
-    plots.savefig(pp.gantt_figure(res), f"13_gantt_{name}")
+    plots.savefig(ch13.gantt_figure(res), f"13_gantt_{name}")
 
 # %% [markdown]
 # The same white triangles at the start and the end: the same bubble. What differs is the middle: GPipe
@@ -148,15 +151,15 @@ for name, res in timed.items():
 # %% tags=["nbval-ignore-output"]
 sweep = {}
 for name in ("gpipe", "1f1b"):
-    sweep[name] = [(m, pp.measured_bubble(run(schedule=name, micro_batches=m, **TIMED))) for m in (1, 2, 4, 8, 16)]
-print(f"measured idle / total on this CPU (gloo), against the formulas:")
+    sweep[name] = [(m, ch13.measured_bubble(run(schedule=name, micro_batches=m, **TIMED))) for m in (1, 2, 4, 8, 16)]
+print("measured idle / total on this CPU (gloo), against the formulas:")
 print(f"{'m':>3} {'gpipe':>7} {'1f1b':>7} {'(p-1)/(m+p-1)':>14} {'(p-1)/m':>8}")
 for (m, g), (_, o) in zip(sweep["gpipe"], sweep["1f1b"]):
-    f = pp.bubble_formulas(P, m)
+    f = ch13.bubble_formulas(P, m)
     print(f"{m:>3} {g:>7.3f} {o:>7.3f} {f['idle/total (p-1)/(m+p-1)']:>14.3f} {f['bubble/ideal (p-1)/m']:>8.3f}")
 
 # %% tags=["nbval-ignore-output"]
-plots.savefig(pp.bubble_figure(sweep, P), "13_bubble_vs_m");
+plots.savefig(ch13.bubble_figure(sweep, P), "13_bubble_vs_m");
 
 # %% [markdown]
 # The measured idle share is idle / total, and follows $(p-1)/(m+p-1)$; $(p-1)/m$ is the same bubble
@@ -171,7 +174,7 @@ plots.savefig(pp.bubble_figure(sweep, P), "13_bubble_vs_m");
 # %%
 for m in (4, 8, 16):
     for name in ("gpipe", "1f1b"):
-        peaks = [d["peak_stash"] for d in pp.pipeline_ranks(run(schedule=name, micro_batches=m))]
+        peaks = [d["peak_stash"] for d in ch13.pipeline_ranks(run(schedule=name, micro_batches=m))]
         print(f"m = {m:>2}, {name:>5}: peak stashed micro-batches per stage {peaks}")
 
 # %% [markdown]
@@ -195,7 +198,7 @@ for m in (4, 8, 16):
 # For p = 4, m = 8, v = 2 (`F3c1` is micro-batch 3 through the rank's chunk 1, its layers 4 + s apart):
 
 # %%
-print(pp.schedule_text(all_stages("interleaved", P, M, 2)))
+print(ch13.schedule_text(all_stages("interleaved", P, M, 2)))
 
 # %% [markdown]
 # **Predict**: in ideal time (free messages), the idle share for v = 1, 2, 4 at p = 4, m = 8; the messages
@@ -220,7 +223,7 @@ for v in (1, 2, 4):
 
 # %%
 for p, v in ((2, 2), (4, 2), (2, 4)):
-    c = pp.compare_to_reference(run(schedule="interleaved", stages=p, chunks=v, steps=STEPS), steps=STEPS)
+    c = ch13.compare_to_reference(run(schedule="interleaved", pp=p, virtual_stages=v, steps=STEPS), steps=STEPS)
     print(f"interleaved, p = {p}, v = {v}: all {c['parameters']} gradients and weights within 1e-6 of one "
           f"process after {STEPS} steps: {c['within_tol']}")
 
@@ -230,10 +233,11 @@ for p, v in ((2, 2), (4, 2), (2, 4)):
 # the executor (`saved_tensors_hooks`), so the memory is measured, not inferred:
 
 # %%
-INTERLEAVED = {v: run(schedule="1f1b" if v == 1 else "interleaved", chunks=v, micro_batches=M, layers=16, **TIMED)
+INTERLEAVED = {v: run(schedule="1f1b" if v == 1 else "interleaved", virtual_stages=v, micro_batches=M, layers=16,
+                      **TIMED)
                for v in (1, 2, 4)}
 for v, res in INTERLEAVED.items():
-    rows = pp.pipeline_ranks(res)
+    rows = ch13.pipeline_ranks(res)
     print(f"v = {v}: messages sent per rank {[sum(d['messages'].values()) for d in rows]}, peak bytes saved for "
           f"backward per rank {[d['peak_saved_bytes'] for d in rows]}")
 
@@ -245,15 +249,15 @@ for v, res in INTERLEAVED.items():
 # **Predict** whether the measured bubbles land on the formula, and which v wins on this machine.
 
 # %% tags=["nbval-ignore-output"]
-fit = pp.fit_message_time(list(INTERLEAVED.values()))
+fit = ch13.fit_message_time(list(INTERLEAVED.values()))
 print("idle / total at p = 4, m = 8, measured on this CPU (gloo):")
 print(f"{'v':>2} {'measured':>9} {'formula':>8} {'replayed at ' + format(fit['message_ms'], 'g') + ' ms/message':>28}")
 for v, got, want, sim in zip(INTERLEAVED, fit["measured"], fit["formula"], fit["simulated"]):
     print(f"{v:>2} {got:>9.3f} {want:>8.3f} {sim:>28.3f}")
-plots.savefig(pp.gantt_figure(INTERLEAVED[2]), "13_gantt_interleaved")
+plots.savefig(ch13.gantt_figure(INTERLEAVED[2]), "13_gantt_interleaved")
 
 # %% tags=["nbval-ignore-output"]
-plots.savefig(pp.interleave_figure(INTERLEAVED, fit["message_ms"], P, M, TIMED["forward_ms"], TIMED["backward_ms"]),
+plots.savefig(ch13.interleave_figure(INTERLEAVED, fit["message_ms"], P, M, TIMED["forward_ms"], TIMED["backward_ms"]),
               "13_bubble_vs_chunks");
 
 # %% [markdown]
@@ -266,7 +270,7 @@ plots.savefig(pp.interleave_figure(INTERLEAVED, fit["message_ms"], P, M, TIMED["
 
 # %%
 for low, high in ((1, 2), (2, 4)):
-    a = pp.chunks_crossover(P, M, low, high)
+    a = ch13.chunks_crossover(P, M, low, high)
     print(f"v = {high} idles more than v = {low} once a message costs {a:.3f} of a stage's forward "
           f"({a * TIMED['forward_ms']:.1f} ms at the padded {TIMED['forward_ms']:g} ms)")
 
@@ -306,10 +310,10 @@ cu.check("stage_step", stage_step)
 # %% [markdown]
 # ## 9. Explore on real ranks
 #
-# Schedule, micro-batches, stages and chunks: each change reruns the step on the warm ranks and redraws
-# the Gantt chart from their timelines (padded actions as above; fewer stages run as copies; a 16-layer
-# model, so every p x v up to 16 splits). A combination the interleaved schedule cannot run is refused
-# before launching, with what to change.
+# Schedule, micro-batches, stages (`pp`) and chunks per stage (`virtual_stages`): each change reruns the step on
+# the warm ranks and redraws the Gantt chart from their timelines (padded actions as above; fewer stages run as
+# copies; a 16-layer model, so every p x v up to 16 splits). A combination the interleaved schedule cannot run is
+# refused before launching, in the layout's words, with what to change.
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W
@@ -318,17 +322,18 @@ from course_utils.widgets import LiveRun, slider
 
 
 def draw_gantt(res, params):
-    return pp.gantt_figure(res)
+    return ch13.gantt_figure(res)
 
 
 gantt_live = LiveRun(WORKER, {"schedule": W.ToggleButtons(options=["1f1b", "gpipe", "interleaved"], value="1f1b"),
                               "micro_batches": slider("micro-batches m", 8, 1, 16),
-                              "stages": W.Dropdown(options=[1, 2, 4], value=4, description="stages p"),
+                              "pp": W.Dropdown(options=[1, 2, 4], value=4, description="stages pp"),
                               # model chunks per stage: an interleaved schedule's setting (greyed for the others)
-                              "chunks": W.Dropdown(options=[2, 4], value=2, description="chunks v")},
+                              "virtual_stages": W.Dropdown(options=[2, 4], value=2, description="chunks v",
+                                                           style={"description_width": "initial"})},
                      draw_gantt, params={"world_size": WORLD, "layers": 16, **TIMED}, timeout=60,
-                     derive=lambda s: {"chunks": s["chunks"] if s["schedule"] == "interleaved" else 1},
-                     applies={"chunks": lambda s: s["schedule"] == "interleaved"})
+                     derive=lambda s: {"virtual_stages": s["virtual_stages"] if s["schedule"] == "interleaved" else 1},
+                     applies={"virtual_stages": lambda s: s["schedule"] == "interleaved"})
 gantt_live.wait(60)
 gantt_live
 

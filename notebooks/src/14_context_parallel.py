@@ -56,7 +56,9 @@ def run(**params):
 # **Contiguous**: cut the sequence into cp chunks, rank r holds chunk r. **Zigzag**: cut it into 2cp chunks,
 # rank r holds chunk r *and* chunk 2cp-1-r, an early chunk and its mirror from the end. This is the split of
 # Megatron-LM (`get_batch_on_this_cp_rank`: "Assuming CP=2, we then get 4 chunks, chunk_0 and chunk_3 are
-# assigned to GPU0, chunk_1 and chunk_2 are assigned to GPU1"). The token ranges at cp = 4:
+# assigned to GPU0, chunk_1 and chunk_2 are assigned to GPU1"). `cp` and `split` are fields of the course's one
+# layout (`workers/layout/rules.py`, the one chapter 15 composes), whose rules refuse a `seq` they do not cut into
+# equal chunks before any rank starts. The token ranges at cp = 4:
 
 # %%
 CP = 4

@@ -35,8 +35,8 @@ from course_utils.published_configs import LLAMA3_405B_TABLE4
 from course_utils.results import InvalidParameter
 from course_utils.tables import Table
 from workers.composed.equivalence import TOLERANCE
-from workers.composed.layout import Layout
-from workers.composed.train import DRILLS
+from workers.layout import Layout
+from workers.composed.faults import FAULTS
 
 plots.style()
 WORKER = "workers.ch15_composed"
@@ -61,7 +61,9 @@ print(Table.of([{"run": c.name, "GPUs": c.gpus, "TP": c.tp, "CP": c.cp, "PP": c.
 #
 # ## Why composition is where the bugs live
 #
-# Five seams, each invisible while its dimension is alone, each injected by a drill of `train.DRILLS`:
+# Five seams, each invisible while its dimension is alone, each injected by a fault of
+# `workers/composed/faults.py` (it replaces one method for the run, so the model and the trainer never branch on a
+# fault's name):
 #
 # * **The gradient's group.** With data parallelism alone, a gradient is summed over "the DP group". Add
 #   context parallelism, and the ranks of a CP ring hold the *same parameters* for *other tokens*: their
@@ -83,11 +85,11 @@ print(Table.of([{"run": c.name, "GPUs": c.gpus, "TP": c.tp, "CP": c.cp, "PP": c.
 #   the output head. Each holds a copy; their gradients must be summed over the two stages (Megatron's
 #   embedding group) or the copies take different steps and drift apart.
 #
-# The drills, with what each breaks and the layouts where it can show (a drill that cannot show on a layout is
+# The faults, with what each breaks and the layouts where it can show (a fault that cannot show on a layout is
 # refused: it would pass and teach nothing):
 
 # %%
-print(Table.of([{"drill": d, "breaks": what, "shows when": shows} for d, (what, shows) in DRILLS.items()
+print(Table.of([{"fault": d, "breaks": what, "shows when": shows} for d, (what, shows) in FAULTS.items()
                 if d != "none"]))
 
 # %% [markdown]
@@ -113,7 +115,7 @@ print(f"N = {weights[0]['total']} valid tokens; the weights sum to {right_sum} (
 # ## The layout and the mesh
 #
 # A layout names the four degrees in the order papers quote them, DP x TP x PP x CP, and the options
-# (`workers/composed/layout.py`):
+# (`workers/layout/rules.py`, the course's one layout and its rules, shared with chapter 00's planner):
 
 # %%
 layout = Layout.parse("2x2x2x1", micro_batches=2)
@@ -140,7 +142,7 @@ except InvalidParameter as exc:
     print(f"refused before any rank started: {exc}")
 
 # %% [markdown]
-# **The rank grid.** The ranks are laid out as `arange(world).view(dp, pp, cp, tp)` (`workers/parallel/grid.py`),
+# **The rank grid.** The ranks are laid out as `arange(world).view(dp, pp, cp, tp)` (`workers/layout/grid.py`),
 # tp innermost: a TP group is consecutive ranks, the ones that on a real node share NVLink, because tensor
 # parallelism talks in every layer. A group "along" a dimension is the ranks whose other coordinates are equal.
 # For 2x2x2x1:
@@ -190,7 +192,7 @@ plots.savefig(ch15.mesh_figure(Layout.parse("1x2x2x2")), "15_mesh_1x2x2x2")
 # ring attention merges partial softmaxes. So the differences are float64 rounding, ~1e-16 per operation,
 # accumulated over three steps. The check allows 1e-10 relative to each tensor's largest reference entry. The
 # largest difference measured over the chapter's layouts, with SP and dropout, seeds 0-2, on AVX-512, AVX2 and the
-# plain kernels, is 4.5e-12 (`workers/composed/equivalence.py`): twenty times under the tolerance. Every drill is
+# plain kernels, is 4.5e-12 (`workers/composed/equivalence.py`): twenty times under the tolerance. Every fault is
 # off by more than 1e-4, a million times over it. Replicas need no tolerance: copies of a parameter are compared
 # bit for bit.
 #
@@ -247,29 +249,29 @@ print("every rank holds what its layout predicts:", all(not ch15.holdings_mismat
 plots.savefig(ch15.timeline_figure(runs["2x2x2x1", 0].ranks), "15_timeline_2x2x2x1")
 
 # %% [markdown]
-# ## The drills: each bug caught, and named
+# ## The faults: each bug caught, and named
 #
-# Each drill runs on an 8-rank layout where it shows (`ch15.DRILL_CASES`, the cases of
+# Each fault runs on an 8-rank layout where it shows (`ch15.FAULT_CASES`, the cases of
 # `tests/test_ch15_composed.py`). The check names the first thing that differs, in the order training met it (step,
 # then the model's parameter order): which tensor, on which ranks with their mesh coordinates, and by how much.
 # **Predict** what it names first for each.
 
 # %%
-drill_verdicts = {}
-for drill, (name, options) in ch15.DRILL_CASES.items():
+fault_verdicts = {}
+for fault, (name, options) in ch15.FAULT_CASES.items():
     if Layout.parse(name).world == 8:
-        drill_verdicts[drill] = name, ch15.run_layout(name, drill=drill, **options)[1]
+        fault_verdicts[fault] = name, ch15.run_layout(name, fault=fault, **options)[1]
 
 # %% [markdown]
 # The check's messages (their error magnitudes vary by CPU in the last digits, so this output is not compared):
 
 # %% tags=["nbval-ignore-output"]
-for drill, (name, verdict) in drill_verdicts.items():
-    print(f"{drill} on {name}:\n  {verdict['message']}")
+for fault, (name, verdict) in fault_verdicts.items():
+    print(f"{fault} on {name}:\n  {verdict['message']}")
 
 # %%
-print(Table.of([ch15.drill_row(d, n, v) for d, (n, v) in drill_verdicts.items()],
-               ["drill", "layout", "first named", "caught"]))
+print(Table.of([ch15.fault_row(d, n, v) for d, (n, v) in fault_verdicts.items()],
+               ["fault", "layout", "first named", "caught"]))
 
 # %% [markdown]
 # Reading them:
@@ -288,7 +290,7 @@ print(Table.of([ch15.drill_row(d, n, v) for d, (n, v) in drill_verdicts.items()]
 #   activations, so their copies of the replicated parameters take different steps, and the digests catch it:
 
 # %%
-problems = drill_verdicts["dropout_per_rank"][1]["replica_problems"]
+problems = fault_verdicts["dropout_per_rank"][1]["replica_problems"]
 print(f"replica problems found under dropout_per_rank: {len(problems) > 0}; the first:\n  "
       f"{problems[0].split(':')[0]}: copies that should be bit for bit equal differ")
 
@@ -296,7 +298,7 @@ print(f"replica problems found under dropout_per_rank: {len(problems) > 0}; the 
 # ## Four ranks: a deep pipeline, a long ring, and the tied embedding
 #
 # The last two layouts of the issue use four ranks on one dimension: four pipeline stages (two micro-batches), and
-# a ring of four (zigzag: eight chunks of two tokens). One cold start of four ranks serves them, the last drill,
+# a ring of four (zigzag: eight chunks of two tokens). One cold start of four ranks serves them, the last fault,
 # and the explorer below.
 
 # %%
@@ -318,22 +320,22 @@ print("DeviceMesh groups and holdings as predicted:",
       all(ch15.mesh_matches_grid(r.ranks) and not ch15.holdings_mismatches(r.ranks) for r in runs.values()))
 
 # %% [markdown]
-# The tied embedding's drill needs a pipeline, and shows best on the deepest: at pp = 4 the embedding lives on
+# The tied embedding's fault needs a pipeline, and shows best on the deepest: at pp = 4 the embedding lives on
 # stage 0 and its copy, the head, on stage 3. Without the sum over the embedding group, each copy steps with only
 # its own part of the gradient.
 
 # %%
-name, options = ch15.DRILL_CASES["tied_not_reduced"]
-drill_verdicts["tied_not_reduced"] = name, ch15.run_layout(name, drill="tied_not_reduced", **options)[1]
+name, options = ch15.FAULT_CASES["tied_not_reduced"]
+fault_verdicts["tied_not_reduced"] = name, ch15.run_layout(name, fault="tied_not_reduced", **options)[1]
 
 # %% tags=["nbval-ignore-output"]
-print(drill_verdicts["tied_not_reduced"][1]["message"])
+print(fault_verdicts["tied_not_reduced"][1]["message"])
 
 # %%
-print(Table.of([ch15.drill_row(d, n, v) for d, (n, v) in drill_verdicts.items()],
-               ["drill", "layout", "first named", "caught"]))
-print("every drill caught, at step 0, by far more than rounding:", all(ch15.drill_row(d, n, v)["caught"]
-                                                                      for d, (n, v) in drill_verdicts.items()))
+print(Table.of([ch15.fault_row(d, n, v) for d, (n, v) in fault_verdicts.items()],
+               ["fault", "layout", "first named", "caught"]))
+print("every fault caught, at step 0, by far more than rounding:", all(ch15.fault_row(d, n, v)["caught"]
+                                                                      for d, (n, v) in fault_verdicts.items()))
 
 # %% [markdown]
 # The embedding's gradient is named on ranks 0 and 3, the two stages that hold a copy: each holds only its own

@@ -165,10 +165,11 @@ print(ch16.equivalence_table(equal_rows))
 print(ch16.equivalence_table(equal_rows, errors=True))
 
 # %% [markdown]
-# ## The drills: four silent bugs, each caught and named
+# ## The faults: four silent bugs, each caught and named
 #
-# Each drill injects one bug into the rank code (`workers/moe/layer.py: DRILLS`) on EP 2 x DP 2, eight experts,
-# top-2, capacity 1; the same check (`workers/moe/equivalence.py: compare`) then says what differs:
+# Each fault injects one bug into the rank code (`workers/moe/faults.py`: it replaces one function of the layer for
+# the run) on EP 2 x DP 2, eight experts, top-2, capacity 1; the same check (`workers/moe/equivalence.py: compare`)
+# then says what differs:
 #
 # * `router_not_reduced`: the router's gradient skips the all-reduce;
 # * `expert_grads_averaged_over_edp`: expert gradients averaged over the expert-data-parallel group (2 ranks) instead
@@ -178,15 +179,15 @@ print(ch16.equivalence_table(equal_rows, errors=True))
 # * `aux_loss_local_statistics`: `f_i` from each rank's own counts.
 
 # %%
-drills = ch16.drill_rows()
-print(Table.of([{k: r[k] for k in ("drill", "caught")} for r in drills]))
+faults = ch16.fault_rows()
+print(Table.of([{k: r[k] for k in ("fault", "caught")} for r in faults]))
 
 # %% [markdown]
 # What the check says first, in each case (the numbers vary a little by CPU):
 
 # %% tags=["nbval-ignore-output"]
-for r in drills:
-    print(f"{r['drill']}:\n    {r['what the check says first']}")
+for r in faults:
+    print(f"{r['fault']}:\n    {r['what the check says first']}")
 
 # %% [markdown]
 # None of these crashes or even looks wrong on a loss curve at first: the unreduced router is each replica's own
@@ -374,7 +375,7 @@ explorer
 # | `MoEAlltoAllTokenDispatcher` | `token_dispatcher.py: MoEAlltoAllTokenDispatcher` | `expert_parallel.py: ExpertParallel` |
 # | `all_to_all` (autograd) | `tensor_parallel/mappings.py: all_to_all` | `all_to_all_single_autograd` |
 # | experts as `DenseMLP` (SwiGLU) | `experts.py: SequentialMLP`, `GroupedMLP` | `GroupedExperts` |
-# | `ExpertParallelGroups` (ep folded out of dp) | `parallel_state`: expert model / expert data parallel groups | `ep` / `dp_shard_mod_ep` mesh dims |
+# | `expert_mesh`: the `ep` and `edp` groups of the rank grid (ep folded out of dp) | `parallel_state`: expert model / expert data parallel groups | `ep` / `dp_shard_mod_ep` mesh dims |
 # | `reduce_gradients` (experts / world) | `expert_gradient_scaling_factor` in DDP | FSDP2 on the `edp` mesh |
 #
 # **On GPUs** the worker runs unchanged under torchrun (NCCL when every rank has a GPU; with one GPU, gloo stages the

@@ -77,10 +77,10 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
         heads = box.locator(".widget-hslider:has(.widget-label:text-is('heads')) .noUi-handle")
         heads.focus()
         page.keyboard.press("ArrowLeft")  # 8 -> 7 heads at TP 4
-        timings["refusal_s"] = wait_status(page, box, "t.includes('n_heads=7')", 30)
+        timings["refusal_s"] = wait_status(page, box, "t.includes('heads=7')", 30)
         refusal = status_text(box)
         # it names the controls the learner moved (heads, KV heads), never the hidden size the widget derives
-        assert "n_kv_heads=2" in refusal and "hidden" not in refusal and "Traceback" not in refusal, refusal
+        assert "kv_heads=2" in refusal and "hidden" not in refusal and "Traceback" not in refusal, refusal
         assert len(refusal.rstrip(".").split(". ")) == 1, f"the refusal should be one sentence: {refusal!r}"
 
         # Back to 8. The chapter's last cell stopped its ranks, so this run starts new ones, and says so while it does
@@ -93,7 +93,7 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
         tp.focus()
         marker = status_text(box)
         page.keyboard.press("ArrowLeft")  # TP 4 -> 3: 8 heads do not split over 3 ranks
-        wait_status(page, box, "t.includes('tp_size=3') || t.includes('n_heads=8')", 30)
+        wait_status(page, box, "t.includes('tp=3')", 30)
         page.keyboard.press("ArrowLeft")  # TP 2: valid, a different sharding and a different figure
         timings["rerun_tp2_s"] = wait_status(page, box, f"t.includes('ran in') && t !== {json.dumps(marker)}", 60)
         assert "warm ranks" in status_text(box)  # the ranks the previous move started
@@ -133,15 +133,15 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
 
 
 SCRATCH_CELLS = [
-    # 0: a LiveRun on the drills worker: "sleep" keeps both ranks busy for two minutes
+    # 0: a LiveRun on the rank_faults worker: "sleep" keeps both ranks busy for two minutes
     "import ipywidgets as W\nimport course_utils as cu\nfrom course_utils.widgets import LiveRun\n"
-    "live = LiveRun('workers.drills', {'mode': W.Dropdown(options=['ok', 'sleep'], value='ok', description='mode')},\n"
+    "live = LiveRun('workers.rank_faults', {'mode': W.Dropdown(options=['ok', 'sleep'], value='ok', description='mode')},\n"
     "               lambda result, params: f'{len(result.ranks)} ranks answered', params={'world_size': 2, 'seconds': 120},\n"
     "               timeout=300)\nlive",
     # 1: a blocking run that the learner interrupts with the stop button
-    "cu.run('workers.drills', world_size=2, mode='sleep', seconds=120, timeout=300)",
+    "cu.run('workers.rank_faults', world_size=2, mode='sleep', seconds=120, timeout=300)",
     # 2: a rank that raises
-    "cu.run('workers.drills', world_size=2, mode='raise', bad_rank=1, timeout=120)",
+    "cu.run('workers.rank_faults', world_size=2, mode='raise', bad_rank=1, timeout=120)",
 ]
 
 
@@ -217,7 +217,7 @@ def test_cancel_interrupt_and_a_crashed_rank_in_jupyterlab(lab, browser, tmp_pat
         error = cell.locator(".jp-OutputArea-output:has-text('was told to fail')")
         error.wait_for(timeout=120_000)
         text = error.inner_text()
-        assert "rank 1" in text and "ValueError: rank 1 was told to fail" in text and "drills.py" in text, text[-2000:]
+        assert "rank 1" in text and "ValueError: rank 1 was told to fail" in text and "rank_faults.py" in text, text[-2000:]
         page.get_by_text("Python 3 (course) | Idle").wait_for(timeout=30_000)  # the kernel survived
     except Exception:
         page.screenshot(path=str(tmp_path / "failure.png"))

@@ -9,17 +9,15 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from workers.parallel.block import ParallelBlock
-from workers.parallel.dense import BlockConfig
+from workers.model.dense import BlockConfig
 
 
 def _groups_in_world() -> int:
     return len(distributed_c10d._world.pg_map)  # every process group this rank knows, the world's included
 
 
-def main(ctx, hidden: int = 32, n_heads: int = 4, n_kv_heads: int = 1, ffn_hidden: int = 33,
-         activation: str = "gelu"):
-    cfg = BlockConfig(hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_hidden=ffn_hidden,
-                      activation=activation)
+def main(ctx, hidden: int = 32, heads: int = 4, kv_heads: int = 1, ffn: int = 33, activation: str = "gelu"):
+    cfg = BlockConfig(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, activation=activation)
     real, made = dist.new_group, []
 
     def counted(*args, **kwargs):

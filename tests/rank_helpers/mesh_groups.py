@@ -7,7 +7,7 @@ cold ranks (``warm=False``): a mesh's groups cannot be handed back, and must not
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from workers.parallel.grid import DIMS
+from workers.layout.grid import DIMS
 
 
 def main(ctx, shape: str = "2,2,1,2"):

@@ -2,19 +2,19 @@
 
 
 def layout_70b_pure_dp():
-    return dict(tp=1, pp=1, dp=256, zero_stage=1)  # 70B of weights and gradients on every GPU
+    return dict(tp=1, pp=1, dp=256, zero=1)  # 70B of weights and gradients on every GPU
 
 
 def layout_70b_tp16():
-    return dict(tp=16, pp=2, dp=8, zero_stage=1)  # more than a node, and more than the 8 KV heads
+    return dict(tp=16, pp=2, dp=8, zero=1)  # valid (KV heads copied), but TP over two nodes
 
 
 def layout_70b_product_wrong():
-    return dict(tp=8, pp=4, dp=4, zero_stage=1)  # 128 GPUs' worth of layout on 256 GPUs
+    return dict(tp=8, pp=4, dp=4, zero=1)  # 128 GPUs' worth of layout on 256 GPUs
 
 
 def layout_70b_pp_not_dividing_layers():
-    return dict(tp=8, pp=32, dp=1, zero_stage=1)  # fits, but 80 layers do not split into 32 equal stages
+    return dict(tp=8, pp=32, dp=1, zero=1)  # fits, but 80 layers do not split into 32 equal stages
 
 
 def min_gpus_weights_only(n_params, gpu_memory_bytes, reserved_bytes=0.0):
@@ -76,8 +76,8 @@ def zero_total_in_gb(n_params, n_gpus, stage):
 
 WRONG = [
     ("layout_70b", layout_70b_pure_dp, "does not fit"),
-    ("layout_70b", layout_70b_tp16, "key/value heads"),
-    ("layout_70b", layout_70b_product_wrong, "but there are 256 GPUs"),
+    ("layout_70b", layout_70b_tp16, "spans 2 nodes of 8 GPUs"),
+    ("layout_70b", layout_70b_product_wrong, "makes 128 ranks, not the world's 256"),
     ("min_gpus_fsdp", min_gpus_weights_only, "only the 2-byte weights"),
     ("layout_70b", layout_70b_pp_not_dividing_layers, "pp=32 does not divide the 80 layers"),
     ("min_gpus_fsdp", min_gpus_floor, "round up (math.ceil), not down"),

@@ -87,27 +87,27 @@ def row_g_on_world_group(x, weight, bias, group):
     return reduce_from_tensor_model_parallel_region(F.linear(x, weight)) + bias
 
 
-def swiglu_naive_chunk(w, rank, world_size):
-    return w.chunk(world_size, dim=0)[rank]
+def swiglu_naive_chunk(w, rank, tp):
+    return w.chunk(tp, dim=0)[rank]
 
 
-def swiglu_up_then_gate(w, rank, world_size):
+def swiglu_up_then_gate(w, rank, tp):
     # The right rows in the wrong order: silu is applied to up and multiplied by gate.
     import torch
 
     ffn = w.shape[0] // 2
-    n = ffn // world_size
+    n = ffn // tp
     return torch.cat([w[ffn + rank * n:ffn + (rank + 1) * n], w[rank * n:(rank + 1) * n]])
 
 
-def swiglu_up_off_by_one(w, rank, world_size):
+def swiglu_up_off_by_one(w, rank, tp):
     # Wrong on every rank, but the shape is wrong on the last rank only: its up slice runs past the end of
     # the fused weight and comes out one row short. The check must say so, not hang in the MLP's all-reduce
     # that the other ranks enter.
     import torch
 
     ffn = w.shape[0] // 2
-    n = ffn // world_size
+    n = ffn // tp
     return torch.cat([w[rank * n:(rank + 1) * n], w[ffn + rank * n + 1:ffn + (rank + 1) * n + 1]])
 
 

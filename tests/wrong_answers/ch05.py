@@ -1,56 +1,56 @@
 """Plausible wrong answers for chapter 05, each with a fragment of the message the check must give."""
 
 
-def qkv_naive_chunk(w, n_heads, n_kv_heads, head_dim, rank, world_size):
+def qkv_naive_chunk(w, heads, kv_heads, head_dim, rank, tp):
     # The fused-QKV trap: a contiguous 1/t of [Q; K; V].
-    return w.chunk(world_size, dim=0)[rank]
+    return w.chunk(tp, dim=0)[rank]
 
 
-def qkv_chunk_each_part(w, n_heads, n_kv_heads, head_dim, rank, world_size):
-    # Right for MHA and for GQA with KV heads divisible by t; cuts a KV head in pieces when t > n_kv_heads.
+def qkv_chunk_each_part(w, heads, kv_heads, head_dim, rank, tp):
+    # Right for MHA and for GQA with KV heads divisible by t; cuts a KV head in pieces when t > kv_heads.
     import torch
 
     d = head_dim
-    q, k, v = w[:n_heads * d], w[n_heads * d:(n_heads + n_kv_heads) * d], w[(n_heads + n_kv_heads) * d:]
-    return torch.cat([q.chunk(world_size)[rank], k.chunk(world_size)[rank], v.chunk(world_size)[rank]])
+    q, k, v = w[:heads * d], w[heads * d:(heads + kv_heads) * d], w[(heads + kv_heads) * d:]
+    return torch.cat([q.chunk(tp)[rank], k.chunk(tp)[rank], v.chunk(tp)[rank]])
 
 
-def qkv_k_and_v_swapped(w, n_heads, n_kv_heads, head_dim, rank, world_size):
+def qkv_k_and_v_swapped(w, heads, kv_heads, head_dim, rank, tp):
     import torch
 
-    d, t = head_dim, world_size
-    q_per = n_heads // t
-    kv = (list(range(rank * n_kv_heads // t, (rank + 1) * n_kv_heads // t)) if n_kv_heads % t == 0
-          else [rank // (t // n_kv_heads)])
+    d, t = head_dim, tp
+    q_per = heads // t
+    kv = (list(range(rank * kv_heads // t, (rank + 1) * kv_heads // t)) if kv_heads % t == 0
+          else [rank // (t // kv_heads)])
     q = w[rank * q_per * d:(rank + 1) * q_per * d]
-    k_all, v_all = w[n_heads * d:(n_heads + n_kv_heads) * d], w[(n_heads + n_kv_heads) * d:]
+    k_all, v_all = w[heads * d:(heads + kv_heads) * d], w[(heads + kv_heads) * d:]
     return torch.cat([q] + [v_all[j * d:(j + 1) * d] for j in kv] + [k_all[j * d:(j + 1) * d] for j in kv])
 
 
-def kv_round_robin(n_heads, n_kv_heads, world_size, rank):
+def kv_round_robin(heads, kv_heads, tp, rank):
     # Right when the KV heads are split; round-robin when they are replicated, so rank 1 reads the wrong head.
-    if n_kv_heads % world_size == 0:
-        per = n_kv_heads // world_size
+    if kv_heads % tp == 0:
+        per = kv_heads // tp
         return list(range(rank * per, (rank + 1) * per))
-    return [rank % n_kv_heads]
+    return [rank % kv_heads]
 
 
-def kv_one_per_rank(n_heads, n_kv_heads, world_size, rank):
+def kv_one_per_rank(heads, kv_heads, tp, rank):
     return [rank]
 
 
-def qkv_float32_buffer(w, n_heads, n_kv_heads, head_dim, rank, world_size):
+def qkv_float32_buffer(w, heads, kv_heads, head_dim, rank, tp):
     # The right rows, copied into a buffer made with the default dtype: a bf16 checkpoint comes out float32.
     import torch
 
-    d, t = head_dim, world_size
-    q_per = n_heads // t
-    if n_kv_heads % t == 0:
-        kv = list(range(rank * n_kv_heads // t, (rank + 1) * n_kv_heads // t))
+    d, t = head_dim, tp
+    q_per = heads // t
+    if kv_heads % t == 0:
+        kv = list(range(rank * kv_heads // t, (rank + 1) * kv_heads // t))
     else:
-        kv = [rank // (t // n_kv_heads)]
+        kv = [rank // (t // kv_heads)]
     rows = list(range(rank * q_per * d, (rank + 1) * q_per * d))
-    for base in (n_heads * d, (n_heads + n_kv_heads) * d):
+    for base in (heads * d, (heads + kv_heads) * d):
         rows += [base + j * d + i for j in kv for i in range(d)]
     out = torch.zeros((len(rows),) + tuple(w.shape[1:]))  # dtype forgotten
     for k, row in enumerate(rows):
@@ -58,10 +58,10 @@ def qkv_float32_buffer(w, n_heads, n_kv_heads, head_dim, rank, world_size):
     return out
 
 
-def kv_one_per_query_head(n_heads, n_kv_heads, world_size, rank):
+def kv_one_per_query_head(heads, kv_heads, tp, rank):
     # The right formula, one entry per query head: shared KV heads are listed several times.
-    q_per = n_heads // world_size
-    return [j // (n_heads // n_kv_heads) for j in range(rank * q_per, (rank + 1) * q_per)]
+    q_per = heads // tp
+    return [j // (heads // kv_heads) for j in range(rank * q_per, (rank + 1) * q_per)]
 
 
 WRONG = [

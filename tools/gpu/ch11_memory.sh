@@ -4,7 +4,7 @@
 #   bash tools/gpu/ch11_memory.sh
 #
 # 1. workers/ch11_memory.py, a ~1.1B-parameter GPT (l=20, h=2048, V=32000, s=2048, bf16 with fp32 master
-#    weights and AdamW), DDP (zero_stage=0) and ZeRO-1 (zero_stage=1), at world 1 (NCCL) and world 2 (two ranks
+#    weights and AdamW), DDP (zero=0) and ZeRO-1 (zero=1), at world 1 (NCCL) and world 2 (two ranks
 #    on one GPU: gloo on CUDA tensors): torch.cuda.memory_allocated after init, forward, backward and step, with
 #    the accounted tensor bytes next to it;
 # 2. workers/ch11_fp8_gemm.py: an 8192^3 GEMM in bf16 and in FP8 (torch._scaled_mm), time and error.
@@ -42,13 +42,13 @@ runs = []
 for world, zero in ((1, 0), (1, 1), (2, 0), (2, 1)):
     for grad_sync in ("reduce_scatter", "all_reduce"):
         try:
-            res = cu.run("workers.ch11_memory", world_size=world, zero_stage=zero, grad_sync=grad_sync, timeout=900)
-            runs.append({"world_size": world, "zero_stage": zero, "grad_sync": grad_sync, "backend": res.backend,
+            res = cu.run("workers.ch11_memory", world_size=world, zero=zero, grad_sync=grad_sync, timeout=900)
+            runs.append({"world_size": world, "zero": zero, "grad_sync": grad_sync, "backend": res.backend,
                          "ranks": res.ranks})
             print(f"memory: world {world} zero {zero} ({res.backend}, {grad_sync}): ok", flush=True)
             break
         except Exception as exc:  # noqa: BLE001 - record it, try the next setting
-            runs.append({"world_size": world, "zero_stage": zero, "grad_sync": grad_sync,
+            runs.append({"world_size": world, "zero": zero, "grad_sync": grad_sync,
                          "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
             print(f"memory: world {world} zero {zero} ({grad_sync}) FAILED: {runs[-1]['error']}", flush=True)
             if zero == 0:

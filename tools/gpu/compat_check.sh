@@ -42,7 +42,7 @@ step "ch11: memory worker (DDP, ZeRO-1; world 1, 2) and FP8 worker" "$PY" - <<'E
 import course_utils as cu
 for world in (1, 2):
     for zero in (0, 1):
-        res = cu.run("workers.ch11_memory", world_size=world, zero_stage=zero, layers=2, hidden=128, heads=4,
+        res = cu.run("workers.ch11_memory", world_size=world, zero=zero, layers=2, hidden=128, heads=4,
                      vocab=512, seq=64, timeout=300)
         print(f"memory world {world} zero {zero}: {len(res[0]['moments'])} moments on {res.backend}")
 gemm = cu.run("workers.ch11_fp8_gemm", world_size=1, timeout=120)[0]

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from workers.provenance import record  # noqa: E402
+from workers.timing.cuda import times_ms  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -91,10 +92,10 @@ def init_single_rank_group() -> None:
 
 def course_block(hidden: int, heads: int, device, dtype):
     from workers.parallel.block import ParallelBlock
-    from workers.parallel.dense import BlockConfig
+    from workers.model.dense import BlockConfig
 
     init_single_rank_group()
-    return ParallelBlock(BlockConfig(hidden=hidden, n_heads=heads), device=device, dtype=dtype)
+    return ParallelBlock(BlockConfig(hidden=hidden, heads=heads), device=device, dtype=dtype)
 
 
 def _sync(device) -> None:
@@ -103,24 +104,13 @@ def _sync(device) -> None:
 
 
 def time_fwd_bwd(fn, x: torch.Tensor, grad: torch.Tensor, *, iters: int, warmup: int) -> dict:
-    """Median seconds of forward + backward (CUDA events on a GPU, perf_counter on the CPU)."""
-    cuda = x.device.type == "cuda"
-    times = []
-    for i in range(warmup + iters):
+    """Median seconds of forward + backward (``workers/timing/cuda.py``: CUDA events on a GPU, perf_counter on the
+    CPU), ``x.grad`` cleared before each call, outside the timed window."""
+    def clear_grad():
         x.grad = None
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(x).backward(grad)
-            end.record()
-            torch.cuda.synchronize()
-            dt = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            fn(x).backward(grad)
-            dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
+
+    times = [ms / 1e3 for ms in times_ms(lambda: fn(x).backward(grad), iters, warmup=warmup, device=x.device,
+                                         setup=clear_grad)]
     return {"median_s": statistics.median(times), "min_s": min(times), "iters": iters}
 
 
@@ -237,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
         for shape in a.shapes.split(","):
             seq, batch = (int(v) for v in shape.lower().split("x"))
             res = cu.run("workers.ch06_profile", world_size=1, timeout=300, warm=False, hidden=a.hidden,
-                         n_heads=a.heads, seqs=[seq], batch=batch, dtype=a.dtype, repeats=a.iters, warmup=a.warmup,
+                         heads=a.heads, seqs=[seq], batch=batch, dtype=a.dtype, repeats=a.iters, warmup=a.warmup,
                          trace_dir=a.trace_dir)
             profiles += res[0]["profiles"]
         result["profile"] = profiles

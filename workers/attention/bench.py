@@ -31,6 +31,7 @@ import time
 import torch
 
 from workers.provenance import record
+from workers.timing.cuda import reps_for, times_ms
 
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (1024, 4096, 16384)
@@ -177,23 +178,10 @@ def make_runner(impl: str, q, k, v, causal, triton_configs=None):
 
 
 def time_ms(fn, target_ms: float, min_reps: int = 5, max_reps: int = 100) -> list[float]:
-    """Per-call times in ms, CUDA events around each call, after warm-up (the first call compiles/tunes)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    reps = int(min(max_reps, max(min_reps, target_ms / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    """Per-call times in ms, CUDA events around each call (``workers/timing/cuda.py``): one warm-up call (the first
+    call compiles/tunes), one timed call to size the run, then as many calls as fill ``target_ms``."""
+    one_call = times_ms(fn, 1, warmup=1)[0]
+    return times_ms(fn, reps_for(target_ms, one_call, min_reps, max_reps))
 
 
 def peak_mib(fn) -> float:

@@ -409,7 +409,9 @@ def _launch(name, grid_rows, batch_heads, args, kwargs, configs):
     config = (configs or {}).get(name) or (INTERPRETER_CONFIGS[name] if is_interpreter() else None)
     if config is None:
         tuned = _autotuned(name)
-        grid = lambda meta: (triton.cdiv(grid_rows, meta["BLOCK_M" if name != "dkdv" else "BLOCK_N"]), batch_heads)
+        def grid(meta):
+            return triton.cdiv(grid_rows, meta["BLOCK_M" if name != "dkdv" else "BLOCK_N"]), batch_heads
+
         tuned[grid](*args, **kwargs)
         return tuned.best_config
     check_config(name, config)

@@ -11,12 +11,13 @@ no position: a job resumed mid-epoch with it re-reads the epoch from the start u
 from __future__ import annotations
 
 import torch
+from workers.runtime import batch_over_world
 
 
 class ShuffledSampler:
     def __init__(self, n_samples: int, global_batch: int, seed: int = 0, rank: int = 0, world_size: int = 1):
-        if global_batch % world_size:
-            raise ValueError(f"global_batch={global_batch} does not split into {world_size} equal shards")
+        if why := batch_over_world(global_batch, world_size):
+            raise ValueError(why)
         if n_samples < global_batch:
             raise ValueError(f"n_samples={n_samples} is smaller than one global batch of {global_batch}")
         self.n_samples, self.global_batch, self.seed = n_samples, global_batch, seed

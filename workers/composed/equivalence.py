@@ -19,7 +19,7 @@ Tolerance. Every layout computes the same sums in another order (a ring all-redu
 ring attention's online softmax merge), so in float64 the differences are rounding: at most 4.5e-12 relative
 over the chapter's 16 layout cases, sequence parallelism and dropout, seeds 0-2, under the native AVX-512
 kernels (3.6e-12), AVX2 (4.5e-12) and the plain ones (3.5e-12). The float64 tolerance 1e-10 leaves a factor
-20; every drill is off by more than 1e-4. In float32 the parameters after three AdamW steps differ by up to
+20; every fault is off by more than 1e-4. In float32 the parameters after three AdamW steps differ by up to
 1.5e-3 of their tensor's largest entry (the same runs: 6.6e-4 to 1.5e-3), and it is AdamW, not the layout:
 the key bias gets a gradient that is exactly zero in exact arithmetic (adding it shifts every score of a
 query's row by the same amount, which softmax ignores), so what it gets is rounding noise, which Adam divides

@@ -14,9 +14,8 @@ what they need and the course's dense model does not give them:
   (``blocks.2.mlp.fc1.weight``; a ``ModuleDict`` keyed by the layer number keeps a stage's names global).
 * ``dense_names`` / ``full``: DTensor shards gathered to whole tensors and renamed to the dense model's names
   (``wq``, ``wk``, ``wv`` concatenated back into ``qkv``), so that a run compares to ``train.reference_run``.
-* ``NativeMesh``: a ``DeviceMesh`` over groups of the course's rank grid, made here and destroyed at the end of
-  the run (``init_device_mesh`` makes groups that no one can hand back, and warm ranks outlive a run), with
-  DTensor's caches emptied first (``forget_meshes``: a destroyed group otherwise outlives its run in them).
+The ``DeviceMesh`` those APIs take comes from the course's one group holder, ``workers/layout/mesh.py: Mesh``
+(``device_mesh``: torch's mesh over groups made and destroyed with the run, DTensor's caches emptied).
 """
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.composed.model import DenseGPT, block_forward
-from workers.parallel.dense import DenseAttention, attention_core, merge_heads, split_heads
+from workers.model import GPT, block_forward
+from workers.model.dense import DenseAttention, attention_core, merge_heads, split_heads
 
 PROJECTIONS = ("wq", "wk", "wv")  # torchtitan's names; their rows concatenated are the dense qkv, [Q; K; V]
 
@@ -63,7 +62,7 @@ class NativeAttention(nn.Module):
 
     def __init__(self, dense: DenseAttention, fused: bool = False):
         super().__init__()
-        if dense.n_kv_heads != dense.n_heads:
+        if dense.kv_heads != dense.heads:
             raise ValueError("NativeAttention copies multi-head attention (kv_heads = heads)")
         self.head_dim, self.causal, self.fused = dense.head_dim, dense.causal, fused
         weight, bias = dense.qkv.weight.detach(), dense.qkv.bias
@@ -111,7 +110,7 @@ class NativeStage(nn.Module):
     embedding group) so that both copies take the same step.
     """
 
-    def __init__(self, dense: DenseGPT, layers, *, first: bool, last: bool, fused: bool = False):
+    def __init__(self, dense: GPT, layers, *, first: bool, last: bool, fused: bool = False):
         super().__init__()
         self.first, self.last = first, last
         if first:
@@ -156,62 +155,3 @@ def dense_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         out[name] = t
     return out
-
-
-class NativeMesh:
-    """A ``DeviceMesh`` with dimensions ``sizes`` (names of the course grid, outermost first, ``dp`` before ``tp``)
-    over groups of the course's rank grid (``RankGrid.new_groups``), each made fresh here and destroyed by
-    ``destroy()``. ``mesh[dim]`` is torch's 1-D sub-mesh; ``group(dim)`` the process group behind it."""
-
-    def __init__(self, rank: int, world: int, **sizes: int):
-        from torch.distributed.device_mesh import DeviceMesh
-
-        from workers.parallel.grid import DIMS, RankGrid
-
-        grid = RankGrid.for_world(world, **sizes)
-        self.names = tuple(d for d in DIMS if d in sizes)
-        self.coords = grid.coords(rank)
-        self._groups, self._created = {}, []
-        forget_meshes()  # whatever an earlier run on these warm ranks left behind
-        try:
-            for d in self.names:
-                mine, created = grid.new_groups(d, rank, fresh=True)
-                self._groups[d] = mine
-                self._created += created
-            ranks = torch.arange(world).view(*(sizes[d] for d in self.names))  # the grid's view, size-1 dims dropped
-            self.mesh = DeviceMesh.from_group([self._groups[d] for d in self.names], "cpu", mesh=ranks,
-                                              mesh_dim_names=self.names)
-        except BaseException:
-            self.destroy()
-            raise
-
-    def __getitem__(self, dim: str):
-        return self.mesh if self.names == (dim,) else self.mesh[dim]
-
-    def group(self, dim: str):
-        return self._groups[dim]
-
-    def destroy(self) -> None:
-        import torch.distributed as dist
-
-        forget_meshes()
-        for pg in self._created:
-            dist.destroy_process_group(pg)
-        self._created = []
-
-
-def forget_meshes() -> None:
-    """Empty DTensor's sharding-propagation caches, before this run's groups are destroyed.
-
-    DTensor memoises the output placements of every op, keyed by its inputs' specs, which hold their
-    ``DeviceMesh``; and a mesh compares and hashes by its ranks, dimension names and device type, *not* by the
-    process groups behind it. So the next run's mesh over the same ranks (warm ranks: a new run, new groups) is a
-    cache hit, its op outputs come back on the previous run's mesh, and the first collective names a destroyed
-    group: ``RuntimeError: Could not resolve the process group registered under the name 1`` (measured here on
-    torch 2.13, the second ``api="tp"`` run on warm ranks). Megatron-LM clears the same cache when it destroys its
-    groups (NVIDIA/Megatron-LM#7029). ``_clear_sharding_prop_cache`` is torch's own (private) way to clear both the
-    Python and the C++ fast-path caches.
-    """
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()

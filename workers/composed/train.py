@@ -22,7 +22,8 @@ parameters after the last, as shards with their place in the dense tensor (only 
 others hold copies); and from every rank a digest of every parameter after every step, so that the
 test can check that replicas are bit for bit equal.
 
-Drills (``DRILLS``): each injects one composition bug the equivalence check must catch.
+Faults (``workers/composed/faults.py``): each injects one composition bug the equivalence check must catch, by
+replacing one of the methods below (``gradient_group``, ``normalise_loss``, ``sum_tied_gradients``) or of the model.
 """
 from __future__ import annotations
 
@@ -32,9 +33,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.composed.layout import Layout, Mesh
-from workers.composed.model import (ComposedConfig, ComposedStage, Parallelism, Where, make_batch, make_dense,
-                                    token_losses)
+from workers.layout import DIMS, Layout, Mesh, problem
+from workers.layout.rules import equal_stages_problem
+from workers.composed.model import make_dense
+from workers.model.batch import make_batch, token_losses
+from workers.model import GPTConfig, Where
+from workers.parallel.gpt import ParallelGPT, Parallelism
 from workers.context_parallel.ring import Ring
 from workers.context_parallel.split import local_positions
 from workers.parallel.comm_stats import ACTIVATION, CommLedger, message_bytes, wire_factor
@@ -44,39 +48,17 @@ from workers.pipeline.p2p import P2P
 from workers.pipeline.schedules import schedule as make_schedule, virtual_stage
 from workers.runtime import all_gather_single, host_staged
 
-# drill -> (what it breaks, the layouts it needs to show)
-DRILLS = {
-    "none": ("nothing", None),
-    "grads_over_dp_only": ("gradients summed over dp alone, forgetting the context-parallel replicas", "cp > 1"),
-    "grads_over_tp": ("gradients summed over the tensor-parallel group instead of dp x cp", "tp > 1 or dp x cp > 1"),
-    "layernorm_not_reduced": ("LayerNorm gradients left partial under sequence parallelism",
-                              "sequence_parallel and tp > 1"),
-    "per_microbatch_mean": ("each micro-batch's loss averaged over its own tokens, then over m and dp",
-                            "micro_batches > 1 or dp > 1"),
-    "dropout_per_rank": ("a different dropout mask on each TP rank in the replicated region",
-                         "dropout > 0, tp > 1, no sequence parallelism"),
-    "dropout_shared": ("the same dropout mask on every TP rank's sequence shard", "dropout > 0, tp > 1, sequence parallelism"),
-    "tied_not_reduced": ("the tied embedding's gradient not summed between the first and last stage", "pp > 1"),
-}
-
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.01  # AdamW, the same in the reference
+ZERO_STAGES = (0, 1)  # what the trainer implements; stages 2 and 3 are chapter 11's
 
 
-def drill_problem(drill: str, layout: Layout, dropout: float) -> str | None:
-    """One sentence when ``drill`` cannot show on this layout (so the check would pass and teach nothing)."""
-    if drill not in DRILLS:
-        return f"drill={drill!r} is not known: choose one of {', '.join(DRILLS)}"
-    sp, tp = layout.sequence_parallel, layout.tp
-    shows = {"none": True, "grads_over_dp_only": layout.cp > 1,
-             "grads_over_tp": tp > 1 or layout.dp * layout.cp > 1,
-             "layernorm_not_reduced": sp and tp > 1,
-             "per_microbatch_mean": layout.micro_batches > 1 or layout.dp > 1,
-             "dropout_per_rank": dropout > 0 and tp > 1 and not sp,
-             "dropout_shared": dropout > 0 and tp > 1 and sp,
-             "tied_not_reduced": layout.pp > 1}[drill]
-    if not shows:
-        return f"drill={drill!r} cannot show on layout {layout.name}: it needs {DRILLS[drill][1]}"
-    return None
+def layout_problem(layout: Layout, world: int, cfg: GPTConfig, global_batch: int) -> str | None:
+    """Why this trainer cannot run ``layout`` of ``cfg`` on ``world`` ranks, or None: the course's one rule set
+    (``workers/layout/rules.py``), then what this trainer does not implement (ZeRO-2 and 3, stages of unequal size)."""
+    from workers.runtime import one_of, refusal
+
+    return refusal(problem(layout, world, cfg, global_batch=global_batch), one_of("zero", layout.zero, ZERO_STAGES),
+                   equal_stages_problem(layout, cfg.layers))
 
 
 def digest(t: torch.Tensor) -> str:
@@ -99,35 +81,33 @@ def record(named: dict, what: str, values: dict | None = None) -> dict:
 class ComposedTrainer:
     """This rank's part of a layout: its stage modules, groups, optimizer. ``step(i)`` runs optimizer step i."""
 
-    def __init__(self, layout: Layout, cfg: ComposedConfig, *, rank: int, device, comm_device, global_batch: int,
-                 lr: float, seed: int = 0, data_seed: int = 1, dtype=torch.float64, drill: str = "none",
-                 normalise=None):
+    def __init__(self, layout: Layout, cfg: GPTConfig, *, rank: int, device, comm_device, global_batch: int,
+                 lr: float, seed: int = 0, data_seed: int = 1, dtype=torch.float64, normalise=None):
         self.layout, self.cfg, self.rank, self.device = layout, cfg, rank, device
-        self.global_batch, self.seed, self.data_seed, self.dtype, self.drill = global_batch, seed, data_seed, dtype, drill
+        self.global_batch, self.seed, self.data_seed, self.dtype = global_batch, seed, data_seed, dtype
         # normalise(summed_ce, micro_tokens, global_tokens, micro_batches, dp, cp): a micro-batch's loss (exercise 2)
         self.normalise = normalise
         t0 = time.perf_counter()
-        self.mesh = Mesh(layout, rank, torch.device(device).type)
+        self.mesh = Mesh(layout.grid, rank, DIMS + ("dp_cp", "embedding"), fresh=True)
+        self.device_mesh = self.mesh.device_mesh(DIMS, torch.device(device).type)  # torch's view of the same groups
         self.build_s = time.perf_counter() - t0
         c = self.coords = self.mesh.coords
-        tp_members = self.mesh.members("tp")
-        cp_members = self.mesh.members("cp")
+        tp_members = self.mesh.ranks("tp")
+        cp_members = self.mesh.ranks("cp")
         ring = Ring(c["cp"], cp_members, device, comm_device) if layout.cp > 1 else None
         self.par = Parallelism(tp_group=self.mesh.group("tp"), tp=layout.tp, tp_rank=c["tp"],
-                               sequence_parallel=layout.sequence_parallel, ring=ring, split=layout.split, drill=drill)
+                               sequence_parallel=layout.sequence_parallel, ring=ring, split=layout.split)
         assert tp_members.index(rank) == c["tp"]
         dense = make_dense(cfg, seed, dtype)
-        V = layout.virtual_stages
+        V = layout.pp * layout.virtual_stages
         self.stage = c["pp"]
-        self.modules = [ComposedStage(dense, virtual_stage(self.stage, ch, layout.pp), V, self.par, seed).to(device)
-                        for ch in range(layout.chunks)]
+        self.modules = [ParallelGPT(dense, self.par, virtual_stage(self.stage, ch, layout.pp), V).to(device)
+                        for ch in range(layout.virtual_stages)]
         self.named = {n: p for mod in self.modules for n, p in mod.named_parameters()}
         self.params = list(self.named.values())
         self.tied = [p for p in self.params if hasattr(p, "tied_to")] + \
             ([self.modules[0].embed.weight] if self.modules[0].first and layout.pp > 1 else [])
-        dp_cp = self.mesh.group("dp_cp")
-        self.reduce_group = {"grads_over_dp_only": self.mesh.group("dp"),
-                             "grads_over_tp": self.mesh.group("tp")}.get(drill, dp_cp)
+        self.reduce_group = self.gradient_group()
         # Two buckets: the tied embedding's copy alone, then the rest. The copies on the first and last stage must
         # stay bit for bit equal, and a sum is only bit-reproducible if it is done in the same order: in one shared
         # bucket the copy would sit at offset 0 on the first stage and at the end on the last, in other chunks of
@@ -143,13 +123,13 @@ class ComposedTrainer:
                                             weight_decay=WEIGHT_DECAY)
         else:
             self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-        pipeline = self.mesh.members("pp")
-        wrap = layout.chunks > 1  # interleaved: the last rank's chunk c feeds rank 0's chunk c + 1
+        pipeline = self.mesh.ranks("pp")
+        wrap = layout.virtual_stages > 1  # interleaved: the last rank's chunk c feeds rank 0's chunk c + 1
         p = layout.pp
         self.prev_rank = pipeline[(self.stage - 1) % p] if self.stage > 0 or wrap else None
         self.next_rank = pipeline[(self.stage + 1) % p] if self.stage < p - 1 or wrap else None
         self.comm_device = comm_device
-        self.actions = make_schedule(layout.schedule, p, layout.micro_batches, self.stage, layout.chunks)
+        self.actions = make_schedule(layout.schedule, p, layout.micro_batches, self.stage, layout.virtual_stages)
         self.positions = local_positions(cfg.seq, layout.cp, c["cp"], layout.split)  # [s/cp] global positions
         self.reporter = c["dp"] == 0 and c["cp"] == 0  # one copy of every shard is enough to compare
 
@@ -194,9 +174,7 @@ class ComposedTrainer:
             summed = token_losses(logits, targets.to(self.device), valid.to(self.device))
             if self.normalise is not None:  # the learner's rule (chapter 15's exercise)
                 return self.normalise(summed, micro_tokens, total_tokens, L.micro_batches, L.dp, L.cp)
-            if self.drill == "per_microbatch_mean":  # the bug: each micro-batch's own mean, then / m, / dp
-                return summed / (micro_tokens * L.micro_batches * L.dp)
-            return summed / total_tokens  # the right one: every token weighs 1 / N of the global batch
+            return self.normalise_loss(summed, micro_tokens, total_tokens)
 
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
@@ -205,10 +183,7 @@ class ComposedTrainer:
                                inputs=[mb[0] for mb in micro], targets=None, forward=forward, loss=loss,
                                forward_s=forward_s, backward_s=backward_s)
         t_schedule = time.perf_counter() - t0
-        if self.tied and self.drill != "tied_not_reduced":  # the two copies of the tied embedding: one gradient
-            for p in self.tied:
-                self.calls.append(("embedding", "all_reduce", p.grad.nbytes, 2))
-                dist.all_reduce(p.grad, group=self.mesh.group("embedding"))
+        self.sum_tied_gradients()
         loss_value = None
         if self.modules[-1].last:  # the step's loss: the sum of every micro-batch's share over dp x cp
             total = torch.tensor([sum(ran["losses"])], dtype=torch.float64, device=self.device)  # NCCL: on the GPU
@@ -246,6 +221,24 @@ class ComposedTrainer:
                            "cp": self.par.ring.wait_s if self.par.ring is not None else 0.0, "pp": p2p.wait_s,
                            "dp": t_sync},
                 "digests": {n: digest(p.data) for n, p in self.named.items()}}
+
+    # -- the three places a composition bug hides (workers/composed/faults.py replaces each) -------------------------
+
+    def gradient_group(self):
+        """The group gradients are summed over: ``dp_cp``, every rank that holds the same parameters with other
+        samples or other tokens (Megatron's ``get_data_parallel_group(with_context_parallel=True)``)."""
+        return self.mesh.group("dp_cp")
+
+    def normalise_loss(self, summed: torch.Tensor, micro_tokens: int, total_tokens: int) -> torch.Tensor:
+        """A micro-batch's summed cross-entropy / N, N the valid tokens of the whole global batch: every token weighs
+        1 / N, however ragged the micro-batches (Megatron's ``calculate_per_token_loss``)."""
+        return summed / total_tokens
+
+    def sum_tied_gradients(self) -> None:
+        """The tied embedding's two copies (first and last stage) take one gradient: summed over the embedding group."""
+        for p in self.tied:
+            self.calls.append(("embedding", "all_reduce", p.grad.nbytes, 2))
+            dist.all_reduce(p.grad, group=self.mesh.group("embedding"))
 
     def _comm(self, ledger: CommLedger, p2p: P2P) -> dict:
         """Bytes this rank sent in the step, per dimension: ``{dim: {"wire_bytes", "calls"}}``.
@@ -295,7 +288,7 @@ class ComposedTrainer:
         self.mesh.destroy()
 
 
-def reference_run(cfg: ComposedConfig, *, steps: int, global_batch: int, lr: float, seed: int = 0,
+def reference_run(cfg: GPTConfig, *, steps: int, global_batch: int, lr: float, seed: int = 0,
                   data_seed: int = 1, dtype=torch.float64) -> dict:
     """The same training in one process, on the whole batch: the ground truth of every layout.
 
@@ -308,7 +301,7 @@ def reference_run(cfg: ComposedConfig, *, steps: int, global_batch: int, lr: flo
         tokens, valid = make_batch(cfg, global_batch, step, data_seed)
         where = Where(step, torch.arange(cfg.seq), torch.arange(global_batch), global_batch, cfg.seq)
         optimizer.zero_grad()
-        logits = model(tokens[:, :-1], where, seed)  # [s, B, V]
+        logits = model(tokens[:, :-1], where).transpose(0, 1)  # [B, s, V] -> [s, B, V]
         loss = token_losses(logits, tokens[:, 1:], valid) / valid.sum()
         loss.backward()
         losses.append(loss.item())

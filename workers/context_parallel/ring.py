@@ -7,7 +7,7 @@ Both calls are non-blocking, so no ordering of sends and receives around the rin
 
 Gloo has no CUDA send/recv: on a one-GPU machine the bytes go through host memory (``comm_device``, as in
 ``workers/pipeline/p2p.py``). ``members`` are the ring's global ranks in ring order (a ``cp`` slice of the rank
-grid, ``workers/parallel/grid.py``), so a world of 4 can hold two rings of 2 (or four of 1) side by side.
+grid, ``workers/layout/grid.py``), so a world of 4 can hold two rings of 2 (or four of 1) side by side.
 """
 from __future__ import annotations
 

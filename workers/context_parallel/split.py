@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import torch
 
-SPLITS = ("contiguous", "zigzag")
-
-
-def num_chunks(cp: int, split: str) -> int:
-    """How many equal chunks the sequence is cut into."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return 2 * cp if split == "zigzag" else cp
+from workers.layout.rules import Layout, num_chunks, problem  # the layout's rules: how cp cuts a sequence
 
 
 def chunk_ids(cp: int, rank: int, split: str) -> list[int]:
     """The global chunk indices rank ``rank`` holds, in the order its local tensors store them."""
-    if split == "zigzag":
+    if split == "zigzag" and cp > 1:
         return [rank, 2 * cp - 1 - rank]  # an early chunk and its mirror: little causal work + much causal work
     num_chunks(cp, split)  # validates the name
     return [rank]
@@ -65,13 +58,6 @@ def take_local(x: torch.Tensor, seq: int, cp: int, rank: int, split: str) -> tor
 
 
 def split_problem(seq: int, cp: int, split: str) -> str | None:
-    """One sentence saying what to change when ``seq`` cannot be split, else None."""
-    if split not in SPLITS:
-        return f"split={split!r} is not known: choose one of {', '.join(SPLITS)}"
-    if cp < 1:
-        return f"cp={cp} leaves no rank to hold the sequence: choose cp >= 1"
-    n = num_chunks(cp, split)
-    if seq < n or seq % n:
-        why = f"2*cp = {n} chunks (zigzag)" if split == "zigzag" else f"cp = {n} chunks"
-        return f"seq={seq} does not split into {why}: choose seq divisible by {n}"
-    return None
+    """One sentence saying what to change when ``seq`` cannot be split, else None: the layout's rule
+    (``workers/layout/rules.py: problem``, the one chapter 14's worker and chapter 15's trainer refuse with)."""
+    return problem(Layout(cp=cp, split=split, seq=seq), cp)

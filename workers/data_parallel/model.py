@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
+from workers.runtime import at_least, batch_over_world, refusal
 
 # Weights of O(0.1-1) after a few SGD steps; reordered fp32 sums differ by a few ulp (~1e-7).
 FP32_TOL = {"atol": 1e-6, "rtol": 1e-5}
@@ -86,8 +87,8 @@ def make_batches(setup: Setup = Setup(), steps: int | None = None) -> list[tuple
 
 def rows_of(rank: int, world_size: int, global_batch: int) -> tuple[int, int]:
     """Rank ``rank`` reads rows [start, stop) of every global batch: B/n contiguous rows each."""
-    if global_batch % world_size:
-        raise ValueError(f"global_batch={global_batch} does not split into {world_size} equal shards")
+    if why := batch_over_world(global_batch, world_size):
+        raise ValueError(why)
     per_rank = global_batch // world_size
     return rank * per_rank, (rank + 1) * per_rank
 
@@ -150,11 +151,5 @@ def accumulated_reference(setup: Setup, accumulation: int) -> torch.Tensor:
 def training_problem(world_size: int, global_batch: int, steps: int, lr: float) -> str | None:
     """One sentence if a data-parallel training run of chapter 02 cannot be laid out, else None (its workers'
     ``check_params`` start here)."""
-    if global_batch < 1 or global_batch % world_size:
-        return (f"global_batch={global_batch} does not split into {world_size} equal shards of rows: "
-                f"choose a multiple of {world_size}")
-    if steps < 1:
-        return f"steps={steps} trains nothing: use at least 1 step"
-    if lr <= 0:
-        return f"lr={lr} must be positive"
-    return None
+    return refusal(batch_over_world(global_batch, world_size), at_least("steps", steps),
+                   None if lr > 0 else f"lr={lr} must be positive")

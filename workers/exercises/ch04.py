@@ -14,7 +14,7 @@ import torch
 
 from workers.exercises.subgroups import DEFAULT_GROUP, in_sub_group, layouts, sub_group
 from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
-from workers.parallel.dense import BlockConfig, build, inputs
+from workers.model.dense import BlockConfig, build, inputs
 from workers.parallel.layers import contiguous_index
 from workers.parallel.mlp import ParallelMLP, naive_rows, swiglu_rows
 
@@ -64,7 +64,7 @@ def check_column_parallel_forward(ctx, answer) -> None:
 def _column_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
     """One forward and backward of the learner's column layer, ``t`` ranks in ``group``, this one at place ``r``;
     the layer and data of group ``index`` come from ``seeds[index]`` (one seed per group)."""
-    cfg = BlockConfig(hidden=8, ffn_hidden=16)
+    cfg = BlockConfig(hidden=8, ffn=16)
     dense = build("column", cfg, seed=seeds[index])  # Linear(8, 16), the same on every rank of the group
     x_full, g_full = inputs("column", cfg, SEQ, BATCH, seed=seeds[index])
     cols = contiguous_index(cfg.ffn, t, r, "ffn")
@@ -129,7 +129,7 @@ def _row_dense(cfg, seed):
 
 
 def _row_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
-    cfg = BlockConfig(hidden=8, ffn_hidden=16)
+    cfg = BlockConfig(hidden=8, ffn=16)
     dense = _row_dense(cfg, seeds[index])
     x_full, g_full = inputs("row", cfg, SEQ, BATCH, seed=seeds[index])
     rows = contiguous_index(cfg.ffn, t, r, "ffn")
@@ -195,7 +195,7 @@ def _row_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
 
 def check_swiglu_shard(ctx, answer) -> None:
     t, r = ctx.world_size, ctx.rank
-    cfg = BlockConfig(hidden=8, ffn_hidden=16, activation="swiglu")
+    cfg = BlockConfig(hidden=8, ffn=16, activation="swiglu")
     dense = build("mlp", cfg, seed=6)  # fc1: [2*16, 8] laid out [gate; up]
     w, b = dense.fc1.weight.detach(), dense.fc1.bias.detach()
     got_w, got_b = answer(w.clone(), r, t), answer(b.clone(), r, t)

@@ -13,21 +13,21 @@ import torch.distributed as dist
 from workers.exercises.support import Wrong, agree, run_exercise
 from workers.parallel.attention import (ParallelAttention, destroy_owned_groups, kv_heads_for_rank, naive_qkv_rows,
                                         qkv_rows)
-from workers.parallel.dense import BlockConfig, build, inputs
+from workers.model.dense import BlockConfig, build, inputs
 
 SEQ, BATCH = 6, 2
 
 
 def configs(world_size: int) -> list[BlockConfig]:
-    """MHA; GQA with KV heads split over the ranks; GQA with KV heads replicated (TP > n_kv_heads)."""
-    out = [BlockConfig(hidden=32, n_heads=4), BlockConfig(hidden=32, n_heads=8, n_kv_heads=world_size)]
-    out.append(BlockConfig(hidden=32, n_heads=8, n_kv_heads=1 if world_size == 2 else 2))
+    """MHA; GQA with KV heads split over the ranks; GQA with KV heads replicated (tp > kv_heads)."""
+    out = [BlockConfig(hidden=32, heads=4), BlockConfig(hidden=32, heads=8, kv_heads=world_size)]
+    out.append(BlockConfig(hidden=32, heads=8, kv_heads=1 if world_size == 2 else 2))
     return out
 
 
 def _describe(rows: torch.Tensor, cfg: BlockConfig) -> str:
     """Which heads the given rows of [Q; K; V] belong to: 'q0 q1 k0 v0'."""
-    d, hq, hk = cfg.head_dim, cfg.n_heads, cfg.kv_heads
+    d, hq, hk = cfg.head_dim, cfg.heads, cfg.kv_heads
     names = []
     for start in rows[::d].tolist():
         if start < hq * d:
@@ -44,9 +44,10 @@ def check_split_fused_qkv(ctx, answer) -> None:
     for i, cfg in enumerate(configs(t)):
         dense = build("attention", cfg, seed=20 + i)
         w, b = dense.qkv.weight.detach(), dense.qkv.bias.detach()
-        want_rows = qkv_rows(cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t)
-        got_w = answer(w.clone(), cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t)
-        got_b = answer(b.clone(), cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t)
+        want_rows = qkv_rows(cfg.heads, cfg.kv_heads, cfg.head_dim, r, t)
+        # positionally (w, heads, kv_heads, head_dim, rank, tp): a saved answer with other parameter names still runs
+        got_w = answer(w.clone(), cfg.heads, cfg.kv_heads, cfg.head_dim, r, t)
+        got_b = answer(b.clone(), cfg.heads, cfg.kv_heads, cfg.head_dim, r, t)
         shape_ok = (isinstance(got_w, torch.Tensor) and got_w.shape == w[want_rows].shape
                     and isinstance(got_b, torch.Tensor) and got_b.shape == b[want_rows].shape)
         # every rank agrees on the shapes first: only then do all of them enter the attention's collectives
@@ -64,7 +65,7 @@ def check_split_fused_qkv(ctx, answer) -> None:
                     error = (attn(x.to(ctx.device)).cpu() - dense(x)).abs().max().item()
             finally:
                 destroy_owned_groups(attn)
-        label = f"n_heads={cfg.n_heads}, n_kv_heads={cfg.kv_heads}, TP={t}"
+        label = f"heads={cfg.heads}, kv_heads={cfg.kv_heads}, tp={t}"
         want_heads = _describe(want_rows, cfg)
 
         off = f"{error:.3g}" if error is not None else "not measured"
@@ -76,12 +77,12 @@ def check_split_fused_qkv(ctx, answer) -> None:
             if not shape_ok:
                 hint = ""
                 if t > cfg.kv_heads:
-                    hint = (f" With {cfg.kv_heads} KV head(s) and TP={t}, a KV head cannot be split: each rank keeps a "
+                    hint = (f" With {cfg.kv_heads} KV head(s) and tp={t}, a KV head cannot be split: each rank keeps a "
                             f"whole KV head (the one its query heads read), replicated on {t // cfg.kv_heads} ranks.")
                 raise Wrong(f"{label}: rank {r}'s shard has shape {tuple(got_w.shape)}, expected "
                             f"{tuple(w[want_rows].shape)} (heads {want_heads}).{hint}")
-            if t > 1 and torch.equal(got_w.cpu(), w[naive_qkv_rows(cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t)]):
-                got_heads = _describe(naive_qkv_rows(cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t), cfg)
+            if t > 1 and torch.equal(got_w.cpu(), w[naive_qkv_rows(cfg.heads, cfg.kv_heads, cfg.head_dim, r, t)]):
+                got_heads = _describe(naive_qkv_rows(cfg.heads, cfg.kv_heads, cfg.head_dim, r, t), cfg)
                 raise Wrong(f"{label}: that is the contiguous chunk w.chunk({t})[{r}], rows of heads {got_heads}; "
                             f"rank {r} needs {want_heads}: its query heads from Q, and their KV heads from K and V "
                             f"(attention output off by {off})")
@@ -96,8 +97,8 @@ def check_split_fused_qkv(ctx, answer) -> None:
     # Checkpoints hold bf16 weights: the shard is rows of w, in w's dtype, not a float32 copy of them.
     cfg = configs(t)[0]
     w16 = build("attention", cfg, seed=20).qkv.weight.detach().to(torch.bfloat16)
-    got16 = answer(w16.clone(), cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t)
-    want16 = w16[qkv_rows(cfg.n_heads, cfg.kv_heads, cfg.head_dim, r, t)]
+    got16 = answer(w16.clone(), cfg.heads, cfg.kv_heads, cfg.head_dim, r, t)
+    want16 = w16[qkv_rows(cfg.heads, cfg.kv_heads, cfg.head_dim, r, t)]
 
     def dtype_verdict():
         if not isinstance(got16, torch.Tensor):
@@ -117,26 +118,26 @@ def check_kv_heads_for_rank(ctx, answer) -> None:
     t, r = ctx.world_size, ctx.rank
     cases = [(8, 8), (8, 4), (8, 2), (8, 1), (16, 4)]
     problems = []
-    for n_heads, n_kv in cases:
-        if n_heads % t:
+    for heads, kv_heads in cases:
+        if heads % t:
             continue
-        got = answer(n_heads, n_kv, t, r)
-        want = kv_heads_for_rank(n_heads, n_kv, t, r)
+        got = answer(heads, kv_heads, t, r)  # positionally: a saved answer with other parameter names still runs
+        want = kv_heads_for_rank(heads, kv_heads, t, r)
         try:
             got_list = [int(k) for k in got]
         except TypeError:
             problems.append(f"kv_heads_for_rank should return a list of KV head numbers, not {type(got).__name__}")
             break
         if got_list != want:
-            q = list(range(r * n_heads // t, (r + 1) * n_heads // t))
-            group = n_heads // n_kv
+            q = list(range(r * heads // t, (r + 1) * heads // t))
+            group = heads // kv_heads
             if len(got_list) > len(set(got_list)) and sorted(set(got_list)) == want:
-                problems.append(f"n_heads={n_heads}, n_kv_heads={n_kv}, TP={t}: rank {r} needs KV heads {want}, "
+                problems.append(f"heads={heads}, kv_heads={kv_heads}, tp={t}: rank {r} needs KV heads {want}, "
                                 f"each once; {got_list} repeats some (one entry per query head: several query heads "
                                 "share a KV head, and the rank holds it once)")
                 break
-            problems.append(f"n_heads={n_heads}, n_kv_heads={n_kv}, TP={t}: rank {r} holds query heads {q}; query "
-                            f"head j reads KV head j // {group} (n_heads / n_kv_heads), so the rank needs KV heads "
+            problems.append(f"heads={heads}, kv_heads={kv_heads}, tp={t}: rank {r} holds query heads {q}; query "
+                            f"head j reads KV head j // {group} (heads / kv_heads), so the rank needs KV heads "
                             f"{want}, not {got_list}")
             break
 

@@ -16,7 +16,7 @@ from workers.exercises.subgroups import DEFAULT_GROUP, in_sub_group, layouts, su
 from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
 from workers.parallel import mappings
 from workers.parallel.block import ParallelBlock
-from workers.parallel.dense import BlockConfig, build, reference, inputs
+from workers.model.dense import BlockConfig, build, reference, inputs
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SEQ, BATCH = 6, 2
@@ -72,7 +72,7 @@ def _off_group(log, pass_: str, t: int, world: int) -> str | None:
 
 
 def _block_case(ctx, answer, group, t, r, *, seed, sg=None) -> None:
-    cfg = BlockConfig(hidden=16, n_heads=4)
+    cfg = BlockConfig(hidden=16, heads=4)
     block = ParallelBlock.from_dense(build("block", cfg, seed=seed), group).to(ctx.device)
     parts = BlockParts(block)
     x_full, g_full = inputs("block", cfg, SEQ, BATCH, seed=seed)

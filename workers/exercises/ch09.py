@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 
 from workers.exercises.support import Wrong, agree, run_exercise
-from workers.gpt.config import GPTConfig
-from workers.gpt.model import make_model
 from workers.gpt.reduce import gather_objects
 from workers.gpt.telemetry import flat_params, flip_bit_
+from workers.model import GPTConfig, make_model
 
 CFG = GPTConfig(vocab=16, seq=8, hidden=32, heads=2, layers=1)
 FLIP_AT = (4, 5)  # (parameter index, element) whose lowest mantissa bit the last rank flips

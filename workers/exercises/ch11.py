@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from workers.exercises.support import Wrong, agree, run_exercise
-from workers.zero.model import OPTIMIZER_CLASSES, TiedGPTConfig, flat_params, loss_fn, make_batches, make_model, shard_rows
+from workers.zero.model import OPTIMIZER_CLASSES, model_config, flat_params, loss_fn, make_batches, make_model, shard_rows
 
 STEPS = 3
 GLOBAL_BATCH = 8
 # 29403 parameters: odd, so they do not split into 2 or 4 equal shards and an answer must pad (or split unevenly).
-CFG = TiedGPTConfig(vocab=61, seq=16, hidden=33, heads=3, layers=2)
+CFG = model_config(61, 16, 33, 3, 2)
 # SGD with momentum is linear in the gradient: reordered fp32 sums (any correct sync) stay at ~1e-7.
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -275,18 +275,18 @@ class _Freed(RuntimeError):
 
 def check_zero3_unit_hooks(ctx, answer) -> None:
     """ZeRO-3's gather-then-free around one unit: whole only during its forward and its backward."""
-    from workers.zero.model import Block
+    from workers.model import DenseBlock
 
     n, rank = ctx.world_size, ctx.rank
-    hidden, heads = CFG.hidden, CFG.heads
+    hidden = CFG.hidden
     torch.manual_seed(0)
-    reference = Block(hidden, heads)
-    x0 = torch.randn(2, 8, hidden, generator=torch.Generator().manual_seed(1))  # [b, s, h], the same on every rank
+    reference = DenseBlock(CFG.block())
+    x0 = torch.randn(8, 2, hidden, generator=torch.Generator().manual_seed(1))  # [s, b, h], the same on every rank
     out_ref = reference(x0)
     out_ref.square().mean().backward()
 
     torch.manual_seed(0)
-    unit = Block(hidden, heads)
+    unit = DenseBlock(CFG.block())
     params = list(unit.parameters())
     flat = _padded_flat(params, n)  # [n S]
     S = flat.numel() // n

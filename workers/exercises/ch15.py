@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from workers.composed.layout import Layout
-from workers.composed.model import ComposedConfig
+from workers.layout import Layout
+from workers.composed.model import MODEL
 from workers.composed.train import ComposedTrainer, reference_run
 from workers.exercises.support import Wrong, agree, run_exercise
 
@@ -54,7 +54,7 @@ def check_micro_batch_loss(ctx, answer) -> None:
         raise Wrong(f"return a tensor computed from summed_ce (got {type(trial).__name__}"
                     f"{'' if not isinstance(trial, torch.Tensor) else ' without a gradient'}): the loss is backpropagated, "
                     "and a Python number (.item()) or a detached tensor carries no gradient")
-    cfg = ComposedConfig()
+    cfg = MODEL
     reference = reference_run(cfg, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR)
     for layout in LAYOUTS:
         trainer = ComposedTrainer(layout, cfg, rank=ctx.rank, device=ctx.device, comm_device=ctx.comm_device("send"),

@@ -231,7 +231,7 @@ def check_combine(ctx, answer) -> None:
     from workers.moe.batch import DTYPES, batch
     from workers.moe.dispatch import all_to_all
     from workers.moe.equivalence import reference
-    from workers.moe.layer import ExpertParallelGroups, MoELayer, build_weights, reduce_gradients
+    from workers.moe.layer import MoELayer, build_weights, expert_mesh, reduce_gradients
 
     world, rank = ctx.world_size, ctx.rank
     cfg, run = COMBINE_CFG, {**COMBINE_RUN, "world": world}
@@ -243,8 +243,8 @@ def check_combine(ctx, answer) -> None:
     rows_of_mine = slice(rank * per, (rank + 1) * per)
     seen: dict = {}
 
-    with ExpertParallelGroups(world, world, rank) as groups:
-        layer = MoELayer(cfg, groups, weights=weights, device=ctx.device, dtype=dtype)
+    with expert_mesh(world, world, rank) as mesh:
+        layer = MoELayer(cfg, mesh, weights=weights, device=ctx.device, dtype=dtype)
         dispatcher = layer.dispatcher
 
         def combine(expert_output, state, tokens):  # the dispatcher's combine, with the learner's last step
@@ -269,7 +269,7 @@ def check_combine(ctx, answer) -> None:
 
         loss = (y * g_all[rows_of_mine].to(ctx.device)).sum(dim=-1).mean() + layer.aux_loss
         loss.backward()
-        reduce_gradients(layer.parameters(), layer.expert_parameters(), groups, router_params=layer.router.parameters())
+        reduce_gradients(layer.parameters(), layer.expert_parameters(), mesh, router_params=layer.router.parameters())
 
         def output_and_gradients():
             want_y = ref["y"][rows_of_mine]

@@ -4,7 +4,7 @@ Run only with the group equal to the world, an answer that calls its collective 
 group instead of the group it was given is indistinguishable from a right one. In a composed layout it is
 wrong: tensor-parallel groups sit inside a larger world. So at world 4 a check also runs the learner's
 function on two layouts of two groups of 2, made from the course's rank grid
-(``RankGrid.for_world(4, tp=2)``, ``workers/parallel/grid.py``):
+(``RankGrid.for_world(4, tp=2)``, ``workers/layout/grid.py``):
 
     "tp" slices: [0, 1] [2, 3]    consecutive ranks (how tensor-parallel groups are laid out)
     "dp" slices: [0, 2] [1, 3]    non-contiguous ranks (a group's rank is not the global rank)
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from workers.parallel.grid import RankGrid
+from workers.layout.grid import RankGrid
 
 SIZE = 2  # ranks per sub-group
 WORDS = {"tp": "consecutive ranks", "dp": "non-contiguous ranks"}

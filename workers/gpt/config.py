@@ -1,31 +1,16 @@
-"""The two dataclasses that define a chapter 09 run: the model, and how it is trained."""
+"""What defines a chapter 09 run: the model (the course's ``GPTConfig``, ``MODEL`` here), and how it is trained."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from workers.model.gpt import GPTConfig
+
 FAULTS = ("none", "garbage_batch", "high_lr", "fp16_underflow", "sum_not_average", "bit_flip")
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 32
-    seq: int = 32  # tokens the model reads; each sample holds seq + 1 (inputs and shifted targets)
-    hidden: int = 64
-    heads: int = 4
-    layers: int = 2
-    qk_layernorm: bool = False  # LayerNorm on q and k per head before q.k (Dehghani et al. 2023)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.heads  # multi-head attention: every query head has its own K and V
-
-    @property
-    def ffn(self) -> int:
-        return 4 * self.hidden  # GPT-2's MLP: hidden -> 4 hidden -> hidden
+# Chapter 09's model: the course's GPT at its default size (vocab 32, seq 32, hidden 64, 4 heads, 2 layers, untied)
+# with its attention written out, so every step can read the largest pre-softmax logit.
+MODEL = GPTConfig(logit_probe=True)
 
 
 @dataclass(frozen=True)
@@ -90,7 +75,6 @@ class TrainConfig:
 
 def split_params(params: dict) -> tuple[GPTConfig, TrainConfig]:
     """A worker's flat keyword parameters -> the two configs (unknown names are the caller's business)."""
-    model_names = {f.name for f in fields(GPTConfig)}
     train_names = {f.name for f in fields(TrainConfig)}
-    return (GPTConfig(**{k: v for k, v in params.items() if k in model_names}),
+    return (MODEL.with_params(params),
             TrainConfig(**{k: v for k, v in params.items() if k in train_names}))

@@ -10,6 +10,8 @@ first time in the run (in fp16 without loss scaling, where most gradients underf
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 CHECKSUM_MODULUS = 2 ** 61 - 1  # a Mersenne prime: position weights below it never collide
 
@@ -96,3 +98,27 @@ def columns(records: list[dict], keys) -> dict:
         else:
             out[key] = values
     return out
+
+
+def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Parameters grouped the way the per-layer telemetry reports them: embeddings, each block, the head."""
+    groups = {"embed": [model.embed.weight, model.pos]}
+    for i, block in enumerate(model.blocks):
+        groups[f"block{i}"] = list(block.parameters())
+    groups["head"] = list(model.ln_f.parameters()) + [model.head.weight]
+    return groups
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Mean next-token cross-entropy, plus the PaLM z-loss z_loss * mean(log Z)^2 when asked.
+
+    log Z = logsumexp of a position's output logits: the softmax normaliser. Cross-entropy does not care
+    where log Z sits (adding c to every logit changes nothing), so without z-loss it is free to drift,
+    which Chowdhery et al. 2022 (PaLM, sec. 5) and Wortsman et al. 2023 (sec. 3.2) link to divergence.
+    Returns (loss to backpropagate, telemetry); the telemetry's "loss" is the cross-entropy alone.
+    """
+    flat = logits.float().reshape(-1, logits.shape[-1])  # [b*s, V]
+    ce = F.cross_entropy(flat, targets.reshape(-1))
+    log_z = torch.logsumexp(flat, dim=-1)  # [b*s]
+    total = ce + z_loss * (log_z ** 2).mean() if z_loss else ce
+    return total, {"loss": ce.item(), "log_z_mean": log_z.mean().item(), "log_z_max": log_z.abs().max().item()}

@@ -1,7 +1,7 @@
 """The training loop of chapter 09: telemetry every step, faults injected where they happen in real life,
 snapshots every k steps, rewind-and-skip recovery, and deterministic replay.
 
-    trainer = Trainer(GPTConfig(), TrainConfig(fault="garbage_batch"), rank, world_size)
+    trainer = Trainer(MODEL, TrainConfig(fault="garbage_batch"), rank, world_size)
     out = trainer.run(recover=True)        # out["trajectory"]: one record per committed step
 
 Every rank runs this loop; gradients are averaged by hand (``reduce.average_gradients``), so the
@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 
 from workers.gpt import telemetry as tm
-from workers.gpt.config import GPTConfig, TrainConfig
+from workers.gpt.config import TrainConfig
 from workers.gpt.data import Loader, MarkovDataset, rank_rows
 from workers.gpt.detect import SpikeDetector, first_divergence, odd_ones_out
 from workers.gpt.loss_scale import DynamicLossScaler, HalfCopy
-from workers.gpt.model import layer_groups, make_model, token_loss
 from workers.gpt.reduce import (average_gradients, distributed, gather_objects, projection_probes,
                                 reduction_culprits)
+from workers.gpt.telemetry import layer_groups, token_loss
+from workers.model import GPTConfig, make_model
 
 TRANSIENT_FAULTS = ("bit_flip",)
 

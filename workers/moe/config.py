@@ -23,22 +23,22 @@ class MoEConfig:
 
     def problem(self, ep: int = 1, world: int | None = None, tokens: int | None = None) -> str | None:
         """One sentence naming what to change, or None. ``tokens``: the tokens of the whole batch."""
-        if min(self.hidden, self.ffn, self.experts) < 1:
-            return f"hidden={self.hidden}, ffn={self.ffn} and experts={self.experts} must be >= 1"
-        if not 1 <= self.top_k <= self.experts:
-            return (f"top_k={self.top_k} must be between 1 and experts={self.experts}: a token cannot choose more "
-                    "experts than there are")
-        if self.capacity_factor < 0 or self.aux_coeff < 0 or self.z_coeff < 0 or self.shared_experts < 0:
-            return (f"capacity_factor={self.capacity_factor}, aux_coeff={self.aux_coeff}, z_coeff={self.z_coeff} "
-                    f"and shared_experts={self.shared_experts} must be >= 0 (capacity_factor 0: no token dropped)")
-        if ep < 1 or self.experts % ep:
-            return (f"experts={self.experts} is not divisible by ep={ep}: every expert-parallel rank holds the same "
-                    f"number of experts, so choose ep among {', '.join(str(d) for d in divisors(self.experts))}")
-        if world is not None and (world % ep):
-            return f"ep={ep} does not divide the world's {world} ranks: choose ep among {', '.join(str(d) for d in divisors(world))}"
-        if world is not None and tokens is not None and tokens % world:
-            return f"the batch's {tokens} tokens do not split evenly over {world} ranks: choose a batch divisible by {world}"
-        return None
+        from workers.runtime import at_least, batch_over_world, divides, refusal
+
+        shape = refusal(at_least("hidden", self.hidden), at_least("ffn", self.ffn), at_least("experts", self.experts))
+        if shape:
+            return shape
+        experts = divides("ep", ep, "experts", self.experts)
+        return refusal(
+            None if 1 <= self.top_k <= self.experts else
+            (f"top_k={self.top_k} must be between 1 and experts={self.experts}: a token cannot choose more "
+             "experts than there are"),
+            (low := at_least("capacity_factor", self.capacity_factor, 0)) and f"{low} (0: no token dropped)",
+            at_least("aux_coeff", self.aux_coeff, 0), at_least("z_coeff", self.z_coeff, 0),
+            at_least("shared_experts", self.shared_experts, 0),
+            experts and f"{experts} (every expert-parallel rank holds the same number of experts)",
+            None if world is None else divides("ep", ep, "world_size", world),
+            None if world is None or tokens is None else batch_over_world(tokens, world, "tokens"))
 
     def capacity(self, tokens: int) -> int | None:
         """Slots per expert for ``tokens`` tokens of one group (None: dropless). Switch Transformer's
@@ -49,7 +49,3 @@ class MoEConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

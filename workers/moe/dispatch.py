@@ -66,10 +66,9 @@ class Dispatched:
 class MoEAlltoAllTokenDispatcher:
     """Dispatch and combine over ``group`` (the EP group, ``ep`` ranks, this one at ``ep_rank``)."""
 
-    def __init__(self, experts: int, group, ep: int, ep_rank: int, restore_order: bool = True):
+    def __init__(self, experts: int, group, ep: int, ep_rank: int):
         self.experts, self.group, self.ep, self.ep_rank = experts, group, ep, ep_rank
         self.local_experts = experts // ep
-        self.restore_order = restore_order  # False: the drill (combine without undoing the sort)
         self.combine_s = 0.0
 
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor):
@@ -98,12 +97,12 @@ class MoEAlltoAllTokenDispatcher:
         back = all_to_all(self.group, expert_output[inverse], state.send_splits, state.recv_splits)  # [A, h]
         self.combine_s = time.perf_counter() - t0  # includes waiting for the slowest rank's experts
         out = expert_output.new_zeros((tokens, expert_output.shape[-1]))  # [T, h]
-        if self.restore_order:
-            return out.index_add(0, state.token_index, back * state.weight[:, None])
-        unsorted = torch.empty_like(state.order)
-        unsorted[state.order] = torch.arange(len(state.order), device=state.order.device)
-        # the drill: rows added as if they came back in the (token, choice) order they were listed in
-        return out.index_add(0, state.token_index[unsorted], back * state.weight[unsorted][:, None])
+        return self.add_rows(out, back, state)
+
+    def add_rows(self, out: torch.Tensor, back: torch.Tensor, state: Dispatched) -> torch.Tensor:
+        """Each returned row, times its routing weight, added into its token's place (the rows come back in the
+        dispatch's sorted order, the order ``state.token_index`` and ``state.weight`` were sorted into)."""
+        return out.index_add(0, state.token_index, back * state.weight[:, None])
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         if self.ep == 1:

@@ -17,7 +17,7 @@ from workers.moe.layer import build_weights, reference_forward
 # float64 throughout: the ranks and the reference add the same products in other orders (a batched matmul
 # against one token at a time, an all-reduce's sum), which moves the last bits only. Measured max |diff| over the
 # 32 cases of tests/test_moe_ep.py, outputs and gradients: 1.8e-15 (native AVX-512), 2.2e-15 (AVX2), 1.3e-15 (plain
-# kernels); 1e-10 leaves a wide margin on any CPU and is still 1e6 times below the smallest drill's effect (3e-4:
+# kernels); 1e-10 leaves a wide margin on any CPU and is still 1e6 times below the smallest fault's effect (3e-4:
 # the local aux loss, on the input's gradient).
 TOLERANCE = 1e-10
 

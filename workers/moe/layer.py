@@ -3,16 +3,20 @@
     x [T, h] -> router -> (weights, experts) [T, k] -> capacity -> dispatch (all-to-all) -> my experts
              -> combine (all-to-all) -> y [T, h]  (+ the shared experts, on every token, on every rank)
 
-Each expert is chapter 04's SwiGLU FFN (``workers/parallel/dense.py: DenseMLP``, fused ``[gate; up]``, no bias).
+Each expert is chapter 04's SwiGLU FFN (``workers/model/dense.py: DenseMLP``, fused ``[gate; up]``, no bias).
 Every rank builds the whole layer from ``seed`` (``build_weights``) and keeps the router, the shared experts and
 its own routed experts: EP rank r holds experts ``[r E/ep, (r+1) E/ep)`` under their global names
 (``experts.5.fc1.weight``), so a rank's parameter and the reference's share one name.
 
-Which ranks are which (``expert_groups``): the world's ranks are all data-parallel for the dense parameters
-(router, shared experts: replicated everywhere, every rank routes its own tokens). For the experts the data-
-parallel ranks are viewed as ``[edp, ep]``, ep innermost (Megatron-LM's expert grid, ``--order tp-cp-ep-dp-pp``
-folds ep out of dp the same way): an EP group is ``ep`` consecutive ranks, an expert-data-parallel group the
-ranks that hold the same experts.
+Which ranks are which: the world's ranks are all data-parallel for the dense parameters (router, shared experts:
+replicated everywhere, every rank routes its own tokens). For the experts the data-parallel ranks are viewed as
+``[edp, ep]``, ep innermost (Megatron-LM's expert grid, ``--order tp-cp-ep-dp-pp`` folds ep out of dp the same
+way): an EP group is ``ep`` consecutive ranks, an expert-data-parallel group the ranks that hold the same experts.
+The course's rank grid carves them out of dp x cp (``workers/layout/grid.py``) and its one group holder makes them:
+``Mesh(RankGrid.for_world(world, ep=ep), rank, EXPERT_GROUPS)``.
+
+Chapter 16's injected faults (``workers/moe/faults.py``) replace one method or function here each: the layer never
+branches on a fault's name.
 """
 from __future__ import annotations
 
@@ -23,52 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from workers.layout import Mesh, RankGrid
+from workers.layout.grid import EXPERT_GROUPS
+from workers.model.dense import DenseMLP
 from workers.moe.config import MoEConfig
 from workers.moe.dispatch import MoEAlltoAllTokenDispatcher
 from workers.moe.router import TopKRouter, keep_mask, load_balancing_loss, tokens_per_expert, z_loss
-from workers.parallel.dense import DenseMLP
-from workers.parallel.grid import RankGrid
-from workers.runtime import collective_timeout
-
-DRILLS = ("none", "router_not_reduced", "expert_grads_averaged_over_edp", "combine_order_not_restored",
-          "aux_loss_local_statistics")
 
 
-def expert_groups(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(EP groups, expert-data-parallel groups) of ``world`` ranks: the dense data-parallel ranks viewed ``[edp, ep]``."""
-    dense = RankGrid.for_world(world).groups("dp")[0]  # every rank replicates the dense parameters
-    return [dense[i:i + ep] for i in range(0, world, ep)], [dense[j::ep] for j in range(ep)]
-
-
-class ExpertParallelGroups:
-    """This rank's EP and expert-data-parallel process groups (``with ExpertParallelGroups(world, ep, rank) as g``).
-
-    Every rank creates every group, in the same order (``dist.new_group`` is collective over the world); a group
-    of one rank is never created (its collectives would do nothing) and one of the whole world is the default
-    group. The groups are destroyed on the way out: warm ranks outlive a run.
-    """
-
-    def __init__(self, world: int, ep: int, rank: int):
-        self.world, self.ep, self.edp, self.rank = world, ep, world // ep, rank
-        self.ep_rank, self.edp_rank = rank % ep, rank // ep  # place in the EP group, which EP group
-        self.ep_group = self.edp_group = None  # None: the world (or a group of one, never used)
-        self._created = []
-
-    def __enter__(self) -> "ExpertParallelGroups":
-        ep_groups, edp_groups = expert_groups(self.world, self.ep)
-        for attr, groups in (("ep_group", ep_groups), ("edp_group", edp_groups)):
-            if 1 < len(groups[0]) < self.world:
-                for members in groups:
-                    pg = dist.new_group(members, timeout=collective_timeout())  # never torch's 30 min
-                    self._created.append(pg)
-                    if self.rank in members:
-                        setattr(self, attr, pg)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for pg in self._created:
-            dist.destroy_process_group(pg)
-        self._created = []
+def expert_mesh(world: int, ep: int, rank: int) -> Mesh:
+    """This rank's EP and expert-data-parallel groups (``with expert_mesh(world, ep, rank) as mesh``)."""
+    return Mesh(RankGrid.for_world(world, ep=ep), rank, EXPERT_GROUPS)
 
 
 def build_weights(cfg: MoEConfig, seed: int = 0, dtype=torch.float64) -> dict[str, torch.Tensor]:
@@ -111,18 +80,15 @@ class RoutingRecord:
 class MoELayer(nn.Module):
     """One MoE layer on this rank: ``forward(x [.., h]) -> y [.., h]``; ``aux_loss`` holds the auxiliary losses.
 
-    ``groups``: this rank's ``ExpertParallelGroups`` (None: one process holding every expert). ``drill`` injects
-    one of the known bugs (``DRILLS``).
+    ``mesh``: this rank's ``expert_mesh`` (None: one process holding every expert).
     """
 
-    def __init__(self, cfg: MoEConfig, groups: "ExpertParallelGroups | None" = None, *,
+    def __init__(self, cfg: MoEConfig, mesh: Mesh | None = None, *,
                  weights: dict[str, torch.Tensor] | None = None, seed: int = 0, device=None,
-                 dtype=torch.float64, drill: str = "none"):
+                 dtype=torch.float64):
         super().__init__()
-        if drill not in DRILLS:
-            raise ValueError(f"drill={drill!r} is not one of {', '.join(DRILLS)}")
-        ep, ep_rank = (groups.ep, groups.ep_rank) if groups else (1, 0)
-        self.cfg, self.ep, self.ep_rank, self.drill = cfg, ep, ep_rank, drill
+        ep, ep_rank = (mesh.size("ep"), mesh.rank_in("ep")) if mesh else (1, 0)
+        self.cfg, self.ep, self.ep_rank = cfg, ep, ep_rank
         self.local = list(range(ep_rank * cfg.experts // ep, (ep_rank + 1) * cfg.experts // ep))
         self.router = TopKRouter(cfg, device, dtype)
         self.experts = nn.ModuleDict({str(e): _expert(cfg, device, dtype) for e in self.local})
@@ -131,8 +97,7 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(weights[name])
-        self.dispatcher = MoEAlltoAllTokenDispatcher(cfg.experts, groups.ep_group if groups else None, ep, ep_rank,
-                                                     restore_order=drill != "combine_order_not_restored")
+        self.dispatcher = MoEAlltoAllTokenDispatcher(cfg.experts, mesh.group("ep") if mesh else None, ep, ep_rank)
         self.aux_loss = torch.zeros((), dtype=dtype, device=device)
         self.last: RoutingRecord | None = None
 
@@ -141,9 +106,7 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, shape[-1])  # [T, h]: the batch's tokens, wherever they sat
         logits, probs, weights, experts = self.router(x)  # [T, E], [T, E], [T, k], [T, k]
         keep = keep_mask(experts, self.cfg.experts, self.cfg.capacity(x.shape[0]))  # [T, k]
-        # the aux statistics are over every token of the batch: the ranks that hold other tokens of it
-        aux = load_balancing_loss(probs, experts, self.cfg, group=None,
-                                  local_statistics=self.drill == "aux_loss_local_statistics")
+        aux = self.balance_loss(probs, experts)
         z = z_loss(logits)
         self.aux_loss = self.cfg.aux_coeff * aux + self.cfg.z_coeff * z
         rows, state = self.dispatcher.dispatch(x, experts, weights, keep)  # [R, h]
@@ -162,33 +125,45 @@ class MoELayer(nn.Module):
                                   state.tokens_per_local_expert, cpu_s, self.dispatcher.combine_s)
         return y.view(shape)
 
+    def balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The Switch load-balancing term, its counts over every token of the batch (group None: the whole world, the
+        ranks that hold the batch's other tokens)."""
+        return load_balancing_loss(probs, experts, self.cfg, group=None)
+
     def expert_parameters(self) -> list[nn.Parameter]:
         """The routed experts' parameters: averaged over the expert-data-parallel group (everything else over the
         world)."""
         return list(self.experts.parameters())
 
 
-def reduce_gradients(layer_params, expert_params, groups: ExpertParallelGroups, drill: str = "none",
-                     router_params=()) -> None:
+def reduce_gradients(layer_params, expert_params, mesh: Mesh, router_params=()) -> None:
     """Average gradients the way the loss is defined: the mean over the world's ranks of each rank's loss.
 
     A dense parameter saw one contribution per rank: all-reduce over the world, divide by the world's size. An
     expert's gradient already sums what every rank of its EP group routed to it (the all-to-all's backward brought
     those tokens' gradients home), so it is all-reduced over the expert-data-parallel group only, and divided by
     the world's size too, not by that group's: ``ep`` ranks' data reached it before any collective ran
-    (Megatron-LM's ``expert_gradient_scaling_factor``; averaging over the expert-DP group alone, the drill
+    (Megatron-LM's ``expert_gradient_scaling_factor``; averaging over the expert-DP group alone, the fault
     ``expert_grads_averaged_over_edp``, leaves expert gradients ``ep`` times too large: Megatron-LM PR #5956).
     """
     experts = {id(p) for p in expert_params}
-    router = {id(p) for p in router_params}
     dense, expert = [], []
     for p in layer_params:
-        if p.grad is None or (drill == "router_not_reduced" and id(p) in router):
-            continue  # the drill: the router's gradient left as this rank computed it
-        (expert if id(p) in experts else dense).append(p.grad)
-    _average(dense, groups.world, None, groups.world)
-    divisor = groups.edp if drill == "expert_grads_averaged_over_edp" else groups.world
-    _average(expert, groups.edp, groups.edp_group, divisor)
+        if p.grad is not None:
+            (expert if id(p) in experts else dense).append(p)
+    world = mesh.grid.world
+    _average([p.grad for p in dense_to_average(dense, router_params)], world, None, world)
+    _average([p.grad for p in expert], mesh.size("edp"), mesh.group("edp"), expert_divisor(mesh))
+
+
+def dense_to_average(dense: list, router_params) -> list:
+    """The dense parameters whose gradients are averaged over the world: all of them, the router's included."""
+    return dense
+
+
+def expert_divisor(mesh: Mesh) -> int:
+    """What an expert's summed gradient is divided by: the world's size (see ``reduce_gradients``)."""
+    return mesh.grid.world
 
 
 def _average(grads: list[torch.Tensor], size: int, group, divisor: int) -> None:

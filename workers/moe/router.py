@@ -79,7 +79,8 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, cfg: MoEConf
     ``f`` is computed from the token counts of every rank in ``group`` (summed by an all-reduce; no gradient
     flows through a count), ``P^local`` over this rank's tokens. With equal tokens per rank, the average of the
     ranks' terms is the loss of the global batch, and so is its gradient once the ranks' gradients are averaged.
-    ``local_statistics=True`` is the drill: ``f`` from this rank's counts alone.
+    ``local_statistics=True``: ``f`` from these tokens' counts alone (one process holding a whole batch; on ranks
+    that hold parts of one, the fault ``aux_loss_local_statistics``).
     """
     counts = tokens_per_expert(experts, cfg.experts).to(probs.dtype)  # [E], before drops
     tokens = torch.tensor(float(experts.shape[0]), dtype=probs.dtype, device=probs.device)

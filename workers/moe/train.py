@@ -1,7 +1,8 @@
 """Chapter 09's tiny GPT with an MoE FFN in every block, trained on expert-parallel ranks.
 
 Each block's MLP becomes a ``MoELayer`` (its own router and experts, built from ``seed`` and the block's index);
-everything else is chapter 09's model (``workers/gpt/model.py``) and data (the seeded Markov chain). Rank r of W
+everything else is the course's GPT (``workers/model/gpt.py``, made by ``make_model``'s ``mlp`` factory, so every
+other weight is the dense model's) and chapter 09's data (the seeded Markov chain). Rank r of W
 reads its B/W samples of each global batch; the loss is its tokens' mean cross-entropy plus every layer's
 auxiliary losses; gradients are averaged by ``layer.reduce_gradients`` (dense over the world, experts over their
 expert-data-parallel group, both divided by W); AdamW steps on every rank.
@@ -21,30 +22,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from workers.gpt.config import GPTConfig
 from workers.gpt.data import Loader, MarkovDataset, rank_rows
-from workers.gpt.model import make_model
+from workers.model import GPTConfig, make_model
 from workers.moe.config import MoEConfig
-from workers.moe.layer import ExpertParallelGroups, MoELayer, reduce_gradients
+from workers.layout import Mesh
+from workers.moe.layer import MoELayer, reduce_gradients
 from workers.moe.router import keep_mask
 
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
 
 
-def make_moe_gpt(gcfg: GPTConfig, moe: MoEConfig, groups: ExpertParallelGroups | None, seed: int = 0,
+def make_moe_gpt(gcfg: GPTConfig, moe: MoEConfig, mesh: Mesh | None, seed: int = 0,
                  device="cpu"):
-    """Chapter 09's GPT (fp32, nanoGPT's init from ``seed``) with block i's MLP replaced by an MoE layer."""
-    model = make_model(gcfg, seed=seed).to(device)
-    for i, block in enumerate(model.blocks):
-        block.mlp = MoELayer(moe, groups, seed=seed * 1000 + i + 1, device=device, dtype=torch.float32)
-    return model
+    """The course's GPT (fp32, nanoGPT's init from ``seed``) with block i's MLP an MoE layer."""
+    return make_model(gcfg, seed=seed, device=device,
+                      mlp=lambda i: MoELayer(moe, mesh, seed=seed * 1000 + i + 1, device=device, dtype=torch.float32))
 
 
 class MoETrainer:
-    def __init__(self, gcfg: GPTConfig, moe: MoEConfig, groups: ExpertParallelGroups, *, steps: int,
+    def __init__(self, gcfg: GPTConfig, moe: MoEConfig, mesh: Mesh, *, steps: int,
                  global_batch: int, lr: float, seed: int = 0, data_seed: int = 1234, device="cpu"):
-        self.gcfg, self.moe, self.groups, self.global_batch = gcfg, moe, groups, global_batch
-        self.model = make_moe_gpt(gcfg, moe, groups, seed, device)
+        self.gcfg, self.moe, self.mesh, self.global_batch = gcfg, moe, mesh, global_batch
+        self.rank, self.world = mesh.rank, mesh.grid.world
+        self.model = make_moe_gpt(gcfg, moe, mesh, seed, device)
         self.layers = [block.mlp for block in self.model.blocks]
         self.expert_params = [p for layer in self.layers for p in layer.expert_parameters()]
         self.router_params = [p for layer in self.layers for p in layer.router.parameters()]
@@ -54,15 +54,14 @@ class MoETrainer:
         self.device = torch.device(device)
 
     def step(self) -> dict:
-        g = self.groups
-        tokens = self.data.batch(rank_rows(self.loader.next_ids(), g.rank, g.world)).to(self.device)  # [B/W, s+1]
+        tokens = self.data.batch(rank_rows(self.loader.next_ids(), self.rank, self.world)).to(self.device)  # [B/W, s+1]
         t0 = time.perf_counter()
         logits = self.model(tokens[:, :-1])  # [B/W, s, V]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         aux = sum(layer.aux_loss for layer in self.layers)
         self.opt.zero_grad(set_to_none=True)
         (ce + aux).backward()
-        reduce_gradients(self.model.parameters(), self.expert_params, g, router_params=self.router_params)
+        reduce_gradients(self.model.parameters(), self.expert_params, self.mesh, router_params=self.router_params)
         self.opt.step()
         step_s = time.perf_counter() - t0
         return self._record(ce.detach(), step_s)
@@ -79,17 +78,18 @@ class MoETrainer:
                            torch.tensor(would_drop, dtype=torch.float64).reshape(-1),
                            torch.tensor([r.aux for r in records] + [float(ce), choices], dtype=torch.float64)])
         # bytes this rank's dispatch all-to-alls sent to other ranks, all layers (the combine sends as many back)
-        rows_out = sum(sum(r.send_splits) - r.send_splits[self.groups.ep_rank] for r in records)
+        ep_rank = self.layers[0].ep_rank
+        rows_out = sum(sum(r.send_splits) - r.send_splits[ep_rank] for r in records)
         sent = rows_out * self.gcfg.hidden * 4  # fp32 activations
         cpu = torch.tensor([sum(r.expert_cpu_s for r in records), step_s, sent], dtype=torch.float64)
-        if self.groups.world > 1:
+        if self.world > 1:
             dist.all_reduce(stats)
-            gathered = [torch.empty_like(cpu) for _ in range(self.groups.world)]
+            gathered = [torch.empty_like(cpu) for _ in range(self.world)]
             dist.all_gather(gathered, cpu)
             cpu = torch.stack(gathered)  # [W, 3]
         else:
             cpu = cpu[None]
-        L, W, F_ = len(records), self.groups.world, len(CAPACITY_FACTORS)
+        L, W, F_ = len(records), self.world, len(CAPACITY_FACTORS)
         counts = stats[:L * n].view(L, n)
         dropped = stats[L * n:L * n + L]
         would = stats[L * n + L:L * n + L + L * F_].view(L, F_)

@@ -13,7 +13,7 @@ from workers.parallel.mappings import (CONJUGATE, MAPPINGS, all_to_all, copy_to_
                                        reduce_scatter_to_sequence_parallel_region,
                                        scatter_to_sequence_parallel_region,
                                        scatter_to_tensor_model_parallel_region)
-from workers.parallel.grid import RankGrid  # noqa: E402  (after mappings: the layers import them)
+from workers.layout.grid import RankGrid  # noqa: E402  (after mappings: the layers import them)
 from workers.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from workers.parallel.mlp import ParallelMLP  # noqa: E402
 from workers.parallel.attention import ParallelAttention  # noqa: E402

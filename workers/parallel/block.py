@@ -30,8 +30,8 @@ from torch import nn
 from workers.parallel import mappings
 from workers.parallel.attention import ParallelAttention, head_problem
 from workers.parallel.comm_stats import PARAMETER, region
-from workers.parallel.dense import BlockConfig, DenseBlock, SharedMaskDropout
-from workers.parallel.dense import problem as dense_problem
+from workers.model.dense import ATTENTION_SITE, MLP_SITE, BlockConfig, DenseBlock, SharedMaskDropout
+from workers.model.dense import problem as dense_problem
 from workers.parallel.layers import group_size_rank, replicated_parameter
 from workers.parallel.mlp import ParallelMLP
 
@@ -39,13 +39,13 @@ from workers.parallel.mlp import ParallelMLP
 def block_problem(cfg: BlockConfig, tp: int) -> str | None:
     """One sentence saying why ``cfg`` cannot be split over ``tp`` ranks, or None: every rule of the layer.
 
-    The dense shape (hidden % n_heads, n_heads % n_kv_heads, ...), the heads over TP (n_heads % tp, and
-    n_kv_heads and tp dividing one another), the MLP's ffn % tp; hidden % tp follows from hidden % n_heads
-    and n_heads % tp. ``ParallelBlock`` checks all of them before building anything, because the attention
-    creates its KV-replica process groups (when n_kv_heads < tp) before the MLP would find a bad ffn.
+    The dense shape (hidden % heads, heads % kv_heads, ...), the heads over TP (heads % tp, and kv_heads and tp
+    dividing one another), the MLP's ffn % tp; hidden % tp follows from hidden % heads and heads % tp.
+    ``ParallelBlock`` checks all of them before building anything, because the attention creates its KV-replica
+    process groups (when kv_heads < tp) before the MLP would find a bad ffn.
     """
-    return (dense_problem(cfg) or head_problem(cfg.n_heads, cfg.kv_heads, tp)
-            or (f"ffn_hidden={cfg.ffn} is not divisible by the tensor-parallel size {tp}: "
+    return (dense_problem(cfg) or head_problem(cfg.heads, cfg.kv_heads, tp)
+            or (f"ffn={cfg.ffn} is not divisible by tp={tp}: "
                 f"choose a tensor-parallel size that divides {cfg.ffn}" if cfg.ffn % tp else None))
 
 
@@ -107,16 +107,18 @@ class ParallelBlock(nn.Module):
         rows = y.shape[0]  # my s/t rows of the whole sequence's mask
         return self.dropout(y, slice(self.rank * rows, (self.rank + 1) * rows), rows * self.tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, drop=None) -> torch.Tensor:
+        """``drop(y, site)`` replaces the block's own dropout (the GPT's keyed dropout, ``workers/parallel/gpt.py``)."""
+        drop = drop or (lambda y, site: self.drop(y))
         with self.segment("ln1"):
             y = self.ln1(x)  # [s, b, h] (or [s/t, b, h])
         with self.segment("attention"):
             y = self.attention(y)  # f ... g inside
         with self.segment("residual1"):
-            h = x + self.drop(y)
+            h = x + drop(y, ATTENTION_SITE)
         with self.segment("ln2"):
             y = self.ln2(h)
         with self.segment("mlp"):
             y = self.mlp(y)  # f ... g inside
         with self.segment("residual2"):
-            return h + self.drop(y)
+            return h + drop(y, MLP_SITE)

@@ -46,13 +46,31 @@ def all_reduce_both_ways(input_, group=None):
 
 
 @contextlib.contextmanager
-def _patched(target, name, value):
+def patched(target, name, value):
+    """``target.name = value`` for the duration of the ``with``, then the original back: how every injected fault of
+    the course is made (here, ``workers/composed/faults.py``, ``workers/moe/faults.py``), so the library code itself
+    never branches on a fault's name."""
     saved = getattr(target, name)
     setattr(target, name, value)
     try:
         yield
     finally:
         setattr(target, name, saved)
+
+
+@contextlib.contextmanager
+def injected(fault: str, patches):
+    """Run the body with ``fault``'s one patch from ``patches()``, a table ``{fault: (target, attribute, value)}``
+    ("none" or "": no fault): how chapters 15 and 16 inject theirs (``workers/composed/faults.py``,
+    ``workers/moe/faults.py``)."""
+    if not fault or fault == "none":
+        yield
+        return
+    table = patches()
+    if fault not in table:
+        raise ValueError(f"no fault named {fault!r}: choose one of {', '.join(table)}")
+    with patched(*table[fault]):
+        yield
 
 
 @contextlib.contextmanager
@@ -66,15 +84,15 @@ def inject(fault: str):
     reduce_from = mappings.reduce_from_tensor_model_parallel_region
     with contextlib.ExitStack() as stack:
         if fault == "drop_forward_all_reduce":
-            stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region", _identity))
+            stack.enter_context(patched(mappings, "reduce_from_tensor_model_parallel_region", _identity))
         elif fault == "drop_backward_all_reduce":
-            stack.enter_context(_patched(mappings, "copy_to_tensor_model_parallel_region", _identity))
+            stack.enter_context(patched(mappings, "copy_to_tensor_model_parallel_region", _identity))
         elif fault == "double_all_reduce":
-            stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region",
+            stack.enter_context(patched(mappings, "reduce_from_tensor_model_parallel_region",
                                          lambda x, group=None: reduce_from(reduce_from(x, group), group)))
         elif fault == "misplaced_all_reduce":
-            stack.enter_context(_patched(mappings, "reduce_from_tensor_model_parallel_region", all_reduce_both_ways))
-            stack.enter_context(_patched(mappings, "copy_to_tensor_model_parallel_region", _identity))
+            stack.enter_context(patched(mappings, "reduce_from_tensor_model_parallel_region", all_reduce_both_ways))
+            stack.enter_context(patched(mappings, "copy_to_tensor_model_parallel_region", _identity))
         elif fault == "bias_before_reduce":
             def forward(self, x):
                 if not self.input_is_parallel:
@@ -83,9 +101,9 @@ def inject(fault: str):
                 if self.bias is not None:
                     y = y + self.bias  # on every rank, before the sum: t copies of the bias
                 return self.output_region(y)
-            stack.enter_context(_patched(layers.RowParallelLinear, "forward", forward))
+            stack.enter_context(patched(layers.RowParallelLinear, "forward", forward))
         elif fault == "drop_reduce_scatter":
-            stack.enter_context(_patched(mappings, "reduce_scatter_to_sequence_parallel_region",
+            stack.enter_context(patched(mappings, "reduce_scatter_to_sequence_parallel_region",
                                          lambda x, group=None: mappings.scatter_to_sequence_parallel_region(x, group)))
         elif fault == "skip_parameter_grad_sync":
             original = layers.region
@@ -95,5 +113,5 @@ def inject(fault: str):
                     return input_
                 return original(scope, mapping, input_, *args, group=group, kind=kind, **kwargs)
             for module in (layers, attention, block):
-                stack.enter_context(_patched(module, "region", region))
+                stack.enter_context(patched(module, "region", region))
         yield

@@ -19,20 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.parallel.dense import DenseMLP, swiglu
+from workers.model.dense import DenseMLP, swiglu
 from workers.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide, group_size_rank
 
 
 def swiglu_rows(ffn: int, rank: int, tp: int) -> torch.Tensor:
     """Rows of the fused ``[gate; up]`` weight that rank r holds: its gate block, then the same block of up."""
-    n = divide(ffn, tp, "ffn_hidden")
+    n = divide(ffn, tp, "ffn")
     block = torch.arange(rank * n, (rank + 1) * n)
     return torch.cat([block, ffn + block])  # [2 ffn/t]
 
 
 def naive_rows(ffn: int, rank: int, tp: int) -> torch.Tensor:
     """The trap: rank r's contiguous 1/t of the fused weight (rank 0 gets only gate rows when t >= 2)."""
-    n = divide(2 * ffn, tp, "2 * ffn_hidden")
+    n = divide(2 * ffn, tp, "2 * ffn")
     return torch.arange(rank * n, (rank + 1) * n)
 
 
@@ -42,17 +42,17 @@ class ParallelMLP(nn.Module):
     ``[s, b, h]`` -> ``[s, b, h]`` (``[s/t, b, h]`` in and out with sequence parallelism).
     """
 
-    def __init__(self, hidden: int, ffn_hidden: int = 0, activation: str = "gelu", bias: bool = True, group=None,
+    def __init__(self, hidden: int, ffn: int = 0, activation: str = "gelu", bias: bool = True, group=None,
                  *, sequence_parallel: bool = False, device=None, dtype=None, _dense: DenseMLP | None = None,
                  _fc1_rows: torch.Tensor | None = None):
         super().__init__()
         if activation not in ("gelu", "swiglu"):
             raise ValueError(f"activation={activation!r} is not supported: choose 'gelu' or 'swiglu'")
         if _dense is None:
-            _dense = DenseMLP(hidden, ffn_hidden, activation, bias, device, dtype)
+            _dense = DenseMLP(hidden, ffn, activation, bias, device, dtype)
         self.hidden, self.ffn, self.activation = hidden, _dense.ffn, activation
         tp, rank = group_size_rank(group)
-        divide(self.ffn, tp, "ffn_hidden")
+        divide(self.ffn, tp, "ffn")
         if activation == "swiglu" and _fc1_rows is None:
             _fc1_rows = swiglu_rows(self.ffn, rank, tp)
         self.fc1 = ColumnParallelLinear.from_dense(_dense.fc1, group, sequence_parallel=sequence_parallel,

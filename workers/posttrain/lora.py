@@ -17,7 +17,7 @@ import torch.nn as nn
 # Every nn.Linear of the tiny GPT, by attribute name: the default LoRA targets and the only names allowed.
 # The LM head is included because this base is a random init: with the head and final LayerNorm frozen, the
 # answer-token loss cannot go below ~1.7 nats whatever the blocks learn (course_utils.ch12_floor).
-LORA_TARGETS = ("qkv", "proj", "fc", "out", "head")
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "head")
 LORA_ALPHA = 8.0
 
 

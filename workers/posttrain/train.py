@@ -14,12 +14,12 @@ import math
 
 import torch
 
-from workers.gpt.config import GPTConfig
-from workers.gpt.model import make_model
 from workers.gpt.reduce import average_gradients, gather_objects
+from workers.model import GPTConfig, make_model
 from workers.posttrain import task
 from workers.posttrain.losses import answer_mask, dpo_loss, grpo_advantages, grpo_loss, kl_k3, sft_loss
 from workers.posttrain.sampling import answer_logprobs, sample_answers
+from workers.runtime import batch_over_world
 
 TOY = GPTConfig(vocab=len(task.CHARS), seq=task.SEQ_LEN, hidden=48, heads=4, layers=2)
 
@@ -94,8 +94,8 @@ def sft(model, steps: int = 150, lr: float = 3e-3, batch: int = 32, mask_prompt:
     loss, and averaging the gradients (``_step``) gives the full batch's gradient: the same run as world 1,
     up to fp32 rounding. The logged losses are that mean over ranks, so every rank logs the same numbers.
     Left at world_size 1 (what DPO and GRPO's SFT phase do), each rank trains on the whole batch."""
-    if batch < world_size or batch % world_size:
-        raise ValueError(f"batch={batch} does not split into {world_size} equal shards: use a multiple of {world_size}")
+    if why := batch_over_world(batch, world_size, "batch"):
+        raise ValueError(why)
     shard = batch // world_size
     train_pairs = task.split_pairs()[0]
     g = torch.Generator().manual_seed(seed)

@@ -1,9 +1,9 @@
-"""Chapter 11's model and data: a small GPT whose embedding and LM head share one Parameter.
+"""Chapter 11's model and data: the course's GPT (``workers/model/gpt.py``) with its LM head tied to the embedding.
 
-One definition for the ranks (``workers/ch11_*.py``, ``workers/exercises/ch11.py``) and the tests. The
-block is Megatron's GPT block (Narayanan et al. 2021, sec 5.1): LayerNorm, fused QKV, causal attention,
-output projection, LayerNorm, h -> 4h GeLU MLP, each with a residual. Megatron's eq. (2) counts 12h^2 + 13h
-parameters per layer; this block has no QKV bias (as Llama), so 12h^2 + 10h, and with the final LayerNorm:
+One definition for the ranks (``workers/ch11_*.py``, ``workers/exercises/ch11.py``) and the tests. The block is
+Megatron's GPT block (Narayanan et al. 2021, sec 5.1): LayerNorm, fused QKV, causal attention, output projection,
+LayerNorm, h -> 4h GeLU MLP, each with a residual. Megatron's eq. (2) counts 12h^2 + 13h parameters per layer;
+this model has no QKV bias (as Llama), so 12h^2 + 10h, and with the final LayerNorm:
 
     P = 12 l h^2 + 10 l h + (V + s) h + 2h     (word embedding tied to the LM head; learned positions)
 
@@ -19,93 +19,28 @@ adds both uses), so a sharded optimizer must step it exactly once. ``model.param
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from workers.model import GPTConfig, make_model as make_gpt
+from workers.runtime import at_least, batch_over_world, divides, refusal
+
 # fp32 weights of O(0.1) after a few steps; reordered fp32 sums differ by a few ulp.
 FP32_TOL = {"atol": 1e-6, "rtol": 1e-5}
 
-
-@dataclass(frozen=True)
-class TiedGPTConfig:
-    """Chapter 11's GPT: the same shape names as chapter 09's ``workers.gpt.GPTConfig``, but its head shares the
-    embedding's weight (tied), which is what the ZeRO ledger's parameter count assumes; hence its own class."""
-
-    vocab: int = 64
-    seq: int = 16
-    hidden: int = 32
-    heads: int = 4
-    layers: int = 2
-
-    def as_params(self) -> dict:
-        return asdict(self)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.heads
-
-    @property
-    def ffn(self) -> int:
-        return 4 * self.hidden
-
-    @property
-    def n_params(self) -> int:
-        l, h = self.layers, self.hidden
-        return 12 * l * h * h + 10 * l * h + (self.vocab + self.seq) * h + 2 * h
+# The chapter's model: a tied head (what the ZeRO ledger's parameter count assumes) and no QKV bias (see above).
+MODEL = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, tied=True, qkv_bias=False)
 
 
-class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)  # see the module docstring
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):  # [b, s, h]
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)  # 3 x [b, s, h]
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))  # [b, a, s, h/a]
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, a, s, h/a]
-        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))  # [b, s, h]
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))  # [b, s, h]
+def model_config(vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2) -> GPTConfig:
+    """The chapter's model at a worker's shape."""
+    return MODEL.replace(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
 
 
-class TinyGPT(nn.Module):
-    def __init__(self, cfg: TiedGPTConfig):
-        super().__init__()
-        if cfg.hidden % cfg.heads:
-            raise ValueError(f"hidden={cfg.hidden} is not divisible by heads={cfg.heads}; choose heads that divide it.")
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.hidden))
-        self.blocks = nn.ModuleList(Block(cfg.hidden, cfg.heads) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        self.head.weight = self.embed.weight  # tied: ONE Parameter, used twice
-
-    def forward(self, tokens):  # [b, s] -> logits [b, s, V]
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]  # [b, s, h]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))  # [b, s, V]
-
-
-def make_model(cfg: TiedGPTConfig = TiedGPTConfig(), seed: int = 0, dtype: torch.dtype = torch.float32,
-               device="cpu") -> TinyGPT:
+def make_model(cfg: GPTConfig = MODEL, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
     """The model, initialised from ``seed`` without touching the global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = TinyGPT(cfg)
-        with torch.no_grad():
-            model.pos.normal_(0, 0.02)
-    return model.to(device=device, dtype=dtype)
+    return make_gpt(cfg, seed, dtype=dtype, device=device)
 
 
 def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -114,7 +49,7 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def make_batches(cfg: TiedGPTConfig, global_batch: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
+def make_batches(cfg: GPTConfig, global_batch: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
     """``steps`` global batches of token ids [global_batch, seq + 1]: the same on every rank."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, cfg.vocab, (global_batch, cfg.seq + 1), generator=g) for _ in range(steps)]
@@ -123,14 +58,8 @@ def make_batches(cfg: TiedGPTConfig, global_batch: int, steps: int, seed: int = 
 def run_problem(world_size: int, global_batch: int, steps: int, hidden: int, heads: int) -> str | None:
     """Why a chapter 11 run of the tied GPT cannot start (one sentence naming what to change), or None: the refusal
     the ZeRO-3, FSDP2 and stages workers share."""
-    if global_batch < 1 or global_batch % world_size:
-        return (f"global_batch={global_batch} rows do not split evenly over world_size={world_size}; choose a "
-                f"positive multiple of {world_size}")
-    if steps < 1:
-        return f"steps={steps} leaves nothing to train or compare; pass steps >= 1"
-    if heads < 1 or hidden % heads:
-        return f"hidden={hidden} is not divisible by heads={heads}; choose heads that divide it"
-    return None
+    return refusal(batch_over_world(global_batch, world_size), at_least("steps", steps),
+                   at_least("hidden", hidden) or divides("heads", heads, "hidden", hidden))
 
 
 def shard_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -160,7 +89,7 @@ def make_optimizer(name: str, params):
 STATE_BYTES_PER_PARAM = {"adamw": 8, "sgd": 4}  # fp32 exp_avg + exp_avg_sq; fp32 momentum_buffer
 
 
-def train_reference(cfg: TiedGPTConfig, optimizer: str, batches, seed: int = 0, dtype=torch.float32,
+def train_reference(cfg: GPTConfig, optimizer: str, batches, seed: int = 0, dtype=torch.float32,
                     master_weights: bool = False) -> list[torch.Tensor]:
     """Single process, unsharded optimizer, the whole global batch: weights after each step (index 0 = start).
 

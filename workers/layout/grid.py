@@ -21,9 +21,16 @@ chapters draw them; on CPU ranks the order costs nothing. Everything that builds
 ``DIMS``, so changing it is one line, and ``tests/test_grid.py`` checks the groups against torch's own
 ``DeviceMesh`` for the same shape.
 
+Expert parallelism (chapter 16) is not a dimension of its own: as in torchtitan, the ``ep`` ranks that exchange
+tokens are carved out of the data and context parallel ranks. ``group("ep", r)`` is r's run of ``ep`` consecutive
+members of its dp x cp group, ``group("edp", r)`` the members at the same place in the other runs (the ranks that
+hold the same experts: expert data parallelism). With only dp, world 4 at ep 2: ep groups [0 1] [2 3], edp groups
+[0 2] [1 3].
+
 ``dist.new_group`` is collective over the whole world: every rank must create every group along a dimension,
 in the same order, even those it is not in. ``RankGrid.new_groups`` does exactly that and returns the one this
-rank belongs to, plus the list of groups to destroy when the run ends (warm ranks outlive a run).
+rank belongs to, plus the list of groups to destroy when the run ends (warm ranks outlive a run); ``mesh.py:
+Mesh`` keeps them for a run.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 DIMS = ("dp", "pp", "cp", "tp")  # outermost first
+EXPERT_GROUPS = ("ep", "edp")  # carved out of dp x cp, not dimensions of their own
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class RankGrid:
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
 
     @staticmethod
     def problem(world: int, **sizes: int) -> str | None:
@@ -50,9 +59,10 @@ class RankGrid:
         ``sizes`` may leave out any dimension (it is then 1), except ``dp`` which, when left out, takes
         whatever the others leave of the world.
         """
+        ep = sizes.pop("ep", 1)
         unknown = sorted(set(sizes) - set(DIMS))
         if unknown:
-            return f"unknown parallel dimension(s) {', '.join(unknown)}: the grid has {', '.join(DIMS)}"
+            return f"unknown parallel dimension(s) {', '.join(unknown)}: the grid has {', '.join(DIMS)} (and ep)"
         bad = [f"{d}={s}" for d, s in sizes.items() if not isinstance(s, int) or s < 1]
         if bad:
             return f"{', '.join(bad)} must be whole numbers >= 1"
@@ -63,6 +73,9 @@ class RankGrid:
                 return f"{degrees} makes {rest * sizes['dp']} ranks, not the world's {world}: choose degrees whose product is {world}"
         elif world % rest:
             return f"{degrees} ({rest} ranks per data-parallel replica) does not divide the world size {world}"
+        dp_cp = sizes.get("dp", world // rest) * sizes.get("cp", 1)
+        if not isinstance(ep, int) or ep < 1 or dp_cp % ep:
+            return f"ep={ep} does not divide dp x cp = {dp_cp}: expert parallelism is carved out of them"
         return None
 
     @classmethod
@@ -73,6 +86,11 @@ class RankGrid:
             raise ValueError(problem)
         rest = math.prod(sizes.get(d, 1) for d in DIMS if d != "dp")
         return cls(**{"dp": world // rest, **sizes})
+
+    @property
+    def edp(self) -> int:
+        """How many ranks hold the same experts: dp x cp / ep."""
+        return self.dp * self.cp // self.ep
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -105,6 +123,13 @@ class RankGrid:
         group a gradient is summed over when both data and context parallelism replicate a parameter, torch's
         ``mesh["dp", "cp"]._flatten()``), in rank order.
         """
+        if dim in EXPERT_GROUPS:
+            replicas = self.group(("dp", "cp"), rank)  # the ranks expert parallelism is carved out of
+            place = replicas.index(rank)
+            if dim == "ep":
+                first = place - place % self.ep
+                return replicas[first:first + self.ep]
+            return replicas[place % self.ep::self.ep]
         dims = self._dims(dim)
         here = self.coords(rank)
         members = [here]
@@ -114,7 +139,8 @@ class RankGrid:
 
     def groups(self, dim: str | tuple[str, ...]) -> list[list[int]]:
         """Every group along ``dim``, each once, ordered by its first rank: the order every rank creates them in."""
-        self._size(dim)
+        if dim not in EXPERT_GROUPS:
+            self._size(dim)
         return [list(g) for g in sorted({tuple(self.group(dim, r)) for r in range(self.world)})]
 
     def new_groups(self, dim: str | tuple[str, ...], rank: int, *, timeout_s: float | None = None, fresh: bool = False):
@@ -124,23 +150,12 @@ class RankGrid:
         torch's default group, unless ``fresh`` asks for a group of its own. New groups wait as long as the
         world's collectives unless ``timeout_s`` says otherwise. ``created`` is what the caller destroys.
         """
-        import torch.distributed as dist  # only the ranks need torch.distributed; the layout itself is plain data
-
-        from workers.runtime import collective_timeout
-
-        if self._size(dim) == self.world and not fresh:
+        if self.size(dim) == self.world and not fresh:
             return None, []
-        timeout = collective_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        mine, created = None, []
-        for members in self.groups(dim):
-            pg = dist.new_group(list(members), timeout=timeout)
-            if rank in members:
-                mine = pg
-                created.append(pg)
-        return mine, created
+        return make_groups(self.groups(dim), rank, timeout_s=timeout_s)
 
     def describe(self) -> dict:
-        return {d: getattr(self, d) for d in DIMS}
+        return {d: getattr(self, d) for d in DIMS} | ({"ep": self.ep} if self.ep > 1 else {})
 
     def _dims(self, dim: str | tuple[str, ...]) -> tuple[str, ...]:
         dims = (dim,) if isinstance(dim, str) else tuple(dim)
@@ -151,12 +166,31 @@ class RankGrid:
             raise ValueError(f"{dim!r} must name one or more different dimensions of {', '.join(DIMS)}")
         return dims
 
-    def _size(self, dim: str | tuple[str, ...]) -> int:
+    def size(self, dim: str | tuple[str, ...]) -> int:
+        """How many ranks a group along ``dim`` holds."""
+        if dim in EXPERT_GROUPS:
+            return self.ep if dim == "ep" else self.edp
         return math.prod(getattr(self, d) for d in self._dims(dim))
 
+    def _size(self, dim: str | tuple[str, ...]) -> int:
+        return self.size(dim)
 
-def choose_divisor(n: int) -> str:
-    """The end of a refusal for a size that must divide ``n``: "choose 1, 2 or 4" (the values themselves, not the
-    rule, so a learner at a slider sees which positions work)."""
-    divisors = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return "choose " + (divisors[0] if len(divisors) == 1 else ", ".join(divisors[:-1]) + " or " + divisors[-1])
+
+def make_groups(member_lists, rank: int, *, timeout_s: float | None = None):
+    """Create a process group for each list of ranks, in the given order, on every rank (``dist.new_group`` is
+    collective over the world); return ``(the group holding rank or None, the groups rank holds)``, what the caller
+    destroys. The one place the course makes groups: ``RankGrid.new_groups``, ``Mesh``'s embedding groups and the
+    KV-head copies of ``ParallelAttention`` call it. A group waits as long as the world's collectives unless
+    ``timeout_s`` says otherwise, never torch's 30 minutes."""
+    import torch.distributed as dist  # only the ranks need torch.distributed; the layout itself is plain data
+
+    from workers.runtime import collective_timeout
+
+    timeout = collective_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    mine, created = None, []
+    for members in member_lists:
+        pg = dist.new_group(list(members), timeout=timeout)
+        if rank in members:
+            mine = pg
+            created.append(pg)
+    return mine, created

@@ -1,6 +1,6 @@
-"""Things that go wrong on real ranks, on purpose: the debugging drills of chapter 01 and the launcher's tests.
+"""Things that go wrong on real ranks, on purpose: the faults chapter 01 injects and the launcher's tests.
 
-    torchrun --nproc-per-node 2 workers/drills.py --mode skip_collective --group-timeout 5
+    torchrun --nproc-per-node 2 workers/rank_faults.py --mode skip_collective --group-timeout 5
 
 From a notebook, ``course_utils.run(..., collective_timeout=5)`` sets the timeout of the default group
 instead; ``group_timeout`` is for plain torchrun, where no launcher is there to set it.
@@ -11,21 +11,19 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.runtime import entrypoint
+from workers.runtime import entrypoint, one_of, refusal
 
 MODES = ("ok", "raise", "die", "skip_collective", "shape_mismatch", "sleep", "slow_metrics")
 
 
 def check_params(world_size, mode, bad_rank, **_):
-    if mode not in MODES:
-        return f"mode={mode!r} is not a drill: choose one of {', '.join(MODES)}"
-    if not 0 <= bad_rank < world_size:
-        return f"bad_rank={bad_rank} is not a rank of a world of {world_size}: use 0 to {world_size - 1}"
-    return None
+    return refusal(one_of("mode", mode, MODES),
+                   None if 0 <= bad_rank < world_size else
+                   f"bad_rank={bad_rank} is not a rank of a world of {world_size}: use 0 to {world_size - 1}")
 
 
 def main(ctx, mode: str = "ok", bad_rank: int = 1, seconds: float = 30.0, group_timeout: float = 0.0):
-    """Run one drill. ``group_timeout`` > 0 runs the collective in a fresh group with that timeout (seconds)."""
+    """Run one fault. ``group_timeout`` > 0 runs the collective in a fresh group with that timeout (seconds)."""
     group = ctx.new_group(timeout_s=group_timeout) if group_timeout > 0 else None
     me_bad = ctx.rank == bad_rank
     x = torch.ones(4, device=ctx.device) * (ctx.rank + 1)

@@ -13,47 +13,65 @@ splits the first dimension. Weights follow ``torch.nn.Linear``: ``[out_features,
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import InitVar, asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.runtime import renamed
+
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """One transformer layer's shape. ``ffn_hidden`` 0 means 4h (GeLU) and ``n_kv_heads`` 0 means ``n_heads``.
+    """One transformer layer's shape, in the course's one vocabulary: ``hidden, heads, kv_heads, ffn``.
 
-    The fields keep the names chapters 04-06 take as worker parameters (``n_heads``, ``n_kv_heads``,
-    ``ffn_hidden``: Megatron's spelling, where 0 means "the usual default"); read the resolved shape through the
-    course's one vocabulary, ``hidden``, ``heads``, ``kv_heads``, ``ffn``, as on every other shape.
+    ``kv_heads`` 0 means as many as ``heads`` (multi-head attention) and ``ffn`` 0 means 4 x hidden (GPT-2's MLP);
+    both are resolved when the config is made, so ``cfg.kv_heads`` and ``cfg.ffn`` are always the real sizes.
+    The GPT's flags that live in a layer: ``qkv_bias`` (None: as ``bias``), ``qk_layernorm`` (LayerNorm on q and k
+    per head, Dehghani et al. 2023) and ``logit_probe`` (attention written out so its largest pre-softmax logit
+    can be read, chapter 09's telemetry; otherwise PyTorch's fused ``scaled_dot_product_attention``).
+    Chapters 04-06 used Megatron's keywords ``n_heads``, ``n_kv_heads`` and ``ffn_hidden``: they are still
+    accepted, with a warning, for one release.
     """
 
     hidden: int = 32
-    n_heads: int = 4
-    n_kv_heads: int = 0
-    ffn_hidden: int = 0
+    heads: int = 4
+    kv_heads: int = 0
+    ffn: int = 0
     activation: str = "gelu"  # "gelu" (h -> 4h -> h) or "swiglu" (fused [gate; up] -> down)
     bias: bool = True
     causal: bool = True
     hidden_dropout: float = 0.0
     layernorm_eps: float = 1e-5
+    qkv_bias: bool | None = None
+    qk_layernorm: bool = False
+    logit_probe: bool = False
+    n_heads: InitVar[int | None] = None  # the old keywords (one release)
+    n_kv_heads: InitVar[int | None] = None
+    ffn_hidden: InitVar[int | None] = None
 
-    @property
-    def heads(self) -> int:
-        return self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+    def __post_init__(self, n_heads, n_kv_heads, ffn_hidden):
+        for old, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_hidden", ffn_hidden)):
+            if value is not None:
+                object.__setattr__(self, renamed(old), value)
+        if not self.kv_heads:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if not self.ffn:
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+        return self.hidden // self.heads
 
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden or 4 * self.hidden
+    def replace(self, **changes) -> "BlockConfig":
+        """A copy with ``changes``; ``kv_heads`` and ``ffn`` left at their defaults follow ``heads`` and ``hidden``."""
+        from workers.model.gpt import derived_defaults
+
+        return BlockConfig(**{**asdict(self), **derived_defaults(self, changes), **changes})
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,12 +79,12 @@ class BlockConfig:
 
 def problem(cfg: BlockConfig) -> str | None:
     """One sentence if the dense shape itself is impossible (tensor parallelism adds its own rules)."""
-    if cfg.hidden < 1 or cfg.n_heads < 1:
-        return f"hidden={cfg.hidden} and n_heads={cfg.n_heads} must be positive"
-    if cfg.hidden % cfg.n_heads:
-        return f"hidden={cfg.hidden} is not divisible by n_heads={cfg.n_heads}: the head size must be a whole number"
-    if cfg.n_heads % cfg.kv_heads:
-        return (f"n_heads={cfg.n_heads} is not a multiple of n_kv_heads={cfg.kv_heads}: in grouped-query attention "
+    if cfg.hidden < 1 or cfg.heads < 1:
+        return f"hidden={cfg.hidden} and heads={cfg.heads} must be positive"
+    if cfg.hidden % cfg.heads:
+        return f"hidden={cfg.hidden} is not divisible by heads={cfg.heads}: the head size must be a whole number"
+    if cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads:
+        return (f"heads={cfg.heads} is not a multiple of kv_heads={cfg.kv_heads}: in grouped-query attention "
                 "every KV head serves the same number of query heads")
     if cfg.activation not in ("gelu", "swiglu"):
         return f"activation={cfg.activation!r} is not supported: choose 'gelu' or 'swiglu'"
@@ -109,22 +127,56 @@ def merge_heads(out: torch.Tensor) -> torch.Tensor:
 class DenseAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention with one fused QKV projection, laid out [Q; K; V].
 
-    ``qkv.weight`` is ``[(n_heads + 2 n_kv_heads) * d, h]``: first every query head's d rows, then every
-    key head's, then every value head's. ``proj`` maps the concatenated heads back to h.
+    ``qkv.weight`` is ``[(heads + 2 kv_heads) * d, h]``: first every query head's d rows, then every key head's,
+    then every value head's. ``proj`` maps the concatenated heads back to h.
+
+    ``qk_layernorm``: q and k normalised per head before q.k (Dehghani et al. 2023, "Scaling Vision Transformers
+    to 22 Billion Parameters", sec. 3.1), so |q.k| / sqrt(d) is bounded by sqrt(d) |gain_q| |gain_k|: only the
+    LayerNorm gains can make the logits grow, and they move slowly. ``logit_probe``: attention written out
+    (q.k / sqrt(d), mask, softmax) instead of the fused kernel, keeping the largest pre-softmax logit of the last
+    forward in ``max_logit`` (telemetry, not state that outlives a run): its growth at a high learning rate is the
+    instability qk-layernorm removes (Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer
+    training instabilities", sec. 3.1).
     """
 
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int = 0, bias: bool = True, causal: bool = True,
-                 device=None, dtype=None):
+    def __init__(self, hidden: int, heads: int, kv_heads: int = 0, bias: bool = True, causal: bool = True,
+                 device=None, dtype=None, *, qkv_bias: bool | None = None, qk_layernorm: bool = False,
+                 logit_probe: bool = False):
         super().__init__()
-        self.hidden, self.n_heads, self.n_kv_heads = hidden, n_heads, n_kv_heads or n_heads
-        self.head_dim, self.causal = hidden // n_heads, causal
-        self.qkv = nn.Linear(hidden, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=bias,
-                             device=device, dtype=dtype)
-        self.proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=bias, device=device, dtype=dtype)
+        self.hidden, self.heads, self.kv_heads = hidden, heads, kv_heads or heads
+        self.head_dim, self.causal, self.logit_probe = hidden // heads, causal, logit_probe
+        self.qkv = nn.Linear(hidden, (self.heads + 2 * self.kv_heads) * self.head_dim,
+                             bias=bias if qkv_bias is None else qkv_bias, device=device, dtype=dtype)
+        self.proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias, device=device, dtype=dtype)
+        if qk_layernorm:
+            self.q_norm = nn.LayerNorm(self.head_dim, device=device, dtype=dtype)
+            self.k_norm = nn.LayerNorm(self.head_dim, device=device, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.max_logit = float("nan")
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q.k / sqrt(d)) v for ``q [b, heads, s, d]``, ``k, v [b, kv_heads, s, d]`` -> ``[b, heads, s, d]``."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if not self.logit_probe:
+            return attention_core(q, k, v, self.causal)
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [b, heads, s, d]
+        logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # [b, heads, s, s]
+        s = logits.shape[-1]
+        if self.causal:
+            mask = torch.ones(s, s, dtype=torch.bool, device=logits.device).tril()
+            self.max_logit = logits.detach().float()[..., mask].max().item()  # over the positions softmax sees
+            logits = logits.masked_fill(~mask, float("-inf"))
+        else:
+            self.max_logit = logits.detach().float().max().item()
+        return F.softmax(logits, dim=-1) @ v  # [b, heads, s, d]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, h]
-        q, k, v = split_heads(self.qkv(x), self.n_heads, self.n_kv_heads, self.head_dim)
-        return self.proj(merge_heads(attention_core(q, k, v, self.causal)))  # [s, b, h]
+        q, k, v = split_heads(self.qkv(x), self.heads, self.kv_heads, self.head_dim)  # [b, heads|kv_heads, s, d]
+        return self.proj(merge_heads(self.core(q, k, v)))  # [s, b, h]
 
 
 # -- MLP ------------------------------------------------------------------------------------------------
@@ -138,10 +190,10 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 class DenseMLP(nn.Module):
     """h -> ffn -> h. GeLU: ``fc1`` is ``[ffn, h]``. SwiGLU: ``fc1`` is the fused ``[gate; up]``, ``[2 ffn, h]``."""
 
-    def __init__(self, hidden: int, ffn_hidden: int = 0, activation: str = "gelu", bias: bool = True,
+    def __init__(self, hidden: int, ffn: int = 0, activation: str = "gelu", bias: bool = True,
                  device=None, dtype=None):
         super().__init__()
-        self.hidden, self.ffn, self.activation = hidden, ffn_hidden or 4 * hidden, activation
+        self.hidden, self.ffn, self.activation = hidden, ffn or 4 * hidden, activation
         width = 2 * self.ffn if activation == "swiglu" else self.ffn
         self.fc1 = nn.Linear(hidden, width, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(self.ffn, hidden, bias=bias, device=device, dtype=dtype)
@@ -183,21 +235,36 @@ class SharedMaskDropout(nn.Module):
 
 # -- the block --------------------------------------------------------------------------------------
 
+ATTENTION_SITE, MLP_SITE = 0, 1  # the two residual branches a dropout mask is drawn for
+
+
+def block_forward(block: nn.Module, x: torch.Tensor, drop) -> torch.Tensor:
+    """The pre-LN layer on ``x [s, b, h]``, for a ``DenseBlock`` and every block with the same attribute names
+    (``ln1``, ``attention``, ``ln2``, ``mlp``); ``drop(y, site)`` is the residual branches' dropout."""
+    h = x + drop(block.attention(block.ln1(x)), ATTENTION_SITE)
+    return h + drop(block.mlp(block.ln2(h)), MLP_SITE)
+
+
 class DenseBlock(nn.Module):
-    """Pre-LN transformer layer (GPT-2 / Megatron-LM): ``h = x + drop(attn(ln1(x)))``, ``y = h + drop(mlp(ln2(h)))``."""
+    """Pre-LN transformer layer (GPT-2 / Megatron-LM): ``h = x + drop(attn(ln1(x)))``, ``y = h + drop(mlp(ln2(h)))``.
+
+    ``forward(x, drop)``: ``drop(y, site)`` replaces the block's own dropout (the GPT's keyed dropout); the GPT calls
+    each block as a module, so hooks on a block (FSDP2's, ZeRO-3's, a forward hook) see every layer run.
+    """
 
     def __init__(self, cfg: BlockConfig, device=None, dtype=None, dropout_seed: int = 0):
         super().__init__()
         self.cfg = cfg
         self.ln1 = nn.LayerNorm(cfg.hidden, eps=cfg.layernorm_eps, device=device, dtype=dtype)
-        self.attention = DenseAttention(cfg.hidden, cfg.n_heads, cfg.kv_heads, cfg.bias, cfg.causal, device, dtype)
+        self.attention = DenseAttention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.bias, cfg.causal, device, dtype,
+                                        qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_layernorm,
+                                        logit_probe=cfg.logit_probe)
         self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.layernorm_eps, device=device, dtype=dtype)
         self.mlp = DenseMLP(cfg.hidden, cfg.ffn, cfg.activation, cfg.bias, device, dtype)
         self.dropout = SharedMaskDropout(cfg.hidden_dropout, dropout_seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, h]
-        h = x + self.dropout(self.attention(self.ln1(x)))
-        return h + self.dropout(self.mlp(self.ln2(h)))
+    def forward(self, x: torch.Tensor, drop=None) -> torch.Tensor:  # [s, b, h]
+        return block_forward(self, x, drop or (lambda y, site: self.dropout(y)))
 
 
 # -- deterministic construction and inputs ---------------------------------------------------------------
@@ -226,7 +293,7 @@ def build(kind: str, cfg: BlockConfig, seed: int = 0, device="cpu", dtype=torch.
     elif kind == "mlp":
         module = DenseMLP(cfg.hidden, cfg.ffn, cfg.activation, cfg.bias)
     elif kind == "attention":
-        module = DenseAttention(cfg.hidden, cfg.n_heads, cfg.kv_heads, cfg.bias, cfg.causal)
+        module = DenseAttention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.bias, cfg.causal, qkv_bias=cfg.qkv_bias)
     elif kind == "block":
         module = DenseBlock(cfg, dropout_seed=seed + 1)
         perturb_layernorms(module, seed)
