@@ -17,6 +17,17 @@ def _is_the_one_model(model) -> None:
     assert all(type(b) is DenseBlock for b in model.blocks)
 
 
+def test_chapter_06_trains_the_one_model_with_its_block_cut_over_tensor_parallel_ranks():
+    from workers.model import BlockConfig
+    from workers.parallel.gpt import ParallelGPT
+    from workers.parallel.harness import gpt_config
+
+    gpt = gpt_config(BlockConfig(hidden=16, heads=4), seq=8)  # the worker's block shape, as a GPT
+    dense = make_model(gpt)
+    _is_the_one_model(dense)
+    assert type(ParallelGPT(dense).blocks["0"]).__name__ == "ParallelBlock"
+
+
 def test_chapter_09_trains_the_one_model_with_its_logit_probe():
     from workers.gpt.config import split_params
     from workers.gpt.train import Trainer

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from workers.layout import Layout
 from workers.parallel.block import ParallelLayerNorm
-from workers.parallel.faults import injected
+from workers.faults import injected
 from workers.parallel.gpt import ParallelGPT
 
 # fault -> (what it breaks, the layouts it needs to show)

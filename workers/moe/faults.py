@@ -13,7 +13,7 @@ the ``with`` (``patched``), so the layer never branches on a fault's name.
 """
 from __future__ import annotations
 
-from workers.parallel.faults import injected
+from workers.faults import injected
 
 FAULTS = ("none", "router_not_reduced", "expert_grads_averaged_over_edp", "combine_order_not_restored",
           "aux_loss_local_statistics")

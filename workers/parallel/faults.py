@@ -15,12 +15,14 @@ mistake people make when writing these layers by hand:
     skip_parameter_grad_sync   gradients of parameters that need a sum over ranks are left partial
                                (LayerNorm and row bias under sequence parallelism, replicated KV heads)
 
-The patches replace module attributes for the duration of the ``with`` and restore them afterwards.
+The patches replace module attributes for the duration of the ``with`` and restore them afterwards (the course's
+one mechanism for injected faults, ``workers/faults``).
 """
 from __future__ import annotations
 
 import contextlib
 
+from workers.faults import patched
 from workers.parallel import attention, block, layers, mappings
 from workers.parallel.comm_stats import PARAMETER
 
@@ -43,34 +45,6 @@ def all_reduce_both_ways(input_, group=None):
     the incoming gradient is already complete and summing it over n ranks makes it n times too large.
     """
     return _copy_to(_reduce_from(input_, group), group)
-
-
-@contextlib.contextmanager
-def patched(target, name, value):
-    """``target.name = value`` for the duration of the ``with``, then the original back: how every injected fault of
-    the course is made (here, ``workers/composed/faults.py``, ``workers/moe/faults.py``), so the library code itself
-    never branches on a fault's name."""
-    saved = getattr(target, name)
-    setattr(target, name, value)
-    try:
-        yield
-    finally:
-        setattr(target, name, saved)
-
-
-@contextlib.contextmanager
-def injected(fault: str, patches):
-    """Run the body with ``fault``'s one patch from ``patches()``, a table ``{fault: (target, attribute, value)}``
-    ("none" or "": no fault): how chapters 15 and 16 inject theirs (``workers/composed/faults.py``,
-    ``workers/moe/faults.py``)."""
-    if not fault or fault == "none":
-        yield
-        return
-    table = patches()
-    if fault not in table:
-        raise ValueError(f"no fault named {fault!r}: choose one of {', '.join(table)}")
-    with patched(*table[fault]):
-        yield
 
 
 @contextlib.contextmanager
