@@ -86,3 +86,12 @@ def test_a_layout_is_refused_naming_every_offending_value_in_one_sentence():
     why = problem(Layout(tp=3, pp=160, dp=1), 480, ModelShape("table", **LLAMA3_70B))
     assert why.count(";") == 2 and "tp=3 does not divide heads=64" in why and "tp=3 does not divide ffn" in why
     assert "pp=160 is more than layers=80" in why and ". " not in why
+
+
+def test_without_context_parallelism_any_sequence_length_is_fine_and_a_sequence_parallel_refusal_names_tp():
+    from workers.composed.model import model_config
+
+    odd = model_config(seq=11)
+    assert layout_problem(Layout(dp=2), 2, odd, global_batch=8) is None  # no ring: nothing to cut into chunks
+    why = layout_problem(Layout(dp=1, tp=2, sequence_parallel=True), 2, model_config(seq=9), global_batch=8)
+    assert why == "tp=2 does not divide seq=9 (sequence parallelism gives each TP rank its rows)"

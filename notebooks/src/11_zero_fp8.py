@@ -103,7 +103,8 @@ check("zero_state_bytes", zero_state_bytes)
 # buffer and their `.grad` views of a flat gradient buffer, so backward accumulates straight into it and a tied
 # weight (here the embedding and the LM head share one `Parameter`) is one tensor, stepped once.
 #
-# The test bed is a small GPT with a tied embedding (`workers/zero/model.py`). Every rank starts from its
+# The test bed is the course's GPT with a tied embedding and no QKV bias (`workers/zero/model.py` sets it up from
+# `workers/model/gpt.py`). Every rank starts from its
 # own random weights (the optimizer's broadcast must equalise them), trains on its B/N rows, and alongside
 # trains the **single-process reference**: the whole batch, a plain unsharded `torch.optim.AdamW`. The first
 # run at each world size starts its ranks (seconds); later runs reuse them.

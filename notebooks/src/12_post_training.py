@@ -196,7 +196,7 @@ plots.savefig(ch12.draw_sft_masking(masked[0]["history"], unmasked[0]["history"]
 # %% [markdown]
 # The every-token run's loss has a floor set by a prompt digit it can never predict, and part of its
 # gradient chases that digit: its answer-token loss lags. (By how much varies: over seeds and CPUs the
-# every-token run's mean answer-token loss is 0.08 to 0.19 nats higher; by the last steps the two are
+# every-token run's mean answer-token loss is 0.08 to 0.21 nats higher; by the last steps the two are
 # within noise of each other, either one ahead.)
 #
 # ## 4. Full fine-tuning vs LoRA on the toy, measured
@@ -353,8 +353,8 @@ print("the floor alone is more than 0.5 nats above LoRA with the head:", answer_
 # %% [markdown]
 # The frozen head, not the adapters, is what stops blocks-only LoRA: its loss ends a few tenths of a nat
 # above the floor (no training of the blocks can take it below), while LoRA with the head ends about a nat
-# below the floor itself (0.9 to 1.3 nats over seeds and CPUs). On a pretrained model the head already reads the right tokens out and LoRA on
-# the blocks is the usual choice; on a new vocabulary or a random base, whatever is frozen must already be
+# below the floor itself (1.0 to 1.2 nats over seeds and CPUs). On a pretrained model the head already reads the
+# right tokens out and LoRA on the blocks is the usual choice; on a new vocabulary or a random base, whatever is frozen must already be
 # able to say the answer.
 #
 # ## 5. DPO: preferences without a reward model
@@ -388,7 +388,7 @@ plots.savefig(ch12.draw_dpo(dpo_hist, beta=0.1), "12_dpo");
 # %% [markdown]
 # DPO only sees the *margin*: it is free to push both log-probabilities down as long as the rejected one
 # falls faster, a known failure mode on small pair sets. Here the rejected answer's implicit reward always
-# falls (by 0.24 to 0.36 over seeds and CPUs); the chosen one's ends between -0.15 and +0.04: whether this
+# falls (by 0.26 to 0.35 over seeds and CPUs); the chosen one's ends between -0.13 and +0.03: whether this
 # run's chosen answer rose or fell a little is the line above.
 # Watch both curves, not just the margin.
 #

@@ -96,7 +96,7 @@ print(Table.of([{"fault": d, "breaks": what, "shows when": shows} for d, (what, 
 # **Predict.** The batch is ragged: each sample has a random number of valid tokens (at least a quarter of the
 # sequence), the rest is padding. With dp = 2 and m = 2 micro-batches of 2 samples, how much weight does one token
 # get in the loss if each micro-batch is averaged over its own tokens? The right weight is 1/N, N the valid tokens
-# of the whole batch (`workers/composed/model.py: make_batch`, step 0; integer counts, the same on every machine):
+# of the whole batch (`workers/model/batch.py: make_batch`, step 0; integer counts, the same on every machine):
 
 # %%
 weights = ch15.micro_batch_weights(dp=2, micro_batches=2)

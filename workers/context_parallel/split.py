@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from workers.layout.rules import Layout, num_chunks, problem  # the layout's rules: how cp cuts a sequence
+from workers.layout.rules import SPLITS, Layout, num_chunks, problem  # the layout's rules: how cp cuts a sequence
 
 
 def chunk_ids(cp: int, rank: int, split: str) -> list[int]:
     """The global chunk indices rank ``rank`` holds, in the order its local tensors store them."""
-    if split == "zigzag" and cp > 1:
+    if split == "zigzag":
         return [rank, 2 * cp - 1 - rank]  # an early chunk and its mirror: little causal work + much causal work
     num_chunks(cp, split)  # validates the name
     return [rank]
@@ -31,6 +31,9 @@ def check_split(seq: int, cp: int, split: str) -> None:
     and drop the last ``seq % chunks`` tokens without a word (seq=10 at cp=4 loses rows 8 and 9).
     """
     problem = split_problem(seq, cp, split)
+    n = num_chunks(cp, split) if split in SPLITS else 1
+    if not problem and seq % n:  # one rank (cp = 1) may hold any sequence, but not cut it into 2 chunks
+        problem = f"seq={seq} does not cut into {n} chunks ({split}): choose seq divisible by {n}"
     if problem:
         raise ValueError(problem)
 
@@ -45,7 +48,10 @@ def chunk_ranges(seq: int, cp: int, rank: int, split: str) -> list[tuple[int, in
 
 
 def local_positions(seq: int, cp: int, rank: int, split: str) -> torch.Tensor:
-    """Global token index of every local row, ``[seq/cp]``: how to put the ranks' outputs back in order."""
+    """Global token index of every local row, ``[seq/cp]``: how to put the ranks' outputs back in order. Without
+    context parallelism (cp = 1) the one rank holds the whole sequence in order, whatever its length and split."""
+    if cp == 1:
+        return torch.arange(seq)
     return torch.cat([torch.arange(a, b) for a, b in chunk_ranges(seq, cp, rank, split)])
 
 

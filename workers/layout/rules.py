@@ -109,10 +109,10 @@ class Layout:
 
 def num_chunks(cp: int, split: str) -> int:
     """How many equal chunks context parallelism cuts the sequence into: 2 cp for zigzag (one early, one late chunk
-    per rank), cp for contiguous; the whole sequence when there is no context parallelism."""
+    per rank), cp for contiguous."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return 2 * cp if split == "zigzag" and cp > 1 else cp
+    return 2 * cp if split == "zigzag" else cp
 
 
 def _whole(value) -> bool:
@@ -178,12 +178,12 @@ def problem(layout: Layout, world: int, model=None, *, global_batch: int | None 
     seq = lay.seq or getattr(model, "seq", None)
     if seq is not None and _whole(seq):
         n = num_chunks(cp, lay.split)
-        if seq % n:
+        if cp > 1 and seq % n:  # one rank holds the whole sequence, whatever its length
             reasons.append(f"cp={cp} cuts seq={seq} into {n} chunks ({lay.split}), which does not divide it: choose seq "
                            f"divisible by {n}")
         if lay.sequence_parallel and tp > 1 and seq % (cp * tp):
-            reasons.append(f"tp={tp} does not divide the {seq // cp} tokens each cp={cp} rank holds "
-                           "(sequence parallelism gives each TP rank its rows)")
+            held = f"seq={seq}" if cp == 1 else f"the {seq // cp} tokens each cp={cp} rank holds"
+            reasons.append(f"tp={tp} does not divide {held} (sequence parallelism gives each TP rank its rows)")
     if global_batch is not None and dp is not None:
         per = dp * (m or 1) * lay.micro_batch
         if not _whole(global_batch) or global_batch % per:

@@ -41,7 +41,7 @@ from workers.model.dense import BlockConfig, DenseBlock, block_forward, perturb_
 INITS = ("gpt2", "perturbed")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class GPTConfig:
     """The model, in the course's one vocabulary (the planner's ``ModelShape`` spells its shape the same way).
 
@@ -118,6 +118,14 @@ class GPTConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def __repr__(self) -> str:
+        """The shape, then only what differs from the defaults (kv_heads and ffn when not as many heads and 4h)."""
+        derived = {"kv_heads": self.heads, "ffn": 4 * self.hidden}
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if f.name in ("vocab", "seq", "hidden", "heads", "layers")
+                 or getattr(self, f.name) != derived.get(f.name, f.default)]
+        return f"GPTConfig({', '.join(shown)})"
 
 
 def derived_defaults(cfg, changes: dict) -> dict:

@@ -12,7 +12,7 @@ the format of ``plan.shard_record``, so one ``plan.assemble`` rebuilds activatio
 Chapter 06 also trains: ``train_parallel`` cuts the course's GPT (``workers/model/gpt.py``, two layers of the
 block's shape, ``gpt_config``) with ``ParallelGPT`` and runs a few Adam steps; ``train_dense`` is the same training
 in one process, which ``tp_check.compare_training`` holds the ranks' losses and final parameters to. The data and
-the loss are chapter 15's (``workers/composed/model.py``: a ragged batch, the cross-entropy summed over the valid
+the loss are chapter 15's (``workers/model/batch.py``: a ragged batch, the cross-entropy summed over the valid
 tokens), so the two chapters train the one model the same way.
 """
 from __future__ import annotations
