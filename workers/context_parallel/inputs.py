@@ -1,4 +1,9 @@
-"""The attention inputs of one run, derived from a seed, so every rank and the notebook's reference agree."""
+"""The attention inputs of one run, derived from a seed, so every rank and the notebook's reference agree.
+
+Chapter 14 rings attention alone, on random q, k, v (not the course's GPT, which chapter 15 rings): what it teaches,
+the blocks of the ring, their causal work and the online-softmax merge, lives in one attention call, and its
+float64 reference is exact attention on the same tensors.
+"""
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,10 @@
 Every rank builds the whole (tiny) model from one seed and keeps only its stage's layers, so the stages
 are exactly the slices of the single-process reference (``reference.py``). The split is data: a partition
 table of contiguous layer ranges, one row per stage (Megatron assigns layers the same way, contiguously).
+
+Why not the course's GPT (``workers/model/gpt.py``, which chapter 15 pipelines): chapter 13 teaches schedules, and
+a stack of equal layers makes every stage cost the same and every message the same size, so a timeline shows the
+schedule's bubble and nothing else (no embedding on the first stage, no vocabulary-wide head on the last).
 """
 from __future__ import annotations
 
