@@ -35,7 +35,7 @@ WORKER = "workers.ch15_composed"
 CONFIG = MODEL  # the worker's defaults: vocab 32, seq 16, hidden 32, heads 8, layers 4
 GLOBAL_BATCH = 8  # the worker's default global batch (samples per optimizer step)
 STEPS = 3
-# the layouts, DPxTPxPPxCP: six of 8 ranks, then two of 4 (at most 8 ranks stay warm: world 8 first)
+# the chapter's layouts, DPxTPxPPxCP: six of 8 ranks, then two of 4 (at most 8 ranks stay warm: world 8 first)
 LAYOUTS_8 = ["8x1x1x1", "1x8x1x1", "2x2x2x1", "2x2x1x2", "1x2x2x2", "2x1x2x2"]
 LAYOUTS_4 = ["1x1x4x1", "1x1x1x4"]
 # fault -> (a layout where it shows, the options it needs); the same cases as tests/test_ch15_composed.py

@@ -297,7 +297,7 @@ print(f"replica problems found under dropout_per_rank: {len(problems) > 0}; the 
 # %% [markdown]
 # ## Four ranks: a deep pipeline, a long ring, and the tied embedding
 #
-# The last two layouts of the issue use four ranks on one dimension: four pipeline stages (two micro-batches), and
+# The last two of the chapter's layouts use four ranks on one dimension: four pipeline stages (two micro-batches), and
 # a ring of four (zigzag: eight chunks of two tokens). One cold start of four ranks serves them, the last fault,
 # and the explorer below.
 
@@ -306,7 +306,7 @@ for name, zero in cu.each([(n, z) for n in ch15.LAYOUTS_4 for z in (0, 1)], "lay
     runs[name, zero], verdicts[name, zero] = ch15.run_layout(name, zero=zero)
 
 # %% [markdown]
-# Every layout of the issue, ZeRO 0 and 1 (the differences vary by CPU, so this cell's output is not compared):
+# Every layout of the chapter, ZeRO 0 and 1 (the differences vary by CPU, so this cell's output is not compared):
 
 # %% tags=["nbval-ignore-output"]
 every_row = [ch15.equivalence_row(n, z, v) for (n, z), v in verdicts.items()]
@@ -566,7 +566,7 @@ print("every PyTorch API run equals one process (float64, 1e-10):", all(r["equal
 # * The ranks form one grid, `arange(world).view(dp, pp, cp, tp)`, tp innermost; every group is a slice of it, plus
 #   two that no single dimension gives: **dp_cp** (same parameters, other samples or tokens: gradients and ZeRO
 #   shards) and **embedding** (the first and last stage's copies of the tied embedding).
-# * Every layout of the issue, with ZeRO 0 and 1, trains exactly like one process: losses, every gradient, the final
+# * Every layout of the chapter, with ZeRO 0 and 1, trains exactly like one process: losses, every gradient, the final
 #   parameters within float64 rounding (1e-10 relative), replicas bit for bit.
 # * The bugs of composition live at the seams (the gradient's group, LayerNorm under SP, ragged micro-batch losses,
 #   dropout masks across TP, the tied embedding across stages); none crashes, and each is caught at step 0 by the
