@@ -7,6 +7,8 @@
 - every notebook executed headless (papermill, fresh kernel), wall time each, and every chapter's widget as the
   chapter builds it: a control moved on warm ranks (median of 3) and the same view after a cold start
   (``LiveRun.measure``; the notebook's time excludes these measurements);
+- every exercise's check on warm ranks: the reference solution checked once to warm, then timed (median of 3),
+  the time a learner waits for a verdict after the first (``--checks-only`` runs just this);
 - with a GPU: the chapters' GPU benchmarks (attention backends and kernels), written under data/.
 All numbers are CPU wall times of this machine; results also go to build/bench/results.json.
 """
@@ -155,6 +157,30 @@ def bench_notebooks(names: list[str] | None = None) -> dict:
     return {"notebooks_s": out, "widgets": widgets}
 
 
+def bench_checks(repeats: int = 3) -> dict:
+    """Each exercise's check of the reference solution on warm ranks: median seconds of ``repeats`` after one warm-up."""
+    import importlib
+
+    import course_utils as cu
+    from course_utils.exercises import PASS, check, exercises, warm_up
+
+    out = {}
+    for chapter in sorted({e.chapter for e in exercises()}):
+        warm_up(chapter)
+        solutions = importlib.import_module(f"solutions.ch{chapter}")
+        for ex in exercises(chapter):
+            answer = getattr(solutions, ex.function)
+            first = check(ex.name, answer)
+            assert first.status == PASS, first
+            times = [check(ex.name, answer).seconds for _ in range(repeats)]
+            out[ex.name] = {"chapter": chapter, "where": "ranks" if ex.worker else "notebook",
+                            "first_s": first.seconds, "warm_median_s": statistics.median(times)}
+            print(f"{chapter} {ex.name:<28} {out[ex.name]['where']:<9} first {first.seconds:5.2f} s | warm median "
+                  f"{out[ex.name]['warm_median_s']:5.2f} s", flush=True)
+    cu.shutdown_pools()
+    return out
+
+
 def _widget_records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -218,13 +244,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-notebooks", action="store_true")
     p.add_argument("--notebooks", nargs="*", help="only these notebooks")
+    p.add_argument("--checks-only", action="store_true", help="only the exercises' checks on warm ranks")
     a = p.parse_args(argv)
     from workers.provenance import record
 
     prov = record("python -m course_utils.bench " + " ".join(argv if argv is not None else sys.argv[1:]), device="cpu")
     print(f"CPU wall times on {prov['device']} ({os.cpu_count()} cores); gloo on CPU", flush=True)
+    if a.checks_only:
+        results = {"provenance": prov, "checks": bench_checks()}
+        out = ROOT / "build" / "bench" / "checks.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {out.relative_to(ROOT)}")
+        return 0
     results = {"provenance": prov, "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
-               "launch": bench_launch(), "widget": bench_widget(), "composed": bench_composed()}
+               "launch": bench_launch(), "widget": bench_widget(), "composed": bench_composed(),
+               "checks": bench_checks()}
     results["gpu"] = bench_gpu()
     if not a.skip_notebooks:
         results.update(bench_notebooks(a.notebooks))

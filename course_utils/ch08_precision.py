@@ -275,9 +275,9 @@ def master_weights_claims(d: dict) -> dict[str, bool]:
     third = len(fp32["loss"]) // 3
     return {
         "master weights: loss within 2% of fp32's at every step":
-            max(abs(m / f - 1) for m, f in zip(master["loss"], fp32["loss"])) < 0.02,
+            all(abs(m / f - 1) < 0.02 for m, f in zip(master["loss"], fp32["loss"])),  # all(): a NaN step fails
         "master weights: under 1% of the updates lost in any step (fp32 alike)":
-            max(master["vanished"]) < 0.01 and max(fp32["vanished"]) < 0.01,
+            all(v < 0.01 for v in master["vanished"] + fp32["vanished"]),
         "master weights: yet over 30% of its bf16 copy unchanged in the last step":
             master["bf16_copy_unchanged"][-1] > 0.3,
         "pure bf16: over half of the updates lost in the last step, more than in the first":

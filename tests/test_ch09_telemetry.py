@@ -174,6 +174,18 @@ def test_reduction_check_names_a_summing_rank_even_where_the_plain_sums_cancel()
     assert reduction_culprits(_fingerprints(local, [mean, mean], projection_probes(1000))) == []
 
 
+def test_reduction_check_names_a_rank_whose_reduced_gradient_is_nan():
+    # NaN > tol is False: a comparison written the other way round would call the NaN rank honest
+    local = [torch.ones(100), 3 * torch.ones(100)]
+    mean = (local[0] + local[1]) / 2
+    poisoned = mean.clone()
+    poisoned[17] = float("nan")
+    probes = projection_probes(100)
+    assert reduction_culprits(_fingerprints(local, [mean, poisoned], probes)) == [1]
+    poisoned[17] = float("inf")
+    assert reduction_culprits(_fingerprints(local, [mean, poisoned], probes)) == [1]
+
+
 def test_reduction_check_on_real_head_gradients_whose_sum_is_rounding():
     # The output layer's weight gradient sums to 0 up to rounding (each position's softmax gradient sums to 0
     # over the vocabulary): the plain sum is rounding noise, the projections are the gradient's size. Two ranks

@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 
 from course_utils import ch11, reference_data  # noqa: E402
 from course_utils.ledger import GB, model_state_bytes  # noqa: E402
+from tests.numeric import worst
 
 ROOT = ch11.ROOT
 
@@ -94,7 +95,7 @@ def test_delayed_scaling_clips_the_spike_that_current_scaling_absorbs():
     h = ch11.scaling_history(steps=30, spike_at=20)
     assert h["saturated"][20] > 0.01 and h["delayed_error"][20] > 10 * h["current_error"][20]
     assert max(h["saturated"][21:]) == 0.0  # afterwards the history holds the spike: nothing saturates
-    assert max(h["current_error"]) < 0.03
+    assert worst(h["current_error"]) < 0.03
 
 
 def test_emulated_gemm_error_orders_bf16_and_fp8_granularities():

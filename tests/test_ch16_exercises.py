@@ -27,13 +27,15 @@ def test_dispatch_cases_hold_every_situation_the_plan_must_handle():
         seen |= {f"top{top_k}", f"ep{ep}", f"experts{n_experts}"}
         seen |= {"drops"} if not keep.all() else {"dropless"}
         seen |= {"an expert without tokens"} if (counts == 0).any() else set()
+        seen |= {"the last expert without tokens"} if counts[-1] == 0 else set()
         per_rank = counts.view(ep, -1).sum(1)
         if ep > 1 and not torch.equal(per_rank, torch.bincount(experts[keep] % ep, minlength=ep)):
             seen.add("round robin differs")
         if ep < n_experts:
             seen.add("several experts per rank")
     assert seen >= {"top1", "top2", "ep1", "ep2", "ep4", "experts4", "experts8", "drops", "dropless",
-                    "an expert without tokens", "round robin differs", "several experts per rank"}
+                    "an expert without tokens", "the last expert without tokens", "round robin differs",
+                    "several experts per rank"}
 
 
 def test_dispatch_plan_accepts_any_token_order_within_an_expert():
@@ -43,7 +45,7 @@ def test_dispatch_plan_accepts_any_token_order_within_an_expert():
         kept = experts[keep]
         a = len(kept)
         order = torch.argsort(kept * a + (a - 1 - torch.arange(a)))  # by expert, later tokens first
-        return order, torch.bincount(kept, minlength=n_experts).view(ep, -1).sum(1)  # a tensor of splits
+        return order, torch.bincount(kept, minlength=n_experts).view(ep, -1).sum(1).tolist()
 
     status, message = check_dispatch_plan(reversed_within_expert)
     assert status == PASS, message
@@ -52,16 +54,26 @@ def test_dispatch_plan_accepts_any_token_order_within_an_expert():
 def test_load_balancing_data_tells_local_from_global_statistics():
     """Every rank's own counts give another term than the group's, at 2 and 4 ranks: the local-statistics mistake
     cannot pass by accident."""
-    for case, (n_experts, top_k, tokens) in enumerate(LB_CASES):
+    for case, (n_experts, top_k, sizes) in enumerate(LB_CASES):
         for n in (2, 4):
-            draws = [_draw(n_experts, top_k, tokens, seed=1000 * case + m, lean=(3 * m) % n_experts) for m in range(n)]
+            draws = [_draw(n_experts, top_k, sizes[m % len(sizes)], seed=1000 * case + m, lean=(3 * m) % n_experts)
+                     for m in range(n)]
             total = sum(torch.bincount(ex.reshape(-1), minlength=n_experts) for _, ex in draws)
             for _, ex in draws:
                 own = torch.bincount(ex.reshape(-1), minlength=n_experts)
                 assert not torch.equal(own * n, total), (case, n)
 
 
+def test_load_balancing_has_a_ragged_batch_with_a_rank_of_few_tokens():
+    """At 2 and 4 ranks the ranks of one case hold different numbers of tokens, one of them very few: the group's
+    token count is then not any rank's times the group's size."""
+    ragged = [sizes for _, _, sizes in LB_CASES if len(set(sizes)) > 1]
+    assert ragged and all(len(set(sizes[:n])) > 1 and min(sizes[:n]) <= 2 for sizes in ragged for n in (2, 4))
+
+
 def test_combine_batch_has_tokens_fully_dropped_half_dropped_and_kept_on_every_rank():
+    """At each world size, also a rank whose last token dropped both choices: an output sized by the last token that
+    kept a choice (token_index.max() + 1) is short there."""
     from workers.moe.batch import batch
     from workers.moe.layer import build_weights
     from workers.moe.router import TopKRouter, keep_mask
@@ -74,7 +86,10 @@ def test_combine_batch_has_tokens_fully_dropped_half_dropped_and_kept_on_every_r
         router.weight.copy_(weights["router.weight"])
     for world in (2, 4):
         per = COMBINE_RUN["tokens"] // world
+        last_kept = []
         for rank in range(world):
             _, _, _, experts = router(x[rank * per:(rank + 1) * per])
             kept = keep_mask(experts, COMBINE_CFG.experts, COMBINE_CFG.capacity(per)).sum(dim=1)
             assert {0, 1, 2} <= set(kept.tolist()), (world, rank, kept.tolist())
+            last_kept.append(int(kept[-1]))
+        assert 0 in last_kept, (world, last_kept)

@@ -67,3 +67,28 @@ def test_a_worker_refuses_from_a_terminal_with_the_same_sentence():
                          timeout=120)
     assert out.returncode != 0
     assert str(notebook.value) in out.stderr  # before any process group: the same sentence, nothing launched
+
+
+def _main_block_calls(tree) -> set[str]:
+    import ast
+
+    calls = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            calls |= {ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
+    return calls
+
+
+def test_every_worker_with_a_refusal_runs_it_from_a_terminal_too():
+    """A worker's ``check_params`` is what a notebook's launch refuses with; ``entrypoint`` runs it from a terminal.
+    A worker that started its ranks another way would let ``torchrun workers/x.py --bad 3`` create process groups
+    and fail deep inside, so every worker that has a refusal must start through ``entrypoint``."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "workers").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.FunctionDef) and n.name == "check_params" for n in tree.body):
+            if "entrypoint" not in _main_block_calls(tree):
+                offenders.append(path.relative_to(ROOT).as_posix())
+    assert not offenders, f"these workers refuse from a notebook but not from a terminal: {offenders}"

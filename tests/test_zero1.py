@@ -18,6 +18,7 @@ import course_utils as cu
 from course_utils.ledger import model_state_bytes
 from workers.zero.model import MODEL, model_config
 from workers.zero.zero1 import flat_partition, params_partition
+from tests.numeric import worst
 
 pytestmark = pytest.mark.ranks
 # AdamW divides each update by the size of that element's own gradient, so the fp32 reordering of the sums over
@@ -59,7 +60,7 @@ def test_flat_shards_are_equal_and_whole_tensor_shards_are_balanced_within_the_l
     assert shard == -(-sum(numels) // 4) and [sum(b - a for a, b in r) for r in ranges][:3] == [shard] * 3
     _, shard, ranges = params_partition(numels, 4)
     loads = [sum(b - a for a, b in r) for r in ranges]
-    assert max(loads) <= sum(numels) / 4 + max(numels)  # largest-first greedy (LPT) bound
+    assert worst(loads) <= sum(numels) / 4 + max(numels)  # largest-first greedy (LPT) bound
 
 
 # -- equivalence and bytes on real ranks -----------------------------------------------------------------
@@ -70,7 +71,7 @@ def test_zero1_equals_the_unsharded_optimizer_and_holds_one_nth_of_the_state(wor
     res = cu.run("workers.ch11_zero1", world, optimizer=optimizer, timeout=180)
     for rank, r in enumerate(res.ranks):
         assert r["max_abs_error"][0] == 0.0, "ranks started from their own seeds: the broadcast must equalise them"
-        assert max(r["max_abs_error"]) <= tol, (rank, r["max_abs_error"])
+        assert worst(r["max_abs_error"]) <= tol, (rank, r["max_abs_error"])
         assert r["equal_to_rank0"] and r["tied"]
         # measured: sum of nbytes of exp_avg/exp_avg_sq (or momentum_buffer) on this rank == the ledger
         assert r["state_bytes"]["elementwise"] == _ledger(N_PARAMS, world, k) == k * N_PARAMS / world
@@ -82,7 +83,7 @@ def test_same_averaged_gradient_gives_bitwise_the_unsharded_adamw(partition):
     res = cu.run("workers.ch11_zero1", 4, optimizer="adamw", partition=partition, grad_sync="all_reduce",
                  timeout=180)
     for r in res.ranks:
-        assert max(r["same_grad_max_abs_error"]) <= 1e-7  # 0.0 on the CPU: same inputs, elementwise update
+        assert worst(r["same_grad_max_abs_error"]) <= 1e-7  # 0.0 on the CPU: same inputs, elementwise update
 
 
 def test_whole_tensor_partition_is_exact_but_only_balanced_within_a_tensor():
@@ -90,7 +91,7 @@ def test_whole_tensor_partition_is_exact_but_only_balanced_within_a_tensor():
     owned = res.gather("owned_numel")
     assert sum(owned) == N_PARAMS and max(owned) > N_PARAMS / 4  # uneven: whole tensors
     for r in res.ranks:
-        assert max(r["max_abs_error"]) <= ADAM_TOL and r["equal_to_rank0"]
+        assert worst(r["max_abs_error"]) <= ADAM_TOL and r["equal_to_rank0"]
         assert r["state_bytes"]["elementwise"] == 8 * r["owned_numel"]
 
 
@@ -102,7 +103,7 @@ def test_padding_when_the_world_size_does_not_divide_the_parameters():
     shard = -(-n // 4)
     assert res.gather("owned_numel") == [shard, shard, shard, n - 3 * shard]
     for r in res.ranks:
-        assert max(r["max_abs_error"]) <= SGD_TOL and r["equal_to_rank0"]
+        assert worst(r["max_abs_error"]) <= SGD_TOL and r["equal_to_rank0"]
         assert r["state_bytes"]["elementwise"] == 4 * r["owned_numel"]  # no state for padding
         assert r["buffer_bytes"]["params"] == 4 * 4 * shard  # the flat buffer is padded to N*S
 
@@ -117,7 +118,7 @@ def test_mixed_precision_master_weights_make_the_papers_k_of_12():
         # bf16 weights near 1 (LayerNorm gains) have an ulp of 2^-7; the mixed-precision reference sums its
         # gradients in another order, which can flip a rounding, and Adam turns a flipped gradient sign into a
         # full lr step the other way: a few ulps (measured 0.012 to 0.023 over CPU kernels x seeds 0-3)
-        assert max(r["max_abs_error"]) <= 0.1
+        assert worst(r["max_abs_error"]) <= 0.1
 
 
 def test_without_sharding_every_rank_holds_the_whole_state():

@@ -17,6 +17,7 @@ from course_utils.ledger import model_state_bytes
 from course_utils.planner import zero_collectives_per_step
 from course_utils.results import InvalidParameter
 from tests.test_zero1 import ADAM_TOL
+from tests.numeric import worst
 
 WORKER = "workers.ch11_zero3"
 UNEVEN = {"vocab": 61, "hidden": 21, "heads": 3}  # 12h^2 + 10h and (V + s) h + 2h not multiples of 4: padding
@@ -44,7 +45,7 @@ def test_zero3_equals_one_process_and_keeps_one_nth_of_everything(world, model):
     res = cu.run(WORKER, world, timeout=180, **model)
     for rank, r in enumerate(res.ranks):
         assert r["max_abs_error"][0] == 0.0, "ranks started from their own seeds: the broadcast must equalise them"
-        assert max(r["max_abs_error"]) <= ADAM_TOL, (rank, r["max_abs_error"])
+        assert worst(r["max_abs_error"]) <= ADAM_TOL, (rank, r["max_abs_error"])
         assert r["equal_to_rank0"]
         padded = _check_state(r, world)
         if model:
@@ -56,7 +57,7 @@ def test_zero3_sends_three_psi_or_two_without_resharding(prefetch, reshard):
     world = 4
     res = cu.run(WORKER, world, timeout=180, prefetch=prefetch, reshard_after_forward=reshard)
     for r in res.ranks:
-        assert max(r["max_abs_error"]) <= ADAM_TOL  # prefetch and resharding change when, never what
+        assert worst(r["max_abs_error"]) <= ADAM_TOL  # prefetch and resharding change when, never what
         units, steps, padded = len(r["units"]), r["steps"], 4 * sum(u["shard_size"] * world for u in r["units"])
         # a call per unit: all-gathers for forward and again for backward, one reduce-scatter; the planner's counts
         planned = zero_collectives_per_step(3)

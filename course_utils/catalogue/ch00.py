@@ -8,11 +8,26 @@
 from __future__ import annotations
 
 import math
+import numbers
 
-from course_utils.exercises import FAIL, PASS, Exercise, register
+from course_utils.exercises import FAIL, NOT_APPLICABLE, PASS, Exercise, register
 
 BYTES_PER_PARAM = 16  # mixed-precision Adam: 2 + 2 + 12 (ZeRO sec 3.1)
 H100_MEMORY = 80 * 2**30  # what the device exposes, in bytes (the planner's GPUS["h100"])
+
+
+def not_whole(value, what: str, least: int = 1) -> str | None:
+    """Why ``value`` is not a whole number >= ``least`` (NaN, infinity and 8.0 named as such), or None if it is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"{what} should be a whole number (an int), got {value!r}"
+    if not math.isfinite(value):
+        return f"{what} is {value} (NaN or infinite), not a whole number: look for a division by zero"
+    if not isinstance(value, numbers.Integral):
+        return (f"{what} is {value!r}, a float: return an int (/ always gives a float, and so does // of a "
+                "float: finish with math.ceil or int())")
+    if value < least:
+        return f"{what} should be at least {least}, got {value}"
+    return None
 
 
 # -- 1. a layout for 70B on 256 H100s ------------------------------------------------------------------
@@ -41,6 +56,10 @@ def check_layout_70b(answer) -> tuple[str, str]:
         got = rename_params(got)  # zero_stage= is the old name of zero= (one release)
     if not isinstance(got, dict) or not set(LAYOUT_KEYS) <= set(got):
         return FAIL, f"return a dict with the keys {', '.join(LAYOUT_KEYS)}, for example dict(tp=8, pp=1, dp=32, zero=1)"
+    for key in LAYOUT_KEYS:
+        problem = not_whole(got[key], key, least=0 if key == "zero" else 1)
+        if problem:
+            return FAIL, problem
     try:
         p = plan_layout_70b(got)
     except LayoutError as exc:
@@ -90,8 +109,9 @@ def check_min_gpus_fsdp(answer) -> tuple[str, str]:
         got = answer(n_params, memory, reserved)
         want = min_gpus_reference(n_params, memory, reserved)
         case = f"n_params={n_params:g}, gpu_memory_bytes={memory:g}, reserved_bytes={reserved:g}"
-        if isinstance(got, bool) or not isinstance(got, int):
-            return FAIL, f"return a whole number of GPUs (an int), got {got!r} for {case}"
+        problem = not_whole(got, "the GPU count")
+        if problem:
+            return FAIL, f"for {case}, {problem}"
         if got == want:
             continue
         usable = memory - reserved
@@ -133,11 +153,12 @@ def check_max_tp(answer) -> tuple[str, str]:
     for heads, kv_heads, node in TP_CASES:
         got = answer(heads, kv_heads, node)
         want = math.gcd(heads, kv_heads, node)
+        case = f"heads={heads}, kv_heads={kv_heads}, gpus_per_node={node}"
+        problem = not_whole(got, "the TP degree")
+        if problem:
+            return FAIL, f"for {case}, {problem}"
         if got == want:
             continue
-        case = f"heads={heads}, kv_heads={kv_heads}, gpus_per_node={node}"
-        if isinstance(got, bool) or not isinstance(got, int) or got < 1:
-            return FAIL, f"return a whole number >= 1, got {got!r} for {case}"
         if heads % got:
             why = f"tp={got} does not divide the {heads} query heads, so a GPU would hold a fraction of a head"
         elif kv_heads % got:
@@ -169,11 +190,14 @@ def check_zero_total_bytes(answer) -> tuple[str, str]:
     for n_params, n_gpus, stage in ZERO_CASES:
         got = answer(n_params, n_gpus, stage)
         want = model_state_bytes(n_params, dp=n_gpus, zero_stage=stage).total
-        if isinstance(got, (int, float)) and not isinstance(got, bool) and abs(got - want) <= 1e-9 * want:
-            continue
         case = f"n_params={n_params:g}, n_gpus={n_gpus}, stage={stage}"
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
+        if isinstance(got, bool) or not isinstance(got, numbers.Real):
             return FAIL, f"return a number of bytes, got {got!r} for {case}"
+        if not math.isfinite(got):
+            return FAIL, (f"for {case} you returned {got} (NaN or infinite), where {want:.6g} bytes was expected: "
+                          "bytes per GPU are finite; look for a division by zero")
+        if abs(got - want) <= 1e-9 * want:
+            continue
         hint = ""
         if abs(got * 1e9 / want - 1) < 1e-6:
             hint = "return bytes, not GB"
@@ -188,11 +212,73 @@ def check_zero_total_bytes(answer) -> tuple[str, str]:
     return PASS, "correct: 120, 31.4, 16.6 and 1.9 GB for 7.5B parameters on 64 GPUs, as in the ZeRO paper's Figure 1"
 
 
+# What none of chapter 00's exercises involve: they are formulas and plans on paper, checked in this process.
+NO_GRADIENTS = NOT_APPLICABLE + "a formula on paper: no gradients, no hooks"
+NO_RANKS = NOT_APPLICABLE + "a formula on paper: no collective runs"
+NO_TENSORS = NOT_APPLICABLE + "the answer returns numbers; nothing is allocated or freed"
+NO_BITS = NOT_APPLICABLE + "whole numbers, or bytes compared to a relative 1e-9: no floating-point bits to tell apart"
+NUMBERS_IN = NOT_APPLICABLE + "the inputs are Python numbers, which a function cannot change"
+ONE_CLUSTER = "one model on one cluster: "
+
 register(Exercise("layout_70b", "00", "layout_70b",
-                  "Pick TP/PP/DP and a ZeRO stage for Llama 3 70B on 256 H100s under 80 GB", local=check_layout_70b))
+                  "Pick TP/PP/DP and a ZeRO stage for Llama 3 70B on 256 H100s under 80 GB", local=check_layout_70b,
+                  tries={
+                      "non-finite": "every degree must be a whole, finite number: a NaN or infinite degree is refused "
+                                    "by name",
+                      "order": NO_GRADIENTS,
+                      "sizes": "a pp that does not divide the 80 layers, and degrees whose product is not the 256 "
+                               "GPUs, are refused",
+                      "ragged": NOT_APPLICABLE + ONE_CLUSTER + "uneven pipeline stages are refused under sizes",
+                      "layouts": NOT_APPLICABLE + ONE_CLUSTER + "the answer takes no arguments, and any layout the "
+                                                  "planner fits is accepted",
+                      "traffic": NOT_APPLICABLE + "a plan on paper; TP across nodes is refused as a rule of placement",
+                      "mutation": NOT_APPLICABLE + "the answer takes no arguments",
+                      "output": "a dict with the keys tp, pp, dp and zero, each an int: a degree given as a float "
+                                "(256 / 32 = 8.0) is refused",
+                      "memory": NO_TENSORS,
+                      "bits": NO_BITS,
+                  }))
 register(Exercise("min_gpus_fsdp", "00", "min_gpus_fsdp",
-                  "The smallest GPU count for a model with FSDP (ZeRO-3) alone", local=check_min_gpus_fsdp))
+                  "The smallest GPU count for a model with FSDP (ZeRO-3) alone", local=check_min_gpus_fsdp, tries={
+                      "non-finite": "the count must be a finite whole number: NaN or infinity is refused by name",
+                      "order": NO_GRADIENTS,
+                      "sizes": "states that fill a whole number of GPUs exactly (80 GB on 40 GB cards) and states "
+                               "that do not (13.15, 5.33 GPUs' worth): exactly the ceiling in both",
+                      "ragged": NOT_APPLICABLE + "every GPU holds the same 1/N of the states: no partitions",
+                      "layouts": NOT_APPLICABLE + "one formula; the model and card sizes vary under sizes",
+                      "traffic": NO_RANKS,
+                      "mutation": NUMBERS_IN,
+                      "output": "the count must be an int: a float such as 14.0 (from -(-x // 1) or numpy) is refused",
+                      "memory": NO_TENSORS,
+                      "bits": NO_BITS,
+                  }))
 register(Exercise("max_tp", "00", "max_tp",
-                  "Why 8 KV heads cap tensor parallelism at 8", local=check_max_tp))
+                  "Why 8 KV heads cap tensor parallelism at 8", local=check_max_tp, tries={
+                      "non-finite": "the degree must be a finite whole number: NaN or infinity is refused by name",
+                      "order": NO_GRADIENTS,
+                      "sizes": "head counts that a node's 8 GPUs do not divide (12, 14, 25 heads): the degree must "
+                               "divide the heads, the KV heads and the node",
+                      "ragged": NOT_APPLICABLE + "a degree that divides everything it splits: no uneven parts",
+                      "layouts": "eleven head configurations on nodes of 8, 12, 16 and 72 GPUs: a rule true of a "
+                                 "power-of-two node alone (halving from the node size) fails",
+                      "traffic": NO_RANKS,
+                      "mutation": NUMBERS_IN,
+                      "output": "the degree must be an int: a float such as 8.0 is refused",
+                      "memory": NO_TENSORS,
+                      "bits": NO_BITS,
+                  }))
 register(Exercise("zero_total_bytes", "00", "zero_total_bytes",
-                  "The ZeRO stage formulas: bytes of model states per GPU", local=check_zero_total_bytes))
+                  "The ZeRO stage formulas: bytes of model states per GPU", local=check_zero_total_bytes, tries={
+                      "non-finite": "the byte count must be finite: NaN or infinity is refused by name",
+                      "order": NO_GRADIENTS,
+                      "sizes": NOT_APPLICABLE + "bytes per GPU are real numbers here: a share that is not whole is "
+                                                "not rounded by the formula",
+                      "ragged": NOT_APPLICABLE + "every GPU of a stage holds the same share: no partitions",
+                      "layouts": NOT_APPLICABLE + "one formula, checked at stages 0-3 on 1, 3, 8 and 64 GPUs; a "
+                                                  "stage confused with another is named, not a layout",
+                      "traffic": NO_RANKS,
+                      "mutation": NUMBERS_IN,
+                      "output": NOT_APPLICABLE + "one Python number; int and float alike are accepted",
+                      "memory": NO_TENSORS,
+                      "bits": NO_BITS,
+                  }))

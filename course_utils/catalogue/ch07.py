@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from course_utils.exercises import FAIL, PASS, Exercise, register
+from course_utils.exercises import FAIL, NOT_APPLICABLE, PASS, Exercise, register
 
 # Inputs are fp32 (what a kernel's accumulators hold); the reference is float64. fp32 arithmetic in a
 # correct answer errs by about 1e-7 relative: 1e-5 leaves room for any order of summation.
@@ -52,13 +52,36 @@ def _relative_error(actual, expected) -> float:
 
 
 def _tensor_problem(name: str, got, shape) -> str | None:
-    """A one-sentence complaint if ``got`` is not a finite-or-not tensor of ``shape``; else None."""
+    """A one-sentence complaint if ``got`` is not a float32 tensor of ``shape`` (finite or not); else None."""
     import torch
 
     if not isinstance(got, torch.Tensor):
         return f"{name} should be a tensor, got {type(got).__name__}"
     if tuple(got.shape) != tuple(shape):
         return f"{name} should have shape {tuple(shape)}, got {tuple(got.shape)}"
+    if got.dtype != torch.float32:
+        return (f"{name} should be float32, the dtype of the inputs, got {got.dtype}: a kernel hands back its inputs' "
+                "dtype (accumulate in a wider one if you like, then cast back)")
+    return None
+
+
+def _first_bad_row(*tensors) -> int:
+    """The first row index where any of ``tensors`` (same number of rows) holds nan or inf."""
+    import torch
+
+    bad = torch.zeros(tensors[0].shape[0], dtype=torch.bool)
+    for t in tensors:
+        bad |= ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
+    return int(torch.nonzero(bad)[0])
+
+
+def _unchanged(inputs, originals, names) -> str | None:
+    """The name of the first input the answer changed in place (nan compared as nan), or None."""
+    import torch
+
+    for name, now, before in zip(names, inputs, originals):
+        if not torch.equal(now.isnan(), before.isnan()) or not torch.equal(now.nan_to_num(), before.nan_to_num()):
+            return name
     return None
 
 
@@ -147,8 +170,10 @@ def _nonfinite_merge_message(label, got_out, got_lse, lse_a, lse_b, want_lse) ->
     if "shifted" in label:
         return (f"{label}: nan or inf, because exp(lse) overflows fp32 above e^88.7: forgetting the max "
                 "subtraction; subtract m = max(lse_a, lse_b) before exponentiating (torch.logaddexp does it for you)")
-    return (f"{label}: nan or inf where the answer is finite. A part that saw no keys has lse = -inf "
-            "and out = 0: its weight exp(-inf - lse) must come out as 0, so subtract a finite number")
+    row = int(torch.nonzero(bad)[0])
+    return (f"{label}: nan or inf where the answer is finite (first in row {row}, where both parts saw keys): "
+            "a division by a zero total, or exp(-inf - -inf)? A part that saw no keys has lse = -inf and out = 0: "
+            "its weight exp(-inf - m) must come out as 0, so subtract a finite m")
 
 
 def _merge_hint(got_out, got_lse, out_a, lse_a, out_b, lse_b, want_out, want_lse) -> str:
@@ -268,6 +293,29 @@ def _forward_inputs(seed, n_q, n_k, d, shift):
     return q, k, v
 
 
+def _keys_skipped(got_out, got_lse, q, k, v, causal: bool, block: int) -> str:
+    """Name the loop bound when the answer is attention over only the first keys (whole tiles, or as many keys
+    as there are queries); "" when it is not."""
+    import torch
+
+    from workers.attention.reference import attention_reference
+
+    n_q, n_k = q.shape[0], k.shape[0]
+    tiles = "the last tile may be shorter than block: loop over range(0, n_k, block) and slice k[start:start + block]"
+    if torch.isneginf(got_lse).all():
+        return (f"no key was visited (lse = -inf on every row): with {n_k} keys and block = {block}, "
+                f"{'the only tile is' if n_k < block else 'some tile is'} shorter than block; {tiles}")
+    for seen in range(block, n_k, block):
+        out, _ = attention_reference(q, k[:seen], v[:seen], causal=causal)
+        if torch.allclose(got_out.double(), out, rtol=1e-4, atol=1e-5):
+            if seen == (n_k // block) * block:
+                return f"only the first {seen} of the {n_k} keys count: the last, shorter tile was dropped; {tiles}"
+            bound = (f": the loop over key tiles is bounded by the number of queries, n_q = {n_q}, not of keys "
+                     f"(here n_q != n_k); loop over range(0, k.shape[0], block)" if seen >= n_q else "")
+            return f"only the first {seen} of the {n_k} keys count{bound}"
+    return ""
+
+
 def check_forward_tile_loop(answer, seed: int | None = None) -> tuple[str, str]:
     seed = _fresh_seed(seed)
     return _with_seed(_check_forward(answer, seed), seed)
@@ -281,7 +329,12 @@ def _check_forward(answer, seed: int) -> tuple[str, str]:
     for i, (label, n_q, n_k, d, causal, block, shift) in enumerate(FORWARD_CASES):
         q, k, v = _forward_inputs(seed + i, n_q, n_k, d, shift)
         want_out, want_lse = attention_reference(q, k, v, causal=causal)
-        got, largest = _largest_output_numel(answer, q.clone(), k.clone(), v.clone(), causal=causal, block=block)
+        inputs = (q.clone(), k.clone(), v.clone())
+        got, largest = _largest_output_numel(answer, *inputs, causal=causal, block=block)
+        changed = _unchanged(inputs, (q, k, v), ("q", "k", "v"))
+        if changed:
+            return FAIL, (f"{label}: your function changed {changed} in place (an in-place scale or update of the "
+                          f"caller's tensor): the backward needs q, k and v as they were; compute into new tensors")
         got, problem = _pair(got)
         if problem:
             return FAIL, problem
@@ -293,9 +346,20 @@ def _check_forward(answer, seed: int) -> tuple[str, str]:
             return FAIL, (f"{label}: a tensor of {largest} elements appeared, as large as the whole {n_q} x {n_k} "
                           f"score matrix: walk the keys in tiles of `block` = {block} rows instead")
         err_out = _relative_error(got_out, want_out)
-        if not torch.isfinite(got_out).all() or not err_out <= _tolerance(shift):
-            what = "nan or inf" if not torch.isfinite(got_out).all() else f"relative error {err_out:.2g}"
-            return FAIL, f"{label}: out is wrong ({what}); {FORWARD_HINTS[i]}"
+        wrong = not torch.isfinite(got_out).all() or not err_out <= _tolerance(shift)
+        skipped = _keys_skipped(got_out, got_lse, q, k, v, causal, block) if wrong and not shift else ""
+        if skipped:
+            return FAIL, f"{label}: {skipped}"
+        if not torch.isfinite(got_out).all():
+            hint = FORWARD_HINTS[i] if shift else ("a division by l = 0, or exp(-inf - -inf) on a row that has seen "
+                                                    "no key yet?")
+            return FAIL, f"{label}: out holds nan or inf (first in row {_first_bad_row(got_out)}); {hint}"
+        if not err_out <= _tolerance(shift):
+            return FAIL, f"{label}: out is wrong (relative error {err_out:.2g}); {FORWARD_HINTS[i]}"
+        if not torch.isfinite(got_lse).all():
+            return FAIL, (f"{label}: out is right but the LSE holds nan or inf (first in row "
+                          f"{_first_bad_row(got_lse)}), where every row sees at least one key: lse = m + log(l) is "
+                          "finite whenever l > 0")
         err_lse = (got_lse.double() - want_lse).abs().max().item()
         if not err_lse <= LSE_TOLERANCE * max(1.0, want_lse.abs().max().item() / 100):
             return FAIL, (f"{label}: out is right but the LSE is off by {err_lse:.2g}: wrong LSE. It is the log of "
@@ -370,8 +434,13 @@ def _check_backward(answer, seed: int, shift: float) -> tuple[str, str]:
         rows = slice(qs, min(n, qs + block_q))
         for ks in range(0, n, block_k):
             cols = slice(ks, min(n, ks + block_k))
-            got, problem = _pair(answer(q[rows].clone(), k[cols].clone(), v[cols].clone(), out[rows].clone(),
-                                        dout[rows].clone(), lse[rows].clone(), scale), names=("dv", "ds"))
+            originals = (q[rows], k[cols], v[cols], out[rows], dout[rows], lse[rows])
+            inputs = tuple(t.clone() for t in originals)
+            got, problem = _pair(answer(*inputs, scale), names=("dv", "ds"))
+            changed = _unchanged(inputs, originals, ("q", "k", "v", "out", "dout", "lse"))
+            if changed:
+                return FAIL, (f"your function changed {changed} in place: every tile of this row (and of this key "
+                              f"column) reads the same {changed} again; compute into new tensors")
             if problem:
                 return FAIL, problem
             dv_tile, ds_tile = got
@@ -386,7 +455,12 @@ def _check_backward(answer, seed: int, shift: float) -> tuple[str, str]:
                 return FAIL, (f"{tile}: nan or inf: overflow. exp(scale * q k^T) is inf in fp32 once a score passes "
                               "about 88.7, and inf / exp(lse) is nan; rebuild P in one exponent, "
                               "P = exp(scale * q @ k.T - lse[:, None]), which is at most 1")
-            if not torch.isfinite(ds_tile).all() or not err <= tol:
+            for name, got_tile in (("dS", ds_tile), ("dV", dv_tile)):
+                if not torch.isfinite(got_tile).all():
+                    return FAIL, (f"{tile}: {name} holds nan or inf (first in row {_first_bad_row(got_tile)}) where "
+                                  "the true one is finite: P = exp(scale * q @ k.T - lse[:, None]) is at most 1, and "
+                                  "nothing here divides")
+            if not err <= tol:
                 hint = _backward_hint(ds_tile, truth["p"], truth["dp"], rows, cols, scale, q, k, dout, out[rows])
                 return FAIL, (f"{tile}: dS is wrong (relative error {err:.2g})" + (f"; {hint}" if hint else ""))
             want_dv = truth["p"][rows, cols].T @ dout[rows].double()
@@ -406,11 +480,53 @@ def _check_backward(answer, seed: int, shift: float) -> tuple[str, str]:
                   "naive float64 attention, large scores included")
 
 
+# What each check tries, class by class (course_utils.exercises.INPUT_CLASSES).
+_SINGLE_PROCESS = {
+    "order": NOT_APPLICABLE + "no gradients arrive: the answer is a pure function of the tensors it is given",
+    "traffic": NOT_APPLICABLE + "one process, no collective: attention is checked in the notebook",
+    "bits": NOT_APPLICABLE + "fp32 results are compared within a tolerance: any order of summation is right",
+}
+
 register(Exercise("merge_attention", "07", "merge_attention",
-                  "Merge attention over two sets of keys from their (out, lse) pairs", local=check_merge_attention))
+                  "Merge attention over two sets of keys from their (out, lse) pairs", local=check_merge_attention,
+                  tries={**_SINGLE_PROCESS,
+                         "non-finite": "nan or inf anywhere in out, or in lse on a row that sees a key, fails, named "
+                                       "with the regime where it appeared",
+                         "sizes": NOT_APPLICABLE + "the two parts come whole (7 and 13 of 20 keys): the answer "
+                                                   "splits no size",
+                         "ragged": "empty parts: rows where part a, part b or both saw no key (lse = -inf): the union "
+                                   "is the other part, or out = 0 with lse = -inf",
+                         "layouts": NOT_APPLICABLE + "one shape, 12 rows by a head dim of 8: rows and columns differ, "
+                                                     "so a mixed-up axis fails on it already",
+                         "mutation": "out_a, lse_a, out_b and lse_b are compared with copies after the call",
+                         "output": "out and lse must be float32 tensors of shapes [N, D] and [N]",
+                         "memory": NOT_APPLICABLE + "returns two new tensors of its inputs' size: nothing to release"}))
 register(Exercise("forward_tile_loop", "07", "forward_tile_loop",
                   "The FlashAttention forward for one head: the online softmax over key tiles",
-                  local=check_forward_tile_loop))
+                  local=check_forward_tile_loop,
+                  tries={**_SINGLE_PROCESS,
+                         "non-finite": "nan or inf in out or lse fails, named with the row where it appeared",
+                         "sizes": "key counts below block (12 keys, block 16) and not multiples of it (45, 37, 50): "
+                                  "every key must count",
+                         "ragged": "the last key tile shorter than the others (45 keys in tiles of 16, 16 and 13)",
+                         "layouts": "score matrices that are not square (9 x 12, 10 x 45, 20 x 50), head dims 8, 9 "
+                                    "and 16, causal and not: a loop bound or mask written for n_q = n_k fails",
+                         "mutation": "q, k and v are compared with copies after the call",
+                         "output": "out and lse must be float32 tensors of shapes [n_q, D] and [n_q]",
+                         "memory": "every torch call's output is watched: none may be as large as the whole n_q x n_k "
+                                   "score matrix"}))
 register(Exercise("backward_tile", "07", "backward_tile",
                   "One tile of the backward: P from the LSE, dV's share, dS = P * (dP - delta)",
-                  local=check_backward_tile))
+                  local=check_backward_tile,
+                  tries={**_SINGLE_PROCESS,
+                         "non-finite": "nan or inf in dS or dV fails, named, with and without scores large enough "
+                                       "to overflow exp in fp32",
+                         "sizes": NOT_APPLICABLE + "the answer is handed one tile and takes every size from its "
+                                                   "tensors; it splits nothing itself",
+                         "ragged": NOT_APPLICABLE + "the check's tiles are ragged (40 = 16 + 16 + 8 queries, "
+                                                    "12 + 12 + 12 + 4 keys), but a tile's answer never sees the others",
+                         "layouts": NOT_APPLICABLE + "one problem, 40 x 40 with a head dim of 16, in tiles that are "
+                                                     "not square: one layout is all a tile has",
+                         "mutation": "q, k, v, out, dout and lse are compared with copies after every tile",
+                         "output": "dV and dS must be float32 tensors of shapes [keys, D] and [queries, keys]",
+                         "memory": NOT_APPLICABLE + "returns two new tile-sized tensors: nothing to release"}))

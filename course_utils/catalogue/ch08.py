@@ -1,7 +1,7 @@
 """Chapter 08's graded exercises: mixed precision (in the notebook) and checkpointing (on real ranks)."""
 from __future__ import annotations
 
-from course_utils.exercises import FAIL, PASS, Exercise, register  # noqa: F401
+from course_utils.exercises import FAIL, NOT_APPLICABLE, PASS, Exercise, register
 
 # -- precision ---------------------------------------------------------------------------------------------
 
@@ -80,6 +80,10 @@ def _describe_bf16_mismatch(x, got, want) -> str:
     if torch.equal(gb[ok], truncated.view(torch.int32)[ok]):
         return (f"your function rounds toward zero (truncates): it drops the low 16 bits without rounding. {example}. "
                 "Round to the nearest bf16 value instead")
+    if want[i] == 0 and bool(torch.signbit(want[i])) != bool(torch.signbit(got[i])):
+        return (f"-0.0 must stay -0.0 and +0.0 stay +0.0: {example}. The two are equal as values (-0.0 < 0 is False), "
+                "so a rounding done on |x| and signed again by comparing x with 0 loses the sign bit: keep it from the "
+                "pattern (bits & 0x80000000), or round the signed pattern as it is")
     if torch.isinf(want[i]) and torch.isfinite(got[i]):
         return (f"{example}: fp32 values at or above halfway between the bf16 max and the next step round up to inf, "
                 "as torch does (the rounding increment carries into the exponent)")
@@ -171,6 +175,9 @@ def _scale_hint(found_inf, scale, good, got, real, gi) -> str:
     (got_scale, got_good), (real_scale, real_good) = got, real
     scale_ok = abs(got_scale - real_scale) <= 1e-5 * real_scale
     if found_inf:
+        if not scale_ok and abs(got_scale / scale - 0.5) < 1e-9:
+            return (f"you halved the scale, the default, instead of multiplying it by backoff_factor="
+                    f"{real_scale / scale:g}: use the arguments, not constants")
         if not scale_ok:
             return f"on an inf/NaN step the scale is multiplied by backoff_factor ({real_scale / scale:g} here)"
         return "after an inf/NaN step the real GradScaler resets the count of good steps to 0"
@@ -183,12 +190,17 @@ def _scale_hint(found_inf, scale, good, got, real, gi) -> str:
                 f"reaches growth_interval={gi}: an off-by-one in when you compare with growth_interval?")
     if grew and scale_ok and got_good != real_good:
         return "the real GradScaler restarts the count at 0 after growing the scale"
+    if not scale_ok and abs(got_scale / scale - 2.0) < 1e-9:
+        return (f"you grew the scale by 2, the default, instead of growth_factor={real_scale / scale:g}: use the "
+                "arguments, not constants")
     if not scale_ok:
         return f"the scale changes by growth_factor when it grows ({real_scale / scale:g} here)"
     return "a good step adds one to the count of good steps"
 
 
 def check_update_scale(answer) -> tuple[str, str]:
+    import math
+
     updates = 0
     for j, (init, gf, bf, gi, start_good, pattern) in enumerate(SCALE_SEQUENCES, 1):
         flags = [c == "x" for c in pattern]
@@ -204,7 +216,11 @@ def check_update_scale(answer) -> tuple[str, str]:
             new_scale, new_good = _as_number(got[0]), _as_number(got[1])
             if new_scale is None or new_good is None:
                 return FAIL, f"return two numbers (new_scale, new_good_steps), got {got!r}"
-            if abs(new_scale - real_scale) > 1e-5 * real_scale or new_good != real_good:
+            if not math.isfinite(new_scale) or not new_scale > 0:
+                return FAIL, (f"sequence {j}, update {k}: with scale={scale:g}, good_steps={good} and found_inf={flag} "
+                              f"you returned the scale {new_scale!r}, which is not a finite positive number (the real "
+                              f"GradScaler went to {real_scale:g}): every later step would scale its loss by it")
+            if not abs(new_scale - real_scale) <= 1e-5 * real_scale or new_good != real_good:
                 args = (f"growth_factor={gf:g}, backoff_factor={bf:g}, growth_interval={gi}" if gf is not None
                         else "the default growth_factor, backoff_factor, growth_interval")
                 hint = _scale_hint(flag, scale, good, (new_scale, new_good), (real_scale, real_good), gi)
@@ -217,11 +233,39 @@ def check_update_scale(answer) -> tuple[str, str]:
                   "scale and good-step count after every update")
 
 
+_NO_RANKS = {
+    "order": NOT_APPLICABLE + "no gradients arrive: the answer is a pure function of its arguments",
+    "traffic": NOT_APPLICABLE + "one process, no collective: checked in the notebook",
+    "memory": NOT_APPLICABLE + "returns new values; nothing is held that should be released",
+}
 register(Exercise("round_to_bf16", "08", "round_to_bf16",
-                  "fp32 -> bf16 by hand from the bit pattern: round to nearest, ties to even", local=check_round_to_bf16))
+                  "fp32 -> bf16 by hand from the bit pattern: round to nearest, ties to even", local=check_round_to_bf16,
+                  tries={**_NO_RANKS,
+                         "non-finite": "+-inf and NaNs with several payloads: inf stays inf, NaN stays NaN, and only "
+                                       "a NaN may give NaN",
+                         "sizes": NOT_APPLICABLE + "an elementwise map: no size is split",
+                         "ragged": NOT_APPLICABLE + "an elementwise map: nothing is partitioned",
+                         "layouts": "a 1-D x and a 2-D one: the result keeps x's shape",
+                         "mutation": "x's bit pattern is compared with a copy's after the call (a view of x shares its "
+                                     "memory)",
+                         "output": "the result must be a float32 tensor of x's shape, each value exactly a bf16 one",
+                         "bits": "bit for bit against torch's own rounding: +0 and -0, exact ties both ways, "
+                                 "subnormals, the overflow boundary"}))
 register(Exercise("update_scale", "08", "update_scale",
                   "GradScaler's update rule: back off on inf, grow after growth_interval good steps",
-                  local=check_update_scale))
+                  local=check_update_scale,
+                  tries={**_NO_RANKS,
+                         "non-finite": "a scale that is nan, inf or not positive fails, named, at the update that "
+                                       "made it",
+                         "sizes": NOT_APPLICABLE + "a rule on two numbers: no size",
+                         "ragged": NOT_APPLICABLE + "a rule on two numbers: nothing is partitioned",
+                         "layouts": "five sequences with other factors and intervals (x1.5 to x4, backoff 0.25 to "
+                                    "0.7, interval 1 to 2000, the defaults): a rule right for the defaults only fails",
+                         "mutation": NOT_APPLICABLE + "its arguments are numbers, which no function can change",
+                         "output": NOT_APPLICABLE + "any two real numbers are accepted, Python's or one-element "
+                                                    "tensors",
+                         "bits": NOT_APPLICABLE + "scales are compared within 1e-5 relative, as torch's own float "
+                                                  "arithmetic gives them"}))
 
 
 # -- checkpointing -----------------------------------------------------------------------------------------
@@ -230,10 +274,42 @@ register(Exercise("update_scale", "08", "update_scale",
 # rank has RNG streams of its own), the atomic save on 2 ranks at once (each in a directory of its own).
 register(Exercise("training_state", "08", "training_state",
                   "Everything a checkpoint must hold: resume bit for bit after a restore into fresh objects",
-                  worker="workers.exercises.ch08", world_sizes=(1, 2), timeout_s=60.0))
+                  worker="workers.exercises.ch08", world_sizes=(1, 2), timeout_s=60.0,
+                  tries={"non-finite": "a state whose weights hold nan or inf is not the saved state: named, after "
+                                       "the restore",
+                         "order": NOT_APPLICABLE + "the answer captures a state; the check's own training makes the "
+                                                   "gradients",
+                         "sizes": NOT_APPLICABLE + "the state is saved whole; no size is split",
+                         "ragged": NOT_APPLICABLE + "one rank's state per rank, whole: nothing is partitioned",
+                         "layouts": NOT_APPLICABLE + "world 1 and 2 ask the same of each rank (its own state); no "
+                                                     "rule depends on the world size",
+                         "traffic": NOT_APPLICABLE + "a capture runs no collective",
+                         "mutation": "the live run is compared before and after the capture: weights, mode "
+                                     "(train/eval), every RNG stream, optimizer, scheduler, sampler and scaler",
+                         "output": NOT_APPLICABLE + "any dict torch.save can write is accepted; the restore, not "
+                                                    "the types, is the test",
+                         "memory": NOT_APPLICABLE + "a capture holds references to the state; nothing is released",
+                         "bits": "every batch, mask, learning rate, scale and weight after the restore is compared "
+                                 "bit for bit (torch.equal) with an uninterrupted run"}))
 register(Exercise("atomic_save", "08", "atomic_save",
                   "An atomic save: a crash midway leaves the old checkpoint, never a truncated one",
-                  worker="workers.exercises.ch08", world_sizes=(2,), timeout_s=60.0))
+                  worker="workers.exercises.ch08", world_sizes=(2,), timeout_s=60.0,
+                  tries={"non-finite": NOT_APPLICABLE + "it writes a file and returns nothing: no number to compare",
+                         "order": NOT_APPLICABLE + "no gradients: it saves an object it is given",
+                         "sizes": NOT_APPLICABLE + "one checkpoint of a fixed size, written whole",
+                         "ragged": NOT_APPLICABLE + "one file per save: nothing is partitioned",
+                         "layouts": NOT_APPLICABLE + "one file per rank in a directory of its own: each rank does "
+                                                     "the same",
+                         "traffic": "the file operations a save makes are watched in order, not only the file it "
+                                    "leaves: the temporary file's own data fsynced before os.replace, the directory "
+                                    "after it, no copy over path, no remove first",
+                         "mutation": NOT_APPLICABLE + "obj only goes through torch.save; the file, not obj, is "
+                                                      "what a save changes",
+                         "output": NOT_APPLICABLE + "it returns nothing: the file at path is loaded and compared",
+                         "memory": NOT_APPLICABLE + "a save holds nothing after it returns; the disk is checked "
+                                                    "instead (no temporary file left beside path)",
+                         "bits": NOT_APPLICABLE + "the file is loaded and compared with torch.equal; the save "
+                                                  "computes no number"}))
 
 # -- checkpoint interval -----------------------------------------------------------------------------------
 
@@ -253,8 +329,10 @@ def check_checkpoint_every(answer) -> tuple[str, str]:
         got = answer(cost, gpu_mtbf, n)
         want = young_interval(cost, job_mtbf(gpu_mtbf, n))
         case = f"checkpoint_s={cost:g}, gpu_mtbf_s={gpu_mtbf:.4g}, n_gpus={n}"
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
             return FAIL, f"return the interval in seconds as a number, got {got!r} for {case}"
+        if not math.isfinite(got):
+            return FAIL, f"for {case} you returned {got!r}, not a finite number of seconds: a division by zero?"
         if abs(got - want) <= 1e-9 * want:
             continue
         ratio = got / want
@@ -275,6 +353,11 @@ def check_checkpoint_every(answer) -> tuple[str, str]:
                   f"is worth writing every {young_interval(c, job_mtbf(m, n)) / 60:.0f} minutes")
 
 
+_FORMULA = NOT_APPLICABLE + "a formula of three numbers: no tensors, no ranks"
 register(Exercise("checkpoint_every", "08", "checkpoint_every",
                   "Young's interval for a job on many GPUs: sqrt(2 C M) with the job's MTBF",
-                  local=check_checkpoint_every))
+                  local=check_checkpoint_every,
+                  tries={**{c: _FORMULA for c in ("order", "sizes", "ragged", "layouts", "traffic", "mutation",
+                                                  "memory", "bits")},
+                         "non-finite": "an interval that is nan or inf fails, named with the case that gave it",
+                         "output": NOT_APPLICABLE + "any real number is accepted as the seconds"}))

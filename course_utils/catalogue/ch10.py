@@ -7,7 +7,9 @@
 """
 from __future__ import annotations
 
-from course_utils.exercises import FAIL, PASS, Exercise, register
+import math
+
+from course_utils.exercises import FAIL, NOT_APPLICABLE, PASS, Exercise, register
 from course_utils.nccl_env import BAD_ENV
 
 # -- 1. the ring all-reduce time -----------------------------------------------------------------------------
@@ -30,6 +32,9 @@ def check_ring_allreduce_time(answer) -> tuple[str, str]:
         case = f"n={n}, size={size}, alpha={alpha:g}, bandwidth={bw:g}"
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             return FAIL, f"return a number of seconds, got {got!r} for {case}"
+        if not math.isfinite(got):
+            return FAIL, (f"for {case} you returned {got}, not a finite number of seconds"
+                          + (": one rank has nobody to talk to, so the time is 0" if n == 1 else ""))
         if abs(got - want) <= 1e-9 * max(want, 1e-12):
             continue
         if n == 1:
@@ -106,7 +111,33 @@ def check_fix_nccl_env(answer) -> tuple[str, str]:
                   "for the dump")
 
 
+A_FORMULA = "a formula of four numbers: no tensors, no ranks, nothing sent"
+AN_ENVIRONMENT = "a dict of names to strings: no tensors, no ranks, nothing sent"
+
 register(Exercise("ring_allreduce_time", "10", "ring_allreduce_time",
-                  "The alpha-beta time of a ring all-reduce", local=check_ring_allreduce_time))
+                  "The alpha-beta time of a ring all-reduce", local=check_ring_allreduce_time, tries={
+                      "non-finite": "a NaN or infinite time is named as not finite",
+                      "order": NOT_APPLICABLE + A_FORMULA,
+                      "sizes": "n = 2, where 2(n-1)/n is a whole number, and n = 8, 256, 8192, where it is not: "
+                               "floor division shows only there",
+                      "ragged": "a world of one rank (n = 1): no peer, no step, the time is 0",
+                      "layouts": NOT_APPLICABLE + A_FORMULA + "; its cases vary n, S, alpha and B",
+                      "traffic": NOT_APPLICABLE + A_FORMULA,
+                      "mutation": NOT_APPLICABLE + "the inputs are Python numbers, which cannot change in place",
+                      "output": NOT_APPLICABLE + "a Python number of seconds: no device, dtype or length",
+                      "memory": NOT_APPLICABLE + A_FORMULA,
+                      "bits": NOT_APPLICABLE + "compared to a relative 1e-9: the same formula in another order "
+                              "differs in its last bits"}))
 register(Exercise("fix_nccl_env", "10", "fix_nccl_env",
-                  "Turn a debugging NCCL environment into a production one", local=check_fix_nccl_env))
+                  "Turn a debugging NCCL environment into a production one", local=check_fix_nccl_env, tries={
+                      "non-finite": NOT_APPLICABLE + "the answer returns strings, not numbers; a number in it is "
+                                    "refused as the wrong type (output)",
+                      "order": NOT_APPLICABLE + AN_ENVIRONMENT,
+                      "sizes": NOT_APPLICABLE + AN_ENVIRONMENT,
+                      "ragged": NOT_APPLICABLE + AN_ENVIRONMENT,
+                      "layouts": NOT_APPLICABLE + "one debugging environment, the chapter's; " + AN_ENVIRONMENT,
+                      "traffic": NOT_APPLICABLE + AN_ENVIRONMENT,
+                      "mutation": "the environment given is compared with a copy after the call",
+                      "output": "every value returned must be a str, as os.environ and NCCL read them",
+                      "memory": NOT_APPLICABLE + AN_ENVIRONMENT,
+                      "bits": NOT_APPLICABLE + AN_ENVIRONMENT}))

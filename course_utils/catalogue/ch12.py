@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from course_utils.exercises import FAIL, PASS, Exercise, register
+from course_utils.exercises import FAIL, NOT_APPLICABLE, PASS, Exercise, register
 
 
 def _close(got, want, tol=1e-6) -> bool:
@@ -38,6 +38,9 @@ def check_lora_merge(answer) -> tuple[str, str]:
             return FAIL, f"{where}: you changed A or B in place: the adapter must survive the merge (to unmerge, or save)"
         if not isinstance(got, torch.Tensor) or got.shape != (d, k):
             return FAIL, f"{where}: return a [d, k] = [{d}, {k}] tensor (W's shape), got {getattr(got, 'shape', got)}"
+        if not bool(torch.isfinite(got).all()):
+            return FAIL, (f"{where}: the merged weight holds {int((~torch.isfinite(got)).sum())} NaN or infinite "
+                          "entries, although W, A and B are finite: W0 + (alpha / r) B @ A")
         if _close(got, want):
             continue
         if alpha % r and _close(got, W_before + (alpha // r) * B @ A):
@@ -89,9 +92,12 @@ def check_dpo_loss(answer) -> tuple[str, str]:
             return FAIL, f"{where}: you changed the log-probs in place: compute into new tensors"
         if not got.requires_grad:
             return FAIL, f"{where}: the loss has no gradient: compute it with torch ops from the log-probs"
-        if not torch.isfinite(got):
+        if torch.isinf(got):
             return FAIL, (f"{where}: got {got.item()}: log(sigmoid(x)) is -inf once sigmoid(x) rounds to 0 (x below "
                           "about -100 in fp32): an unstable form. Use F.logsigmoid(x), which never takes the log of 0")
+        if torch.isnan(got):
+            return FAIL, (f"{where}: got nan, not a number: look for 0/0 or inf - inf (a log of 0 times 0, a "
+                          "division by a difference); -F.logsigmoid(beta * margin).mean() is finite for any margin")
         if _close(got.detach(), want, 1e-5):
             grads = torch.autograd.grad(got, (pc, pr), allow_unused=True)
             ref_pc, ref_pr = pc.detach().clone().requires_grad_(), pr.detach().clone().requires_grad_()
@@ -156,9 +162,12 @@ def check_grpo_advantages(answer) -> tuple[str, str]:
                           "which the logger and the next step still read. Compute the advantages into a new tensor")
         if not isinstance(got, torch.Tensor) or got.shape != rewards.shape:
             return FAIL, f"{where}: return one advantage per reward, a tensor of shape {tuple(rewards.shape)}"
-        if torch.isnan(got).any():
-            return FAIL, (f"{where}: NaN advantages: a group whose rewards are all equal has std 0: add a small eps "
-                          "(1e-4) to the denominator so its advantages are 0")
+        if not bool(torch.isfinite(got).all()):
+            constant = bool((rewards.view(-1, G).std(1) == 0).any())
+            return FAIL, (f"{where}: NaN or infinite advantages: " + (
+                "a group whose rewards are all equal has std 0: add a small eps (1e-4) to the denominator so its "
+                "advantages are 0" if constant else "every group's std is positive here: look for another division "
+                "by 0"))
         if any(_close(got, _adv_reference(rewards, G, u), 1e-3) for u in (True, False)):
             continue
         flat = rewards.double()
@@ -171,9 +180,52 @@ def check_grpo_advantages(answer) -> tuple[str, str]:
     return PASS, "correct: (r - mean) / (std + eps) within each group; a group with equal rewards gets 0"
 
 
+ONE_PROCESS = "a tensor formula in one process: no ranks, nothing sent"
+NO_GRADIENTS = NOT_APPLICABLE + "no gradient is accumulated: the answer is called once per case, on fresh inputs"
+NO_BUFFERS = NOT_APPLICABLE + "the answer keeps no buffer to release: a few small tensors per call"
+TOLERANCE = NOT_APPLICABLE + "values are compared to a tolerance: the same formula in another order moves the last bits"
+
 register(Exercise("lora_merge", "12", "lora_merge", "LoRA merge: fold B A, scaled by alpha / r, into W0",
-                  local=check_lora_merge))
+                  local=check_lora_merge, tries={
+                      "non-finite": "a NaN or infinite entry of the merged weight is named",
+                      "order": NO_GRADIENTS,
+                      "sizes": "ranks r that divide alpha and ranks that do not (alpha 8, r 3; alpha 4, r 8): floor "
+                               "division shows only there",
+                      "ragged": NOT_APPLICABLE + "W, A and B are whole matrices; nothing is partitioned",
+                      "layouts": NOT_APPLICABLE + "five shapes (d != k, r = 1, r > k) are tried, but W0 + (alpha/r) "
+                                 "B @ A has one layout: a wrong product fails to run on any shape",
+                      "traffic": NOT_APPLICABLE + ONE_PROCESS,
+                      "mutation": "W, A and B are compared with copies after the call",
+                      "output": NOT_APPLICABLE + "the merged weight is compared by shape and value; it is never "
+                                "written into a buffer of the caller's",
+                      "memory": NO_BUFFERS,
+                      "bits": TOLERANCE}))
 register(Exercise("dpo_loss", "12", "dpo_loss", "The DPO loss from policy and reference log-probs (eq. 7)",
-                  local=check_dpo_loss))
+                  local=check_dpo_loss, tries={
+                      "non-finite": "margins of hundreds, where log(sigmoid(x)) is -inf in fp32: the loss must be "
+                                    "finite, and a NaN or infinite loss is named",
+                      "order": NO_GRADIENTS,
+                      "sizes": NOT_APPLICABLE + "the pairs are averaged, not divided between ranks",
+                      "ragged": NOT_APPLICABLE + "every pair has its four log-probs; nothing is partitioned",
+                      "layouts": NOT_APPLICABLE + "one layout: four vectors of n sequence log-probs",
+                      "traffic": NOT_APPLICABLE + ONE_PROCESS,
+                      "mutation": "the four log-prob vectors are compared with copies after the call",
+                      "output": "the answer must be a 0-dim tensor, the mean over the pairs, not one loss per pair",
+                      "memory": NO_BUFFERS,
+                      "bits": TOLERANCE}))
 register(Exercise("grpo_advantages", "12", "grpo_advantages",
-                  "GRPO's group-relative advantages: normalise rewards within each group", local=check_grpo_advantages))
+                  "GRPO's group-relative advantages: normalise rewards within each group", local=check_grpo_advantages,
+                  tries={
+                      "non-finite": "a group whose rewards are all equal (std 0): the advantages must be finite (0), "
+                                    "and NaN or infinity is named",
+                      "order": NO_GRADIENTS,
+                      "sizes": NOT_APPLICABLE + "a batch is a whole number of groups by definition",
+                      "ragged": NOT_APPLICABLE + "every group holds group_size rewards by definition",
+                      "layouts": "two groups per batch on different scales, of 3 and of 4: normalising over the "
+                                 "whole batch, true of one group only, fails",
+                      "traffic": NOT_APPLICABLE + ONE_PROCESS,
+                      "mutation": "the rewards are compared with a copy after the call (a view shares their memory)",
+                      "output": NOT_APPLICABLE + "the advantages are compared by shape and value; float rewards in, "
+                                "float advantages out",
+                      "memory": NO_BUFFERS,
+                      "bits": TOLERANCE}))

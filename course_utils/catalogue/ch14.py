@@ -1,12 +1,19 @@
 """Chapter 14's graded exercises, both checked here in one process: the zigzag split (which tokens a rank
 holds) and the causal block rule of ring attention (which blocks a rank computes, masks, or skips)."""
-from course_utils.exercises import FAIL, PASS, Exercise, register
+import math
+
+from course_utils.exercises import FAIL, NOT_APPLICABLE, PASS, Exercise, register
 
 SPLIT_SHAPES = ((8, 2), (16, 4), (48, 4), (32, 8), (4, 1), (24, 4), (6, 1))  # (seq, cp); the last two: odd chunks
 
 
 def _ranges(got) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in got]
+
+
+def _not_finite(got):
+    """The first bound that is a NaN or an infinity (Python's or a tensor's), or None."""
+    return next((x for pair in got for x in pair if not math.isfinite(float(x))), None)
 
 
 def _not_ints(got) -> bool:
@@ -25,6 +32,10 @@ def check_zigzag_chunks(answer) -> tuple[str, str]:
         for rank in range(cp):
             where = f"at seq={seq}, cp={cp}, rank={rank}"
             try:
+                bad = _not_finite(answer(seq, cp, rank))
+                if bad is not None:
+                    return FAIL, (f"{where}: a bound is {bad}: every bound is a token position, a finite integer "
+                                  "from 0 to seq")
                 got = _ranges(answer(seq, cp, rank))
             except (TypeError, ValueError):
                 return FAIL, f"{where}: return a list of two (start, stop) pairs, like [(0, 2), (6, 8)]"
@@ -96,6 +107,32 @@ def check_block_kind(answer) -> tuple[str, str]:
 
 
 register(Exercise("zigzag_chunks", "14", "zigzag_chunks",
-                  "The load-balanced zigzag split: chunk r and its mirror 2cp-1-r", local=check_zigzag_chunks))
+                  "The load-balanced zigzag split: chunk r and its mirror 2cp-1-r", local=check_zigzag_chunks, tries={
+                      "non-finite": "a bound that is NaN or infinite is named, not cast",
+                      "order": NOT_APPLICABLE + "token ranges from a formula: no gradients",
+                      "sizes": NOT_APPLICABLE + "the split needs seq divisible by 2 x cp (the notebook says so): only "
+                               "such seq are tried, odd chunk sizes (3 tokens) included",
+                      "ragged": NOT_APPLICABLE + "the split's chunks are equal by definition",
+                      "layouts": "seven (seq, cp) from cp = 1 to 8: every rank's two chunks at each, so a mirror rule "
+                                 "right at cp = 2 alone fails",
+                      "traffic": NOT_APPLICABLE + "computed in one process: no message is sent",
+                      "mutation": NOT_APPLICABLE + "the inputs are three integers",
+                      "output": "the bounds' type: floats (seq / (2 cp)) cannot slice a tensor and are named",
+                      "memory": NOT_APPLICABLE + "no tensors are held",
+                      "bits": NOT_APPLICABLE + "integers, compared exactly",
+                  }))
 register(Exercise("block_kind", "14", "block_kind",
-                  "Ring attention's causal block rule: full, diagonal (masked) or skip", local=check_block_kind))
+                  "Ring attention's causal block rule: full, diagonal (masked) or skip", local=check_block_kind, tries={
+                      "non-finite": NOT_APPLICABLE + "the answer returns one of three words, no number",
+                      "order": NOT_APPLICABLE + "a rule on two chunk numbers: no gradients",
+                      "sizes": NOT_APPLICABLE + "chunks are indices 0..5; their size does not enter the rule",
+                      "ragged": NOT_APPLICABLE + "every block is a pair of equal chunks",
+                      "layouts": NOT_APPLICABLE + "the rule has one input shape, a pair of chunks: all 36 pairs of "
+                                 "0..5 are tried",
+                      "traffic": NOT_APPLICABLE + "computed in one process: no message is sent",
+                      "mutation": NOT_APPLICABLE + "the inputs are two integers",
+                      "output": "the returned value: anything but 'full', 'diagonal' or 'skip' (a bool, a mask) is "
+                                "named",
+                      "memory": NOT_APPLICABLE + "no tensors are held",
+                      "bits": NOT_APPLICABLE + "words, compared exactly",
+                  }))

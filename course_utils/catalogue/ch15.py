@@ -1,7 +1,9 @@
 """Chapter 15's graded exercises: the mesh's groups by hand (checked here against the rank grid); the
 token-normalised loss across micro-batches, data and context parallelism (trained for real on 4 ranks); and a
 layout chosen for a memory budget with its traffic predicted, then run on 8 ranks and measured."""
-from course_utils.exercises import FAIL, PASS, Exercise, call_answer, register
+import math
+
+from course_utils.exercises import FAIL, NOT_APPLICABLE, PASS, Exercise, call_answer, register
 
 CHECKER = "workers.exercises.ch15"
 SHAPES = ((2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 2), (4, 1, 1, 2), (1, 4, 1, 2), (2, 2, 2, 1), (1, 1, 1, 8))
@@ -30,9 +32,17 @@ def _consecutive(world: int, n: int) -> list[tuple[int, ...]]:
 
 
 def _answers(answer, dp, pp, cp, tp) -> dict:
+    """Every dimension's groups, sorted; a rank that is not a finite number raises ValueError naming it."""
     from workers.layout.grid import DIMS
 
-    return {dim: _normal(answer(dp, pp, cp, tp, dim)) for dim in DIMS}
+    out = {}
+    for dim in DIMS:
+        groups = [list(g) for g in answer(dp, pp, cp, tp, dim)]
+        bad = next((r for g in groups for r in g if not math.isfinite(float(r))), None)
+        if bad is not None:
+            raise ValueError(f"along {dim} a rank is {bad}: ranks are integers from 0 to world - 1")
+        out[dim] = _normal(groups)
+    return out
 
 
 def check_mesh_groups(answer) -> tuple[str, str]:
@@ -44,11 +54,17 @@ def check_mesh_groups(answer) -> tuple[str, str]:
         sizes = grid.describe()
         try:
             answers = _answers(answer, dp, pp, cp, tp)
-        except (TypeError, ValueError):
+        except ValueError as exc:
+            if "ranks are integers" in str(exc):
+                return FAIL, f"at dp={dp}, pp={pp}, cp={cp}, tp={tp}: {exc}"
+            return FAIL, (f"at dp={dp}, pp={pp}, cp={cp}, tp={tp}: return a list of groups, each a list of ranks, like "
+                          "[[0, 1], [2, 3]]")
+        except TypeError:
             return FAIL, (f"at dp={dp}, pp={pp}, cp={cp}, tp={tp}: return a list of groups, each a list of ranks, like "
                           "[[0, 1], [2, 3]]")
         # a mistake in the layout shows along several dimensions at once: recognise it from all of them
         reversed_grid = {d: _grid_groups(sizes, tuple(reversed(DIMS)), d) for d in DIMS}
+        cp_outside_pp = {d: _grid_groups(sizes, ("dp", "cp", "pp", "tp"), d) for d in DIMS}
         consecutive = {d: _consecutive(grid.world, sizes[d]) for d in DIMS}
         for dim in DIMS:
             where = f"at dp={dp}, pp={pp}, cp={cp}, tp={tp}, along {dim}"
@@ -60,6 +76,13 @@ def check_mesh_groups(answer) -> tuple[str, str]:
                               "Megatron's, torchtitan's) tp is innermost, so a tensor-parallel group is consecutive "
                               "ranks, the ones that share the fastest links")
             n = sizes[dim]
+            if answers == cp_outside_pp:
+                return FAIL, (f"{where}: you ordered the grid dp, cp, pp, tp: the course's (and Megatron's) order is "
+                              "dp, pp, cp, tp, outermost first, so a context-parallel group is tp ranks apart and a "
+                              "pipeline cp*tp apart. The two orders agree only while pp or cp is 1")
+            if n == 1 and not got:
+                return FAIL, (f"{where}: {dim} has size 1, so every rank is a group of its own: return all "
+                              f"{grid.world} groups of one rank; every rank creates every group, even of one")
             if answers == consecutive or got == consecutive[dim]:
                 return FAIL, (f"{where}: consecutive runs of {n} ranks are the groups of the innermost dimension only; "
                               f"along {dim} the members are a stride apart: the product of the sizes inside it")
@@ -106,12 +129,16 @@ def check_layout_and_traffic(answer) -> tuple[str, str]:
         return FAIL, ("return (layout, predicted): layout a dict with dp, tp, pp, cp (and zero, micro_batches, "
                       "sequence_parallel), predicted a dict of bytes per dimension, like {'tp': 0, 'cp': 0, 'pp': 0, "
                       "'dp': 0}")
+    odd = [d for d in DIMENSIONS if not math.isfinite(predicted[d])]
+    if odd:  # before any rank starts: no measurement equals it
+        return FAIL, (f"your prediction along {odd[0]} is {predicted[odd[0]]}: predict a finite number of bytes for "
+                      "every dimension (0 where nothing is sent)")
     layout = Layout(**options)
     why = layout_problem(layout, WORLD, global_batch=CONFIG["global_batch"])
     if why:
         return FAIL, f"layout {layout.name} is refused before launch: {why}"
     held = [(s, _state_bytes(layout.as_dict(), s)) for s in range(layout.pp)]
-    over = [(s, b) for s, b in held if b > BUDGET]
+    over = [(s, b) for s, b in held if not b <= BUDGET]
     if over:
         stage, held = over[0]
         return FAIL, (f"layout {layout.name} (zero={layout.zero}) does not fit: a rank of stage {stage} holds {held:,} "
@@ -122,7 +149,7 @@ def check_layout_and_traffic(answer) -> tuple[str, str]:
     measured = {d: rank["comm"][0][d]["wire_bytes"] for d in DIMENSIONS}
     planner = {row["dimension"]: row["planner"] for row in truth.comm_rows(res.ranks)}
     for dim in DIMENSIONS:
-        if abs(predicted[dim] - measured[dim]) < 0.5:
+        if abs(predicted[dim] - measured[dim]) < 0.5:  # finite by now: a NaN prediction was refused above
             continue
         where = f"layout {layout.name}, rank 0, along {dim}: you predicted {predicted[dim]:,.0f} bytes, it sent {measured[dim]:,.0f}"
         if measured[dim] and abs(predicted[dim] - planner[dim]) < 0.5:
@@ -140,12 +167,62 @@ def check_layout_and_traffic(answer) -> tuple[str, str]:
 
 
 register(Exercise("mesh_groups", "15", "mesh_groups",
-                  "The mesh's groups by hand: which ranks share a TP, CP, PP or DP group", local=check_mesh_groups))
+                  "The mesh's groups by hand: which ranks share a TP, CP, PP or DP group", local=check_mesh_groups,
+                  tries={
+                      "non-finite": "a rank that is NaN or infinite is named, not cast",
+                      "order": NOT_APPLICABLE + "rank lists from a formula: no gradients",
+                      "sizes": NOT_APPLICABLE + "the world is the product of the four degrees, so every degree "
+                               "divides it",
+                      "ragged": "degrees of 1 ((1, 1, 1, 8), (2, 2, 2, 1)): every rank is then a group of its own, "
+                                "and all of them must be returned",
+                      "layouts": "seven grids, among them ones where pp and cp are both above 1: a dimension order "
+                                 "right only while one of them is 1 fails",
+                      "traffic": NOT_APPLICABLE + "computed in one process: no group is created",
+                      "mutation": NOT_APPLICABLE + "the inputs are integers and a name",
+                      "output": "the number of groups: every group along the dimension, not only rank 0's",
+                      "memory": NOT_APPLICABLE + "no tensors are held",
+                      "bits": NOT_APPLICABLE + "integers, compared exactly",
+                  }))
 register(Exercise("micro_batch_loss", "15", "micro_batch_loss",
                   "The token-normalised loss across micro-batches, data and context parallelism",
-                  worker=CHECKER, world_sizes=(4,)))
+                  worker=CHECKER, world_sizes=(4,), tries={
+                      "non-finite": "every step's loss is tested finite before it is compared: a NaN or infinite "
+                                    "loss is named, with the micro-batch that made it",
+                      "order": NOT_APPLICABLE + "the trainer accumulates the micro-batches' gradients; the answer "
+                               "only scales one micro-batch's loss",
+                      "sizes": NOT_APPLICABLE + "the trainer refuses a batch that does not divide into dp x m "
+                               "micro-batches; the answer sees only counts",
+                      "ragged": "micro-batches of different token counts, and at step 1 one without any valid token: "
+                                "its loss must be 0, not 0/0",
+                      "layouts": "2x1x2x1 with 4 micro-batches (dp != m) and 2x1x1x2 with 2 (dp = m, cp = 2): a "
+                                 "factor dp / m or cp fails on one of them",
+                      "traffic": NOT_APPLICABLE + "the answer computes a number; the trainer does every collective",
+                      "mutation": NOT_APPLICABLE + "summed_ce is the answer's to use: the trainer reads only what it "
+                                  "returns",
+                      "output": "one float64 number on summed_ce's device, connected to summed_ce's graph: a float, "
+                                "a float32 loss or a tensor made afresh is named",
+                      "memory": NOT_APPLICABLE + "a scalar: nothing to release",
+                      "bits": NOT_APPLICABLE + "the losses are compared within float64 rounding (1e-10): another "
+                              "order of the same division passes",
+                  }))
 # The check starts 8 ranks (a cold start takes 15-40 s on two loaded cores) and runs a step with its own timeout:
 # the exercise's limit covers that; the learner's function alone gets call_answer's 30 s.
 register(Exercise("layout_and_traffic", "15", "layout_and_traffic",
                   "Pick a layout that fits the memory budget, predict its traffic, and run it",
-                  local=check_layout_and_traffic, timeout_s=660.0))
+                  local=check_layout_and_traffic, timeout_s=660.0, tries={
+                      "non-finite": "a prediction that is NaN or infinite is refused before any rank starts",
+                      "order": NOT_APPLICABLE + "the answer returns a layout and four numbers: no gradients",
+                      "sizes": "degrees and micro-batches that do not divide the world, the layers or the batch are "
+                               "refused before launch, naming the degree",
+                      "ragged": NOT_APPLICABLE + "the run's batch and stages are the chapter's, equal by the refusal "
+                                "rules",
+                      "layouts": NOT_APPLICABLE + "the learner chooses one layout; it is checked as chosen",
+                      "traffic": "the layout runs one step on 8 ranks and rank 0's measured bytes along tp, cp, pp "
+                                 "and dp must equal the prediction, to the byte",
+                      "mutation": NOT_APPLICABLE + "the answer takes no input",
+                      "output": NOT_APPLICABLE + "a layout and four numbers, read by value; a malformed return is "
+                                "named as such",
+                      "memory": NOT_APPLICABLE + "the budget is checked on the state the layout holds per rank, by the "
+                                "implementation's own count; nothing is released",
+                      "bits": NOT_APPLICABLE + "byte counts, compared to half a byte",
+                  }))

@@ -477,7 +477,10 @@ check("shard_indices", shard_indices)
 # of a bucket lands, the bucket is flattened (`torch.cat`), divided by the world size and sent with
 # `dist.all_reduce(flat, async_op=True)`, during backward; return a function `finish()` that waits for every
 # handle and copies the averages back into each `.grad`. The check wraps `dist.all_reduce` on the ranks: it sees
-# when you launch, whether you launch asynchronously, and whether you wait inside backward.
+# when you launch (each bucket as soon as its last gradient lands, before backward computes the next ones),
+# whether you launch asynchronously, and whether you wait inside backward. It also tries a model with a
+# LayerNorm, whose weight's gradient lands before its bias's (not in the bucket's listed order), where `.grad`
+# already holds an earlier micro-batch's gradient that backward adds to.
 
 # %% tags=["exercise"]
 def overlapped_hooks(params, buckets):

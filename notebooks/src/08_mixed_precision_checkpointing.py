@@ -651,8 +651,9 @@ check("training_state", training_state)
 # Write `atomic_save(obj, path)`: after it returns, `path` holds `obj`; if it fails at any point, `path` still
 # holds whatever it held before, whole. The checker makes a save fail halfway through its writes (a full disk)
 # and loads `path`; then it watches a normal save: `path` must be replaced (a new inode), not rewritten in
-# place; never deleted first; renamed from a file in the same directory that was fsync-ed before the rename;
-# nothing left beside it.
+# place; never deleted first; renamed from a file in the same directory whose own data was fsync-ed before the
+# rename; the directory fsync-ed after it (the rename is a change to the directory: open it with
+# `os.open(directory, os.O_RDONLY)` and fsync that); nothing left beside it.
 
 # %% tags=["exercise"]
 def atomic_save(obj, path):

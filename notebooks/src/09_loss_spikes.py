@@ -483,8 +483,9 @@ plots.savefig(ch09.draw_interruptions(), "09_llama3_interruptions");
 #
 # Write `cross_rank_checksum(params)`: return a list, on **every** rank, with every rank's checksum of its
 # list of parameter tensors, in rank order. It is graded on real ranks (world 2, then 4) where one rank has
-# the lowest mantissa bit of one element flipped, and another has two elements swapped: both must change
-# that rank's checksum. Hints: `t.view(torch.int32)` reinterprets the bits; weight each element by its
+# the lowest mantissa bit of one element flipped (of an ordinary weight, then of a weight near 1e-12), or
+# -0.0 where the others hold 0.0, and another has two elements swapped: each must change that rank's
+# checksum. Hints: `t.view(torch.int32)` reinterprets the bits; weight each element by its
 # position; keep the arithmetic in Python ints or split words into 16-bit halves so int64 cannot
 # overflow; `dist.all_gather_object(out, value)` gathers one Python object per rank.
 
@@ -503,7 +504,8 @@ check("cross_rank_checksum", cross_rank_checksum)
 #
 # Write `first_divergence(trace_a, trace_b, rtol)`: the first index at which two per-step traces (losses,
 # say) differ by more than `rtol` relative to the larger of the two values, or `None` if they never do.
-# A trace that ends early diverges where it ends; a NaN is never close to anything.
+# A trace that ends early (either one) diverges where it ends; a NaN is never close to anything, not even to
+# another NaN.
 
 # %% tags=["exercise"]
 def first_divergence(trace_a, trace_b, rtol):

@@ -345,7 +345,9 @@ print(f"{r['buckets']} buckets; reduce-scatters launched before backward ended, 
 # end to end in the order of `params`, padded with zeros to N x S elements (S = `grad_shard.numel()`), and this
 # rank's slice of their **mean over the ranks** lands in `grad_shard`, and no parameter keeps a whole `.grad`.
 # Return the hook handles. (One bucket here, the whole model; `Zero2Optimizer` does the same per bucket.) The
-# check runs a backward on 2 and 4 ranks and compares your shard with one process's gradient.
+# check runs a backward on 2 and 4 ranks and compares your shard with one process's gradient, for a model whose
+# parameter count needs padding and one whose count splits evenly (its parameters listed in reverse, so the last
+# gradient to land is not the last in the list); it also notes which collectives your hook ran, and how many bytes.
 
 # %% tags=["exercise"]
 def zero2_grad_hooks(params, grad_shard):
@@ -401,8 +403,10 @@ plots.savefig(axes[0].figure, "11_zero3_timeline");
 # (`flat.untyped_storage().resize_(flat.numel() * flat.element_size())`, then `all_gather_into_tensor`), freed
 # right after it (`resize_(0)`), gathered again just before its backward (a hook on the gradient of its output),
 # and freed once every parameter has its gradient. The check runs the block forward and backward under your
-# hooks and compares with the block computed whole; it stops a read of freed memory before it happens (such a
-# read would crash the rank) and tells you where.
+# hooks and compares with the block computed whole, for a pre-norm block and for a post-norm one (whose
+# gradients land in another order); "freed" means the parameters' own storage too, not only `flat`'s. It stops a
+# read of freed memory, or of a gather not yet waited for, before it happens (such a read would crash the rank)
+# and tells you where.
 
 # %% tags=["exercise"]
 def zero3_unit_hooks(unit, flat, shard):

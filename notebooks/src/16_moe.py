@@ -308,10 +308,11 @@ check("dispatch_plan", dispatch_plan)
 # fraction of the token choices of **every rank of `group`** routed to expert i (choices for i over the group,
 # divided by the group's tokens times `top_k`: one `torch.distributed.all_reduce` of the counts, which carry no
 # gradient) and `P_i = probs.mean(0)[i]` over **this rank's** tokens. With equal tokens per rank the ranks' terms
-# average to the loss of the whole batch. `group` is a process group (`None`: the whole world). The check runs on 2
-# and 4 real ranks, each with its own batch leaning towards another expert, compares your term and its gradient
-# with respect to `probs` with the chapter's `load_balancing_loss`, and at 4 ranks runs it again inside two groups
-# of 2.
+# average to the loss of the whole batch (with unequal ones, their average weighted by tokens does). `group` is a
+# process group (`None`: the whole world). The check runs on 2 and 4 real ranks, each with its own batch leaning
+# towards another expert (in one case the ranks hold different numbers of tokens, one only 2), compares your term
+# and its gradient with respect to `probs` with the chapter's `load_balancing_loss`, and at 4 ranks runs it again
+# inside two groups of 2.
 
 # %% tags=["exercise"]
 def load_balancing_loss(probs, experts, n_experts, top_k, group):
@@ -326,7 +327,8 @@ check("load_balancing_loss", load_balancing_loss)
 # kept choices, in the same order as `token_index` `[A]` (the token each row belongs to, int64) and `weight` `[A]`
 # (its routing weight). Return `y` `[tokens, h]` with `y[t]` the sum, over the rows r with `token_index[r] == t`, of
 # `weight[r] * rows[r]`; a token whose choices were all dropped gets zeros. Keep it differentiable in `rows` and
-# `weight`: the experts and the router learn through it. The check puts your function in the last step of the
+# `weight`: the experts and the router learn through it, and leave them unchanged; `y` has the device and dtype of
+# `rows`. The check puts your function in the last step of the
 # chapter's expert-parallel layer (8 experts, top-2, capacity factor 1.0, float64) on 2 and 4 real ranks, runs a
 # forward and a backward, and compares the output and every gradient with the one-process layer.
 

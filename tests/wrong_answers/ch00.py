@@ -1,4 +1,5 @@
 """Plausible wrong answers for chapter 00, each with a fragment of the message the check must give."""
+from tests.wrong_answers import tries
 
 
 def layout_70b_pure_dp():
@@ -74,6 +75,64 @@ def zero_total_in_gb(n_params, n_gpus, stage):
     return (params + grads + 12 * n_params / (n_gpus if stage >= 1 else 1)) / 1e9
 
 
+def layout_70b_dp_by_true_division():
+    tp, pp = 8, 4
+    return dict(tp=tp, pp=pp, dp=256 / (tp * pp), zero=1)  # the right layout, but dp = 8.0, a float
+
+
+def layout_70b_nan_degree():
+    return dict(tp=8, pp=4, dp=float("nan"), zero=1)  # a degree left NaN (a 0 / 0 in numpy gives NaN, not an error)
+
+
+def min_gpus_float_ceiling(n_params, gpu_memory_bytes, reserved_bytes=0.0):
+    # Ceiling division by negation: right value, but a float (16 * n_params is a float).
+    return max(1, -(-16 * n_params // (gpu_memory_bytes - reserved_bytes)))
+
+
+def min_gpus_nan_when_reserved(n_params, gpu_memory_bytes, reserved_bytes=0.0):
+    import math
+
+    if reserved_bytes:
+        return float("nan")  # stands for any slip that leaves a NaN where the reserved memory counts
+    return max(1, math.ceil(16 * n_params / gpu_memory_bytes))
+
+
+def max_tp_true_division(heads, kv_heads, gpus_per_node=8):
+    import math
+
+    # The right degree, as the node divided by the number of TP groups it holds: true division gives a float.
+    return gpus_per_node / (gpus_per_node // math.gcd(heads, kv_heads, gpus_per_node))
+
+
+def max_tp_nan(heads, kv_heads, gpus_per_node=8):
+    import math
+
+    return float("nan") if gpus_per_node > 8 else math.gcd(heads, kv_heads, gpus_per_node)
+
+
+def zero_total_nan_for_one_gpu(n_params, n_gpus, stage):
+    # The right formula, NaN on a single GPU (what (n_gpus - 1) / (n_gpus - 1) gives in numpy).
+    if n_gpus == 1:
+        return float("nan")
+    params = 2 * n_params / (n_gpus if stage >= 3 else 1)
+    grads = 2 * n_params / (n_gpus if stage >= 2 else 1)
+    return params + grads + 12 * n_params / (n_gpus if stage >= 1 else 1)
+
+# Marked after their definitions, not with a decorator: an answer travels as its source (to the ranks, and into
+# a notebook cell in the browser test), and a decorator line would travel with it.
+tries("sizes")(layout_70b_pp_not_dividing_layers)
+tries("sizes")(min_gpus_int_plus_one)
+tries("layouts")(max_tp_halving_from_node)
+tries("sizes")(max_tp_min_of_kv_and_node)
+tries("output")(layout_70b_dp_by_true_division)
+tries("non-finite")(layout_70b_nan_degree)
+tries("output")(min_gpus_float_ceiling)
+tries("non-finite")(min_gpus_nan_when_reserved)
+tries("output")(max_tp_true_division)
+tries("non-finite")(max_tp_nan)
+tries("non-finite")(zero_total_nan_for_one_gpu)
+
+
 WRONG = [
     ("layout_70b", layout_70b_pure_dp, "does not fit"),
     ("layout_70b", layout_70b_tp16, "spans 2 nodes of 8 GPUs"),
@@ -90,4 +149,11 @@ WRONG = [
     ("max_tp", max_tp_ignores_node, "does not tile a node of 8 GPUs"),
     ("zero_total_bytes", zero_total_stage2_as_stage1, "that is stage 1's total"),
     ("zero_total_bytes", zero_total_in_gb, "return bytes, not GB"),
+    ("zero_total_bytes", zero_total_nan_for_one_gpu, "(NaN or infinite)"),
+    ("layout_70b", layout_70b_dp_by_true_division, "dp is 8.0, a float"),
+    ("layout_70b", layout_70b_nan_degree, "dp is nan (NaN or infinite)"),
+    ("min_gpus_fsdp", min_gpus_float_ceiling, "a float: return an int"),
+    ("min_gpus_fsdp", min_gpus_nan_when_reserved, "the GPU count is nan (NaN or infinite)"),
+    ("max_tp", max_tp_true_division, "the TP degree is 8.0, a float"),
+    ("max_tp", max_tp_nan, "the TP degree is nan (NaN or infinite)"),
 ]

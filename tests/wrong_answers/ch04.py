@@ -1,4 +1,5 @@
 """Plausible wrong answers for chapter 04, each with a fragment of the message the check must give."""
+from tests.wrong_answers import tries
 
 
 def column_without_f(x, weight, bias, group):
@@ -111,16 +112,62 @@ def swiglu_up_off_by_one(w, rank, tp):
     return torch.cat([w[rank * n:(rank + 1) * n], w[ffn + rank * n + 1:ffn + (rank + 1) * n + 1]])
 
 
+def column_leaves_a_nan(x, weight, bias, group):
+    # The right layer, but one output value is NaN.
+    import torch.nn.functional as F
+
+    from workers.parallel.mappings import copy_to_tensor_model_parallel_region
+
+    y = F.linear(copy_to_tensor_model_parallel_region(x, group), weight, bias)
+    y[0, 0, 0] = float("nan")
+    return y
+
+
+def row_leaves_a_nan(x, weight, bias, group):
+    # The right layer, but one output value is NaN.
+    import torch.nn.functional as F
+
+    from workers.parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    y = reduce_from_tensor_model_parallel_region(F.linear(x, weight), group) + bias
+    y[0, 0, 0] = float("nan")
+    return y
+
+
+def swiglu_leaves_a_nan(w, rank, tp):
+    # The right rows, but one value is NaN.
+    import torch
+
+    ffn = w.shape[0] // 2
+    n = ffn // tp
+    out = torch.cat([w[rank * n:(rank + 1) * n], w[ffn + rank * n:ffn + (rank + 1) * n]])
+    out.view(-1)[0] = float("nan")
+    return out
+
+# Marked after their definitions, not with a decorator: an answer travels as its source (to the ranks, and into
+# a notebook cell in the browser test), and a decorator line would travel with it.
+tries("output")(column_gathers_output)
+tries("layouts")(column_f_on_world_group)
+tries("layouts")(row_g_on_world_group)
+tries("output")(swiglu_up_off_by_one)
+tries("non-finite")(column_leaves_a_nan)
+tries("non-finite")(row_leaves_a_nan)
+tries("non-finite")(swiglu_leaves_a_nan)
+
+
 WRONG = [
     ("column_parallel_forward", column_without_f, "only this rank's contribution"),
     ("column_parallel_forward", column_gathers_output, "whole output"),
     ("column_parallel_forward", column_f_on_world_group, "used the default (world) group instead of the group"),
+    ("column_parallel_forward", column_leaves_a_nan, "output columns holds NaN or inf"),
     ("row_parallel_forward", row_g_on_world_group, "used the default (world) group instead of the group"),
     ("row_parallel_forward", row_bias_on_every_rank, "added it on every rank before the all-reduce"),
     ("row_parallel_forward", row_without_reduce, "partial product"),
     ("row_parallel_forward", row_bias_divided, "bias gradient"),
     ("row_parallel_forward", row_bias_on_rank_zero, "copy of the bias gets no gradient"),
+    ("row_parallel_forward", row_leaves_a_nan, "output holds NaN or inf"),
     ("swiglu_shard", swiglu_naive_chunk, "contiguous chunk"),
     ("swiglu_shard", swiglu_up_then_gate, "in that order"),
     ("swiglu_shard", swiglu_up_off_by_one, "silently cut short"),
+    ("swiglu_shard", swiglu_leaves_a_nan, "holds NaN or inf"),
 ]

@@ -1,4 +1,5 @@
 """Plausible wrong answers for chapter 06, each with a fragment of the message the check must give."""
+from tests.wrong_answers import tries
 
 
 def block_without_f(x, parts, group):
@@ -91,6 +92,51 @@ def block_f_without_group(x, parts, group):
     return h + g(parts.mlp_partial(f(parts.ln2(h))), group) + parts.mlp_bias
 
 
+def block_nan_in_output(x, parts, group):
+    # The right block with one output entry NaN (what a 0 / 0 in a hand-made normalisation leaves behind).
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    h = x + g(parts.attention_partial(f(parts.ln1(x), group)), group) + parts.attention_bias
+    y = h + g(parts.mlp_partial(f(parts.ln2(h), group)), group) + parts.mlp_bias
+    y = y.clone()
+    y[0, 0, 0] = float("nan")
+    return y
+
+
+def block_averages_the_residual(x, parts, group):
+    # "Keep the residual in sync": an all-reduce of the replicated stream, divided back by the group size. The
+    # forward values are right; the all-reduce is one too many.
+    import torch.distributed as dist
+
+    from workers.parallel.mappings import (copy_to_tensor_model_parallel_region as f,
+                                           reduce_from_tensor_model_parallel_region as g)
+
+    h = x + g(parts.attention_partial(f(parts.ln1(x), group)), group) + parts.attention_bias
+    h = g(h, group) / dist.get_world_size(group)
+    return h + g(parts.mlp_partial(f(parts.ln2(h), group)), group) + parts.mlp_bias
+
+
+def share_nan_at_long_sequences(seq, hidden):
+    # Right below s = 8192; NaN beyond (what an overflowed intermediate in a narrower type gives).
+    if seq > 8192:
+        return float("nan")
+    return (8 * hidden + 4 * seq) / (24 * hidden + 4 * seq)
+
+
+def share_s_and_h_swapped(seq, hidden):
+    return (8 * seq + 4 * hidden) / (24 * seq + 4 * hidden)
+
+
+# Marked after their definitions, not with a decorator: an answer travels as its source (to the ranks, and into
+# a notebook cell in the browser test), and a decorator line would travel with it.
+tries("non-finite")(block_nan_in_output)
+tries("traffic")(block_averages_the_residual)
+tries("layouts")(block_g_without_group)
+tries("output")(block_detached_off_rank_zero)
+tries("non-finite")(share_nan_at_long_sequences)
+tries("layouts")(share_s_and_h_swapped)
+
 WRONG = [
     ("block_forward", block_without_f, "Pass the LayerNorm outputs through f"),
     ("block_forward", block_bias_inside_g, "holds each bias"),
@@ -102,4 +148,8 @@ WRONG = [
     ("block_forward", block_f_without_group, "in the backward pass, copy_to_tensor_model_parallel_region ran over 4"),
     ("attention_flop_share", share_without_s_squared, "does not change with s"),
     ("attention_flop_share", share_only_scores, "only the s² part"),
+    ("attention_flop_share", share_nan_at_long_sequences, "The share is NaN or infinite"),
+    ("attention_flop_share", share_s_and_h_swapped, "s and h swapped"),
+    ("block_forward", block_nan_in_output, "NaN or infinite value(s)"),
+    ("block_forward", block_averages_the_residual, "your forward ran 3 all-reduces"),
 ]

@@ -1,4 +1,5 @@
 """Plausible wrong answers for chapter 07, each with a fragment of the message the check must give."""
+from tests.wrong_answers import tries
 
 
 def merge_by_averaging(out_a, lse_a, out_b, lse_b):
@@ -84,14 +85,35 @@ def merge_in_place(out_a, lse_a, out_b, lse_b):
     return out_a, lse_a
 
 
+def merge_nan_in_one_row(out_a, lse_a, out_b, lse_b):
+    # The reference's result with one nan where every part saw keys: stands for any slip that makes a nan there.
+    from solutions.ch07 import merge_attention
+
+    out, lse = merge_attention(out_a, lse_a, out_b, lse_b)
+    out[-1, 0] = float("nan")
+    return out, lse
+
+
+def merge_lse_keepdim(out_a, lse_a, out_b, lse_b):
+    # logsumexp over the stacked LSEs with keepdim=True, so that lse broadcasts against out: lse comes back [N, 1].
+    import torch
+
+    lse = torch.logsumexp(torch.stack([lse_a, lse_b], dim=-1), dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(lse_a[:, None] - m) * out_a + torch.exp(lse_b[:, None] - m) * out_b, lse
+
+
 def _tile_loop(q, k, v, causal, block, rescale=True, mask="absolute", subtract_max=True, lse_kind="m+log(l)",
-               m_start=float("-inf")):
+               m_start=float("-inf"), scale_q_in_place=False):
     import math
 
     import torch
 
     n_q, d = q.shape
     scale = 1.0 / math.sqrt(d)
+    if scale_q_in_place:
+        q.mul_(scale)
+        scale = 1.0
     m = torch.full((n_q,), m_start)
     l = torch.zeros(n_q)
     acc = torch.zeros(n_q, v.shape[1])
@@ -150,6 +172,42 @@ def forward_full_matrix(q, k, v, causal=False, block=16):
     return torch.exp(s - lse[:, None]) @ v, lse
 
 
+def forward_whole_tiles_only(q, k, v, causal=False, block=16):
+    # n_k // block tiles: right when block divides the number of keys, blind to the shorter last tile.
+    from solutions.ch07 import forward_tile_loop
+
+    whole = (k.shape[0] // block) * block
+    return forward_tile_loop(q, k[:whole], v[:whole], causal=causal, block=block)
+
+
+def forward_loop_bounded_by_queries(q, k, v, causal=False, block=16):
+    # The loop over key tiles stops at the number of queries: right for a square score matrix only.
+    from solutions.ch07 import forward_tile_loop
+
+    return forward_tile_loop(q, k[:max(q.shape[0], block)], v[:max(q.shape[0], block)], causal=causal, block=block)
+
+
+def forward_scales_q_in_place(q, k, v, causal=False, block=16):
+    # Folds the 1/sqrt(d) scale into q once, in place, to save a multiply per tile: the caller's q changes.
+    return _tile_loop(q, k, v, causal, block, scale_q_in_place=True)
+
+
+def forward_in_float64(q, k, v, causal=False, block=16):
+    # Accumulates in float64 for safety, and hands the float64 result back.
+    from solutions.ch07 import forward_tile_loop
+
+    return forward_tile_loop(q.double(), k.double(), v.double(), causal=causal, block=block)
+
+
+def forward_inf_lse(q, k, v, causal=False, block=16):
+    # The reference's result with an infinite LSE in one row: stands for any slip that makes one there.
+    from solutions.ch07 import forward_tile_loop
+
+    out, lse = forward_tile_loop(q, k, v, causal=causal, block=block)
+    lse[0] = float("inf")
+    return out, lse
+
+
 def backward_p_as_a_ratio(q, k, v, out, dout, lse, scale):
     # exp(s) / exp(lse): the same P in real numbers, inf / inf once a score passes about 88.7.
     p = (q @ k.T * scale).exp() / lse.exp()[:, None]
@@ -176,6 +234,45 @@ def backward_softmax_over_tile(q, k, v, out, dout, lse, scale):
     return p.T @ dout, p * (dp - (dout * out).sum(dim=1, keepdim=True))
 
 
+def backward_nan_in_ds(q, k, v, out, dout, lse, scale):
+    # The reference's tile with one nan in dS: stands for any slip that makes one there.
+    from solutions.ch07 import backward_tile
+
+    dv, ds = backward_tile(q, k, v, out, dout, lse, scale)
+    ds[0, -1] = float("nan")
+    return dv, ds
+
+
+def backward_delta_in_place(q, k, v, out, dout, lse, scale):
+    # delta = rowsum(dO * O) computed in out's own memory, to save a tile-sized temporary.
+    p = (q @ k.T * scale - lse[:, None]).exp()
+    delta = out.mul_(dout).sum(dim=1, keepdim=True)
+    return p.T @ dout, p * (dout @ v.T - delta)
+
+
+def backward_in_float64(q, k, v, out, dout, lse, scale):
+    # Recomputes P in float64 for accuracy, and hands float64 dV and dS back.
+    from solutions.ch07 import backward_tile
+
+    return backward_tile(q.double(), k.double(), v.double(), out.double(), dout.double(), lse.double(), scale)
+
+
+# The classes of input each answer shows the check trying (tests/test_exercise_coverage.py).
+tries("ragged")(merge_unguarded)
+tries("mutation")(merge_in_place)
+tries("non-finite")(merge_nan_in_one_row)
+tries("output")(merge_lse_keepdim)
+tries("memory")(forward_full_matrix)
+tries("sizes", "ragged")(forward_whole_tiles_only)
+tries("layouts")(forward_loop_bounded_by_queries)
+tries("mutation")(forward_scales_q_in_place)
+tries("output")(forward_in_float64)
+tries("non-finite")(forward_inf_lse)
+tries("non-finite")(backward_nan_in_ds)
+tries("mutation")(backward_delta_in_place)
+tries("output")(backward_in_float64)
+
+
 WRONG = [
     ("merge_attention", merge_by_averaging, "missing rescale"),
     ("merge_attention", merge_lse_is_max, "not the larger of the two"),
@@ -186,14 +283,24 @@ WRONG = [
     ("merge_attention", merge_anchored_on_b_guarded, "anchored on one side's maximum"),
     ("merge_attention", merge_clamped_lse, "lse should be -inf (the log of an empty sum)"),
     ("merge_attention", merge_in_place, "changed its inputs in place"),
+    ("merge_attention", merge_nan_in_one_row, "nan or inf where the answer is finite (first in row 11"),
+    ("merge_attention", merge_lse_keepdim, "lse should have shape (12,), got (12, 1)"),
     ("forward_tile_loop", forward_missing_rescale, "missing rescale"),
     ("forward_tile_loop", forward_tile_local_mask, "wrong mask"),
     ("forward_tile_loop", forward_no_max_subtraction, "forgetting the max subtraction"),
     ("forward_tile_loop", forward_lse_without_max, "wrong LSE"),
     ("forward_tile_loop", forward_full_matrix, "as large as the whole"),
     ("forward_tile_loop", forward_max_starts_at_zero, "the running max starts at 0 instead of -inf"),
+    ("forward_tile_loop", forward_whole_tiles_only, "the only tile is shorter than block"),
+    ("forward_tile_loop", forward_loop_bounded_by_queries, "bounded by the number of queries"),
+    ("forward_tile_loop", forward_scales_q_in_place, "changed q in place"),
+    ("forward_tile_loop", forward_in_float64, "out should be float32"),
+    ("forward_tile_loop", forward_inf_lse, "the LSE holds nan or inf (first in row 0)"),
     ("backward_tile", backward_without_delta, "left out delta"),
     ("backward_tile", backward_p_as_a_ratio, "rebuild P in one exponent"),
     ("backward_tile", backward_delta_over_tile, "this tile's keys only"),
     ("backward_tile", backward_softmax_over_tile, "saved LSE"),
+    ("backward_tile", backward_nan_in_ds, "dS holds nan or inf (first in row 0)"),
+    ("backward_tile", backward_delta_in_place, "changed out in place"),
+    ("backward_tile", backward_in_float64, "dv should be float32"),
 ]

@@ -1,4 +1,7 @@
 """Plausible wrong answers for chapter 10, each with a fragment of the message the check must give."""
+import math
+
+from tests.wrong_answers import tries
 
 
 def ring_time_n_minus_1_steps(n, size_bytes, alpha, bandwidth):
@@ -25,6 +28,12 @@ def ring_time_no_latency(n, size_bytes, alpha, bandwidth):
 
 def ring_time_one_rank_pays(n, size_bytes, alpha, bandwidth):
     return 2 * max(n - 1, 1) * alpha + 2 * (n - 1) / n * size_bytes / bandwidth  # n=1 still pays latency
+
+
+def ring_time_undefined_for_one_rank(n, size_bytes, alpha, bandwidth):
+    if n == 1:
+        return math.nan  # "no ring with one rank": but the time to reduce alone is 0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * size_bytes / bandwidth
 
 
 def ring_time_integer_factor(n, size_bytes, alpha, bandwidth):
@@ -109,6 +118,15 @@ def fix_env_old_buffer_name(env):
     return fixed
 
 
+# Marked after their definitions, not with a decorator: an answer travels as its source (to the ranks, and into
+# a notebook cell in the browser test), and a decorator line would travel with it.
+tries("ragged")(ring_time_one_rank_pays)
+tries("non-finite")(ring_time_undefined_for_one_rank)
+tries("sizes")(ring_time_integer_factor)
+tries("mutation")(fix_env_in_place)
+tries("output")(fix_env_int_value)
+
+
 WRONG = [
     ("ring_allreduce_time", ring_time_n_minus_1_steps, "2(n-1) steps"),
     ("ring_allreduce_time", ring_time_no_factor_two, "missing its factor 2"),
@@ -116,6 +134,7 @@ WRONG = [
     ("ring_allreduce_time", ring_time_no_latency, "latency term 2(n-1) x alpha is missing"),
     ("ring_allreduce_time", ring_time_one_rank_pays, "the time is 0"),
     ("ring_allreduce_time", ring_time_integer_factor, "integer division"),
+    ("ring_allreduce_time", ring_time_undefined_for_one_rank, "you returned nan, not a finite number of seconds"),
     ("fix_nccl_env", fix_env_only_debug, "rename it to TORCH_NCCL_ASYNC_ERROR_HANDLING"),
     ("fix_nccl_env", fix_env_drops_everything, "it is system configuration"),
     ("fix_nccl_env", fix_env_keeps_algo, "NCCL_ALGO"),

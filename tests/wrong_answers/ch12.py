@@ -1,4 +1,5 @@
 """Plausible wrong answers for chapter 12, each with a fragment of the message the check must give."""
+from tests.wrong_answers import tries
 
 
 def merge_without_scale(W, A, B, alpha, r):
@@ -50,6 +51,26 @@ def dpo_log_of_sigmoid(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
     return -torch.log(torch.sigmoid(beta * margin)).mean()  # log(0) = -inf once the margin is about -100
 
 
+def merge_nan_entry(W, A, B, alpha, r):
+    merged = W + (alpha / r) * (B @ A)
+    merged[0, -1] = float("nan")  # one entry gone bad (an fp16 overflow, a 0/0 upstream): the rest is right
+    return merged
+
+
+def dpo_reference_margin_in_place(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
+    import torch.nn.functional as F
+
+    ref_margin = ref_chosen  # a second name, not a copy
+    ref_margin -= ref_rejected  # the caller's ref_chosen now holds the reference's margin
+    return -F.logsigmoid(beta * ((policy_chosen - policy_rejected) - ref_margin)).mean()
+
+
+def dpo_per_pair(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)))  # no mean
+
+
 def advantages_in_place(rewards, group_size):
     groups = rewards.view(-1, group_size)  # a view: the caller's memory
     std = groups.std(1, keepdim=True)
@@ -72,16 +93,32 @@ def advantages_no_eps(rewards, group_size):
     return ((groups - groups.mean(1, keepdim=True)) / groups.std(1, keepdim=True)).view(-1)
 
 
+# Marked after their definitions, not with a decorator: an answer travels as its source (to the ranks, and into
+# a notebook cell in the browser test), and a decorator line would travel with it.
+tries("mutation")(merge_in_place)
+tries("sizes")(merge_floor_division)
+tries("non-finite")(dpo_log_of_sigmoid)
+tries("non-finite")(merge_nan_entry)
+tries("mutation")(dpo_reference_margin_in_place)
+tries("output")(dpo_per_pair)
+tries("mutation")(advantages_in_place)
+tries("layouts")(advantages_global)
+tries("non-finite")(advantages_no_eps)
+
+
 WRONG = [
     ("lora_merge", merge_without_scale, "you forgot the scale alpha / r"),
     ("lora_merge", merge_scaled_by_alpha, "you scaled by alpha instead of alpha / r"),
     ("lora_merge", merge_in_place, "you changed W in place"),
     ("lora_merge", merge_floor_division, "(floor division) instead of alpha / r"),
+    ("lora_merge", merge_nan_entry, "NaN or infinite entries"),
     ("dpo_loss", dpo_sign_flipped, "the sign is flipped"),
     ("dpo_loss", dpo_without_beta, "beta is missing"),
     ("dpo_loss", dpo_without_reference, "the reference is not subtracted"),
     ("dpo_loss", dpo_rejected_detached, "gradient with respect to policy_rejected is zero"),
     ("dpo_loss", dpo_log_of_sigmoid, "Use F.logsigmoid"),
+    ("dpo_loss", dpo_reference_margin_in_place, "you changed the log-probs in place"),
+    ("dpo_loss", dpo_per_pair, "return a scalar tensor (the mean loss over pairs)"),
     ("grpo_advantages", advantages_global, "you normalised over the whole batch"),
     ("grpo_advantages", advantages_no_std, "did not divide by the group's std"),
     ("grpo_advantages", advantages_no_eps, "add a small eps"),

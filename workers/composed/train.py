@@ -82,9 +82,10 @@ class ComposedTrainer:
     """This rank's part of a layout: its stage modules, groups, optimizer. ``step(i)`` runs optimizer step i."""
 
     def __init__(self, layout: Layout, cfg: GPTConfig, *, rank: int, device, comm_device, global_batch: int,
-                 lr: float, seed: int = 0, data_seed: int = 1, dtype=torch.float64, normalise=None):
+                 lr: float, seed: int = 0, data_seed: int = 1, dtype=torch.float64, normalise=None, batch=make_batch):
         self.layout, self.cfg, self.rank, self.device = layout, cfg, rank, device
         self.global_batch, self.seed, self.data_seed, self.dtype = global_batch, seed, data_seed, dtype
+        self.batch = batch  # (cfg, global_batch, step, seed) -> (tokens, valid): make_batch, or a check's own data
         # normalise(summed_ce, micro_tokens, global_tokens, micro_batches, dp, cp): a micro-batch's loss (exercise 2)
         self.normalise = normalise
         t0 = time.perf_counter()
@@ -138,7 +139,7 @@ class ComposedTrainer:
     def _micro_batches(self, step: int):
         """This rank's m micro-batches: (tokens [b, s/cp], targets [b, s/cp], valid [b, s/cp], samples [b])."""
         L, cfg = self.layout, self.cfg
-        tokens, valid = make_batch(cfg, self.global_batch, step, self.data_seed)  # [B, s+1], [B, s]
+        tokens, valid = self.batch(cfg, self.global_batch, step, self.data_seed)  # [B, s+1], [B, s]
         per_rank = self.global_batch // L.dp
         b = per_rank // L.micro_batches
         first = self.coords["dp"] * per_rank
@@ -289,8 +290,9 @@ class ComposedTrainer:
 
 
 def reference_run(cfg: GPTConfig, *, steps: int, global_batch: int, lr: float, seed: int = 0,
-                  data_seed: int = 1, dtype=torch.float64) -> dict:
-    """The same training in one process, on the whole batch: the ground truth of every layout.
+                  data_seed: int = 1, dtype=torch.float64, batch=make_batch) -> dict:
+    """The same training in one process, on the whole batch (``batch``: as the trainer's): the ground truth of every
+    layout.
 
     Returns the loss of every step, every parameter's gradient at every step, and the parameters after the last.
     """
@@ -298,7 +300,7 @@ def reference_run(cfg: GPTConfig, *, steps: int, global_batch: int, lr: float, s
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     losses, grads = [], []
     for step in range(steps):
-        tokens, valid = make_batch(cfg, global_batch, step, data_seed)
+        tokens, valid = batch(cfg, global_batch, step, data_seed)
         where = Where(step, torch.arange(cfg.seq), torch.arange(global_batch), global_batch, cfg.seq)
         optimizer.zero_grad()
         logits = model(tokens[:, :-1], where).transpose(0, 1)  # [B, s, V] -> [s, B, V]

@@ -111,6 +111,9 @@ def check_ring_all_reduce(ctx, answer) -> None:
     if not isinstance(got, torch.Tensor):
         raise Wrong(f"ring_all_reduce should return a tensor, not {type(got).__name__}")
     got = got.detach().to("cpu", torch.float32)
+    if not torch.isfinite(got).all():
+        raise Wrong(f"rank {r}'s sum holds NaN or inf: a sum of finite inputs is finite (a receive buffer read "
+                    "before anything arrived in it?)")
     if got.shape == want.shape and not torch.equal(got, want) and n > 1:
         _explain_ring_mistake(got, want, inputs, r)
     expect_close(got, want, f"rank {r}'s sum", atol=0, rtol=0)
@@ -137,7 +140,14 @@ def check_all_gather_from_broadcast(ctx, answer) -> None:
         used: list[str] = []
         with only_point_to_point(allowed=("broadcast",), used=used):
             got = answer(x)
+        agree(lambda: _input_unchanged(x, inputs[r]))  # first: a changed x also garbles the other ranks' rows
         agree(lambda: _gathered_right(got, x, want, inputs, used, n, r, dtype))
+
+
+def _input_unchanged(x, mine) -> None:
+    if not torch.equal(x.to("cpu"), mine):
+        raise Wrong("your function changed its input x: did you broadcast into x itself? By your turn to send, "
+                    "x holds another rank's data; broadcast into a new buffer")
 
 
 def _gathered_right(got, x, want, inputs, used, n: int, r: int, dtype) -> None:
@@ -154,9 +164,9 @@ def _gathered_right(got, x, want, inputs, used, n: int, r: int, dtype) -> None:
         raise Wrong(f"x is on {x.device} but your result is on {got.device}: allocate the buffers on x's device "
                     "(torch.empty_like(x)); NCCL cannot broadcast CPU tensors")
     got = got.detach().to("cpu")
-    if not torch.equal(x.to("cpu"), inputs[r]):
-        raise Wrong("your function changed its input x: did you broadcast into x itself? By your turn to send, "
-                    "x holds another rank's data; broadcast into a new buffer")
+    if not torch.isfinite(got).all():
+        raise Wrong(f"rank {r}'s gathered {name} tensor holds NaN or inf where every rank sent finite values: "
+                    "a row that was never received into (torch.empty holds whatever was in memory)?")
     if got.shape == want.shape and not torch.equal(got, want) and n > 1 and all(torch.equal(row, got[0]) for row in got):
         if torch.equal(got[0], inputs[0]):
             raise Wrong("every row holds rank 0's tensor: did you broadcast into x itself? After rank 0's turn "

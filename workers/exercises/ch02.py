@@ -86,6 +86,10 @@ def check_ddp_by_hand(ctx, answer) -> None:
             if any(p.grad is None for p in model.parameters()):
                 raise Wrong(f"after backward at step {step + 1} some .grad is None: do not set param.grad to None "
                             "in a hook; all-reduce it in place")
+            bad = [name for name, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
+            if bad:
+                raise Wrong(f"after backward at step {step + 1} the gradient of {', '.join(bad)} holds NaN or inf: "
+                            "an average of finite gradients is finite")
             _every_parameter_averaged(model, baseline["grads"][step], local, step, n)
             expect_close(flat_grads(model), baseline["grads"][step], f"gradients after backward at step {step + 1}",
                          **FP32_TOL, hints=[
@@ -194,6 +198,9 @@ def check_bucketed_average(ctx, answer) -> None:
             for i, (g, w) in enumerate(zip(grads, want)):
                 if g.dtype != dtype:
                     raise Wrong(f"{what}, gradient {i} came back as {g.dtype}: average in place, keeping its dtype")
+                if not torch.isfinite(g).all():
+                    raise Wrong(f"{what}, gradient {i} holds NaN or inf after averaging: an average of finite "
+                                "gradients is finite")
                 expect_close(g, w, f"{what}, gradient {i}", **TOLERANCE[dtype], hints=[
                     (scaled_by(n), f"it is {n} times the average at world size {n}: divide the summed bucket by "
                                    "the world size"),
@@ -319,7 +326,25 @@ def check_shard_indices(ctx, answer) -> None:
 
 # -- exercise 4: overlap ------------------------------------------------------------------------------------
 
-OVERLAP_CAP_BYTES = 256  # TinyMLP's 848 gradient bytes in two buckets: fc2 (16 + 256 bytes), then fc1 (64 + 512)
+def _normed_mlp(setup: Setup) -> torch.nn.Module:
+    """TinyMLP's shape with a LayerNorm after fc1: LayerNorm's backward gives its weight's gradient before its
+    bias's, the reverse of the order in which buckets list them (last parameter first)."""
+    from collections import OrderedDict
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(setup.seed)
+        return torch.nn.Sequential(OrderedDict(fc1=torch.nn.Linear(setup.d_in, setup.d_hidden),
+                                               norm=torch.nn.LayerNorm(setup.d_hidden), act=torch.nn.Tanh(),
+                                               fc2=torch.nn.Linear(setup.d_hidden, setup.d_out)))
+
+
+# (what, model, bucket bytes, micro-batches). TinyMLP's 848 gradient bytes in two buckets, fc2 (16 + 256 bytes) then
+# fc1 (64 + 512), into an empty .grad, gradients arriving in the listed order. The LayerNorm model's buckets are
+# [fc2.bias, fc2.weight, norm.bias, norm.weight] (400 bytes) and [fc1.bias, fc1.weight]: norm.weight's gradient
+# lands before norm.bias's, and a first micro-batch, run before the hooks exist, leaves a gradient in .grad for the
+# second one to accumulate into (gradient accumulation under no_sync).
+OVERLAP_CASES = (("TinyMLP, .grad empty", lambda setup: make_model(setup), 256, 1),
+                 ("fc1, LayerNorm, fc2, second micro-batch accumulating into .grad", _normed_mlp, 400, 2))
 
 
 class _WatchedWork:
@@ -336,58 +361,89 @@ class _WatchedWork:
         return getattr(self._work, name)
 
 
+def _error(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__} ({text[:160]})" if text else type(exc).__name__
+
+
 def check_overlapped_hooks(ctx, answer) -> None:
-    """DDP's overlap by hand: every bucket's all-reduce launched asynchronously from inside backward, waited after."""
+    """DDP's overlap by hand: every bucket's all-reduce launched asynchronously from inside backward as soon as its
+    last gradient lands, waited for after backward; on two models, the second accumulating into .grad."""
+    for case in OVERLAP_CASES:
+        _overlap_case(ctx, answer, *case)
+
+
+def _overlap_case(ctx, answer, what: str, build, bucket_bytes: int, micro_batches: int) -> None:
     n, rank = ctx.world_size, ctx.rank
     setup = Setup()
-    batch = make_batches(setup, steps=1)[0]
-    want = grads_on(make_model(setup), *batch)  # one process, the whole batch
-    local = grads_on(make_model(setup), *shard(batch, rank, n))  # this rank's rows alone
-    model = make_model(setup).to(ctx.device)
+    batches = make_batches(setup, steps=micro_batches)
+    reference = build(setup)
+    want = sum(grads_on(reference, *b) for b in batches)  # one process, every micro-batch's whole batch
+    this_backward = grads_on(reference, *batches[-1])  # the last micro-batch's alone
+    local = sum(grads_on(reference, *shard(b, rank, n)) for b in batches)  # this rank's rows alone
+    model = build(setup).to(ctx.device)
+    names = [name for name, _ in model.named_parameters()]
     params = list(model.parameters())
-    ready = list(reversed(range(len(params))))  # backward produces the last layer's gradients first
-    sizes = [params[i].numel() * params[i].element_size() for i in ready]
-    buckets = [[ready[j] for j in b] for b in bucket_assignment(sizes, [OVERLAP_CAP_BYTES])]
+    for batch in batches[:-1]:  # earlier micro-batches, before any hook: their gradients wait in .grad
+        x, y = (t.to(ctx.device) for t in shard(batch, rank, n))
+        loss_fn(model(x), y).backward()
+    listed = list(reversed(range(len(params))))  # DDP lists gradients last layer first
+    sizes = [params[i].numel() * params[i].element_size() for i in listed]
+    buckets = [[listed[j] for j in b] for b in bucket_assignment(sizes, [bucket_bytes])]
+    numels = [sum(params[i].numel() for i in b) for b in buckets]  # distinct: a launch's size names its bucket
+    arrived: list[int] = []  # parameter indices, in the order backward computes their gradients
+    # Registered before the answer's hooks, so each of these runs before any of the answer's on the same parameter.
+    for i, p in enumerate(params):
+        p.register_hook(lambda _grad, i=i: arrived.append(i))
     log: list = []
     phase = {"now": "before backward"}
     original = dist.all_reduce
 
     def watched_all_reduce(tensor, *args, **kwargs):
         work = original(tensor, *args, **kwargs)
-        log.append(("launch", phase["now"], bool(kwargs.get("async_op", False)), tensor.numel()))
+        log.append(("launch", phase["now"], bool(kwargs.get("async_op", False)), tensor.numel(), len(arrived)))
         return _WatchedWork(work, log, phase) if work is not None else None
 
     dist.all_reduce = watched_all_reduce
+    finish, crashed = None, None
     try:
         finish = answer(params, buckets)
-        x, y = (t.to(ctx.device) for t in shard(batch, rank, n))
+        x, y = (t.to(ctx.device) for t in shard(batches[-1], rank, n))
         loss = loss_fn(model(x), y)
         phase["now"] = "backward"
         loss.backward()
         phase["now"] = "finish"
         if callable(finish):
             finish()
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the answer's own error, told as a sentence
+        crashed = exc
     finally:
         dist.all_reduce = original
     launched = [e for e in log if e[0] == "launch" and e[1] == "backward"]
     waited_early = [e for e in log if e[0] == "wait" and e[1] == "backward"]
     got = flat_grads(model).cpu()
+    where = f"{what} (buckets {[[names[i] for i in b] for b in buckets]})"
 
-    def returns_finish():
+    def ran():
+        if crashed is not None:
+            raise Wrong(f"{where}: {phase['now']} raised {_error(crashed)} in your code: a hook runs inside "
+                        "backward, with only the gradients computed so far")
         if not callable(finish):
             raise Wrong(f"return a function (finish) that waits for the buckets' all-reduces and writes the averages "
                         f"into .grad; you returned {type(finish).__name__}")
-    agree(returns_finish)
+    agree(ran)
 
     def every_bucket_fired():
         if len(launched) < len(buckets):
-            raise Wrong(f"only {len(launched)} of the {len(buckets)} buckets' all-reduces were launched during "
-                        "backward: a bucket whose count never reaches zero never fires. Count each bucket's own "
-                        f"parameters (bucket sizes here: {[len(b) for b in buckets]}) and launch when its last "
+            raise Wrong(f"{where}: only {len(launched)} of the {len(buckets)} buckets' all-reduces were launched "
+                        "during backward: a bucket whose count never reaches zero never fires. Count each bucket's "
+                        f"own parameters (bucket sizes here: {[len(b) for b in buckets]}) and launch when its last "
                         "gradient lands")
         if len(launched) > len(buckets):
-            raise Wrong(f"{len(launched)} all-reduces were launched during backward for {len(buckets)} buckets: "
-                        "launch one per bucket, once, when its last gradient lands")
+            raise Wrong(f"{where}: {len(launched)} all-reduces were launched during backward for {len(buckets)} "
+                        "buckets: launch one per bucket, once, when its last gradient lands")
     agree(every_bucket_fired)
 
     def asynchronous():
@@ -402,19 +458,50 @@ def check_overlapped_hooks(ctx, answer) -> None:
                         "the handles and wait for them in finish(), after backward")
     agree(asynchronous)
 
+    def launched_as_soon_as_full():
+        order = ", ".join(names[i] for i in arrived)
+        for _, _, _, numel, seen in launched:
+            if numel not in numels:
+                continue  # not one bucket's size: the values below say what went wrong
+            k = numels.index(numel)
+            missing = [names[i] for i in buckets[k] if i not in arrived[:seen]]
+            if missing:
+                raise Wrong(f"{where}: bucket {k} was launched before the gradient of {', '.join(missing)} had "
+                            f"landed. Gradients do not always arrive in the order a bucket lists them (here: {order}"
+                            "); count each bucket's gradients down as they land, in whatever order, and launch it "
+                            "when its count reaches zero, not when its last listed parameter's hook runs")
+            full = max(arrived.index(i) for i in buckets[k]) + 1  # gradients computed when the bucket was full
+            if seen > full:
+                later = ", ".join(names[i] for i in arrived[full:seen])
+                how = ("only after the last gradient of backward: nothing overlapped with backward"
+                       if seen == len(arrived) else "late: it overlapped less of backward than it could")
+                raise Wrong(f"{where}: bucket {k} was full once {names[arrived[full - 1]]}'s gradient landed, but "
+                            f"its all-reduce was launched after {later} too, {how}. Launch each bucket from the hook "
+                            "that brings its own count to zero, while backward goes on computing the others")
+    agree(launched_as_soon_as_full)
+
     def averaged():
+        if not torch.isfinite(got).all():
+            bad = [names[i] for i, p in enumerate(params) if p.grad is not None and not torch.isfinite(p.grad).all()]
+            raise Wrong(f"{where}: after finish() the .grad of {', '.join(bad)} holds NaN or inf: an average of "
+                        "finite gradients is finite")
         if _close(got, want):
             return
         if n > 1 and _close(got, local):
-            raise Wrong(".grad still holds this rank's own gradient after finish(): the averaged buckets never "
-                        "reached .grad. In finish(), wait for each handle, then copy the bucket's slices back "
+            raise Wrong(f"{where}: .grad still holds this rank's own gradient after finish(): the averaged buckets "
+                        "never reached .grad. In finish(), wait for each handle, then copy the bucket's slices back "
                         "into its parameters' .grad")
         if n > 1 and _close(got, want * n):
-            raise Wrong(f".grad is {n} times the mean gradient: all_reduce SUMs over the ranks; divide the bucket "
-                        f"by the world size ({n})")
+            raise Wrong(f"{where}: .grad is {n} times the mean gradient: all_reduce SUMs over the ranks; divide the "
+                        f"bucket by the world size ({n})")
+        if micro_batches > 1 and _close(got, this_backward):
+            raise Wrong(f"{where}: .grad holds the mean of this backward's gradients only: it already held an "
+                        "earlier micro-batch's gradient, which backward adds the new one to, and that sum is lost. "
+                        "Average param.grad as it is after accumulation (the post-accumulate-grad hook's parameter), "
+                        "not the gradient a tensor hook receives")
         err = (got - want).abs().max().item()
-        raise Wrong(f".grad after finish() differs from the mean gradient by up to {err:.3g}: flatten each bucket "
-                    "in its order, all-reduce it, divide by the world size, copy the slices back")
+        raise Wrong(f"{where}: .grad after finish() differs from the mean gradient by up to {err:.3g}: flatten each "
+                    "bucket in its order, all-reduce it, divide by the world size, copy the slices back")
     agree(averaged)
 
 

@@ -34,6 +34,11 @@ def _grad(tensor: torch.Tensor, what: str) -> torch.Tensor:
     return tensor.grad.cpu()
 
 
+def _finite(tensor: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(tensor.detach()).all():
+        raise Wrong(f"{what} holds NaN or inf, from finite inputs")
+
+
 def _dense_grads(linear, x, grad_output):
     """Output and every gradient of the dense layer, float64, in this process."""
     lin = torch.nn.Linear(linear.in_features, linear.out_features).double()
@@ -77,6 +82,7 @@ def _column_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
     def forward_verdict():
         if not isinstance(y, torch.Tensor):
             raise Wrong(f"column_parallel_forward should return a tensor, not {type(y).__name__}")
+        _finite(y, f"rank {r}'s output columns")
         if y.shape == want_y.shape and t > 1:
             raise Wrong(f"you returned the whole output {tuple(y.shape)}: a column-parallel layer returns only this "
                         f"rank's {len(cols)} output columns, [s, b, out/t] (gather_output=False)")
@@ -89,6 +95,8 @@ def _column_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
     y.backward(g_full[..., cols].to(ctx.device))
 
     def backward_verdict():
+        for tensor, what in ((weight, "this rank's weight shard"), (bias, "this rank's bias shard"), (x, "the input x")):
+            _finite(_grad(tensor, what), f"the gradient of {what}")
         expect_close(_grad(weight, "this rank's weight shard"), want_dw[cols],
                      "the gradient of this rank's weight shard", **TOL)
         expect_close(_grad(bias, "this rank's bias shard"), want_db[cols], "the gradient of this rank's bias shard",
@@ -143,6 +151,7 @@ def _row_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
     def forward_verdict():
         if not isinstance(y, torch.Tensor):
             raise Wrong(f"row_parallel_forward should return a tensor, not {type(y).__name__}")
+        _finite(y, f"rank {r}'s output")
         got = y.detach().cpu().double()
         partial = x_full[..., rows].double() @ dense.weight.detach()[:, rows].double().T
         if sg is not None and got.shape == want_y.shape:
@@ -178,6 +187,8 @@ def _row_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
                         "this rank's computation (added inside g on some ranks only?). The bias is replicated: add "
                         "the whole bias on every rank, once, after the all-reduce, so every copy gets the same "
                         "gradient and the copies stay identical after the optimizer step")
+        for tensor, what in ((bias, "the bias"), (weight, "this rank's weight shard"), (x, "this rank's input shard")):
+            _finite(_grad(tensor, what), f"the gradient of {what}")
         expect_close(bias.grad.cpu(), want_db, "the bias gradient", **TOL, hints=[
             (scaled_by(1 / t), f"it is 1/{t} of the right one: you added bias/{t} on every rank before the sum; "
              "the forward is right, the gradient is not. Add the whole bias once, after the all-reduce")])
@@ -213,6 +224,7 @@ def check_swiglu_shard(ctx, answer) -> None:
                 raise Wrong(f"rank {r}'s shard of the {what} has shape {tuple(got.shape)}; it should be "
                             f"{tuple(want.shape)}: 2*ffn/t rows ({cfg.ffn // t} of gate, then {cfg.ffn // t} of up)."
                             + short)
+            _finite(got, f"rank {r}'s shard of the {what}")
 
     # The parallel MLP below all-reduces: the ranks agree on the shapes first, so all of them run it or none does.
     agree(shape_verdict)
@@ -230,7 +242,7 @@ def check_swiglu_shard(ctx, answer) -> None:
             raise Wrong(f"that is the contiguous chunk w.chunk({t})[{r}]: rank {r} gets {kind}, so silu(gate) * up "
                         f"multiplies the wrong columns (MLP output off by {error:.3g}). Take rows "
                         f"[r*f/t, (r+1)*f/t) of gate AND the same rows of up (which start at row f)")
-        if error > 1e-5:
+        if not error <= 1e-5:
             raise Wrong(f"with your shard the MLP output is off by {error:.3g}: rank {r} should hold gate rows "
                         f"{want_rows[0].item()}..{want_rows[len(want_rows) // 2 - 1].item()} and up rows "
                         f"{want_rows[len(want_rows) // 2].item()}..{want_rows[-1].item()}, in that order")

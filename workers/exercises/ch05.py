@@ -7,6 +7,9 @@ them replicated (TP larger than the number of KV heads).
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -74,11 +77,19 @@ def check_split_fused_qkv(ctx, answer) -> None:
             for got, what in ((got_w, "weight"), (got_b, "bias")):
                 if not isinstance(got, torch.Tensor):
                     raise Wrong(f"split_fused_qkv should return a tensor (the {what}'s rows), not {type(got).__name__}")
+            for got, what in ((got_w, "weight"), (got_b, "bias")):
+                bad = int((~torch.isfinite(got.float())).sum()) if got.is_floating_point() else 0
+                if bad:
+                    raise Wrong(f"{label}: rank {r}'s {what} shard holds {bad} NaN or infinite value(s), where w holds "
+                                "none: the shard is rows of w, taken, not computed")
             if not shape_ok:
                 hint = ""
                 if t > cfg.kv_heads:
                     hint = (f" With {cfg.kv_heads} KV head(s) and tp={t}, a KV head cannot be split: each rank keeps a "
                             f"whole KV head (the one its query heads read), replicated on {t // cfg.kv_heads} ranks.")
+                elif cfg.kv_heads != cfg.heads and got_w.shape[0] == 3 * (cfg.heads // t) * cfg.head_dim:
+                    hint = (f" That is as many K and V rows as Q rows: K and V hold {cfg.kv_heads} heads each, not "
+                            f"{cfg.heads}, so rank {r} takes {max(cfg.kv_heads // t, 1)} KV head(s) from each.")
                 raise Wrong(f"{label}: rank {r}'s shard has shape {tuple(got_w.shape)}, expected "
                             f"{tuple(w[want_rows].shape)} (heads {want_heads}).{hint}")
             if t > 1 and torch.equal(got_w.cpu(), w[naive_qkv_rows(cfg.heads, cfg.kv_heads, cfg.head_dim, r, t)]):
@@ -86,7 +97,7 @@ def check_split_fused_qkv(ctx, answer) -> None:
                 raise Wrong(f"{label}: that is the contiguous chunk w.chunk({t})[{r}], rows of heads {got_heads}; "
                             f"rank {r} needs {want_heads}: its query heads from Q, and their KV heads from K and V "
                             f"(attention output off by {off})")
-            if error is not None and error > 1e-5:
+            if error is not None and not error <= 1e-5:
                 raise Wrong(f"{label}: with your shard rank {r}'s attention output is off by {off}; it should "
                             f"hold the rows of heads {want_heads}, in that order")
             if not torch.equal(got_w.cpu(), w[want_rows]) or not torch.equal(got_b.cpu(), b[want_rows]):
@@ -124,10 +135,20 @@ def check_kv_heads_for_rank(ctx, answer) -> None:
         got = answer(heads, kv_heads, t, r)  # positionally: a saved answer with other parameter names still runs
         want = kv_heads_for_rank(heads, kv_heads, t, r)
         try:
-            got_list = [int(k) for k in got]
-        except TypeError:
+            items = [k.item() if isinstance(k, torch.Tensor) else k for k in got]
+        except (TypeError, RuntimeError, ValueError):
             problems.append(f"kv_heads_for_rank should return a list of KV head numbers, not {type(got).__name__}")
             break
+        odd = [k for k in items if isinstance(k, bool) or not isinstance(k, numbers.Integral)]
+        if odd:
+            k = odd[0]
+            why = ("NaN or infinite" if isinstance(k, float) and not math.isfinite(k) else
+                   "a float: heads / kv_heads is a true division; use //" if isinstance(k, float) else
+                   f"a {type(k).__name__}")
+            problems.append(f"heads={heads}, kv_heads={kv_heads}, tp={t}: KV head numbers must be ints (they index "
+                            f"heads), got {k!r}, {why}")
+            break
+        got_list = [int(k) for k in items]
         if got_list != want:
             q = list(range(r * heads // t, (r + 1) * heads // t))
             group = heads // kv_heads

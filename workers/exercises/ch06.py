@@ -100,6 +100,10 @@ def _block_case(ctx, answer, group, t, r, *, seed, sg=None) -> None:
                             "after each sub-layer's partial output")
             got = y.detach().cpu().double()
             want = ref["output"]
+            bad = int((~torch.isfinite(got)).sum())
+            if bad:
+                raise Wrong(f"rank {r}'s block output holds {bad} NaN or infinite value(s): the dense block's is "
+                            "finite everywhere; look for a division by zero or a value read before it was written")
             if t > 1 and torch.allclose(got, _dense_with_biases_times(cfg, t, x_full, seed), atol=1e-4):
                 raise Wrong(f"the output holds each bias {t} times: you added it inside g (before the all-reduce); "
                             "add it after the sum")

@@ -10,22 +10,26 @@ sampler and scaler, every RNG re-seeded elsewhere, as in a new process), loads a
 N - K remaining steps. Everything must match the straight run bit for bit; the first difference names the part
 that was missed: weights after the restore (model), AdamW's state (optimizer), the loss scale and its count of
 good steps (scaler), the batch read (sampler), dropout masks / numpy noise / python's random choice (the RNG
-streams), the learning rate (scheduler), the weights after a step.
+streams), the learning rate (scheduler), the weights after a step. The capture itself must change nothing of
+the live run (its mode, RNG streams, weights, optimizer, scheduler, sampler and scaler are compared around it).
 
 ``atomic_save(obj, path)``: four stages, each on a fresh directory. (1) A save over an old checkpoint fails
 midway (every write past half the new file's size fails, as on a full disk): the call must raise, and ``path``
 must still load as the old checkpoint. (2) A normal save over an old checkpoint, with ``os.replace``,
 ``os.rename``, ``os.remove``, ``os.fsync`` and ``shutil.copyfile`` watched: ``path`` must get a new inode (it
-was replaced, not rewritten in place), never be deleted first, come from a file in the same directory that was
-fsync-ed before the rename, and nothing may be left beside it. (3) The failing save of (1) again: the temporary
-file must be removed, not left beside path. (4) A first save and a second one over it.
+was replaced, not rewritten in place), never be deleted first, come from a file in the same directory whose
+own data was fsync-ed before the rename (fsyncs are told apart by inode: the directory's does not count), the
+directory must be fsync-ed after the rename, and nothing may be left beside it. (3) The failing save of (1)
+again: the temporary file must be removed, not left beside path. (4) A first save and a second one over it.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
 import shutil
+import stat
 import tempfile
 
 import numpy as np
@@ -107,6 +111,56 @@ def _first_difference(got: dict, want: dict) -> None:
                     "exactly (torch.equal, not allclose)")
 
 
+def _live_run(objs) -> dict:
+    """What a capture must leave as it was: the live run goes on training after every checkpoint."""
+    return {"weights": flat_params(objs["model"]), "training": objs["model"].training,
+            "torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "optimizer": [t.clone() for t in _optimizer_tensors(objs["optimizer"])],
+            "scheduler": repr(objs["scheduler"].state_dict()), "sampler": repr(objs["sampler"].state_dict()),
+            "scaler": repr(objs["scaler"].state_dict())}
+
+
+def _same_live_run(before: dict, after: dict) -> None:
+    capture = "a capture must only read: the run goes on training after every checkpoint"
+    if before["training"] != after["training"]:
+        mode = "eval" if not after["training"] else "train"
+        raise Wrong(f"training_state switched the model to {mode} mode: the live run would go on "
+                    f"{'without dropout' if mode == 'eval' else 'with dropout'} after the checkpoint; {capture}")
+    rng = [name for name, same in (("torch", torch.equal(before["torch"], after["torch"])),
+                                   ("numpy", before["numpy"][0] == after["numpy"][0]
+                                    and np.array_equal(before["numpy"][1], after["numpy"][1])
+                                    and before["numpy"][2:] == after["numpy"][2:]),
+                                   ("python", before["python"] == after["python"])) if not same]
+    if rng:
+        raise Wrong(f"training_state moved {' and '.join(rng)}'s RNG (a draw, or a re-seed): the live run now draws "
+                    "other numbers than a run resumed from this checkpoint; read the states (torch.get_rng_state() "
+                    f"and the like), never seed or draw; {capture}")
+    if not torch.equal(before["weights"], after["weights"]):
+        raise Wrong(f"training_state changed the model's weights; {capture}")
+    changed = [name for name in ("scheduler", "sampler", "scaler") if before[name] != after[name]]
+    if len(before["optimizer"]) != len(after["optimizer"]) or not all(
+            torch.equal(a, b) for a, b in zip(before["optimizer"], after["optimizer"])):
+        changed.insert(0, "optimizer")
+    if changed:
+        raise Wrong(f"training_state changed the live {', '.join(changed)} (a step, or a reset?); {capture}")
+
+
+def _restored_weights(got: torch.Tensor, saved: torch.Tensor) -> None:
+    if torch.equal(got, saved):
+        return
+    if not torch.isfinite(got).all():
+        raise Wrong(f"after the restore the model's weights hold {int((~torch.isfinite(got)).sum())} nan or inf "
+                    "values the saved run did not have: the state handed back is not the live one. Save "
+                    "model.state_dict() as state['model']")
+    err = ((got.double() - saved.double()).abs() / saved.double().abs().clamp_min(1e-30)).max().item()
+    if err <= 1e-2:
+        raise Wrong(f"after the restore the model's weights differ from the saved ones by rounding only (up to "
+                    f"{err:.1e} relative): saved in a narrower dtype (bfloat16, float16)? A checkpoint must keep "
+                    "every bit: save model.state_dict() as it is")
+    raise Wrong("after the restore the model's weights are not the saved ones: save model.state_dict() as "
+                "state['model']")
+
+
 def check_training_state(ctx, answer) -> None:
     data = make_dataset(CFG)
     seed_rngs(rank_seed(CFG, ctx.rank))
@@ -117,10 +171,13 @@ def check_training_state(ctx, answer) -> None:
     _train(ctx, objs, data, 1, SAVE_AT)
     saved_optimizer = [t.clone() for t in _optimizer_tensors(objs["optimizer"])]
     saved_scaler = dict(objs["scaler"].state_dict())
+    live_before = _live_run(objs)
     state = answer(objs["model"], objs["optimizer"], objs["scheduler"], objs["sampler"], objs["scaler"])
+    live_after = _live_run(objs)
     box = {}
 
     def serialised():
+        _same_live_run(live_before, live_after)
         if not isinstance(state, dict):
             raise Wrong(f"training_state must return a dict (keys 'model', 'optimizer', 'scheduler', 'sampler', "
                         f"'scaler', 'rng'), not {type(state).__name__}")
@@ -146,9 +203,7 @@ def check_training_state(ctx, answer) -> None:
             raise Wrong(f"restoring your state failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): the "
                         "checker calls model.load_state_dict(state['model']) and likewise for 'optimizer', "
                         "'scheduler', 'sampler' and 'scaler', and sets each RNG in state['rng']") from None
-        if not torch.equal(flat_params(fresh["model"]), want[SAVE_AT - 1]["weights"]):
-            raise Wrong("after the restore the model's weights are not the saved ones: save model.state_dict() as "
-                        "state['model']")
+        _restored_weights(flat_params(fresh["model"]), want[SAVE_AT - 1]["weights"])
         now = _optimizer_tensors(fresh["optimizer"])
         if len(now) != len(saved_optimizer) or not all(torch.equal(a, b) for a, b in zip(now, saved_optimizer)):
             raise Wrong("after the restore AdamW's moments (exp_avg, exp_avg_sq) and step counts are not the saved "
@@ -212,11 +267,77 @@ def _stage_crash(answer, root: str) -> None:
                     "propagate, so the training loop knows this checkpoint was not written")
 
 
+@contextlib.contextmanager
+def _watch_syncs():
+    """Record, in order, which file each fsync made durable and which file each rename moved, by inode: an
+    fsync takes a file descriptor, not a name, so only the inode tells the temporary file from its directory.
+    Entries: ("fsync", inode, is_directory), ("sync", None, None) for os.sync(), ("rename", inode, destination)."""
+    log = []
+    real = {name: getattr(os, name) for name in ("fsync", "fdatasync", "sync", "replace", "rename") if hasattr(os, name)}
+
+    def synced(name):
+        def call(fd, *args, **kwargs):
+            with contextlib.suppress(OSError, AttributeError, TypeError, ValueError):
+                st = os.fstat(fd if isinstance(fd, int) else fd.fileno())
+                log.append(("fsync", st.st_ino, stat.S_ISDIR(st.st_mode)))
+            return real[name](fd, *args, **kwargs)
+        return call
+
+    def synced_all(*args, **kwargs):
+        log.append(("sync", None, None))
+        return real["sync"](*args, **kwargs)
+
+    def renamed(name):
+        def call(src, dst, *args, **kwargs):
+            with contextlib.suppress(OSError, TypeError, ValueError):
+                log.append(("rename", os.stat(src).st_ino, os.path.abspath(os.fspath(dst))))
+            return real[name](src, dst, *args, **kwargs)
+        return call
+
+    spies = {"fsync": synced("fsync"), "fdatasync": synced("fdatasync"), "sync": synced_all,
+             "replace": renamed("replace"), "rename": renamed("rename")}
+    for name in real:
+        setattr(os, name, spies[name])
+    try:
+        yield log
+    finally:
+        for name, fn in real.items():
+            setattr(os, name, fn)
+
+
+def _durability(syncs: list, target: str) -> None:
+    """The temporary file's own data is fsynced before the rename onto ``target``, and the directory after it."""
+    last = max((i for i, (kind, _, dst) in enumerate(syncs) if kind == "rename" and dst == target), default=None)
+    if last is None:
+        return  # watch_file_ops saw the rename, but its source could not be stat-ed: nothing to judge
+    moved, directory = syncs[last][1], os.stat(os.path.dirname(target)).st_ino
+    before, after = syncs[:last], syncs[last + 1:]
+    covers = lambda e, inode: e[0] == "sync" or (e[0] == "fsync" and e[1] == inode)  # noqa: E731
+    if not any(covers(e, moved) for e in before):
+        if any(covers(e, moved) for e in after):
+            raise Wrong("atomic_save fsynced the new file only after renaming it onto path: after a power cut the "
+                        "rename can be on disk before the data, an empty file under the final name. Call f.flush() "
+                        "and os.fsync(f.fileno()) before os.replace")
+        if any(e[0] == "fsync" and e[2] for e in syncs):
+            raise Wrong("atomic_save fsynced the directory but never the temporary file itself: a directory's fsync "
+                        "makes its entries durable, not a file's data, so after a power cut path can name an empty "
+                        "or partial file. Call f.flush() and os.fsync(f.fileno()) on the temporary file before "
+                        "os.replace, and fsync the directory after it")
+        raise Wrong("atomic_save renamed the new file onto path without os.fsync first: after a power cut the rename "
+                    "can reach the disk before the data, leaving an empty file under the final name. Call f.flush() "
+                    "and os.fsync(f.fileno()) before os.replace")
+    if not any(covers(e, directory) for e in after):
+        raise Wrong("atomic_save never fsynced the directory after the rename: the rename is a change to the "
+                    "directory, and until the directory is fsynced a power cut can undo it (path would name the "
+                    "old checkpoint again, or nothing after a first save). Open it with os.open(dirname, "
+                    "os.O_RDONLY), os.fsync that descriptor and close it, after os.replace")
+
+
 def _stage_replace(answer, root: str) -> None:
     path = os.path.join(root, "ckpt.pt")
     torch.save(_checkpoint(1), path)
     inode = os.stat(path).st_ino
-    with watch_file_ops(path) as (target, events):
+    with watch_file_ops(path) as (target, events), _watch_syncs() as syncs:
         answer(_checkpoint(2), path)
     got, error = _load(path)
     if got is None or not _same(got, _checkpoint(2)):
@@ -239,10 +360,7 @@ def _stage_replace(answer, root: str) -> None:
     if not renames:
         raise Wrong("path holds the new object, but no os.replace / os.rename put it there: write a temporary file "
                     "next to path, fsync it, then os.replace(tmp, path)")
-    if not any(name in ("fsync", "fdatasync", "sync") for name, _ in events[:renames[-1][0]]):
-        raise Wrong("atomic_save renamed the new file onto path without os.fsync first: after a power cut the rename "
-                    "can reach the disk before the data, leaving an empty file under the final name. Call f.flush() "
-                    "and os.fsync(f.fileno()) before os.replace")
+    _durability(syncs, target)
     stray = sorted(set(os.listdir(root)) - {"ckpt.pt"})
     if stray:
         raise Wrong(f"atomic_save left {stray} next to path after a successful save: rename the temporary file, "

@@ -6,10 +6,15 @@ learner's function on these situations: all ranks equal; a second call on unchan
 be deterministic); the last rank with one element of its last parameter changed by 1.0 (a checksum that
 reads only some parameters misses it); the last rank with the lowest mantissa bit of one element flipped
 (what a plain float sum rounds away; when missed, the same element changed by 1.0 tells a float sum from a
-parameter never read); and rank 0 with two elements swapped (what any order-blind sum misses). Ranks
+parameter never read); the last rank with the lowest bit of a weight of 1.5e-12 flipped (what even a float64 sum
+rounds away) and with -0.0 where the others hold 0.0 (equal values, other bits: what any checksum of values
+misses); and rank 0 with two elements swapped (what any order-blind sum misses). Every checksum must be a finite
+number if it is a float (inf and nan compare meaninglessly), and the parameters must be unchanged. Ranks
 agree on a verdict before anyone raises (``agree``), so a wrong answer never turns into a hang.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -22,10 +27,22 @@ CFG = GPTConfig(vocab=16, seq=8, hidden=32, heads=2, layers=1)
 FLIP_AT = (4, 5)  # (parameter index, element) whose lowest mantissa bit the last rank flips
 SWAP_IN = 4  # parameter whose first two (different) elements rank 0 swaps
 BUMP = 1.0  # added to one element in the coverage stages: a change no checksum, float sum included, may miss
+# A weight decayed to almost nothing in the largest tensor (mlp.fc1.weight, 4096 values of order 0.02): its lowest
+# mantissa bit is worth ~1e-19, far below half a float64 ulp of the sums it is added into, so even a float64 sum of
+# the values rounds its flip away.
+TINY_AT, TINY = (10, 7), 1.5e-12
+ZERO_AT = (3, 2)  # (parameter index, element): a LayerNorm bias, 0.0 at init; the last rank holds -0.0 there
 
 
 def _params():
     return list(make_model(CFG, seed=0).parameters())
+
+
+def _not_finite(checksum) -> bool:
+    """A float checksum (or a one-element float tensor) that is nan or infinite; ints, strings and bytes are fine."""
+    if isinstance(checksum, torch.Tensor) and checksum.numel() == 1 and checksum.is_floating_point():
+        checksum = checksum.item()
+    return isinstance(checksum, float) and not math.isfinite(checksum)
 
 
 def _call(answer, params, where: str) -> list:
@@ -42,11 +59,18 @@ def _call(answer, params, where: str) -> list:
         if len(got) != n:
             raise Wrong(f"{where}: the list has {len(got)} entries at world size {n}: return one checksum per rank "
                         "(dist.all_gather_object), not only your own")
+        odd = [(r, c) for r, c in enumerate(got) if _not_finite(c)]
+        if odd:
+            raise Wrong(f"{where}: rank {odd[0][0]}'s checksum is {odd[0][1]!r}, not a finite number: inf absorbs "
+                        "every change (inf + x = inf) and nan never equals itself, so no comparison of such "
+                        "checksums means anything. Checksum the bits (t.view(torch.int32)), in integer arithmetic")
         if any(list(e) != list(got) for e in everyone):
             raise Wrong(f"{where}: the ranks returned different lists: every rank must return every rank's "
                         "checksum, in rank order")
         if not torch.equal(before, after):
-            raise Wrong(f"{where}: the parameters changed during the call: a checksum must only read them")
+            raise Wrong(f"{where}: the parameters changed during the call: a checksum must only read them "
+                        "(p.detach() and p.view(torch.int32) share the parameter's memory: an in-place operation "
+                        "on them rewrites the weights)")
 
     agree(shape_right)
     return list(got)
@@ -116,6 +140,36 @@ def check_cross_rank_checksum(ctx, answer) -> None:
             raise Wrong("only the last rank changed, but the other ranks' checksums now differ from each other")
 
     agree(flip_seen)
+
+    # Bits a sum of values cannot see in any precision: a low bit of a nearly-zero weight, and a zero's sign.
+    tiny = _params()
+    tiny[TINY_AT[0]].data.view(-1)[TINY_AT[1]] = TINY
+    if ctx.rank == last:
+        flip_bit_(tiny[TINY_AT[0]].data, TINY_AT[1], 0)
+    after_tiny = _call(answer, tiny, f"rank {last} with the lowest bit of a weight of {TINY:g} flipped")
+
+    def tiny_seen():
+        if after_tiny[last] == after_tiny[0] and n > 1:
+            raise Wrong(f"rank {last} flipped the lowest mantissa bit of a weight of {TINY:g} in a tensor of values "
+                        f"of order 0.02 (element {TINY_AT[1]} of params[{TINY_AT[0]}]) and its checksum still equals "
+                        "rank 0's: a sum of values, even in float64, rounds a change of ~1e-19 away. Checksum the "
+                        "bits (t.view(torch.int32)), in integer arithmetic")
+
+    agree(tiny_seen)
+
+    signed = _params()
+    if ctx.rank == last:
+        signed[ZERO_AT[0]].data.view(-1)[ZERO_AT[1]] = -0.0
+    after_signed = _call(answer, signed, f"rank {last} with -0.0 where the others hold 0.0")
+
+    def sign_seen():
+        if after_signed[last] == after_signed[0] and n > 1:
+            raise Wrong(f"rank {last} holds -0.0 where every other rank holds 0.0 (element {ZERO_AT[1]} of "
+                        f"params[{ZERO_AT[0]}]) and its checksum still equals rank 0's: the two are equal as values "
+                        "(-0.0 == 0.0, hash(-0.0) == hash(0.0)) but differ in the sign bit, so a checksum of values "
+                        "cannot tell them apart. Checksum the bits (t.view(torch.int32)), in integer arithmetic")
+
+    agree(sign_seen)
 
     swapped = _params()
     if ctx.rank == 0:

@@ -1,4 +1,5 @@
-"""Rank-side check for chapter 11's sharded optimizer step (ZeRO-1), on real ranks.
+"""Rank-side checks for chapter 11: the sharded optimizer step (ZeRO-1), ZeRO-2's gradient hook and ZeRO-3's
+gather-then-free around a unit, on real ranks.
 
 The learner writes ``zero1_step(params, state, make_optimizer)``. Every rank trains the tied-embedding GPT of
 ``workers/zero/model.py`` on its B/n rows for a few steps, calling the learner's step, and compares with the
@@ -11,15 +12,24 @@ elements on each rank (and every element is stepped by exactly one rank); every 
 rank after the step (the re-sync); the gradient is the mean over ranks, not the sum; the optimizer is created
 once, so its momentum carries over; the weights equal the reference after every step, and equal across ranks.
 Ranks agree on a verdict before anyone raises, so a wrong answer never turns into a hang.
+
+ZeRO-2 and ZeRO-3 run with every torch.distributed collective logged (``CollectiveLog``): ZeRO-2's backward must
+run one reduce-scatter of the padded gradient and nothing else, at a parameter count that needs padding and at one
+that needs none (its parameters handed over in reverse, so the last gradient to land is not the last listed);
+ZeRO-3's gathers must be waited on before the unit reads flat, which the check says in a sentence instead of
+letting the rank crash. ZeRO-3 runs a pre-norm and a post-norm block, and judges "freed" by the parameters' own
+storage as well as flat's.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.distributed as dist
 
 from workers.exercises.support import Wrong, agree, run_exercise
+from workers.model import DenseBlock
 from workers.zero.model import OPTIMIZER_CLASSES, model_config, flat_params, loss_fn, make_batches, make_model, shard_rows
 
 STEPS = 3
@@ -28,6 +38,83 @@ GLOBAL_BATCH = 8
 CFG = model_config(61, 16, 33, 3, 2)
 # SGD with momentum is linear in the gradient: reordered fp32 sums (any correct sync) stay at ~1e-7.
 TOL = {"atol": 1e-5, "rtol": 1e-4}
+# A model whose 15168 parameters split into 2 and 4 equal shards: the padding is then zero elements, and an answer that
+# pads by a size of its own (one element more per shard) is caught; its parameters are handed over in reverse order.
+CFG_EVEN = model_config(62, 16, 32, 4, 1)
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
+               "broadcast", "reduce", "all_to_all_single", "all_to_all", "scatter", "gather")
+
+
+class _Handle:
+    """An async collective's handle as the answer sees it: forwards everything, and notes whether it was waited on."""
+
+    def __init__(self, work, entry: dict):
+        self._work, self._entry = work, entry
+
+    def wait(self, *args, **kwargs):
+        self._entry["waited"] = True
+        return self._work.wait(*args, **kwargs)
+
+    def get_future(self):
+        self._entry["waited"] = True  # the answer waits on the future instead
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _bytes_touched(args, kwargs) -> int:
+    """The larger side of a collective: its biggest tensor argument, or the sum of a list of tensors."""
+    sizes = [0]
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            sizes.append(a.numel() * a.element_size())
+        elif isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
+            sizes.append(sum(t.numel() * t.element_size() for t in a))
+    return max(sizes)
+
+
+class CollectiveLog:
+    """Every torch.distributed collective the answer calls while open: its name, the bytes it touched, whether it
+    ran asynchronously and whether the answer waited for it; ``phase`` says which part of the check was running."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.phase = "setup"
+        self._saved = {}
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self.settle()
+
+    def _wrap(self, name, fn):
+        def collective(*args, **kwargs):
+            entry = {"name": name, "bytes": _bytes_touched(args, kwargs), "phase": self.phase,
+                     "async": bool(kwargs.get("async_op")), "waited": False}
+            self.calls.append(entry)
+            work = fn(*args, **kwargs)
+            if entry["async"] and work is not None:
+                entry["work"] = work
+                return _Handle(work, entry)
+            return work
+        return collective
+
+    def unwaited(self, phase: str | None = None) -> list[dict]:
+        return [c for c in self.calls if c["async"] and not c["waited"] and phase in (None, c["phase"])]
+
+    def settle(self) -> None:
+        """Wait for every collective the answer left running, so the check never frees or reads a tensor that an
+        asynchronous collective still writes into (that would crash the rank, without a Python error)."""
+        for c in self.unwaited():
+            if "work" in c:
+                c.pop("work").wait()
 
 
 def _reference(batches, grad_scale: float = 1.0) -> list[torch.Tensor]:
@@ -106,6 +193,13 @@ def check_zero1_step(ctx, answer) -> None:
                         "and drop the padding when copying back") from None
         got = flat_params(model)
 
+        def finite():
+            bad = int((~torch.isfinite(got)).sum())
+            if bad:
+                raise Wrong(f"after step {step + 1}, {bad} of rank {rank}'s {n_params} parameters are NaN or infinite: "
+                            "look for a division by zero, or a slice of the padded buffer read before it was filled")
+        agree(finite)
+
         if step == 0:
             def sharded():
                 if not created:
@@ -180,6 +274,10 @@ def check_zero1_step(ctx, answer) -> None:
                 if n > 1 and torch.allclose(got, summed[1], **TOL):
                     raise Wrong(f"the update is {n} times too large at world size {n}: all_reduce / reduce_scatter "
                                 "SUM the gradients over the ranks; divide by the world size to average them")
+                if halved is not None and torch.allclose(got, halved[1], **TOL):
+                    raise Wrong(f"the update is {n // 2} times too large at world size {n}: the summed gradient was "
+                                f"divided by 2, which is the mean only at world size 2; divide by the world size")
+            halved = _reference(batches[:1], grad_scale=n / 2) if n > 2 else None
             agree(averaged)
 
         def right():
@@ -211,32 +309,89 @@ def _padded_flat(tensors, n: int) -> torch.Tensor:
 
 
 def check_zero2_grad_hooks(ctx, answer) -> None:
-    """ZeRO-2's gradient hook: the shard filled, averaged, from inside backward; no whole gradient kept."""
+    """ZeRO-2's gradient hook: the shard filled, averaged, from inside backward, by one reduce-scatter; no whole
+    gradient kept. Twice: an odd parameter count (padding) in the listed order, then a count that splits evenly
+    with the parameters handed over in reverse, so that the last gradient to land is not the last listed."""
+    _zero2_case(ctx, answer, CFG, reverse=False)
+    _zero2_case(ctx, answer, CFG_EVEN, reverse=True)
+
+
+def _zero2_case(ctx, answer, cfg, *, reverse: bool) -> None:
     n, rank = ctx.world_size, ctx.rank
-    batch = make_batches(CFG, GLOBAL_BATCH, 1)[0]
-    reference = make_model(CFG, seed=0)  # one process, the whole batch: the mean gradient
+    batch = make_batches(cfg, GLOBAL_BATCH, 1)[0]
+    reference = make_model(cfg, seed=0)  # one process, the whole batch: the mean gradient
     loss_fn(reference, batch).backward()
-    want_flat = _padded_flat([p.grad for p in reference.parameters()], n)  # [n S]
+    order = list(reversed(list(reference.parameters()))) if reverse else list(reference.parameters())
+    want_flat = _padded_flat([p.grad for p in order], n)  # [n S]
     S = want_flat.numel() // n
     want = want_flat[rank * S:(rank + 1) * S]
-    local = make_model(CFG, seed=0)  # this rank's rows alone: what a gradient never reduced looks like
+    local = make_model(cfg, seed=0)  # this rank's rows alone: what a gradient never reduced looks like
     loss_fn(local, shard_rows(batch, rank, n)).backward()
-    local_flat = _padded_flat([p.grad for p in local.parameters()], n)
+    local_order = list(reversed(list(local.parameters()))) if reverse else list(local.parameters())
+    local_flat = _padded_flat([p.grad for p in local_order], n)
 
-    model = make_model(CFG, seed=0).to(ctx.device)
+    model = make_model(cfg, seed=0).to(ctx.device)
     params = list(model.parameters())  # the tied embedding/head weight once
+    if reverse:
+        params.reverse()
+    n_params = sum(p.numel() for p in params)
+    case = (f"the model of {n_params} parameters ({'a multiple of' if n_params % n == 0 else 'not a multiple of'} "
+            f"{n}{', handed over in reverse order' if reverse else ''})")
     grad_shard = torch.zeros(S, device=ctx.device)
-    answer(params, grad_shard)
-    loss_fn(model, shard_rows(batch, rank, n).to(ctx.device)).backward()
+    raised = None
+    with CollectiveLog() as log:
+        answer(params, grad_shard)
+        log.phase = "backward"
+        try:
+            loss_fn(model, shard_rows(batch, rank, n).to(ctx.device)).backward()
+        except Exception as exc:  # noqa: BLE001 - the answer's hook raised inside backward: said in a sentence
+            raised = exc
     got = grad_shard.detach().cpu()
     kept = [p for p in params if p.grad is not None]
+    during = [c for c in log.calls if c["phase"] == "backward"]
+    scattered = [c for c in during if c["name"] in ("reduce_scatter_tensor", "reduce_scatter")]
+    padded_bytes = n * S * grad_shard.element_size()
 
-    def fired():
-        if not got.any() and want.any():
+    def ran():
+        if raised is None:
+            return
+        # gloo prefixes its own failures with "[rank0]:[F... ProcessGroupGloo.cpp:...] Check failed: ": keep the check
+        said = re.sub(r"^(\[[^\]]*\]:?)+\s*", "", (str(raised).splitlines() or [""])[0]).rstrip(". ")
+        if isinstance(raised, AttributeError) and "NoneType" in said:
+            raise Wrong(f"for {case}, your hook read a .grad that was still None ({said}): it ran before every "
+                        "gradient had landed. Gradients land in the order backward computes them, not in the order "
+                        f"of params: count the {len(params)} gradients and launch when the count reaches zero")
+        raise Wrong(f"for {case}, your hook raised {type(raised).__name__} during backward: {said}. The flat gradient "
+                    f"must be padded to exactly n x S = {n} x {S} elements (S = grad_shard.numel()), zero padding "
+                    "when the parameters already split evenly")
+    agree(ran)
+
+    def traffic():
+        others = sorted({c["name"] for c in during} - {"reduce_scatter_tensor", "reduce_scatter"})
+        if others:
+            moved = sum(c["bytes"] for c in during if c["name"] in others)
+            raise Wrong(f"during backward your hook ran {', '.join(others)} ({moved:,} bytes on rank {rank}), where "
+                        f"ZeRO-2 runs one reduce-scatter of the {padded_bytes:,}-byte padded gradient: an all-reduce "
+                        "moves twice the bytes and leaves every rank holding the whole reduced gradient, of which it "
+                        "keeps 1/n. Reduce-scatter straight into grad_shard")
+        if not scattered and not got.any() and want.any():
             raise Wrong(f"grad_shard is still all zeros when backward returns: the reduce-scatter never ran during "
                         f"backward. Does your hook count {len(params)} gradients (the tied embedding and LM head are "
                         "one Parameter, so one gradient), and launch when the last one lands?")
-    agree(fired)
+        if log.unwaited("backward"):
+            raise Wrong("the reduce-scatter ran during backward with async_op=True, but nothing waited for its handle "
+                        "before backward returned: grad_shard may be read before the result lands. Call .wait() on "
+                        "the handle in the hook (or run it synchronously)")
+        moved = sum(c["bytes"] for c in scattered)
+        if moved > padded_bytes:
+            raise Wrong(f"during backward your hook reduce-scattered {moved:,} bytes on rank {rank} in "
+                        f"{len(scattered)} call(s), where the padded gradient is {padded_bytes:,} bytes: each gradient "
+                        "must go over the wire once; launch when the last gradient lands, not at every one")
+        if not got.any() and want.any():
+            raise Wrong("a reduce-scatter ran during backward, but grad_shard is still all zeros: its result went to "
+                        "another tensor. Pass grad_shard itself as the output (reduce_scatter_tensor(grad_shard, "
+                        "flat)); rebinding the name grad_shard inside the hook does not fill the caller's tensor")
+    agree(traffic)
 
     def nothing_whole():
         if kept:
@@ -247,6 +402,11 @@ def check_zero2_grad_hooks(ctx, answer) -> None:
     agree(nothing_whole)
 
     def averaged():
+        bad = int((~torch.isfinite(got)).sum())
+        if bad:
+            raise Wrong(f"grad_shard holds {bad} NaN or infinite value(s) on rank {rank} after backward: the mean of "
+                        "finite gradients is finite; look for a division by zero or padding taken from uninitialised "
+                        "memory (torch.empty) instead of zeros")
         if torch.allclose(got, want, **TOL):
             return
         if n > 1 and torch.allclose(got * n, want, **TOL):
@@ -264,8 +424,9 @@ def check_zero2_grad_hooks(ctx, answer) -> None:
                 raise Wrong(f"rank {rank} holds slice {k} of the gradient: rank r's shard is elements "
                             f"[r*S, (r+1)*S) of the flattened gradient (S = {S})")
         err = (got - want).abs().max().item()
-        raise Wrong(f"grad_shard differs from the mean gradient's slice {rank} by up to {err:.3g}: flatten the "
-                    f"gradients in the order of params, pad with zeros to {n} x {S} elements, reduce-scatter")
+        raise Wrong(f"for {case}, grad_shard differs from the mean gradient's slice {rank} by up to {err:.3g}: "
+                    f"flatten the gradients in the order of params, pad with zeros to {n} x {S} elements, "
+                    "reduce-scatter")
     agree(averaged)
 
 
@@ -273,20 +434,35 @@ class _Freed(RuntimeError):
     """Raised by the checker's guard instead of letting torch read a freed buffer (which would crash the rank)."""
 
 
-def check_zero3_unit_hooks(ctx, answer) -> None:
-    """ZeRO-3's gather-then-free around one unit: whole only during its forward and its backward."""
-    from workers.model import DenseBlock
+class PostNormBlock(DenseBlock):
+    """The original Transformer's post-LN order, ``h = ln1(x + attn(x))``, ``y = ln2(h + mlp(h))``, with the
+    parameters listed as in the pre-LN block: ln1 comes first, but its gradient lands in the middle of backward,
+    before the attention's, where in the pre-LN block it is the last."""
 
+    def forward(self, x: torch.Tensor, drop=None) -> torch.Tensor:  # [s, b, h]
+        h = self.ln1(x + self.attention(x))
+        return self.ln2(h + self.mlp(h))
+
+
+def check_zero3_unit_hooks(ctx, answer) -> None:
+    """ZeRO-3's gather-then-free around one unit: whole only during its forward and its backward; a pre-LN block,
+    then a post-LN one, whose gradients land in another order."""
+    _zero3_case(ctx, answer, DenseBlock, "")
+    _zero3_case(ctx, answer, PostNormBlock, "in the post-norm block (ln1(x + attention(x)), ln1's gradient lands "
+                                            "before the attention's): ")
+
+
+def _zero3_case(ctx, answer, block_cls, where: str) -> None:
     n, rank = ctx.world_size, ctx.rank
     hidden = CFG.hidden
     torch.manual_seed(0)
-    reference = DenseBlock(CFG.block())
+    reference = block_cls(CFG.block())
     x0 = torch.randn(8, 2, hidden, generator=torch.Generator().manual_seed(1))  # [s, b, h], the same on every rank
     out_ref = reference(x0)
     out_ref.square().mean().backward()
 
     torch.manual_seed(0)
-    unit = DenseBlock(CFG.block())
+    unit = block_cls(CFG.block())
     params = list(unit.parameters())
     flat = _padded_flat(params, n)  # [n S]
     S = flat.numel() // n
@@ -302,18 +478,29 @@ def check_zero3_unit_hooks(ctx, answer) -> None:
     def whole() -> bool:
         return flat.untyped_storage().nbytes() == nbytes
 
-    answer(unit, flat, shard)
+    def held() -> int:
+        """Bytes the parameters' own storage holds: 0 while they are views of the freed flat buffer."""
+        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}.values())
+
     seen = {}
 
     def before_forward(_module, _args):
+        if log.unwaited():  # filled by a collective still in flight: reading it now would race (and may crash)
+            log.settle()
+            raise _Freed("course guard: unwaited-forward")
         seen["before_forward"] = whole()
         if not whole():  # the learner's forward-pre hook ran before this one
             raise _Freed("course guard: forward")
 
     def after_forward(_module, _args, _out):
         seen["after_forward"] = whole()
+        seen["held_after_forward"] = held()
 
-    guards = [unit.register_forward_pre_hook(before_forward), unit.register_forward_hook(after_forward)]
+    def at_backward(_grad):  # registered after the learner's hook on the output: runs just after it
+        seen["backward_start"] = whole()
+        if log.unwaited():
+            log.settle()
+            raise _Freed("course guard: unwaited-backward")
 
     def unpack(t):
         if t.untyped_storage().nbytes() == 0 and t.numel():  # a freed buffer: reading it would crash the rank
@@ -321,65 +508,93 @@ def check_zero3_unit_hooks(ctx, answer) -> None:
         return t
 
     failure = None
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
-            out = unit(x0.clone())
-        if isinstance(out, torch.Tensor):
-            out.square().mean().backward()
-        else:
-            failure = f"replaced by a {type(out).__name__}"
-    except RuntimeError as exc:  # _Freed itself, or autograd's wrapping of it
-        if "course guard" not in str(exc):
-            raise
-        failure = "forward" if "forward" in str(exc) else "backward"
-    finally:
-        for g in guards:
-            g.remove()
+    with CollectiveLog() as log:
+        answer(unit, flat, shard)
+        guards = [unit.register_forward_pre_hook(before_forward), unit.register_forward_hook(after_forward)]
+        try:
+            log.phase = "forward"
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+                out = unit(x0.clone())
+            if isinstance(out, torch.Tensor):
+                out.register_hook(at_backward)
+                log.phase = "backward"
+                out.square().mean().backward()
+            else:
+                failure = f"replaced by a {type(out).__name__}"
+        except RuntimeError as exc:  # _Freed itself, or autograd's wrapping of it
+            if "course guard" not in str(exc):
+                raise
+            failure = str(exc).split("course guard: ", 1)[1].split()[0]
+        finally:
+            for g in guards:
+                g.remove()
 
     def output_kept():
         if failure and failure.startswith("replaced"):
-            raise Wrong(f"the unit's output was {failure}: a forward hook's return value replaces the module's "
+            raise Wrong(f"{where}the unit's output was {failure}: a forward hook's return value replaces the module's "
                         "output (a lambda returns whatever its expression gives, such as resize_'s storage); let "
                         "your forward hook return None")
     agree(output_kept)
 
+    def waited():
+        if failure and failure.startswith("unwaited"):
+            when = "forward" if failure == "unwaited-forward" else "backward"
+            raise Wrong(f"{where}the all-gather for the unit's {when} was launched with async_op=True, but nothing "
+                        f"waited for its handle before the {when} read flat: the parameters would be read while the "
+                        "collective still writes them (a race that can crash the rank). Call .wait() on the handle "
+                        "inside the hook, before it returns")
+    agree(waited)
+
     def gathered_for_forward():
         if failure == "forward":
-            raise Wrong("the unit's parameters were not gathered when its forward began: all-gather the shards into "
-                        "flat in a forward-pre hook (resize its storage back to flat.numel() * flat.element_size() "
-                        "bytes first)")
+            raise Wrong(f"{where}the unit's parameters were not gathered when its forward began: all-gather the "
+                        "shards into flat in a forward-pre hook (resize its storage back to flat.numel() * "
+                        "flat.element_size() bytes first)")
     agree(gathered_for_forward)
 
     def freed_after_forward():
         if seen.get("after_forward"):
-            raise Wrong("the unit's parameters are still whole after its forward: free them in a forward hook "
+            raise Wrong(f"{where}the unit's parameters are still whole after its forward: free them in a forward hook "
                         "(flat.untyped_storage().resize_(0)), and gather them again before its backward; that is "
                         "what keeps one unit whole at a time")
+        if seen.get("held_after_forward"):
+            raise Wrong(f"{where}flat was freed after the forward, but the unit's parameters still hold "
+                        f"{seen['held_after_forward']:,} bytes of storage of their own: they are no longer views of "
+                        "flat (p.data was rebound to a copy), so freeing flat freed nothing they use. Leave them views "
+                        "of flat and all-gather into flat in place")
     agree(freed_after_forward)
 
     def gathered_for_backward():
+        if failure == "backward" and seen.get("backward_start"):
+            raise Wrong(f"{where}the unit's parameters were gathered for backward but freed again before backward "
+                        "had finished with them: the gradient that lands first, or the first in the list, is not the "
+                        "last one backward computes. Free once every parameter has its gradient (count them in a "
+                        "post-accumulate-grad hook)")
         if failure == "backward":
-            raise Wrong("backward needed the unit's parameters, but they had been freed after forward: gather them "
-                        "again before the unit's backward (in the forward hook, register a hook on the output "
+            raise Wrong(f"{where}backward needed the unit's parameters, but they had been freed after forward: gather "
+                        "them again before the unit's backward (in the forward hook, register a hook on the output "
                         "tensor: it runs when the output's gradient arrives, before the unit's backward)")
     agree(gathered_for_backward)
 
     def freed_after_backward():
         if whole():
-            raise Wrong("the unit's parameters are still whole after backward: free them once every parameter has "
-                        "its gradient (a post-accumulate-grad hook that counts them), as ZeRO-3 does before "
+            raise Wrong(f"{where}the unit's parameters are still whole after backward: free them once every parameter "
+                        "has its gradient (a post-accumulate-grad hook that counts them), as ZeRO-3 does before "
                         "reduce-scattering the gradients")
+        if held():
+            raise Wrong(f"{where}flat was freed after backward, but the unit's parameters still hold {held():,} bytes "
+                        "of storage of their own (p.data rebound to a copy): leave them views of flat")
     agree(freed_after_backward)
 
     def right():
         expect_out = out.detach()
         if not torch.allclose(expect_out, out_ref.detach(), **TOL):
-            raise Wrong("the unit's output differs from the same block computed whole: the gathered buffer does not "
-                        "hold the parameters (all-gather every rank's shard into flat, in rank order)")
+            raise Wrong(f"{where}the unit's output differs from the same block computed whole: the gathered buffer "
+                        "does not hold the parameters (all-gather every rank's shard into flat, in rank order)")
         for (name, p), q in zip(unit.named_parameters(), reference.parameters()):
             if p.grad is None or not torch.allclose(p.grad, q.grad, **TOL):
-                raise Wrong(f"the gradient of {name} differs from the whole block's: backward ran on parameters "
-                            "that were not (all) gathered")
+                raise Wrong(f"{where}the gradient of {name} differs from the whole block's: backward ran on "
+                            "parameters that were not (all) gathered")
     agree(right)
 
 

@@ -132,6 +132,10 @@ def check_stage_step(ctx, answer) -> None:
             if param.grad is None:
                 raise Wrong(f"stage {stage}'s {name} has no gradient: run the backward on every stage")
             got = param.grad.detach().cpu()
+            if not torch.isfinite(got).all():  # before the hints: a NaN matches none of them, and no hint fits it
+                raise Wrong(f"stage {stage}'s gradient of {name} holds NaN or infinity at "
+                            f"{(~torch.isfinite(got)).nonzero()[0].tolist()}: a finite model and loss give finite "
+                            "gradients; look for a division by zero or a tensor used before it was filled")
             if torch.allclose(got, want[name], **FP32_TOL):
                 continue
             if torch.allclose(got, last_only[name], **FP32_TOL):

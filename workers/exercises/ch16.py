@@ -5,20 +5,27 @@ brings the experts' rows home, both on real ranks.
 and choices, each rank leaning towards another expert (so one rank's counts are not the group's), and also every
 other member's (seeded by group and place: no collective needed to know what the right answer is). The answer's
 term is compared, value then gradient with respect to ``probs``, with ``workers/moe/router.load_balancing_loss``;
-the ranks' mean with the one-process loss over the group's whole batch. Each known mistake is recognised from its
-value (local counts, no factor E, f over tokens not choices, P summed, f built from probabilities, P all-reduced,
-the world's counts instead of the group's). At world 4 the same runs in two groups of 2 with their own data,
-consecutive and non-contiguous ranks (``workers/exercises/subgroups.py``).
+the ranks' mean, weighted by their tokens, with the one-process loss over the group's whole batch. One batch is
+ragged (a rank of 2 tokens among 13, 9 and 5): there the group's token count is not this rank's times the group's
+size, and an all_gather of the choices would mismatch (named, not left to abort the ranks). Each known mistake is
+recognised from its value (local counts, no factor E, f over tokens not choices, P summed, f built from
+probabilities, P all-reduced, the world's counts instead of the group's, a NaN). At world 4 the same runs in two
+groups of 2 with their own data, consecutive and non-contiguous ranks (``workers/exercises/subgroups.py``).
 
 ``combine(rows, token_index, weight, tokens)``: plugged into the chapter's expert-parallel ``MoELayer`` (8
 experts, top-2, capacity factor 1.0, float64, EP over the whole world) in place of the dispatcher's last step;
 one forward and backward of ``workers/moe/batch.py``'s batch (a seed where every rank drops both choices of some
-token, one of another's and none of a third's), the gradients averaged as the chapter's worker does, then the
-output, the input's gradient and every parameter's gradient against ``workers/moe/equivalence.reference`` (the
-token-by-token one-process layer). The answer's rows are diagnosed as it returns them: its shape, a token that
-kept only one of its two experts, weights missing or applied twice, no gradient to the experts or the router.
+token, one of another's and none of a third's, and some rank drops both choices of its last token), the gradients
+averaged as the chapter's worker does, then the output, the input's gradient and every parameter's gradient against
+``workers/moe/equivalence.reference`` (the token-by-token one-process layer). The answer runs with the default
+device set elsewhere than its inputs (a GPU rank's situation: rows on cuda, the default device the CPU), its inputs
+are compared with a copy taken before, and its rows are diagnosed from that copy: the device, dtype and length of
+its output, a NaN, a token that kept only one of its two experts, weights missing or applied twice, no gradient to
+the experts or the router.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -40,8 +47,10 @@ def _stage(sg, stage):
 
 # -- exercise 2: the load-balancing loss ------------------------------------------------------------------------------
 
-# (experts, top_k, tokens per rank): top-2 first (f over tokens * top_k differs from f over tokens only there)
-LB_CASES = ((8, 2, 16), (4, 1, 12))
+# (experts, top_k, tokens of each place in the group, cycled): top-2 first (f over tokens * top_k differs from f over
+# tokens only there), then equal tokens at top-1, then a ragged batch with a rank of 2 tokens (only there does the
+# group's token count differ from this rank's times the group's size, and an all_gather of the choices mismatch)
+LB_CASES = ((8, 2, (16,)), (4, 1, (12,)), (8, 2, (13, 2, 9, 5)))
 
 
 def _draw(n_experts: int, top_k: int, tokens: int, seed: int, lean: int):
@@ -53,25 +62,57 @@ def _draw(n_experts: int, top_k: int, tokens: int, seed: int, lean: int):
     return probs, probs.topk(top_k, dim=-1).indices
 
 
+@contextlib.contextmanager
+def _gathers_of_one_shape():
+    """While the answer runs, ``dist.all_gather`` and ``all_gather_into_tensor`` first compare the shapes the ranks
+    give: gathering tensors whose shapes differ aborts gloo's processes (NCCL reads past the end), which would end
+    the check without a word; here it is a sentence, the same on every rank (the shapes are gathered as objects)."""
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor")}
+
+    def guarded(name):
+        def call(*args, **kwargs):
+            tensor = args[1] if len(args) > 1 else kwargs.get("tensor", kwargs.get("input_tensor"))
+            group = args[2] if len(args) > 2 else kwargs.get("group")
+            shapes = [None] * dist.get_world_size(group)
+            dist.all_gather_object(shapes, tuple(tensor.shape), group=group)
+            if len(set(shapes)) > 1:
+                held = ", ".join(f"{list(shape)} on rank {i}" for i, shape in enumerate(shapes))
+                raise Wrong(f"your {name} gathered tensors of different shapes ({held}): it needs one shape on "
+                            "every rank, and the ranks hold different numbers of tokens here. Share what has one "
+                            "size everywhere: the per-expert counts (bincount with minlength, [E]) and the token "
+                            "count, all-reduced")
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, guarded(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def check_load_balancing_loss(ctx, answer) -> None:
-    for case, (n_experts, top_k, tokens) in enumerate(LB_CASES):
+    for case, (n_experts, top_k, sizes) in enumerate(LB_CASES):
         _lb_case(ctx, answer, None, ctx.world_size, ctx.rank, n_groups=1, index=0, case=case,
-                 shape=(n_experts, top_k, tokens))
+                 shape=(n_experts, top_k, sizes))
     for dim in layouts(ctx.world_size):
         with sub_group(ctx, dim) as sg:
-            n_experts, top_k, tokens = LB_CASES[0]
             _lb_case(ctx, answer, sg.group, sg.size, sg.rank, n_groups=sg.n_groups, index=sg.index, case=0,
-                     shape=(n_experts, top_k, tokens), sg=sg)
+                     shape=LB_CASES[0], sg=sg)
 
 
 def _lb_case(ctx, answer, group, n, r, *, n_groups, index, case, shape, sg=None) -> None:
     """``n`` ranks in ``group`` (this one at place ``r``), group ``index`` of ``n_groups``, each with its own data."""
     from workers.moe.router import load_balancing_loss
 
-    n_experts, top_k, tokens = shape
+    n_experts, top_k, sizes = shape
+    tokens_at = [sizes[m % len(sizes)] for m in range(n)]  # the tokens of each place in the group
+    tokens, group_tokens = tokens_at[r], sum(tokens_at)
     cfg = MoEConfig(experts=n_experts, top_k=top_k)
     # every member of every group, drawn on every rank: seed and favourite expert by (group, place)
-    every = [[_draw(n_experts, top_k, tokens, seed=1000 * case + 100 * g + m, lean=(2 * g + 3 * m) % n_experts)
+    every = [[_draw(n_experts, top_k, tokens_at[m], seed=1000 * case + 100 * g + m, lean=(2 * g + 3 * m) % n_experts)
               for m in range(n)] for g in range(n_groups)]
     members = every[index]
     probs_in, experts_in = members[r]
@@ -84,8 +125,11 @@ def _lb_case(ctx, answer, group, n, r, *, n_groups, index, case, shape, sg=None)
 
     probs = probs_in.clone().to(ctx.device).requires_grad_(True)
     experts = experts_in.clone().to(ctx.device)
-    got = answer(probs, experts, n_experts, top_k, group)
-    where = (f"experts={n_experts}, top_k={top_k}, {tokens} tokens per rank"
+    with _gathers_of_one_shape():
+        got = answer(probs, experts, n_experts, top_k, group)
+    ragged = len(set(tokens_at)) > 1
+    where = (f"experts={n_experts}, top_k={top_k}, "
+             + (f"tokens per rank {tokens_at} (ragged)" if ragged else f"{tokens} tokens per rank")
              + ("" if sg else f", {n} ranks each with its own batch"))
 
     def count(ex):
@@ -94,7 +138,7 @@ def _lb_case(ctx, answer, group, n, r, *, n_groups, index, case, shape, sg=None)
     P = probs_in.mean(dim=0)  # [E] this rank's mean probability
     group_counts = sum(count(ex) for _, ex in members)
     world_counts = sum(count(ex) for grp in every for _, ex in grp)
-    f = group_counts / (n * tokens * top_k)
+    f = group_counts / (group_tokens * top_k)
     P_group = sum(p.mean(dim=0) for p, _ in members) / n
     E = n_experts
     alternatives = [
@@ -102,12 +146,16 @@ def _lb_case(ctx, answer, group, n, r, *, n_groups, index, case, shape, sg=None)
          "f_i counts this rank's token choices alone: the loss is defined on the whole batch's counts (Switch "
          "Transformer eq. 4; Qiu et al. 2025). all_reduce the counts (and the token count) over group before "
          "dividing"),
-        (E * (world_counts / (n * n_groups * tokens * top_k) * P).sum(),
+        (E * (world_counts / (n_groups * group_tokens * top_k) * P).sum(),
          "f_i counts the choices of every rank in the world, not those of your group: the all_reduce " + DEFAULT_GROUP),
+        (E * (group_counts / (n * tokens * top_k) * P).sum(),
+         f"f_i divides the group's counts by this rank's tokens times the group's size ({n} x {tokens}), but the "
+         f"ranks hold different numbers of tokens ({group_tokens} in all): all_reduce the token count with the "
+         "counts"),
         ((f * P).sum(),
          f"the term is {E} times too small: the Switch loss is n_experts * sum_i f_i P_i (so that perfect balance "
          "gives 1); multiply by n_experts"),
-        (E * (group_counts / (n * tokens) * P).sum(),
+        (E * (group_counts / group_tokens * P).sum(),
          f"f_i divides the counts by the tokens only: each token makes top_k = {top_k} choices, so the fractions "
          f"sum to {top_k}; divide by tokens * top_k"),
         (E * (f * probs_in.sum(dim=0)).sum(),
@@ -132,10 +180,18 @@ def _lb_case(ctx, answer, group, n, r, *, n_groups, index, case, shape, sg=None)
         if got.numel() != 1:
             raise Wrong(f"return one number, this rank's term (a 0-dim tensor), got shape {tuple(got.shape)}: sum "
                         "f_i * P_i over the experts")
-        if not torch.equal(experts.cpu(), experts_in) or not torch.equal(probs.detach().cpu(), probs_in):
-            raise Wrong("your function changed its inputs in place: the router still needs probs and experts "
-                        "after the loss; compute on new tensors")
+        if not torch.equal(probs.detach().cpu(), probs_in):
+            raise Wrong("your function changed probs in place (probs.detach() and probs.data share its memory: an "
+                        "in-place op on them writes into probs): the router still needs probs after the loss; "
+                        "compute on new tensors (torch.zeros_like, .clone())")
+        if not torch.equal(experts.cpu(), experts_in):
+            raise Wrong("your function changed experts in place: the dispatch still needs them after the loss; "
+                        "compute on new tensors")
         value = got.detach().cpu().reshape(())
+        if not torch.isfinite(value):
+            raise Wrong(f"{where}: rank {r}'s term is {float(value)}, not finite: look for a division by a count "
+                        "that is 0 here (an expert that none of this rank's tokens chose); P_i = probs.mean(0) is "
+                        "the mean over all this rank's tokens, f_i divides by the group's tokens * top_k")
         if _close(value, want):
             return
         for alt, why in alternatives:
@@ -169,11 +225,12 @@ def _lb_case(ctx, answer, group, n, r, *, n_groups, index, case, shape, sg=None)
                                       local_statistics=True)
 
     def mean_is_the_batch_loss():
-        mean = sum(values) / n
-        if abs(mean - float(one_process)) > TOL * max(1.0, abs(float(one_process))):
-            raise Wrong(f"{where}: the ranks' terms average to {mean:.6f}, but one process over the group's whole "
-                        f"batch gives {float(one_process):.6f}: with equal tokens per rank the mean of the terms must "
-                        "be the batch's loss")
+        # P over the whole batch is the ranks' P weighted by their tokens, so is the loss: sum_m T_m term_m / T
+        mean = sum(t * v for t, v in zip(tokens_at, values)) / group_tokens
+        if not abs(mean - float(one_process)) <= TOL * max(1.0, abs(float(one_process))):
+            raise Wrong(f"{where}: the ranks' terms, weighted by their tokens, average to {mean:.6f}, but one process "
+                        f"over the group's whole batch gives {float(one_process):.6f}: each rank's term must be "
+                        "its tokens' share of the batch's loss")
 
     agree(_stage(sg, mean_is_the_batch_loss))
 
@@ -181,27 +238,64 @@ def _lb_case(ctx, answer, group, n, r, *, n_groups, index, case, shape, sg=None)
 # -- exercise 3: the combine ------------------------------------------------------------------------------------------
 
 COMBINE_CFG = MoEConfig(hidden=16, ffn=32, experts=8, top_k=2, capacity_factor=1.0, aux_coeff=0.1, z_coeff=0.01)
-# data_seed 23 with skew 1.0: at world 2 and 4 every rank has a token whose two choices were both dropped, one that
-# kept one choice and one that kept both (tests/test_ch16_exercises.py holds this)
-COMBINE_RUN = {"dtype": "float64", "seed": 0, "balanced": False, "tokens": 32, "data_seed": 23, "skew": 1.0}
+# data_seed 196 with skew 1.0: at world 2 and 4 every rank has a token whose two choices were both dropped, one that
+# kept one choice and one that kept both, and some rank's last token dropped both (tests/test_ch16_exercises.py)
+COMBINE_RUN = {"dtype": "float64", "seed": 0, "balanced": False, "tokens": 32, "data_seed": 196, "skew": 1.0}
+ELSEWHERE = torch.device("meta")  # the default device while the answer runs: not where its inputs are
+MADE_WITHOUT_DEVICE = ("a tensor made without device= (torch.zeros(...), torch.arange(...)) lands on the default "
+                       "device, which the check sets elsewhere than the rows, as on a GPU rank (rows on cuda, the "
+                       "default device the CPU): make the output with rows.new_zeros((tokens, h)), which takes rows' "
+                       "device and dtype")
+
+
+def _call_combine(answer, rows, token_index, weight, tokens: int, before) -> tuple[object, str | None]:
+    """(the answer's output, None), or (None, what went wrong) when it raised: with the default device elsewhere
+    than its inputs, and, if it runs where the default device is theirs, that is named as the cause."""
+    try:
+        with ELSEWHERE:
+            return answer(rows, token_index, weight, tokens), None
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a crash becomes the rank's verdict, shared by agree()
+        said = f"your function raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    try:
+        answer(*(t.clone() for t in before), tokens)
+    except Exception:  # noqa: BLE001 - it fails wherever it runs: the error itself is the message
+        return None, said
+    return None, f"{said}, and ran when the default device was the rows': {MADE_WITHOUT_DEVICE}"
 
 
 def _combine_diagnosis(y, rows, token_index, weight, tokens: int) -> str | None:
-    """What is wrong with the answer's ``y`` for these inputs, or None (values and graph only; gradients later)."""
+    """What is wrong with the answer's ``y`` for these inputs (taken before the answer ran), or None (values and
+    graph only; gradients later)."""
     hidden = rows.shape[-1]
     if not isinstance(y, torch.Tensor):
         return f"return a tensor [tokens, h] = [{tokens}, {hidden}], got {type(y).__name__}"
+    if y.device != rows.device:
+        return f"your output is on {y.device}, not on rows' device ({rows.device}): {MADE_WITHOUT_DEVICE}"
+    if y.dtype != rows.dtype:
+        return (f"your output is {y.dtype}, the rows are {rows.dtype}: the output must keep the rows' precision; make "
+                "it with rows.new_zeros((tokens, h)) (rows' dtype and device), not torch.zeros (float32 by default)")
     kept_tokens = int(token_index.unique().numel())
+    last_kept = int(token_index.max()) + 1 if len(token_index) else 0
     if tuple(y.shape) != (tokens, hidden):
+        if y.dim() == 2 and y.shape[0] == last_kept < tokens:
+            return (f"returned {last_kept} rows, one per token up to the last that kept a choice (token_index.max() "
+                    f"+ 1): here the last {tokens - last_kept} token(s) dropped all their choices and still need "
+                    f"their zero rows; size the output with tokens, [tokens, h] = [{tokens}, {hidden}]")
         if y.dim() == 2 and y.shape[0] in (kept_tokens, rows.shape[0]) and y.shape[0] != tokens:
             what = "kept choice (as rows)" if y.shape[0] == rows.shape[0] else "token that kept a choice"
             return (f"returned shape {tuple(y.shape)}: one row per {what}; return one row per token, "
                     f"[tokens, h] = [{tokens}, {hidden}], with zeros for the {tokens - kept_tokens} token(s) whose "
                     "choices were all dropped (they ride the residual stream)")
         return f"returned shape {tuple(y.shape)}, expected [tokens, h] = [{tokens}, {hidden}]"
-    r, t, w = rows.detach(), token_index, weight.detach()
-    want = r.new_zeros((tokens, hidden)).index_add(0, t, r * w[:, None])
+    r, t, w = rows, token_index, weight
     got = y.detach()
+    bad = ~torch.isfinite(got).all(dim=-1)
+    if bad.any():
+        return (f"the output holds NaN or inf at token(s) {bad.nonzero()[:, 0].tolist()[:4]}, not finite although "
+                "every row and weight is: y[t] = sum over the rows r with token_index[r] == t of weight[r] * rows[r]")
+    want = r.new_zeros((tokens, hidden)).index_add(0, t, r * w[:, None])
     if _close(got, want, 1e-10):
         if not y.requires_grad:
             return ("the output carries no gradient: no gradient reaches the experts (nor the router through the "
@@ -250,12 +344,25 @@ def check_combine(ctx, answer) -> None:
         def combine(expert_output, state, tokens):  # the dispatcher's combine, with the learner's last step
             inverse = torch.argsort(state.local_order)
             back = all_to_all(dispatcher.group, expert_output[inverse], state.send_splits, state.recv_splits)  # [A, h]
-            y = answer(back, state.token_index.clone(), state.weight, tokens)
-            seen["problem"] = _combine_diagnosis(y, back, state.token_index, state.weight, tokens)
+            token_index = state.token_index.clone()
+            # the inputs as they were: to tell a change in place, and to diagnose from what the answer was given
+            before = (back.detach().clone(), token_index.clone(), state.weight.detach().clone())
+            y, seen["problem"] = _call_combine(answer, back, token_index, state.weight, tokens, before)
+            changed = [name for name, now, then in zip(("rows", "token_index", "weight"),
+                                                       (back.detach(), token_index, state.weight.detach()), before)
+                       if not torch.equal(now, then)]
+            if changed and seen["problem"] is None:
+                seen["problem"] = (f"your function changed {' and '.join(changed)} in place (rows *= ..., "
+                                   "weight.mul_(...)): the caller still reads them after the combine, and autograd "
+                                   "may have saved them for the backward; compute into new tensors "
+                                   "(rows * weight[:, None])")
+            if seen["problem"] is None:
+                seen["problem"] = _combine_diagnosis(y, *before, tokens)
             if seen["problem"] is None:
                 return y
             # a stand-in of the right shape, so the forward ends and every rank reports together
-            return back.new_zeros((tokens, back.shape[-1])).index_add(0, state.token_index, back * state.weight[:, None])
+            rows, index, weight = before
+            return rows.new_zeros((tokens, rows.shape[-1])).index_add(0, index, rows * weight[:, None])
 
         dispatcher.combine = combine
         x = x_all[rows_of_mine].clone().to(ctx.device).requires_grad_(True)  # [T/W, h]

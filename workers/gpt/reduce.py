@@ -89,5 +89,6 @@ def reduction_culprits(fingerprints: list[dict], rtol: float = 1e-4) -> list[int
     k = len(fingerprints[0]["local_proj"])
     mean_local = [sum(f["local_proj"][j] for f in fingerprints) / n for j in range(k)]
     scale = max(max(f["local_norm"] for f in fingerprints), 1e-30)
+    # "not <=": a NaN projection (a rank whose reduction produced NaN) is a culprit, not a pass (NaN > x is False)
     return [r for r, f in enumerate(fingerprints)
-            if max(abs(f["reduced_proj"][j] - mean_local[j]) for j in range(k)) > rtol * scale]
+            if not all(abs(f["reduced_proj"][j] - mean_local[j]) <= rtol * scale for j in range(k))]

@@ -84,11 +84,16 @@ def assemble(records: list[dict], full_shapes: dict[str, tuple]) -> tuple[dict, 
                 continue
             held = seen[where]
             if held.any():
-                previous = out[where]
-                diff = (previous - value).abs()[held].max().item() if held.any() else 0.0
-                if diff > 0:
-                    problems.append(f"{name}: rank {rank} disagrees with an earlier rank on a replicated part "
-                                    f"(max difference {diff:.3g})")
+                earlier, mine = out[where][held], value[held]
+                # torch.equal, not "max difference > 0": NaN > 0 is False, and the later copy would overwrite a NaN
+                if not torch.equal(earlier, mine):
+                    if not (torch.isfinite(earlier).all() and torch.isfinite(mine).all()):
+                        problems.append(f"{name}: a replicated part is not finite (NaN or inf) on rank {rank} or "
+                                        "an earlier rank")
+                    else:
+                        diff = (earlier - mine).abs().max().item()
+                        problems.append(f"{name}: rank {rank} disagrees with an earlier rank on a replicated part "
+                                        f"(max difference {diff:.3g})")
             out[where] = value
             seen[where] = True
         if not seen.all():
