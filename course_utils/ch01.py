@@ -110,9 +110,8 @@ def run_script(script: str | os.PathLike, nproc: int, *, timeout: float = 60.0, 
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"})
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=full_env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=reaper.die_with_parent)  # own session + dies with the notebook
+    proc = reaper.spawn(cmd, cwd=str(ROOT), env=full_env, stdin=subprocess.DEVNULL,  # own session, dies with the notebook
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     timed_out = False
     try:
         output, _ = proc.communicate(timeout=timeout)

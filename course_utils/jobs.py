@@ -123,9 +123,8 @@ class RankJob:
         self.commands = commands
         self._t0 = time.perf_counter()
         for node, cmd in enumerate(commands):
-            agent = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     preexec_fn=reaper.die_with_parent)
+            agent = reaper.spawn(cmd, env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
             self.agents.append(agent)
             threading.Thread(target=self._read_agent, args=(node, agent), daemon=True).start()
         self._register()

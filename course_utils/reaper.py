@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -133,9 +134,30 @@ def reap_stale() -> int:
     return reaped
 
 
+_spawner = None
+_spawner_lock = threading.Lock()
+
+
+def spawn(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, preexec_fn=die_with_parent, **popen_kwargs)``, forked from one thread that lives as
+    long as this process.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the process (prctl(2)). An agent
+    forked from a short-lived thread (an exercise check runs in one, so that an endless answer cannot freeze the
+    notebook) was killed the moment that thread ended, and its warm ranks with it: every later run started cold
+    (chapter 15's 8-rank check took 14 s each time instead of 0.3 s)."""
+    global _spawner
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _spawner_lock:
+        if _spawner is None:  # its one thread waits for work until the interpreter exits, then the agents die
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="course-spawner")
+    return _spawner.submit(subprocess.Popen, cmd, preexec_fn=die_with_parent, **popen_kwargs).result()
+
+
 def die_with_parent() -> None:
-    """``preexec_fn`` for the torchrun agent: SIGKILL it when the thread that started it dies (Linux; the
-    launcher starts agents from the caller's thread, so that is the notebook's kernel)."""
+    """``preexec_fn`` for the torchrun agent: SIGKILL it when the thread that started it dies (Linux): ``spawn``
+    forks from a thread that lives as long as the notebook's kernel."""
     os.setsid()  # its own process group, so a cancel can signal the agent without touching the notebook
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1

@@ -213,6 +213,22 @@ def test_ranks_leave_when_their_notebook_is_killed(tmp_path, monkeypatch):
     assert not log_dir.exists()
 
 
+def test_warm_ranks_started_from_a_short_lived_thread_outlive_it():
+    """The parent-death signal fires when the *thread* that forked the agent exits (prctl(2)): an exercise check
+    runs in a thread of its own, and ranks it started used to die with it, so every check after the first started
+    cold. ``reaper.spawn`` forks from one thread that lives as long as the notebook."""
+    import threading
+
+    world = 3  # a world size no other test keeps warm: this run must start the ranks
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(res=cu.run("workers.hello", world_size=world)))
+    thread.start()
+    thread.join()
+    assert first["res"].launch == "cold"
+    time.sleep(1.0)  # a killed agent would be gone by now
+    assert cu.run("workers.hello", world_size=world).launch == "warm"
+
+
 def test_idle_warm_ranks_stop_by_themselves_and_the_next_run_says_so(tmp_path):
     """A notebook that runs once and then sits (its tab closed, its kernel alive) loses its ranks after the stated
     idle time, with nobody calling anything; the next run is announced as a cold start after that idle stop, with
