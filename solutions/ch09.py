@@ -22,7 +22,12 @@ def cross_rank_checksum(params):
 
 def first_divergence(trace_a, trace_b, rtol):
     """The first index where the traces differ by more than rtol (relative), else None."""
+    import math
+
     for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        # an infinity needs its own test: |inf - 2| = inf <= rtol * inf holds for any rtol > 0
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return i
         if not abs(a - b) <= rtol * max(abs(a), abs(b)):  # written so that NaN counts as a divergence
             return i
     if len(trace_a) != len(trace_b):

@@ -128,6 +128,8 @@ def test_first_divergence_and_the_majority_rule():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1.0, 2.0, 3.0], [1.0, 2.0 * (1 + 1e-9), 4.0], rtol=1e-6) == 2
     assert first_divergence([1.0, 2.0], [1.0, float("nan")], rtol=0.5) == 1
+    assert first_divergence([1.0, 2.0], [1.0, float("inf")], rtol=0.5) == 1  # inf <= 0.5 * inf would pass it
+    assert first_divergence([float("inf")], [float("inf")], rtol=0.5) == 0  # both blew up: no agreement
     assert first_divergence([1, 2, 3], [1, 2]) == 2
     assert odd_ones_out([5, 5, 7]) == [2]
     assert odd_ones_out([5, 7]) == [0, 1]  # two ranks cannot vote

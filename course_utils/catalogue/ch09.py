@@ -22,6 +22,8 @@ DIVERGENCE_CASES = [
     ([5.0, 1.0, 1.0], [6.0, 1.0, 1.0], 0.1, 0),  # divergence at the very first step: index 0, not None
     ([1.0, float("nan"), 3.0], [1.0, 2.0, 3.0], 1e-3, 1),  # a NaN in trace_a
     ([1.0, float("nan"), 3.0], [1.0, float("nan"), 3.0], 1e-3, 1),  # NaN in both at the same step: still no match
+    ([1.0, 2.0, 3.0], [1.0, float("inf"), 3.0], 1e-3, 1),  # an overflow: |inf - 2| <= 1e-3 * inf holds, yet it diverged
+    ([2.0, float("-inf")], [2.0, float("-inf")], 0.1, 1),  # the same infinity in both: a blow-up, as two NaNs
     ([], [], 0.0, None),  # two empty traces agree
     ([], [2.0], 0.0, 0),  # an empty trace ends before the other's first step
 ]
@@ -47,6 +49,10 @@ def _why(case, got) -> str:
         return (f"a NaN at step {want} went unnoticed" + (" although both traces hold NaN there: NaN == NaN is False, "
                 "so two NaNs never match (a blow-up in both runs is no agreement)" if both else
                 ": NaN > tol is False") + "; write the test as not (|a - b| <= tol) so that NaN counts as a divergence")
+    if want is not None and got is None and want < min(len(a), len(b)) \
+            and (math.isinf(a[want]) or math.isinf(b[want])):
+        return (f"an infinity at step {want} went unnoticed: |a - b| is inf and so is rtol * max(|a|, |b|), and "
+                "inf <= inf holds; a step where either value is not finite (math.isfinite) is a divergence")
     if want == 0 and got is None:
         return ("the traces differ at step 0, and 0 is a valid index: a test such as `if first:` or `return i or None` "
                 "takes 0 for no divergence; compare with None instead")
@@ -88,7 +94,7 @@ def check_first_divergence(answer) -> tuple[str, str]:
             hint = _why(case, got)
             return FAIL, (f"first_divergence({a}, {b}, rtol={rtol:g}) returned {got!r}, expected {want!r}"
                           + (f": {hint}" if hint else ""))
-    return PASS, "correct: first index beyond a relative tolerance, NaN and early ends included"
+    return PASS, "correct: first index beyond a relative tolerance, NaN, infinity and early ends included"
 
 
 def _z_loss_reference(logits, coeff):
@@ -188,8 +194,9 @@ register(Exercise("cross_rank_checksum", "09", "cross_rank_checksum",
 register(Exercise("first_divergence", "09", "first_divergence",
                   "Replay: the first step where two traces differ beyond a relative tolerance",
                   local=check_first_divergence,
-                  tries={"non-finite": "NaN in trace_b, in trace_a, and in both at the same step: each is a "
-                                       "divergence (NaN is close to nothing, itself included)",
+                  tries={"non-finite": "NaN in trace_b, in trace_a, and in both at the same step, an infinity in "
+                                       "one trace and the same infinity in both: each is a divergence (NaN is close "
+                                       "to nothing, itself included; inf passes a relative test, inf <= rtol * inf)",
                          "order": _NO_GRADIENTS,
                          "sizes": NOT_APPLICABLE + "traces are walked step by step: no size is split",
                          "ragged": "either trace ending early (trace_a or trace_b shorter, one of them empty), equal "

@@ -505,7 +505,8 @@ check("cross_rank_checksum", cross_rank_checksum)
 # Write `first_divergence(trace_a, trace_b, rtol)`: the first index at which two per-step traces (losses,
 # say) differ by more than `rtol` relative to the larger of the two values, or `None` if they never do.
 # A trace that ends early (either one) diverges where it ends; a NaN is never close to anything, not even to
-# another NaN.
+# another NaN, and a step where either trace overflowed to infinity has diverged too (careful: `inf <= rtol * inf`
+# holds).
 
 # %% tags=["exercise"]
 def first_divergence(trace_a, trace_b, rtol):

@@ -169,6 +169,16 @@ def divergence_minus_one(trace_a, trace_b, rtol):
     return -1 if len(trace_a) == len(trace_b) else min(len(trace_a), len(trace_b))
 
 
+def divergence_blind_to_inf(trace_a, trace_b, rtol):
+    # NaN-proof (not <=), but an overflowed step passes: |inf - b| = inf <= rtol * inf
+    for i, (a, b) in enumerate(zip(trace_a, trace_b)):
+        if not abs(a - b) <= rtol * max(abs(a), abs(b)):
+            return i
+    if len(trace_a) != len(trace_b):
+        return min(len(trace_a), len(trace_b))
+    return None
+
+
 def divergence_nan_pairs_agree(trace_a, trace_b, rtol):
     # Two NaNs at the same step taken as agreement (both runs blew up alike).
     import math
@@ -299,6 +309,7 @@ tries("ragged")(divergence_only_b_short)
 tries("output")(divergence_zero_is_none)
 tries("output")(divergence_minus_one)
 tries("non-finite")(divergence_nan_pairs_agree)
+tries("non-finite")(divergence_blind_to_inf)
 tries("mutation")(divergence_pads_in_place)
 tries("non-finite")(divergence_blind_to_nan)
 tries("non-finite")(z_loss_unstable)
@@ -330,6 +341,7 @@ WRONG = [
     ("first_divergence", divergence_zero_is_none, "0 is a valid index"),
     ("first_divergence", divergence_minus_one, "return None, not -1"),
     ("first_divergence", divergence_nan_pairs_agree, "although both traces hold NaN there"),
+    ("first_divergence", divergence_blind_to_inf, "an infinity at step 1 went unnoticed"),
     ("first_divergence", divergence_pads_in_place, "changed the traces it was given"),
     ("z_loss", z_loss_not_squared, "you did not square log Z"),
     ("z_loss", z_loss_max_logit, "not the largest logit"),

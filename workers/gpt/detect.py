@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import statistics
 from collections import Counter
 
@@ -45,10 +47,11 @@ def odd_ones_out(checksums: list[int]) -> list[int]:
 def first_divergence(trace_a, trace_b, rtol: float = 0.0):
     """The first index where two per-step traces differ by more than ``rtol`` (relative), else None.
 
-    A trace that stops early (a replay that crashed) diverges where it stops. NaN never equals anything.
+    A trace that stops early (a replay that crashed) diverges where it stops. A step where either value is NaN or
+    infinite diverges: NaN never equals anything, and an infinity would pass the relative test (inf <= rtol * inf).
     """
     for i, (a, b) in enumerate(zip(trace_a, trace_b)):
-        if not abs(a - b) <= rtol * max(abs(a), abs(b)):
+        if not (math.isfinite(a) and math.isfinite(b)) or not abs(a - b) <= rtol * max(abs(a), abs(b)):
             return i
     if len(trace_a) != len(trace_b):
         return min(len(trace_a), len(trace_b))
