@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -134,8 +135,18 @@ def reap_stale() -> int:
     return reaped
 
 
-_spawner = None
+_spawn_requests: "queue.Queue | None" = None
 _spawner_lock = threading.Lock()
+
+
+def _spawner_loop(requests: "queue.Queue") -> None:
+    while True:
+        cmd, kwargs, done = requests.get()
+        try:
+            done["proc"] = subprocess.Popen(cmd, preexec_fn=die_with_parent, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            done["error"] = exc
+        done["event"].set()
 
 
 def spawn(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
@@ -145,14 +156,19 @@ def spawn(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
     ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the process (prctl(2)). An agent
     forked from a short-lived thread (an exercise check runs in one, so that an endless answer cannot freeze the
     notebook) was killed the moment that thread ended, and its warm ranks with it: every later run started cold
-    (chapter 15's 8-rank check took 14 s each time instead of 0.3 s)."""
-    global _spawner
-    from concurrent.futures import ThreadPoolExecutor
-
+    (chapter 15's 8-rank check took 14 s each time instead of 0.3 s). The spawning thread is a daemon: nothing joins
+    it at exit, so the kernel's atexit handlers still close the warm ranks gracefully before it goes."""
+    global _spawn_requests
     with _spawner_lock:
-        if _spawner is None:  # its one thread waits for work until the interpreter exits, then the agents die
-            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="course-spawner")
-    return _spawner.submit(subprocess.Popen, cmd, preexec_fn=die_with_parent, **popen_kwargs).result()
+        if _spawn_requests is None:
+            _spawn_requests = queue.Queue()
+            threading.Thread(target=_spawner_loop, args=(_spawn_requests,), name="course-spawner", daemon=True).start()
+    done = {"event": threading.Event()}
+    _spawn_requests.put((cmd, popen_kwargs, done))
+    done["event"].wait()
+    if "error" in done:
+        raise done["error"]
+    return done["proc"]
 
 
 def die_with_parent() -> None:

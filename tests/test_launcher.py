@@ -229,6 +229,13 @@ def test_warm_ranks_started_from_a_short_lived_thread_outlive_it():
     assert cu.run("workers.hello", world_size=world).launch == "warm"
 
 
+def test_spawn_raises_what_popen_raises_in_the_callers_thread():
+    with pytest.raises(FileNotFoundError):
+        reaper.spawn(["/nonexistent/torchrun"])
+    proc = reaper.spawn([sys.executable, "-c", "print('ok')"], stdout=subprocess.PIPE, text=True)
+    assert proc.communicate(timeout=30)[0] == "ok\n"
+
+
 def test_idle_warm_ranks_stop_by_themselves_and_the_next_run_says_so(tmp_path):
     """A notebook that runs once and then sits (its tab closed, its kernel alive) loses its ranks after the stated
     idle time, with nobody calling anything; the next run is announced as a cold start after that idle stop, with
