@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from workers.exercises.subgroups import DEFAULT_GROUP, in_sub_group, layouts, sub_group
-from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
+from workers.exercises.support import Wrong, agree, expect_close, expect_finite, run_exercise, scaled_by
 from workers.parallel.reference import example, reference
 from workers.runtime import entrypoint
 
@@ -40,8 +40,7 @@ def _run(ctx, fn, what: str, x_in: torch.Tensor, grad: torch.Tensor, group=None,
     if not torch.equal(x.detach().cpu(), x_in):
         raise Wrong(f"{what}'s forward changed its input in place (a collective on x itself): communicate on a "
                     "clone; autograd may have saved x for another backward, and the caller may still need it")
-    if not torch.isfinite(y.detach()).all():
-        raise Wrong(f"{what}'s forward returned NaN or inf from finite inputs")
+    expect_finite(y, f"{what}'s forward output")
     if y.shape != grad.shape:
         raise Wrong(f"{what} returned shape {tuple(y.shape)} for an input of shape {tuple(x_in.shape)}; expected "
                     f"{tuple(grad.shape)}" + (f": {shape_hint}" if shape_hint else ""))
@@ -51,8 +50,7 @@ def _run(ctx, fn, what: str, x_in: torch.Tensor, grad: torch.Tensor, group=None,
     y.backward(grad.to(ctx.device))
     if x.grad is None:
         raise Wrong(f"{what}'s backward gave x no gradient: return the gradient of x first (None for group)")
-    if not torch.isfinite(x.grad).all():
-        raise Wrong(f"{what}'s backward gave x a gradient holding NaN or inf, from finite gradients")
+    expect_finite(x.grad, f"{what}'s backward: the gradient of x")
     return y.detach().cpu(), x.grad.detach().cpu()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from workers.exercises.subgroups import DEFAULT_GROUP, in_sub_group, layouts, sub_group
-from workers.exercises.support import Wrong, agree, expect_close, run_exercise, scaled_by
+from workers.exercises.support import Wrong, agree, expect_close, expect_finite, run_exercise, scaled_by
 from workers.model.dense import BlockConfig, build, inputs
 from workers.parallel.layers import contiguous_index
 from workers.parallel.mlp import ParallelMLP, naive_rows, swiglu_rows
@@ -32,11 +32,6 @@ def _grad(tensor: torch.Tensor, what: str) -> torch.Tensor:
         raise Wrong(f"{what} got no gradient in the backward: use it in the output with differentiable ops "
                     "(no .detach(), no torch.no_grad())")
     return tensor.grad.cpu()
-
-
-def _finite(tensor: torch.Tensor, what: str) -> None:
-    if not torch.isfinite(tensor.detach()).all():
-        raise Wrong(f"{what} holds NaN or inf, from finite inputs")
 
 
 def _dense_grads(linear, x, grad_output):
@@ -82,7 +77,7 @@ def _column_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
     def forward_verdict():
         if not isinstance(y, torch.Tensor):
             raise Wrong(f"column_parallel_forward should return a tensor, not {type(y).__name__}")
-        _finite(y, f"rank {r}'s output columns")
+        expect_finite(y, f"rank {r}'s output columns")
         if y.shape == want_y.shape and t > 1:
             raise Wrong(f"you returned the whole output {tuple(y.shape)}: a column-parallel layer returns only this "
                         f"rank's {len(cols)} output columns, [s, b, out/t] (gather_output=False)")
@@ -96,7 +91,7 @@ def _column_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
 
     def backward_verdict():
         for tensor, what in ((weight, "this rank's weight shard"), (bias, "this rank's bias shard"), (x, "the input x")):
-            _finite(_grad(tensor, what), f"the gradient of {what}")
+            expect_finite(_grad(tensor, what), f"the gradient of {what}")
         expect_close(_grad(weight, "this rank's weight shard"), want_dw[cols],
                      "the gradient of this rank's weight shard", **TOL)
         expect_close(_grad(bias, "this rank's bias shard"), want_db[cols], "the gradient of this rank's bias shard",
@@ -151,7 +146,7 @@ def _row_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
     def forward_verdict():
         if not isinstance(y, torch.Tensor):
             raise Wrong(f"row_parallel_forward should return a tensor, not {type(y).__name__}")
-        _finite(y, f"rank {r}'s output")
+        expect_finite(y, f"rank {r}'s output")
         got = y.detach().cpu().double()
         partial = x_full[..., rows].double() @ dense.weight.detach()[:, rows].double().T
         if sg is not None and got.shape == want_y.shape:
@@ -188,7 +183,7 @@ def _row_case(ctx, answer, group, t, r, *, seeds, index, sg=None) -> None:
                         "the whole bias on every rank, once, after the all-reduce, so every copy gets the same "
                         "gradient and the copies stay identical after the optimizer step")
         for tensor, what in ((bias, "the bias"), (weight, "this rank's weight shard"), (x, "this rank's input shard")):
-            _finite(_grad(tensor, what), f"the gradient of {what}")
+            expect_finite(_grad(tensor, what), f"the gradient of {what}")
         expect_close(bias.grad.cpu(), want_db, "the bias gradient", **TOL, hints=[
             (scaled_by(1 / t), f"it is 1/{t} of the right one: you added bias/{t} on every rank before the sum; "
              "the forward is right, the gradient is not. Add the whole bias once, after the all-reduce")])
@@ -224,7 +219,7 @@ def check_swiglu_shard(ctx, answer) -> None:
                 raise Wrong(f"rank {r}'s shard of the {what} has shape {tuple(got.shape)}; it should be "
                             f"{tuple(want.shape)}: 2*ffn/t rows ({cfg.ffn // t} of gate, then {cfg.ffn // t} of up)."
                             + short)
-            _finite(got, f"rank {r}'s shard of the {what}")
+            expect_finite(got, f"rank {r}'s shard of the {what}")
 
     # The parallel MLP below all-reduces: the ranks agree on the shapes first, so all of them run it or none does.
     agree(shape_verdict)

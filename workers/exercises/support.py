@@ -51,6 +51,13 @@ def run_exercise(ctx, checks: dict[str, Callable], exercise: str, answer) -> dic
     return verdict("pass", "correct")
 
 
+def expect_finite(tensor: torch.Tensor, what: str) -> None:
+    """Raise Wrong naming a NaN or infinity in ``tensor``: checked before any comparison, so that a NaN is told
+    as a NaN instead of as a large error or a misleading hint (every input a check makes is finite)."""
+    if not torch.isfinite(tensor.detach()).all():
+        raise Wrong(f"{what} holds NaN or inf, from finite inputs")
+
+
 def expect_close(got, want, what: str, *, atol: float = 1e-6, rtol: float = 1e-5, hints=()) -> None:
     """Raise Wrong with a helpful message if ``got`` differs from ``want``.
 
