@@ -5,7 +5,7 @@ module only lays them out. Pure Python plus matplotlib/ipywidgets: no ranks are 
 from __future__ import annotations
 
 
-from course_utils.ledger import GB, collective_time, flops_per_token, pipeline_bubble_fraction, tp_comm_bytes_per_layer
+from course_utils.ledger import GB, collective_time, pipeline_bubble_fraction, tp_comm_bytes_per_layer
 from course_utils import reference_data
 from course_utils.planner import (CLUSTERS, GPUS, MODEL_SHAPES, NETWORK_TIERS, Layout, LayoutError, Plan,
                                   all_to_all_bytes, ep_rank_parameters, ep_traffic_per_step, model_shape,
@@ -14,8 +14,10 @@ from course_utils.published_configs import PUBLISHED_CONFIGS, PUBLISHED_MOE, Pub
 from course_utils.tables import Table
 
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
-TIME_COLOURS = {"compute": "#4C72B0", "bubble": "#BBBBBB", "tp": "#DD8452", "cp": "#8172B3", "pp": "#937860",
-                "dp": "#55A868"}
+# one colour per term of course_utils.step_time.TERMS: compute in blues, idle in grey, communication warm
+TIME_COLOURS = {"matmul": "#4C72B0", "attention": "#7A9CC6", "memory-bound": "#A6BDDB", "kernel overhead": "#D0D9E8",
+                "recompute": "#64B5CD", "tp": "#DD8452", "cp": "#8172B3", "ep": "#DA8BC3", "bubble": "#BBBBBB",
+                "pp": "#937860", "dp": "#55A868", "optimizer": "#CCB974"}
 
 
 def _mb(nbytes: float) -> str:
@@ -140,29 +142,31 @@ def memory_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "mem
     return ax
 
 
-def time_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "time per step (no overlap)"):
-    """Horizontal bars of one step's compute, bubble and communication, each labelled with its global batch,
-    tokens/s and MFU: steps of different batches are not comparable by length, throughput always is."""
+def time_bars(plans: list[Plan], labels: list[str], ax=None, title: str = "time per step"):
+    """Horizontal stacked bars of one step's terms (``course_utils.step_time.TERMS``: compute, idle, exposed
+    communication, the optimizer), each labelled with its global batch, tokens/s, MFU and communication share:
+    steps of different batches are not comparable by length, throughput always is."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(plans) + 2), 3.6))
-    parts = {"compute": [p.compute_time_s for p in plans], "bubble": [p.bubble_time_s for p in plans]}
-    parts |= {k: [p.comm_time_s[k] for p in plans] for k in ("tp", "cp", "pp", "dp")}
     left = [0.0] * len(plans)
-    for name, values in parts.items():
-        ax.barh(range(len(plans)), values, left=left, color=TIME_COLOURS[name],
-                label=name if name in ("compute", "bubble") else f"comm {name}", height=0.6)
+    for name, colour in TIME_COLOURS.items():
+        values = [p.time.terms[name] for p in plans]
+        if not any(values):
+            continue
+        ax.barh(range(len(plans)), values, left=left, color=colour,
+                label=f"comm {name}" if name in ("tp", "cp", "ep", "pp", "dp") else name, height=0.6)
         left = [a + v for a, v in zip(left, values)]
     for i, p in enumerate(plans):
         ax.text(left[i], i, f" {p.sequences_per_step} seq, {p.tokens_per_second / 1e3:,.0f}k tok/s, "
-                f"MFU {100 * p.mfu:.0f}%", va="center", ha="left", fontsize=7)
-    ax.set_xlim(0, max(left) * 1.6)
+                f"MFU {100 * p.mfu:.0f}%, comm {100 * p.comm_share:.0f}%", va="center", ha="left", fontsize=7)
+    ax.set_xlim(0, max(left) * 1.75)
     ax.set_yticks(range(len(plans)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per optimizer step (modelled)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     return ax
 
 
@@ -171,7 +175,7 @@ def plan_row(label: str, p: Plan) -> list[str]:
     return [label, f"{p.n_gpus}", f"{lay.tp}/{lay.cp}/{lay.pp}/{lay.dp}", f"{lay.zero}",
             f"{lay.micro_batches}", f"{p.sequences_per_step}", f"{p.total_memory_bytes / GB:.1f}",
             "yes" if p.fits else "NO", f"{p.step_time_s:.2f}", f"{p.tokens_per_second / 1e3:,.0f}",
-            f"{100 * p.comm_total_s / p.step_time_s:.0f}%", f"{100 * p.mfu:.0f}%"]
+            f"{100 * p.comm_share:.0f}%", f"{100 * p.mfu:.0f}%"]
 
 
 # m: micro-batches per replica; batch: sequences per step (dp x m x micro-batch); k tok/s: thousands of tokens/s
@@ -221,19 +225,22 @@ def bubble_figure(ps=(4, 8, 16), vs=(1, 2, 4), max_m: int = 64):
 # -- 4. why TP stays inside the NVLink domain ----------------------------------------------------------------
 
 def tp_layer_times(model: str = "70B", *, tp: int = 8, micro_batch: int = 1, seq: int = 4096,
-                   compute_efficiency: float = 0.6, gpu: str = "h100-ib") -> dict:
-    """One layer, one micro-batch: matmul time per TP rank vs the 4 TP all-reduces over each tier."""
+                   gpu: str = "h100-ib") -> dict:
+    """One layer, one micro-batch: one TP rank's compute (matmuls at their measured shapes, attention, memory-bound
+    work, forward and backward, as ``step_time`` prices them) against the 4 TP all-reduces over each tier."""
+    from course_utils.hardware import sustained_share
+    from course_utils.step_time import COMPUTE_TERMS, layer_seconds
+
     m = model_shape(model)
     cl = CLUSTERS[gpu]
     b, s, h = micro_batch, seq, m.hidden
-    # forward + backward model FLOPs of one layer (PaLM's 6N + 12 L H Q T with L = 1), split over tp
-    flops = flops_per_token(m.params_per_layer, 1, m.heads, m.head_dim, s) * b * s / tp
-    compute = flops / (cl.gpu.peak_flops * compute_efficiency)
+    parts = layer_seconds(m, Layout(tp=tp, micro_batch=b, seq=s), cl, sustained=sustained_share(cl.gpu))
+    compute = sum(v for d in parts.values() for k, v in d.items() if k in COMPUTE_TERMS)
     comm = tp_comm_bytes_per_layer(b, s, h, tp)
     tiers = {}
     for key in ("nvlink4", "pcie4", "ib-ndr400", "ethernet100"):
         link = NETWORK_TIERS[key]
-        tiers[key] = comm.all_reduces * collective_time("all_reduce", comm.message_bytes, tp, link.bandwidth,
+        tiers[key] = comm.all_reduces * collective_time("all_reduce", comm.message_bytes, tp, link.achieved,
                                                         link.latency)
     return {"compute_s": compute, "comm_s": tiers, "message_bytes": comm.message_bytes, "all_reduces": comm.all_reduces}
 
@@ -443,27 +450,40 @@ def planner_widget(model: str = "llama-3-70b", n_gpus: int = 256, tp: int = 8, p
         "inter_node": W.Dropdown(options=[k for k in NETWORK_TIERS if not k.startswith("nvlink")], value=inter_node,
                                  description="between nodes", style=style),
     }
-    text = W.Output()
+    # Both outputs are replaced in one step, never appended to or drawn into with pyplot's show: that shows nothing
+    # under a non-interactive backend (Agg, which `make lab` exports to its kernels), and it needs a kernel, while
+    # setting ``outputs`` works under any backend and without one (the tests read exactly what a learner sees).
+    out, text = W.Output(), W.Output()
 
-    def update(**v):
+    def stdout(line: str) -> tuple[dict, ...]:
+        return ({"output_type": "stream", "name": "stdout", "text": line + "\n"},)
+
+    def update(_change=None):
+        import base64
+
+        from course_utils.widgets import figure_png
+
         try:
-            p = planner_view(**v)
-        except LayoutError as exc:
-            text.clear_output()
-            print(f"cannot run: {exc}")
+            p = planner_view(**{name: c.value for name, c in controls.items()})
+        except LayoutError as exc:  # the refusal replaces the figure and the summary of the previous setting
+            out.outputs, text.outputs = (), stdout(f"cannot run: {exc}")
             return
-        import matplotlib.pyplot as plt
+        try:
+            png = base64.b64encode(figure_png(_draw_plan(p))).decode("ascii")  # figure_png closes the figure
+        except Exception as exc:  # noqa: BLE001 - a drawing problem is a sentence, never a stale figure
+            out.outputs, text.outputs = (), stdout(f"drawing failed: {type(exc).__name__}: {exc}")
+            return
+        out.outputs = ({"output_type": "display_data", "metadata": {},
+                        "data": {"image/png": png, "text/plain": "<planner figure>"}},)
+        text.outputs = stdout(p.summary())
 
-        _draw_plan(p)
-        plt.show()
-        text.clear_output()
-        with text:
-            print(p.summary())
-
-    out = W.interactive_output(update, controls)
+    for control in controls.values():
+        control.observe(update, names="value")
+    update()
     rows = [W.HBox([controls["model"], controls["n_gpus"], controls["cluster_name"], controls["inter_node"]]),
             W.HBox([controls["tp"], controls["cp"], controls["pp"], controls["zero"]]),
             W.HBox([controls["seq"], controls["micro_batch"], controls["recompute"]])]
     box = W.VBox(rows + [out, text])
     box.controls = controls  # named like planner_view's parameters
+    box.output, box.text = out, text  # the figure; the summary or the refusal (for tests and for driving it)
     return box

@@ -4,10 +4,10 @@
 
 - memory per GPU by state (parameters, gradients, optimizer states, activations) against the
   GPU's memory, for the most loaded GPU (the first pipeline stage, Korthikanti et al. 2022, 4.2.3);
-- compute time per step (hardware FLOPs at an assumed fraction of peak) and the pipeline bubble;
-- communication time per step for each parallelism (TP, CP, PP, DP), from the alpha-beta model
-  over the network tier each group actually spans (groups are laid out [TP, CP, PP, DP] from the
-  innermost, as in Llama 3, Figure 5).
+- the step's time term by term (``course_utils.step_time``): matmuls at the throughput measured for their shapes,
+  attention, memory-bound work, recomputation, the pipeline bubble simulated from chapter 13's schedules, and each
+  parallelism's communication (TP, CP, PP, DP) over the network tier its group spans (groups are laid out
+  [TP, CP, PP, DP] from the innermost, as in Llama 3, Figure 5), less what hides behind compute.
 
 Every formula is in ``course_utils.ledger`` with its citation; the planner only does the
 bookkeeping. A layout that cannot run (degrees whose product is not the GPU count, heads that do not
@@ -30,9 +30,10 @@ reaches every one:
 
 Modelling choices, stated once: the activation count is Korthikanti's GPT block (dropout masks,
 4h GeLU MLP, multi-head attention), used as an approximation for Llama-style blocks (no dropout,
-SwiGLU, grouped-query attention); communication is not overlapped with compute (an upper bound: DP
-and CP traffic usually overlap well in practice); framework overheads (CUDA context, allocator
-fragmentation, temporary buffers) are not counted.
+SwiGLU, grouped-query attention); the step's time is ``course_utils.step_time`` (matmuls at their measured
+shapes, memory-bound work, the simulated pipeline, communication minus what overlaps), held to published runs
+by ``course_utils.planner_runs``; framework overheads (CUDA context, allocator fragmentation, temporary buffers)
+are not counted in memory.
 """
 
 from __future__ import annotations
@@ -51,15 +52,14 @@ from .hardware import (
     Cluster,
     Link,
     cluster,
+    sustained_share,
 )
 from .ledger import (
     GB,
     GiB,
     activation_bytes_per_layer,
-    collective_time,
     flops_per_token,
     model_state_bytes,
-    pipeline_bubble_fraction,
 )
 from .model_shapes import (
     MODEL_SHAPES,
@@ -76,6 +76,7 @@ from .moe_counts import (
     moe_parameter_counts,
 )
 from .step_comm import Collective, _link, step_collectives, zero_collectives_per_step
+from .step_time import Practice, StepTime, step_time
 
 __all__ = [  # the layout check and the plan, and the four modules' public names (docstring)
     "CLUSTERS",
@@ -91,6 +92,7 @@ __all__ = [  # the layout check and the plan, and the four modules' public names
     "Link",
     "ModelShape",
     "Plan",
+    "Practice",
     "all_to_all_bytes",
     "candidate_layouts",
     "cluster",
@@ -101,6 +103,7 @@ __all__ = [  # the layout check and the plan, and the four modules' public names
     "moe_parameter_counts",
     "plan",
     "resolve_layout",
+    "search_layouts",
     "step_collectives",
     "zero_collectives_per_step",
 ]
@@ -124,6 +127,7 @@ class Plan:
     model_flops_per_step: float
     hardware_flops_per_step: float
     notes: tuple[str, ...] = field(default=())
+    time: StepTime | None = None  # the step's seconds by term (course_utils.step_time)
 
     @property
     def total_memory_bytes(self) -> float:
@@ -155,8 +159,18 @@ class Plan:
 
     @property
     def step_time_s(self) -> float:
-        """Compute + bubble + all communication, nothing overlapped (an upper bound)."""
-        return self.compute_time_s + self.bubble_time_s + self.comm_total_s
+        """Compute + bubble + exposed communication + the optimizer step: every term of ``time``."""
+        return self.time.total
+
+    @property
+    def comm_share(self) -> float:
+        """Exposed communication / step time."""
+        return self.time.comm_share
+
+    @property
+    def hidden_comm_s(self) -> dict[str, float]:
+        """Communication hidden behind compute (not on the step's critical path)."""
+        return dict(self.time.hidden)
 
     @property
     def mfu(self) -> float:
@@ -176,12 +190,15 @@ class Plan:
                    else f"does NOT fit, {-self.headroom_bytes / GB:.2f} GB over")
         lines.append(f"    {'total':<12}{self.total_memory_bytes / GB:9.2f}  of {self.gpu_memory_bytes / GB:.1f} "
                      f"({self.gpu_memory_bytes / GiB:.1f} GiB): {verdict}")
-        lines.append("  time per step (s)")
-        lines.append(f"    {'compute':<12}{self.compute_time_s:9.3f}")
-        lines.append(f"    {'bubble':<12}{self.bubble_time_s:9.3f}")
-        lines += [f"    {'comm ' + k:<12}{v:9.3f}  over {self.links[k]}" for k, v in self.comm_time_s.items()]
-        lines.append(f"    {'step':<12}{self.step_time_s:9.3f}  ({self.sequences_per_step} sequences, "
-                     f"{self.tokens_per_second:,.0f} tokens/s, MFU {100 * self.mfu:.1f}%, no overlap)")
+        lines.append("  time per step (s), what is on the critical path")
+        lines += [f"    {k:<16}{v:9.3f}" + (f"  over {self.links[k]}" if k in self.links else "")
+                  for k, v in self.time.terms.items() if v > 0]
+        hidden = {k: v for k, v in self.time.hidden.items() if v > 0}
+        if hidden:
+            lines.append("    hidden behind compute: " + ", ".join(f"{k} {v:.3f}" for k, v in hidden.items()))
+        lines.append(f"    {'step':<16}{self.step_time_s:9.3f}  ({self.sequences_per_step} sequences, "
+                     f"{self.tokens_per_second:,.0f} tokens/s, MFU {100 * self.mfu:.1f}%, "
+                     f"communication {100 * self.comm_share:.0f}% of the step)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -229,20 +246,23 @@ def plan(
     cluster_name: str | Cluster = "h100-ib",
     inter_node: str | Link | None = None,
     gpu_memory_bytes: float | None = None,
-    compute_efficiency: float = 0.6,
+    practice: Practice | None = None,
+    sustained: float | None = None,
     weight_bytes: float = 2,
     grad_bytes: float = 2,
     optimizer_bytes_per_param: float = 12,
     global_batch: int | None = None,
+    timed: bool = True,
 ) -> Plan:
     """Memory per GPU, compute and communication time per step, and whether ``layout`` fits.
 
     ``cluster_name`` picks GPU, node size and both network tiers from ``CLUSTERS``;
     ``inter_node`` swaps the between-node tier (a ``NETWORK_TIERS`` key such as "ethernet100");
-    ``gpu_memory_bytes`` overrides the GPU's memory. ``compute_efficiency`` is the fraction of peak
-    the matmuls reach before any communication or bubble; 0.6 is about what one H200 gave for a
-    whole bf16 transformer block (605-638 TFLOP/s, data/reference/h200_block_fp8_baseline.json,
-    against a 989 TFLOP/s peak). Hardware FLOPs add, per token, 4 L H Q T for selective
+    ``gpu_memory_bytes`` overrides the GPU's memory. The step's time is ``course_utils.step_time.step_time``'s,
+    term by term (``Plan.time``); ``practice`` says what the layout leaves open (FlashAttention, overlap, fused
+    kernels, ...) and ``sustained`` replaces the GPU generation's share of its benchmark GEMM rate
+    (``hardware.SUSTAINED_GEMM_SHARE``). ``timed=False`` skips the time (a search checks memory first).
+    Hardware FLOPs add, per token, 4 L H Q T for selective
     recomputation (the attention matmuls' forward again) or 2N + 4 L H Q T for full recomputation.
     ZeRO traffic follows ``zero_collectives_per_step``: stages 0 and 1 reduce gradients once per step,
     stages 2 and 3 after every micro-batch, and stage 3 gathers the weights for every micro-batch's
@@ -258,8 +278,6 @@ def plan(
         name = f"{cl.gpus_per_node}x {cl.gpu.name} per node, {cl.intra_node.name}, {link.name} between nodes"
         cl = replace(cl, name=name, inter_node=link)
     layout = resolve_layout(model, layout, n_gpus, global_batch=global_batch)
-    if not 0 < compute_efficiency <= 1:
-        raise LayoutError(f"compute_efficiency is a fraction of peak in (0, 1], got {compute_efficiency!r}.")
     memory_limit = cl.gpu.memory_bytes if gpu_memory_bytes is None else gpu_memory_bytes
     tp, pp, cp, dp, v = layout.tp, layout.pp, layout.cp, layout.dp, layout.virtual_stages
     b, seq, m = layout.micro_batch, layout.seq, layout.micro_batches
@@ -286,10 +304,16 @@ def plan(
     if layout.zero == 3:  # one layer gathered at a time (FSDP may prefetch a second)
         params += weight_bytes * held.params_per_layer / tp
         notes.append("ZeRO-3: parameters include one all-gathered layer.")
+    flash = (practice or Practice()).flash_attention
+
     def layer_activations(recompute: str) -> float:
+        # FlashAttention never stores the s x s scores (it keeps one log-sum-exp per row and recomputes them in its
+        # backward): without recomputation a layer holds what Korthikanti's selective recomputation leaves
+        if recompute == "none" and flash:
+            recompute = "selective"
         act = activation_bytes_per_layer(s_local, b, model.hidden, model.heads, tp=tp, sequence_parallel=sp,
                                          recompute=recompute)
-        if recompute == "none" and cp > 1:  # local queries attend to all seq keys: 5 a b (s/cp) s / t
+        if recompute == "none" and cp > 1 and not flash:  # local queries attend to all seq keys: 5 a b (s/cp) s / t
             act += 5 * model.heads * b * s_local * (seq - s_local) / tp
         return act
 
@@ -303,18 +327,14 @@ def plan(
         activations += 4 * s_local * b * model.hidden / tp * (1 + model.vocab / model.hidden)
     memory = {"params": params, "grads": states.grads, "optimizer": states.optimizer, "activations": activations}
 
-    # --- compute -------------------------------------------------------------------------------
+    # --- time: course_utils.step_time, term by term ---------------------------------------------
     tokens_per_step = dp * m * b * seq
-    model_fpt = flops_per_token(model.n_params, model.layers, model.heads, model.head_dim, seq)
+    model_flops = flops_per_token(model.n_params, model.layers, model.heads, model.head_dim, seq) * tokens_per_step
     attention_fwd = 4.0 * model.layers * model.heads * model.head_dim * seq  # QK^T and AV, per token
     extra = {"none": 0.0, "selective": attention_fwd, "full": 2.0 * model.n_params + attention_fwd}[layout.recompute]
-    model_flops = model_fpt * tokens_per_step
-    hardware_flops = (model_fpt + extra) * tokens_per_step
-    peak = cl.gpu.peak_flops
-    compute_time = hardware_flops / (n_gpus * peak * compute_efficiency)
-    bubble_time = compute_time * pipeline_bubble_fraction(pp, m, v)
-
-    # --- communication, groups ordered [TP, CP, PP, DP] (Llama 3, Figure 5) ---------------------
+    hardware_flops = model_flops + extra * tokens_per_step
+    timing = step_time(model, layout, n_gpus, cl, practice or Practice(),
+                       sustained=sustained_share(cl.gpu) if sustained is None else sustained) if timed else None
     tp_link, cp_link = _link(cl, 1, tp), _link(cl, tp, cp)
     pp_link, dp_link = _link(cl, tp * cp, pp), _link(cl, tp * cp * pp, dp)
     grad_link = dp_link if dp > 1 else cp_link  # gradients are reduced over DP x CP
@@ -322,16 +342,15 @@ def plan(
         grad_link = cl.inter_node
     if tp > cl.gpus_per_node:
         notes.append(f"tp={tp} spans more than one {cl.gpus_per_node}-GPU node: TP traffic leaves NVLink.")
-    link_of = {"tp": tp_link, "cp": cp_link, "pp": pp_link, "dp": grad_link}
-    comm = {dim: sum(c.count * collective_time(c.collective, c.message_bytes, c.ranks, link_of[dim].bandwidth,
-                                               link_of[dim].latency) for c in calls)
-            for dim, calls in step_collectives(model, layout, weight_bytes=weight_bytes, grad_bytes=grad_bytes).items()}
     links = {"tp": tp_link.name, "cp": cp_link.name, "pp": pp_link.name, "dp": grad_link.name}
+    compute_time = timing.compute if timed else math.nan
+    bubble_time = timing.terms["bubble"] if timed else math.nan
+    comm = {dim: timing.terms[dim] if timed else math.nan for dim in ("tp", "cp", "pp", "dp")}
     return Plan(
         model=model, layout=layout, cluster=cl, n_gpus=n_gpus, gpu_memory_bytes=memory_limit, memory=memory,
         compute_time_s=compute_time, bubble_time_s=bubble_time, comm_time_s=comm, links=links,
         tokens_per_step=tokens_per_step, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
-        notes=tuple(notes),
+        notes=tuple(notes), time=timing,
     )
 
 
@@ -418,3 +437,60 @@ def candidate_layouts(
                 except LayoutError:
                     continue
     return sorted(plans, key=lambda p: (not p.fits, p.step_time_s))
+
+
+def search_layouts(
+    model: str | ModelShape,
+    n_gpus: int,
+    *,
+    global_batch: int,
+    cluster_name: str | Cluster = "h100-ib",
+    seq: int = 4096,
+    micro_batches: tuple[int, ...] = (1, 2),
+    virtual_stages: tuple[int, ...] = (1, 2, 4),
+    zero_stages: tuple[int, ...] = (1,),
+    recompute: tuple[str, ...] = ("selective", "full"),
+    cps: tuple[int, ...] = (1,),
+    gpu_memory_bytes: float | None = None,
+    practice: Practice | None = None,
+    top: int | None = 10,
+) -> list[Plan]:
+    """The layouts of ``model`` on ``n_gpus`` that fit, ranked by predicted MFU (the same global batch for all, so
+    MFU and tokens/s rank alike), each with its communication share (``Plan.comm_share``).
+
+    Searched: TP within a node and obeying the head rules, CP from ``cps``, every PP that leaves a stage a layer,
+    interleaving with ``virtual_stages`` chunks (m a multiple of pp), micro-batch sizes ``micro_batches`` (global
+    batch divisible by dp x micro-batch), ZeRO stages, recomputation modes; sequence parallelism on with TP. Memory
+    is checked first (cheap); only the layouts that fit are timed."""
+    model = model_shape(model)
+    cl = cluster(cluster_name)
+    fitting = []
+    for tp in _divisors(cl.gpus_per_node):
+        for cp in cps:
+            for pp in _divisors(n_gpus // (tp * cp)) if n_gpus % (tp * cp) == 0 else []:
+                if pp > model.layers:
+                    continue
+                dp = n_gpus // (tp * cp * pp)
+                for b in micro_batches:
+                    if global_batch % (dp * b):
+                        continue
+                    m = global_batch // (dp * b)
+                    for v in virtual_stages:
+                        if v > 1 and (pp == 1 or m % pp or pp * v > model.layers):
+                            continue
+                        for zero in zero_stages:
+                            for rc in recompute:
+                                lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, zero=zero, micro_batch=b, seq=seq,
+                                             micro_batches=m, virtual_stages=v, recompute=rc,
+                                             schedule="interleaved" if v > 1 else "1f1b", sequence_parallel=tp > 1)
+                                try:
+                                    p = plan(model, lay, n_gpus, cluster_name=cl, gpu_memory_bytes=gpu_memory_bytes,
+                                             timed=False)
+                                except LayoutError:
+                                    continue
+                                if p.fits:
+                                    fitting.append(lay)
+    plans = [plan(model, lay, n_gpus, cluster_name=cl, gpu_memory_bytes=gpu_memory_bytes, practice=practice)
+             for lay in fitting]
+    plans.sort(key=lambda p: -p.mfu)
+    return plans[:top] if top else plans

@@ -18,7 +18,7 @@ from course_utils import ch00, reference_data  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 from course_utils.ledger import GB, pipeline_bubble_fraction, tp_comm_bytes_per_layer  # noqa: E402
-from course_utils.planner import (CLUSTERS, Layout, LayoutError, all_to_all_bytes,  # noqa: E402
+from course_utils.planner import (CLUSTERS, Practice, Layout, LayoutError, all_to_all_bytes,  # noqa: E402
                                   ep_rank_parameters, model_shape, plan, zero_collectives_per_step)
 from course_utils.published_configs import DEEPSEEK_V3, MIXTRAL_8X7B, PUBLISHED_CONFIGS  # noqa: E402
 
@@ -123,13 +123,14 @@ def test_bubble_figure_draws_the_formula_for_both_denominators():
     plt.close(fig)
 
 
-def test_tp_layer_times_use_the_ledgers_flops_per_layer():
-    # PaLM's 6N + 12 L H Q T per token with one layer's parameters and L = 1 is Megatron's per-layer forward and
-    # backward, 3 x (2 P b s + 4 b s^2 h), split over tp and run at 60% of the H100's peak.
+def test_tp_layer_times_are_the_step_models_layer():
+    # The section 7 comparison prices one layer as the planner does: PaLM's 6N + 12 L H Q T per token for one layer
+    # (Megatron's 3 x (2 P b s + 4 b s^2 h), split over tp) at a rate between a third of the H100's peak and its peak
     m, b, s, tp = model_shape("70B"), 1, 4096, 8
     by_hand = 3 * (2 * m.params_per_layer * b * s + 4 * b * s * s * m.hidden) / tp
     t = ch00.tp_layer_times("70B", tp=tp)
-    assert t["compute_s"] == pytest.approx(by_hand / (CLUSTERS["h100-ib"].gpu.peak_flops * 0.6))
+    rate = by_hand / t["compute_s"]
+    assert CLUSTERS["h100-ib"].gpu.peak_flops / 3 < rate < CLUSTERS["h100-ib"].gpu.peak_flops
 
 
 def test_tp_costs_less_than_its_matmuls_on_nvlink_and_more_across_nodes():
@@ -180,9 +181,10 @@ def test_published_table_checks_only_what_was_printed():
 
 def test_notebook_claims_about_the_70b_layouts():
     # Section 5's prose, every layout on the same 256-sequence global batch: DDP needs over a terabyte (69%
-    # optimizer states), FSDP alone does not fit, the TP layouts do; TP8 PP4 beats TP8 alone by about 5%
-    # (a quarter of the DP bytes outweighs its 9% bubble); no recomputation is about 2% faster still and holds
-    # about 65 GB of activations, 78 GB in all; full recomputation is about a third slower.
+    # optimizer states), FSDP alone does not fit, the TP layouts do and are within a few percent (TP8's exposed
+    # gradient reduction about as long as TP8 PP4's bubble); no recomputation takes the same time and memory
+    # (FlashAttention never stores the scores); storing them, as 2022's kernels did, holds about 65 GB of
+    # activations, 78 GB in all; full recomputation is about a third slower.
     def at(layout):
         return plan("70B", layout, 256, global_batch=256)
 
@@ -195,22 +197,26 @@ def test_notebook_claims_about_the_70b_layouts():
     assert ddp.total_memory_bytes > 1e12 and not ddp.fits and round(ddp.memory["optimizer"] / ddp.total_memory_bytes, 2) == 0.69
     assert not fsdp.fits and fsdp.memory["activations"] > fsdp.memory["optimizer"]
     assert tp8.fits and base.fits and none.fits and full.fits
-    assert 1.03 < base.tokens_per_second / tp8.tokens_per_second < 1.07
-    assert 0.08 < base.bubble_time_s / base.compute_time_s < 0.10
-    assert 1.01 < none.tokens_per_second / base.tokens_per_second < 1.03
-    assert 60e9 < none.memory["activations"] < 70e9 and round(none.total_memory_bytes / GB) == 78
+    assert 0.94 < base.tokens_per_second / tp8.tokens_per_second < 1.06
+    assert 0.5 < tp8.comm_time_s["dp"] / base.bubble_time_s < 2  # "about half a second", "about as long"
+    assert 0.35 < tp8.comm_time_s["dp"] < 0.7 and 4 * base.hidden_comm_s["dp"] > 0
+    assert none.tokens_per_second == pytest.approx(base.tokens_per_second)
+    assert none.total_memory_bytes == pytest.approx(base.total_memory_bytes)
+    stored = plan("70B", Layout(tp=8, pp=4, zero=1, recompute="none", sequence_parallel=True), 256, global_batch=256,
+                  practice=Practice(flash_attention=False))
+    assert 60e9 < stored.memory["activations"] < 70e9 and round(stored.total_memory_bytes / GB) == 78
     assert 1.2 < full.step_time_s / base.step_time_s < 1.45
-    names = {"TP8 + ZeRO-1": tp8, "TP8 PP4 + ZeRO-1": base, "... no recomputation": none, "DDP": ddp}
-    assert ch00.fastest_fitting(names) == "... no recomputation"
+    names = {"TP8 + ZeRO-1": tp8, "TP8 PP4 + ZeRO-1": base, "DDP": ddp}
+    assert ch00.fastest_fitting(names) in ("TP8 + ZeRO-1", "TP8 PP4 + ZeRO-1")
 
 
 def test_the_per_step_trap_the_notebook_shows():
-    # With the planner's default m, TP8 + ZeRO-1 (32 sequences) takes half the seconds per step of TP8 PP4
-    # (128 sequences) but delivers about half the tokens per second: step times of different batches are no race.
+    # With the planner's default m, TP8 + ZeRO-1 (32 sequences) takes under half the seconds per step of TP8 PP4
+    # (128 sequences) but delivers about a third fewer tokens per second: step times of different batches are no race.
     tp8, base = plan("70B", Layout(tp=8, zero=1, sequence_parallel=True), 256), plan("70B", Layout(tp=8, pp=4, zero=1, sequence_parallel=True), 256)
     assert (tp8.sequences_per_step, base.sequences_per_step) == (32, 128)
-    assert tp8.step_time_s < 0.5 * base.step_time_s
-    assert tp8.tokens_per_second < 0.55 * base.tokens_per_second and tp8.mfu < 0.55 * base.mfu
+    assert tp8.step_time_s < 0.45 * base.step_time_s
+    assert 0.55 < tp8.tokens_per_second / base.tokens_per_second < 0.75 and tp8.mfu < 0.75 * base.mfu
 
 
 def test_notebook_claims_about_the_typical_configurations():

@@ -16,10 +16,12 @@ from course_utils.planner import (
     Layout,
     LayoutError,
     ModelShape,
+    Practice,
     candidate_layouts,
     min_gpus_to_fit,
     model_shape,
     plan,
+    step_collectives,
     zero_collectives_per_step,
 )
 from course_utils.published_configs import (
@@ -101,7 +103,8 @@ def _korthikanti_plan(c: PublishedConfig, recompute: str, sequence_parallel: boo
     layout = Layout(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch=c.micro_batch, seq=c.seq,
                     micro_batches=c.global_batch // (c.dp * c.micro_batch), recompute=recompute,
                     sequence_parallel=sequence_parallel, virtual_stages=c.virtual_stages)
-    return plan(_korthikanti_shape(c), layout, c.gpus, cluster_name="a100-ib")
+    # 2022's kernels stored the attention scores (no FlashAttention), which is what "none" costs here
+    return plan(_korthikanti_shape(c), layout, c.gpus, cluster_name="a100-ib", practice=Practice(flash_attention=False))
 
 
 @pytest.mark.parametrize("config", KORTHIKANTI_2022_TABLE3 + (KORTHIKANTI_2022_530B_DP8,), ids=lambda c: c.name)
@@ -126,7 +129,10 @@ def test_llama3_405b_table4_fits_on_80gb_h100s(row):
                     micro_batches=row.global_batch // row.dp, recompute="selective", sequence_parallel=True)
     assert plan("405B", layout, row.gpus, cluster_name="h100-roce").fits
     assert not plan("405B", Layout(**{**layout.__dict__, "recompute": "none"}), row.gpus,
-                    cluster_name="h100-roce").fits
+                    cluster_name="h100-roce", practice=Practice(flash_attention=False)).fits
+    # with FlashAttention the scores are never stored: no recomputation holds what selective recomputation holds
+    flash = plan("405B", Layout(**{**layout.__dict__, "recompute": "none"}), row.gpus, cluster_name="h100-roce")
+    assert flash.memory["activations"] == pytest.approx(plan("405B", layout, row.gpus, cluster_name="h100-roce").memory["activations"])
 
 
 def test_first_stage_holds_p_microbatches_of_activations():
@@ -148,10 +154,9 @@ def test_zero_stages_lower_memory_and_stage3_moves_1_5x_the_bytes():
     plans = [plan("8B", Layout(dp=64, zero=z, micro_batches=1), 64) for z in range(4)]
     totals = [p.total_memory_bytes for p in plans]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
-    dp_time = [p.comm_time_s["dp"] for p in plans]
-    assert dp_time[1] == pytest.approx(dp_time[0], rel=1e-3)
-    assert dp_time[2] == pytest.approx(dp_time[0], rel=1e-3)
-    assert dp_time[3] == pytest.approx(1.5 * dp_time[0], rel=1e-2)
+    wire = [sum(c.wire_bytes for c in step_collectives(p.model, p.layout)["dp"]) for p in plans]
+    assert wire[1] == pytest.approx(wire[0]) and wire[2] == pytest.approx(wire[0])
+    assert wire[3] == pytest.approx(1.5 * wire[0])
 
 
 @pytest.mark.parametrize("stage, expected", [
@@ -166,12 +171,12 @@ def test_zero_collectives_with_gradient_accumulation(stage, expected):
     # shard, so every micro-batch's backward ends in a reduce-scatter (DeepSpeed ZeRO-2; FSDP's default, as
     # pytorch/pytorch PR #126166 describes); stage 3 gathers the weights for each forward and each backward.
     assert zero_collectives_per_step(stage, 4) == expected
-    # the planner's DP time is exactly those collectives over the GPU's slice of the model
+    # the planner's byte count is exactly those collectives over the GPU's slice of the model
     p = plan("8B", Layout(dp=64, zero=stage, micro_batches=4), 64)
-    link, n, nbytes = CLUSTERS["h100-ib"].inter_node, 64, 2 * model_shape("8B").n_params
-    want = sum(count * collective_time(name, nbytes, n, link.bandwidth, link.latency)
-               for name, count in expected.items())
-    assert p.comm_time_s["dp"] == pytest.approx(want)
+    calls = {c.collective: c.count for c in step_collectives(p.model, p.layout)["dp"]}
+    assert calls == {name: count for name, count in expected.items() if count}
+    # and its time model leaves some of that traffic exposed, the rest hidden behind compute (never more than sent)
+    assert p.comm_time_s["dp"] > 0 and p.hidden_comm_s["dp"] >= 0
 
 
 def test_global_batch_sets_the_microbatches_so_layouts_train_on_the_same_tokens():
@@ -190,20 +195,21 @@ def test_global_batch_sets_the_microbatches_so_layouts_train_on_the_same_tokens(
 
 
 def test_min_gpus_to_fit_405b_with_fsdp_only():
-    # Chapter 00, exercise 3's follow-up: Llama 3.1 405B with FSDP alone (full recomputation, seq 4096). The
-    # bisection must give what counting up one GPU at a time gives, and the count below must not fit.
+    # Chapter 00, exercise 3's follow-up: Llama 3.1 405B with FSDP alone (full recomputation, seq 4096, FlashAttention:
+    # the layer being recomputed holds no scores). The bisection must give what counting up one GPU at a time gives,
+    # and the count below must not fit.
     layout = Layout(zero=3, recompute="full", seq=4096)
     p = min_gpus_to_fit("405B", layout)
     n = 76  # 16 bytes x 405.85e9 / 80 GiB, rounded up: the model-states-only bound
     while not plan("405B", layout, n).fits:
         n += 1
-    assert p.n_gpus == n == 138 and p.fits and 0 < p.headroom_bytes < 0.2 * GB
-    assert plan("405B", layout, 137).headroom_bytes < 0
+    assert p.n_gpus == n == 113 and p.fits and 0 < p.headroom_bytes < 0.6 * GB
+    assert plan("405B", layout, 112).headroom_bytes < 0
     # The answer is sensitive to capacity: nvidia-smi's 81,559 MiB for an H100 80GB HBM3 is 0.4% under the
-    # planner's 80 GiB and costs one more GPU; reading "80 GB" as 80e9 bytes costs twenty.
+    # planner's 80 GiB and still fits at 113; reading "80 GB" as 80e9 bytes costs twelve more.
     assert H100_80GB_NVIDIA_SMI_BYTES < GPUS["h100"].memory_bytes
-    assert min_gpus_to_fit("405B", layout, gpu_memory_bytes=H100_80GB_NVIDIA_SMI_BYTES).n_gpus == 139
-    assert min_gpus_to_fit("405B", layout, gpu_memory_bytes=80e9).n_gpus == 158
+    assert min_gpus_to_fit("405B", layout, gpu_memory_bytes=H100_80GB_NVIDIA_SMI_BYTES).n_gpus == 113
+    assert min_gpus_to_fit("405B", layout, gpu_memory_bytes=80e9).n_gpus == 125
 
 
 def test_min_gpus_to_fit_keeps_model_parallel_degrees_and_refuses_the_impossible():
@@ -223,12 +229,13 @@ def test_min_gpus_to_fit_keeps_model_parallel_degrees_and_refuses_the_impossible
 # ------------------------------------------------------------------------------------------------
 
 
-def test_bubble_time_is_the_ideal_denominator_fraction_of_compute():
-    # The planner's bubble is compute time x (1/v)(p-1)/m (Narayanan et al. 2021 sec 2.2): for
-    # p = 4, m = 16 that is 3/16 of the compute time.
+def test_bubble_time_is_near_the_ideal_denominator_fraction_of_compute():
+    # The planner simulates chapter 13's schedule with each stage's own time; Llama 3 8B's head (a 128K vocabulary)
+    # makes the last stage the slowest, so the bubble is near, not at, (p-1)/m of the busiest stage (Narayanan et
+    # al. 2021 sec 2.2: 3/16 for p = 4, m = 16); tests/test_step_time.py holds equal stages to the formula exactly.
     p = plan("8B", Layout(pp=4, dp=2, micro_batches=16), 8)
-    assert p.bubble_time_s == pytest.approx(p.compute_time_s * 3 / 16)
-    assert p.bubble_time_s == pytest.approx(p.compute_time_s * pipeline_bubble_fraction(4, 16))
+    busiest = max(p.time.stage_busy)
+    assert 0.7 * pipeline_bubble_fraction(4, 16) < p.bubble_time_s / busiest < 1.5 * pipeline_bubble_fraction(4, 16)
 
 
 def test_tp_stays_on_nvlink_inside_a_node_and_leaves_it_beyond():
@@ -243,7 +250,9 @@ def test_tp_stays_on_nvlink_inside_a_node_and_leaves_it_beyond():
     across = plan(shape, Layout(tp=16, dp=2, sequence_parallel=True), 32)
     assert across.links["tp"] == NETWORK_TIERS["ib-ndr400"].name
     assert any("leaves NVLink" in n for n in across.notes)
-    assert across.comm_time_s["tp"] > 5 * within.comm_time_s["tp"]
+    # half of each TP16 collective crosses InfiniBand (hierarchically, on the node's 8 NICs at once): slower per
+    # layer even though each rank holds half the activations of TP8
+    assert across.comm_time_s["tp"] > 1.2 * within.comm_time_s["tp"]
 
 
 def test_nvlink4_tier_against_measured_h200_all_reduce():
@@ -262,7 +271,8 @@ def test_nvlink4_tier_against_measured_h200_all_reduce():
 def test_summary_reports_the_verdict():
     p = plan("70B", Layout(tp=8, pp=4, zero=1, micro_batches=32, sequence_parallel=True), 256)
     text = p.summary()
-    assert "fits" in text and "comm tp" in text and f"{p.total_memory_bytes / GB:.2f}" in text
+    assert "fits" in text and f"{p.total_memory_bytes / GB:.2f}" in text
+    assert "tp" in text and "over NVLink 4" in text and "communication" in text and "% of the step" in text
 
 
 def test_candidate_layouts_for_70b_on_256_h100():

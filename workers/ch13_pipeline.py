@@ -12,6 +12,8 @@ chunk c of stage s holding virtual stage c * p + s. Each rank returns its stage'
 activations, p2p counts, losses (last stage), gradients of the last step and weights after ``steps`` SGD steps,
 under the whole model's parameter names (``workers/pipeline/reference.py`` is the single-process ground truth).
 """
+import time
+
 import torch
 
 from workers.layout.grid import RankGrid
@@ -38,8 +40,8 @@ def check_params(world_size, schedule="1f1b", micro_batches=8, pp=0, virtual_sta
     else:
         layout = layout_of(world_size, pp, virtual_stages, micro_batches, schedule)
         # the rule set names layers itself when chunks cannot be equal or outnumber them; equal stages otherwise
-        equal = (equal_stages_problem(layout, layers) if virtual_stages == 1 and 1 <= layout.pp <= layers
-                 else None)
+        equal = (equal_stages_problem(layout, layers)
+                 if 1 <= layout.pp * max(virtual_stages, 1) <= layers and virtual_stages >= 1 else None)
         plain = ("virtual_stages=1 would make it plain 1F1B: choose schedule='1f1b', or virtual_stages=2 or more"
                  if schedule == "interleaved" and virtual_stages == 1 else None)
         degrees = refusal(problem(layout, world_size, PipelineConfig(layers=layers) if layers >= 1 else None),
@@ -69,7 +71,8 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
     wrap = v > 1  # with virtual stages the pipeline goes round: rank p-1 feeds rank 0's next chunk
     prev_rank = pipeline[(stage - 1) % p] if stage > 0 or wrap else None
     next_rank = pipeline[(stage + 1) % p] if stage < p - 1 or wrap else None
-    out = {"losses": [], "timelines": []}
+    out = {"losses": [], "timelines": [], "step_s": []}  # step_s: wall time from the last step's end to this one's
+    last = time.perf_counter()
     for step in range(steps):
         x, y = (t.to(ctx.device) for t in make_batch(cfg, step))  # [B, h]: every rank derives the same batch
         p2p = P2P(prev_rank=prev_rank, next_rank=next_rank, shape=(micro_batch_size, hidden), device=ctx.device,
@@ -84,6 +87,8 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
         out["timelines"].append(ran["timeline"])
         grads = {n: q.grad.detach().cpu().clone() for n, q in params.items()}
         opt.step()
+        out["step_s"].append(time.perf_counter() - last)
+        last = time.perf_counter()
     return {**out, "timeline": out["timelines"][-1], "grads": grads,
             "weights": {n: q.detach().cpu().clone() for n, q in params.items()},
             "peak_stash": ran["peak_stash"], "planned_peak_stash": peak_stash(actions),

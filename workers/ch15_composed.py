@@ -72,13 +72,15 @@ def _train(ctx, *, cfg, layout, steps, global_batch, lr, seed, data_seed, dtype,
                               global_batch=global_batch, lr=lr, seed=seed, data_seed=data_seed, dtype=DTYPES[dtype])
     setup_s = time.perf_counter() - t0
     try:
-        steps_out = []
+        steps_out, step_s, last = [], [], time.perf_counter()  # step_s: wall time from the last step's end to this one's
         for step in range(steps):
             out = trainer.step(step, forward_ms / 1e3, backward_ms / 1e3, timed)
             ctx.metric(step, **({"loss": out["loss"]} if out["loss"] is not None else {}))  # every rank: progress
             if not report:
                 out["grads"] = None
             steps_out.append(out)
+            step_s.append(time.perf_counter() - last)
+            last = time.perf_counter()
         params = record(trainer.named, "value") if trainer.reporter and report else None
         mesh = trainer.device_mesh  # torch's DeviceMesh: the groups each dimension's pieces were handed
         mesh_groups = {d: dist.get_process_group_ranks(mesh.get_group(d)) for d in DIMS}
@@ -93,7 +95,7 @@ def _train(ctx, *, cfg, layout, steps, global_batch, lr, seed, data_seed, dtype,
             "comm": [s["comm"] for s in steps_out], "memory": [s["memory"] for s in steps_out],
             "score_entries": [s["score_entries"] for s in steps_out],
             "schedule_s": [s["schedule_s"] for s in steps_out], "sync_s": [s["sync_s"] for s in steps_out],
-            "comm_s": [s["comm_s"] for s in steps_out],
+            "comm_s": [s["comm_s"] for s in steps_out], "step_s": step_s,
             "setup_s": setup_s, "mesh_s": trainer.build_s, "layout": layout.as_dict(), "layout_name": layout.name,
             "config": {**cfg.as_dict(), "steps": steps, "global_batch": global_batch, "lr": lr, "seed": seed,
                        "data_seed": data_seed, "dtype": dtype, "fault": fault}}

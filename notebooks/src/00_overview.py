@@ -143,11 +143,16 @@ for tp, sp in ((1, False), (8, False), (8, True)):
 # ## 5. The planner: does it fit, and where does the time go?
 #
 # `planner.plan(model, Layout(...), n_gpus)` combines the pieces for one layout: memory of the most loaded
-# GPU (the first pipeline stage) by state, and a step time split into compute (at 60% of the bf16 peak),
-# pipeline bubble and each parallelism's communication over the network tier its group spans. Groups are
-# laid out [TP, CP, PP, DP] from the innermost, as in Llama 3 (Figure 5): TP ranks are neighbours on one node.
-# Communication is *not* overlapped, so the times are an upper bound. Every layout with TP here also uses
-# sequence parallelism (`sequence_parallel=True`), as the large runs do.
+# GPU (the first pipeline stage) by state, and a step time term by term (`course_utils/step_time.py`): every matmul at
+# the throughput measured for *its shape* on that GPU (`data/reference/gemm_throughput.csv`, published sweeps),
+# attention at FlashAttention's measured rate, the memory-bound work (norms, activations, residuals, the loss's
+# softmax) as bytes over the memory bandwidth, recomputation, the pipeline bubble simulated from the same schedule
+# tables chapter 13 runs on ranks, and each parallelism's communication over the network tier its group spans, minus
+# what hides behind compute: data-parallel gradients behind the backward, weights behind the forward, a bucket at a
+# time (chapters 02 and 11), while TP's collectives wait inside every layer. Groups are laid out [TP, CP, PP, DP]
+# from the innermost, as in Llama 3 (Figure 5): TP ranks are neighbours on one node. Every layout with TP here also
+# uses sequence parallelism (`sequence_parallel=True`), as the large runs do. Section 12 holds this model to 42
+# published training runs.
 #
 # Racing layouts needs one rule: **the same global batch**. A step is dp x m micro-batches; with the planner's
 # default m (4 pp, or 1 without PP) DDP's step holds 256 sequences, TP8 + ZeRO-1's holds 32 and TP8 PP4's 128, so
@@ -183,9 +188,9 @@ for name in ("TP8 + ZeRO-1", "TP8 PP4 + ZeRO-1"):
           f"{d.step_time_s:.2f} s = {d.tokens_per_second / 1e3:5.0f}k tokens/s, MFU {100 * d.mfu:.0f}%")
 
 # %% [markdown]
-# By seconds per step TP8 + ZeRO-1 looks twice as fast; per token it is half as fast, because its step holds a
-# quarter of the sequences and still pays the whole once-per-step gradient reduction. Compare throughput, or fix
-# the batch.
+# By seconds per step TP8 + ZeRO-1 looks two and a half times as fast; per token it is a third slower, because
+# its step holds a quarter of the sequences and still pays the whole once-per-step gradient reduction, with only one
+# micro-batch's backward to hide it behind. Compare throughput, or fix the batch.
 
 # %% tags=["nbval-ignore-output"]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1.1, 1]})
@@ -193,24 +198,30 @@ ch00.memory_bars(list(plans_70b.values()), ["DDP", "FSDP", "TP8\nZeRO-1", "TP8 P
                                             "... full\nrecompute"], ax=ax1, zoom_gb=130,
                  title="Llama 3 70B, 256 H100s: memory per GPU")
 ch00.time_bars(list(plans_70b.values()), list(plans_70b), ax=ax2,
-               title=f"one step of {GLOBAL_BATCH} x 4096 tokens (no overlap)")
+               title=f"one step of {GLOBAL_BATCH} x 4096 tokens (modelled)")
 fig.tight_layout()
 plots.savefig(fig, "00_planner_70b_256");
 
 # %% [markdown]
 # DDP needs over a terabyte per GPU, 69% of it optimizer states. (The upper panel draws every bar at full scale,
-# the lower one zooms to 0-130 GB; both are linear, so every colour's height is its share.) FSDP alone shards the states to a few GB but still carries 80 layers of
-# unsplit activations for a 4096-token sequence. Tensor parallelism divides both; pipeline parallelism then
-# divides the layers, at the price of a bubble. At the same batch the layouts that fit are close: TP8 PP4 beats
-# TP8 alone by 5% because each of its 8 replicas holds a quarter of the model, so the gradient reduce-scatter and
-# weight all-gather over InfiniBand move a quarter of the bytes, which more than pays for its 9% bubble. Skipping
-# recomputation is 2% faster still but holds 65 GB of activations, 78 of the 86 GB, with no room left for what the
-# planner does not count; full recomputation is a third slower. The dashed line is the GPU.
+# the lower one zooms to 0-130 GB; both are linear, so every colour's height is its share.) FSDP alone shards the
+# states to a few GB but still carries 80 layers of unsplit activations for a 4096-token sequence. Tensor
+# parallelism divides both; pipeline parallelism then divides the layers, at the price of a bubble. At the same batch
+# the layouts that fit are within a few percent: TP8 alone keeps every layer on each GPU, so its replicas
+# reduce-scatter 4 times the gradient bytes of TP8 PP4 over InfiniBand and about half a second of it stays exposed
+# after the last backward; TP8 PP4 moves a quarter of those bytes but idles in its bubble for about as long. Time
+# the two terms, not the layouts' names. Full recomputation is a third slower. Without recomputation the step
+# takes the same time and the same memory: FlashAttention never stores the s x s scores (it recomputes them inside
+# its own backward), so Korthikanti's selective recomputation is what it does anyway. The kernels of 2022 stored
+# them: 65 GB of activations for this layout (`plan(..., practice=Practice(flash_attention=False))`), which is why
+# Megatron invented selective recomputation. The dashed line is the GPU.
 #
 # ### Explore the planner
-# The same model with controls (pure Python, so it redraws at once; `continuous_update=False`). A layout the
-# planner refuses says why in one sentence. Try TP=16 (it leaves the node), CP=2 with sequence 131072, or
-# ZeRO-3 without TP.
+# The same model with controls (pure Python, so it redraws at once; `continuous_update=False`). Left, the memory
+# stack against the GPU's capacity; right, the step's terms stacked: compute (matmuls, attention, memory-bound work,
+# recomputation), the bubble, the communication that stays exposed per dimension, and the optimizer; the summary
+# below adds what hid behind compute and the communication share. A layout the planner refuses says why in one
+# sentence. Try TP=16 (it leaves the node), CP=2 with sequence 131072, or ZeRO-3 without TP.
 
 # %% tags=["nbval-ignore-output"]
 ch00.planner_widget()
@@ -304,7 +315,7 @@ print(f"model states alone: {int(states_only)} GPUs; with activations (full reco
 print(p.summary())
 
 # %% [markdown]
-# That answer stands on 0.17 GB of headroom out of 85.9. What does not shard (activations, logits, the gathered
+# That answer stands on half a GB of headroom out of 85.9. What does not shard (activations, logits, the gathered
 # layer) is fixed, so N = 16Ψ / (capacity - fixed), and every GB of capacity moves the answer by N / (capacity -
 # fixed) GPUs. The same search at the capacity `nvidia-smi` reports for an H100 80GB HBM3 (81,559 MiB, Modal's
 # table of NVML capacities, thundergolfer.com/blog/nvidia-gpu-memory-capacity) and at the datasheet's "80 GB" read
@@ -321,8 +332,9 @@ for label, capacity in (("80 GiB, the planner's H100", GPUS["h100"].memory_bytes
     print(f"  {label:<44} {capacity / GB:6.2f} GB -> {q.n_gpus} GPUs ({q.headroom_bytes / GB:.2f} GB to spare)")
 
 # %% [markdown]
-# So "138" is really "about 140": 139 on the memory the device reports, and more once the CUDA context, NCCL
-# buffers and allocator fragmentation (which the planner does not count) take their few GB.
+# So "113" holds on the memory the device reports as well (half a GB to spare), while reading the datasheet's
+# "80 GB" as 80e9 bytes costs a dozen GPUs more; the CUDA context, NCCL buffers and allocator fragmentation (which
+# the planner does not count) take a few GB of that headroom in practice, so plan for a few more.
 #
 # Possible, and slow: every layer's 6.4 GB of bf16 weights is all-gathered over InfiniBand for the forward
 # and again for the backward, for every micro-batch. This is why FSDP alone is rare beyond ~70B and why
@@ -342,7 +354,8 @@ plots.savefig(fig, "00_bandwidth_tiers");
 
 # %%
 t = ch00.tp_layer_times("70B", tp=8)
-print(f"Llama 3 70B, tp=8, micro-batch 1 x 4096: matmuls {t['compute_s'] * 1e3:.2f} ms per layer (60% of peak)")
+print(f"Llama 3 70B, tp=8, micro-batch 1 x 4096: compute {t['compute_s'] * 1e3:.2f} ms per layer (forward and "
+      "backward, at the GEMM rates measured for these shapes)")
 for tier, seconds in t["comm_s"].items():
     print(f"  TP all-reduces over {tier:<12} {seconds * 1e3:7.2f} ms  ({seconds / t['compute_s']:5.2f} x compute)")
 
@@ -429,7 +442,9 @@ print(f"PaLM 540B: {palm_fpt:.3e} FLOPs per token; MFU = {mfu(238.3e3, palm_fpt,
 # micro-batch times while filling and draining; the interleaved schedule with v chunks per GPU divides that by
 # v (Narayanan et al. 2021, section 2.2). **Which denominator?** The paper divides the bubble by the ideal
 # compute time, giving (1/v)(p-1)/m, which exceeds 1 when m < p - 1. The share of the whole step spent idle
-# divides by compute + bubble: (p-1)/(vm + p - 1). The planner uses the first; both are drawn.
+# divides by compute + bubble: (p-1)/(vm + p - 1). Both are drawn. The planner does not use either formula: it
+# simulates chapter 13's schedule tables with each stage's own forward and backward times (the last stage also
+# computes the logits, so it is the slowest), which gives the first formula when the stages are equal.
 
 # %%
 for p_, m_, v_ in ((4, 16, 1), (16, 64, 1), (16, 64, 2), (8, 8, 1)):
@@ -515,6 +530,100 @@ for label, dispatch_bytes in (("bf16 dispatch and combine", 2), ("FP8 dispatch, 
 # Chapter 16 builds expert parallelism on ranks.
 
 # %% [markdown]
+# ## 12. The planner held to published runs
+#
+# A model of the step is only worth the runs it predicts. `course_utils/published_configs.py: PUBLISHED_RUNS` holds
+# 42 published training runs, each row copied from its paper (table or section, page) with its layout, global
+# batch, sequence length, micro-batch, interleaving, recomputation, DP flavour, hardware and fabric, and the
+# published figure with its FLOP convention; where a paper does not print a value the row says which value it
+# assumes and why. `planner_runs.compare(row)` rebuilds each run from the row alone, prices one step, and turns the
+# published figure into seconds per step with the paper's own convention (Narayanan's eq. 3 counts the recomputed
+# forward, PaLM's MFU does not).
+#
+# What a run's framework did that its layout does not say comes from the row, never tuned per row: FlashAttention
+# from 2023 on, cuDNN attention for Megatron-Core, eager elementwise kernels where torch.compile was off,
+# torchtitan's per-op recomputation, each framework's rank order. One constant per GPU generation is fitted to the
+# runs: the share of its benchmark GEMM rate a matmul keeps inside a long training step (clocks under sustained
+# power, caches shared with communication kernels, gaps nothing else names), `hardware.SUSTAINED_GEMM_SHARE`. A row
+# counts toward the error unless its throughput is derived (DeepSeek-V3's GPU-hours) or a value its paper does not
+# print moves the prediction by more than 15% on its own.
+
+# %%
+from course_utils import ch00_runs, planner_runs
+from course_utils.hardware import SUSTAINED_GEMM_SHARE
+
+runs = planner_runs.comparisons()
+print("sustained share of the benchmark GEMM rate, per generation:", SUSTAINED_GEMM_SHARE)
+display(ch00_runs.runs_table(runs))
+
+# %% tags=["nbval-ignore-output"]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(17, 11), gridspec_kw={"width_ratios": [1, 1.45]})
+ch00_runs.runs_figure(runs, ax=ax1)
+ch00_runs.breakdown_figure(runs, ax=ax2)
+fig.tight_layout()
+plots.savefig(fig, "00_planner_vs_published");
+
+# %% [markdown]
+# Left, every run's predicted step against its published one; right, each predicted step by term, divided by the
+# published step, so a bar ends at its ratio and its colours say where the time went. On Selene's A100s (Narayanan
+# et al. 2021 Table 1, Korthikanti et al. 2022 Table 5, BLOOM) the planner lands within a few percent of every fully
+# printed run from 1.7B to 1T parameters. The term that matters most differs by run: memory-bound work and
+# recomputation for the small models of Narayanan's Table 1 (a fifth of a 1.7B step is norms, GeLU, dropout and the
+# unfused softmax), matmuls for the 530B and 1T shapes, the bubble for the 64-stage 1T run, the bubble and the
+# uneven stages for Llama 3, the all-to-all for the DeepSeek-V3 benchmark.
+#
+# What is still off, and why:
+# * **ZeRO-3 in Narayanan's Table 2** (DeepSpeed, 2021): the planner predicts 0.2-0.7 of the published step. Its
+#   per-GPU throughput halves each time the GPU count doubles at a fixed batch, as if every GPU pulled the whole
+#   model through its own 25 GB/s NIC, with no overlap; the planner's hierarchical all-gather (a node's 8 NICs at
+#   once) and its overlap hide most of that. The rows do not count (the recomputation they used is not printed, and
+#   it alone moves them by 25%), and the gap says what 2021's ZeRO-3 left on the table.
+# * **The H100 runs disagree with each other**: with one share for the generation, torchtitan's runs come out 4-13%
+#   fast and Llama 3's 12-26% slow, the 16K-GPU row outside the band. Its interleaving depth is not printed (the
+#   row assumes Figure 6's two chunks; four would put it at 1.09), and torchtitan's and Meta's
+#   production stacks differ in ways no term names. Fitted without the other framework's rows, each misses by
+#   more than 20% (printed below).
+# * **MT-NLG's three rows** come from secondary quotations and assume their micro-batch, recomputation and
+#   schedule; **OPT** assumes its batch split; neither counts.
+
+# %%
+for paper in sorted({c.row.paper for c in runs if c.counts}):
+    held = [c for c in planner_runs.leave_one_paper_out(paper) if c.counts]
+    print(f"{paper:<16} fitted without it: predicted / published {', '.join(f'{c.ratio:.2f}' for c in held)}")
+
+# %% [markdown]
+# ## 13. Searching for a layout
+#
+# With a step model held to runs, the planner can search. `planner.search_layouts(model, n_gpus, global_batch=...)`
+# tries every TP inside a node, every PP, interleaving depth, micro-batch size, ZeRO stage and recomputation mode,
+# keeps the layouts that fit, and ranks them by predicted MFU (the same global batch for all, so MFU and tokens per
+# second rank alike), each with the share of its step that communication leaves exposed. For two of Korthikanti's
+# runs, on their own cluster and batch, where does the published layout land?
+
+# %%
+from course_utils.planner import search_layouts
+from course_utils.published_configs import KORTHIKANTI_2022_TABLE3
+
+for row in KORTHIKANTI_2022_TABLE3[1:3]:
+    found = search_layouts(planner_runs.shape(row), row.gpus, global_batch=row.global_batch, seq=row.seq,
+                           cluster_name=row.cluster, micro_batches=(1,), zero_stages=(0,),
+                           virtual_stages=(1, 2, 3, 4), practice=planner_runs.practice(row), top=None)
+    published = dict(tp=row.tp, pp=row.pp, dp=row.dp, virtual_stages=row.virtual_stages, recompute=row.recompute)
+    rank = ch00_runs.published_rank(found, published)
+    display(ch00_runs.search_table(found[:6], published, f"{row.name} on {row.gpus} A100s, global batch "
+                                   f"{row.global_batch} x {row.seq}: {len(found)} layouts fit; the published one "
+                                   f"ranks {rank}"))
+
+# %% [markdown]
+# Both published layouts are among the planner's best few, within a percent or two of its first: at these shapes
+# TP stays at 8 and what separates the candidates is the interleaving depth (a smaller bubble against more
+# messages) and how the 105 layers of 530B cut into stages. Llama 3 405B's own layout (TP 8, PP 16, no
+# recomputation at 8K tokens) is the harder case: the planner's memory for its first stage, Korthikanti's activation
+# count for the 16 micro-batches in flight, does not fit 80 GiB without recomputation, so a search never proposes it.
+# Llama 3's first stage held less than that count (sec 3.3.2 describes freeing tensors the moment they are no longer
+# needed); the planner's memory model is the textbook one.
+
+# %% [markdown]
 # ## Summary
 # - Model states cost 16 bytes per parameter; ZeRO shards them over DP, one state per stage.
 # - Activations scale with sequence x micro-batch; TP, SP, CP and recomputation cut them.
@@ -523,4 +632,7 @@ for label, dispatch_bytes in (("bf16 dispatch and combine", 2), ("FP8 dispatch, 
 #   and pays four all-to-alls of top_k copies of every token per MoE layer per micro-batch; between nodes they
 #   take about as long as the matmuls unless overlapped.
 # - PP trades memory for a bubble of (p-1)/(vm) of the compute.
+# - A step's time is matmuls at their shapes' measured rates, memory-bound work, the simulated bubble and the
+#   communication compute cannot hide; held to 42 published runs it lands within a few percent where the run is
+#   fully printed, and says where it does not.
 # - 6ND and the MFU you can reach give the days; the planner gives a first layout to measure.

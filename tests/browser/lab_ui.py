@@ -90,13 +90,18 @@ def menu(page, top: str, item: str) -> None:
 
 
 def run_all(page, timeout_s: float = 900) -> float:
-    """Run > Run All Cells; seconds until every code cell has run (none waits, "[*]", and the last is numbered)."""
+    """Run > Run All Cells; seconds until every code cell has run (none waits, "[*]", and the last is numbered), or
+    until a cell raised: Run All stops there, so the last cell would never be numbered (the caller's check for a
+    traceback then says so at once instead of waiting out the timeout)."""
     t0 = time.perf_counter()
     menu(page, "Run", "Run All Cells")
     page.wait_for_function(
         """() => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
                                .map(e => e.innerText.trim());
-                   return p.length > 0 && !p.includes('[*]:') && /^\\[\\d+\\]:$/.test(p[p.length - 1]); }""",
+                   const raised = [...document.querySelectorAll(
+                       ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")]
+                       .some(e => e.innerText.includes('Traceback'));
+                   return raised || (p.length > 0 && !p.includes('[*]:') && /^\\[\\d+\\]:$/.test(p[p.length - 1])); }""",
         timeout=timeout_s * 1000)
     return time.perf_counter() - t0
 

@@ -6,8 +6,12 @@ For each chapter, in one lab session (``conftest.py``), in the headless Chromium
 * Run > Run All Cells runs every code cell, and no cell prints a traceback;
 * every widget (each cell output that holds controls) has its first control that is not greyed out moved once,
   and its output changes (a new figure, a new verdict or a one-sentence refusal) with nothing left saying it is
-  busy and nothing saying it broke (a drawing that raised, a rank's exception, a timeout); a screenshot of each
-  is saved under ``build/browser/`` for review;
+  busy and nothing saying it broke (a drawing that raised, a rank's exception, a timeout); a widget that promises
+  a figure (``FIGURES``, read from the chapter's source) shows one after the move, a loaded image in its output
+  (a widget whose figure never reaches the page, as ``plt.show()`` under ``make lab``'s Agg did, fails here even
+  though its text changed); chapter 00's planner is then refused (its GPU count) and set back: the refusal replaces
+  the figure, and the valid setting's figure replaces the refusal; a screenshot of each is saved under
+  ``build/browser/`` for review;
 * one exercise (the first with a wrong answer in ``tests/wrong_answers/``) gets that wrong answer typed into its
   cell; running the cell and its check shows the check's reason for it;
 * File > Save writes the learner's copy; the tab is closed (the kernel keeps running, as after closing a tab);
@@ -43,6 +47,36 @@ BROKEN = ("drawing failed", "Traceback", " raised ", "timed out", "Error: ")
 # A cell output with controls in it: one widget as the learner sees it.
 WIDGET = (".jp-CodeCell .jp-OutputArea-output:has(.widget-hslider, .widget-dropdown, .widget-toggle-buttons, "
           ".widget-checkbox)")
+# A drawn figure inside a widget: an image in one of its output areas (matplotlib's PNG; a canvas or an svg for
+# other renderers) or an Image widget.
+FIGURE = ".widget-output img, .widget-output canvas, .widget-output svg, img.widget-image"
+
+
+# What makes a control in a chapter's source, and what makes a widget that draws a figure: ``LiveRun`` (its draw
+# returns a figure) and every subclass of it in course_utils, the sharding, tile-walk and planner widgets, and an
+# ``Image`` widget that a callback fills with a figure's PNG. A widget that only prints (chapter 10's alpha-beta
+# model) promises no figure.
+CONTROL = re.compile(r"\b(slider|W\.(IntSlider|FloatSlider|FloatLogSlider|SelectionSlider|Dropdown|ToggleButtons|"
+                     r"Checkbox))\(")
+LIVE_RUNS = {"LiveRun", *re.findall(r"^class (\w+)\(LiveRun\)", "\n".join(
+    p.read_text() for p in sorted((ROOT / "course_utils").glob("*.py"))), flags=re.M)}
+FIGURE_MAKER = re.compile(r"\b(" + "|".join(sorted(LIVE_RUNS | {"ShardingWidget", "sharding_widget", "tile_walk_widget",
+                                                                "planner_widget"})) + r")\(|\bW\.Image\(")
+
+
+def widget_cells(chapter: str) -> list[str]:
+    """The code cells of a chapter's source (notebooks/src) that make a control, in order: one widget each on the
+    page (a cell that makes controls displays them)."""
+    source = (ROOT / "notebooks" / "src" / chapter.replace(".ipynb", ".py")).read_text()
+    cells = re.split(r"^# %%.*$", source, flags=re.M)
+    kinds = re.findall(r"^# %%(.*)$", source, flags=re.M)
+    code = ["\n".join(line.split("#")[0] for line in cell.splitlines())
+            for kind, cell in zip(kinds, cells[1:]) if "[markdown]" not in kind]
+    return [cell for cell in code if CONTROL.search(cell) or FIGURE_MAKER.search(cell)]
+
+
+# chapter -> one entry per widget on its page, in order: does it promise a figure?
+FIGURES = {chapter: tuple(bool(FIGURE_MAKER.search(cell)) for cell in widget_cells(chapter)) for chapter in CHAPTERS}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +133,47 @@ def settled(widget, before: str, timeout_s: float = 240) -> float:
             return time.perf_counter() - t0
         time.sleep(0.25)
     raise AssertionError(f"the widget did not answer within {timeout_s:.0f} s: {widget.inner_text()[:300]!r}")
+
+
+def figures_shown(widget) -> int:
+    """Figures the widget's outputs show now: loaded images (a broken or empty image does not count), canvases,
+    svgs."""
+    return widget.locator(FIGURE).evaluate_all(
+        "els => els.filter(e => e.tagName !== 'IMG' || (e.complete && e.naturalWidth > 0)).length")
+
+
+def output_text(widget) -> str:
+    return "\n".join(widget.locator(".widget-output").all_inner_texts())
+
+
+def wait_until(condition, what: str, timeout_s: float = 30) -> float:
+    t0 = time.perf_counter()
+    while not condition():
+        if time.perf_counter() - t0 > timeout_s:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(0.2)
+    return time.perf_counter() - t0
+
+
+def planner_refusal_then_valid(widget) -> dict:
+    """Chapter 00's planner: a GPU count that the layout does not divide is refused, and the refusal replaces the
+    figure and the summary; the valid count again draws a figure, and no refusal is left above it."""
+    gpus = widget.locator(".widget-dropdown:has(> .widget-label:text-is('GPUs')) select")
+    valid = gpus.evaluate("s => s.options[s.selectedIndex].text")
+    gpus.select_option(label="8")  # tp 8 x pp 4 = 32 does not divide 8 GPUs
+    refused_s = wait_until(lambda: "cannot run: " in output_text(widget), "the planner refused 8 GPUs")
+    refusal = output_text(widget)
+    assert "does not divide" in refusal and "memory per GPU" not in refusal, f"the summary stayed: {refusal!r}"
+    assert figures_shown(widget) == 0, "the refusal left the previous setting's figure on the page"
+    gpus.select_option(label=valid)
+    valid_s = wait_until(lambda: figures_shown(widget) > 0 and "cannot run" not in output_text(widget),
+                         f"{valid} GPUs again: a figure, and the refusal gone: {output_text(widget)[:300]!r}")
+    assert figures_shown(widget) == 1, f"{figures_shown(widget)} figures after one valid setting"
+    return {"refusal_s": round(refused_s, 2), "valid_again_s": round(valid_s, 2)}
+
+
+# (chapter, widget index) -> what else to do with that widget after its first move
+FURTHER = {("00_overview.ipynb", 0): planner_refusal_then_valid}
 
 
 def answer_wrong(page, chapter: str) -> dict:
@@ -163,6 +238,9 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
         assert tracebacks == 0, f"{chapter}: a cell printed a traceback"
 
         widgets = page.locator(WIDGET)
+        promised = FIGURES[chapter]
+        assert widgets.count() == len(promised), (
+            f"{chapter}: {widgets.count()} widgets on the page, {len(promised)} in its source ({promised})")
         for i in range(widgets.count()):
             widget = widgets.nth(i)
             widget.scroll_into_view_if_needed()
@@ -174,7 +252,14 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
             widget.screenshot(path=str(OUT / f"{chapter[:-6]}_widget{i}.png"))
             shown = signature(widget)
             assert not any(b in shown for b in BROKEN), f"{chapter} widget {i} after {moved}: {shown[:400]!r}"
-            report["widgets"].append({"moved": moved, "seconds": round(seconds, 2)})
+            entry = {"moved": moved, "seconds": round(seconds, 2)}
+            if promised[i]:  # the image arrives with the output; give the browser a moment to decode it
+                wait_until(lambda: figures_shown(widget) > 0,
+                           f"{chapter} widget {i} promises a figure; after {moved} it shows none: "
+                           f"{output_text(widget)[:300]!r}", timeout_s=10)
+            if (chapter, i) in FURTHER:
+                entry.update(FURTHER[chapter, i](widget))
+            report["widgets"].append(entry)
 
         if wrong_answers(chapter[:2]):
             report["exercise"] = answer_wrong(page, chapter)

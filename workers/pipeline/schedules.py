@@ -175,13 +175,15 @@ def check_stage(actions, micro_batches: int, stage: int, chunks: int = 1) -> str
     return None
 
 
-def simulate(schedules: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0,
-             message_time: float = 0.0) -> dict:
+def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 1.0,
+             backward_time: float | list[float] = 2.0, message_time: float = 0.0) -> dict:
     """Run the ranks' lists in ideal time (no communication cost) respecting the dependencies across
     (virtual) stages: F(i) on stage s after F(i) on s - 1, B(i) on s after B(i) on s + 1. Each rank runs its
     list in order. ``forward_time`` / ``backward_time`` are one micro-batch through a rank's whole share of
     the model; with v chunks per rank an action is one chunk, 1/v of that. ``message_time`` delays every
-    dependency that crosses ranks (a message's latency): interleaving sends v times as many.
+    dependency that crosses ranks (a message's latency): interleaving sends v times as many. Stages of unequal
+    work (the planner's: the first carries the embedding, the last the head) pass one time per virtual stage
+    instead, ``forward_time[c * p + s]`` for chunk c of rank s, not divided by v.
 
     Returns ``{"timeline": [[{"kind", "micro", "chunk", "start", "end"}, ...] per rank], "makespan",
     "deadlock"}`` (the executor's timeline format); ``deadlock`` is None or one sentence naming the ranks
@@ -207,7 +209,8 @@ def simulate(schedules: list[list[Action]], forward_time: float = 1.0, backward_
                     break
                 crosses = dep is not None and dep[0] % p != s  # virtual stage d lives on rank d % p
                 start = max(clock[s], done[dep] + (message_time if crosses else 0.0) if dep else 0.0)
-                end = start + (forward_time if kind == "F" else backward_time) / v
+                took = forward_time if kind == "F" else backward_time
+                end = start + (took[vs] if isinstance(took, (list, tuple)) else took / v)
                 timeline[s].append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": end})
                 done[(vs, kind, i)] = clock[s] = end
                 pos[s] += 1

@@ -1,0 +1,474 @@
+"""This machine as a device of chapter 00's planner: its calibration, and the chapters' runs to hold the planner to.
+
+``calibrate()`` runs ``workers/calibrate.py`` on 2 and 4 ranks (the course's thread settings: one intra-op thread
+per rank, the ranks sharing the cores) and turns what the ranks measured into a ``MachineCalibration``:
+
+* the per-op overheads that dominate the course's tiny models (one eager op; one op recorded by autograd, forward
+  and forward + backward; the fixed cost of a ``backward()`` call; a tiny ``nn.Linear`` step);
+* the matmul rate by shape and dtype (FLOP/s = 2 m n k / seconds of ``a @ b``, overhead included: a tiny product is
+  its overhead);
+* how ranks slow each other when they outnumber the cores (``contention``: time of a matmul, a tiny op and a copy
+  with k ranks busy at once, over their time alone);
+* the streaming bandwidth (bytes read + written per second by a large copy);
+* per collective and world size an alpha (seconds) and a beta (seconds per byte of nccl-tests' S: the whole buffer;
+  for all_gather the gathered output, for reduce_scatter the unreduced input, for all_to_all each rank's buffer),
+  fitted to the medians by least squares on the relative error (sizes span six decades: a plain least squares
+  would fit the largest messages only), with the fit's worst relative error on its own medians; ``p2p`` (one way,
+  from a ping-pong) fitted the same way.
+
+The calibration is cached for the session (keyed on the CPU capability, the world sizes and the worker's
+parameters) and in a JSON file under the scratch folder (``build/scratch/calibration/``, never a tracked path),
+reused while the machine, torch and the worker are the same (``refresh=True`` measures again).
+
+``measure_runs()`` runs the chapters' own steps on the ranks and reports each run's median step time (the wall time
+from one step's end to the next's, on every rank; per step the median over ranks, then the median over the steps,
+the first left out as warm-up), with everything a predictor needs to rebuild the run: chapter 15's layouts
+(``workers/ch15_composed.py``, as ``course_utils/ch15.py`` runs them) and chapter 13's schedules
+(``workers/ch13_pipeline.py``, as ``notebooks/src/13_pipeline_parallel.py`` runs them), padded to the chapter's
+calibrated waits and not. These are CPU timings on a shared machine: medians of repeats, and they vary by machine.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from course_utils import progress
+from course_utils.launcher import run as run_worker
+from course_utils.paths import ROOT
+from course_utils.scratch import SCRATCH
+from course_utils.tables import Table
+
+WORKER = "workers.calibrate"
+CH13_WORKER = "workers.ch13_pipeline"
+CH15_WORKER = "workers.ch15_composed"
+WORLD_SIZES = (2, 4)
+TIMEOUT_S = 120.0  # one calibration run: 3 s on 2 ranks, 6-7 s on 4 (a loaded 2-core machine, warm ranks)
+RUN_TIMEOUT_S = 120.0  # one measured run of a chapter
+CH13_TIMED = {"forward_ms": 20.0, "backward_ms": 40.0}  # chapter 13's TIMED padding (t_B = 2 t_F)
+FORMAT = 1  # of the JSON file; a file of another format is measured again
+
+
+def cores() -> int:
+    """The cores this process may run on (what the ranks share): ``len(os.sched_getaffinity(0))`` where the OS has
+    it (Linux), else ``os.cpu_count()``."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _scratch() -> Path:
+    return Path(os.environ.get("COURSE_SCRATCH_DIR") or SCRATCH) / "calibration"
+
+
+# -- fits -------------------------------------------------------------------------------------------------------------
+
+def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> tuple[float, float, float]:
+    """``(alpha, beta, worst)``: ``t = alpha + beta * bytes`` minimising the sum of squared *relative* errors (each
+    median counts alike, from 8 bytes to megabytes), and the worst relative error of the fit on these points.
+
+    If the unconstrained fit makes one coefficient negative (a flat, falling or noisy curve), that coefficient is
+    held at a floor a millionth of what the data could carry (1e-6 of the smallest time, of the smallest time per
+    byte: it moves no point by more than 1e-6 of its time) and the other refitted: both stay positive, and
+    ``worst`` says how well it went."""
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(f"an alpha-beta fit needs at least two (size, seconds) points, got {len(sizes)}")
+    if not all(t > 0 and math.isfinite(t) for t in seconds):
+        raise ValueError(f"an alpha-beta fit needs positive finite times, got {seconds}")
+    # rows [1/t, S/t] . [alpha, beta] = 1
+    a = [(1 / t, s / t) for s, t in zip(sizes, seconds)]
+    s11 = sum(x * x for x, _ in a)
+    s12 = sum(x * y for x, y in a)
+    s22 = sum(y * y for _, y in a)
+    r1, r2 = sum(x for x, _ in a), sum(y for _, y in a)
+    det = s11 * s22 - s12 * s12
+    alpha, beta = ((r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det) if det > 0 else (-1.0, -1.0)
+    if not (alpha > 0 and beta > 0):
+        floor_a, floor_b = 1e-6 * min(seconds), 1e-6 * min(t / max(s, 1) for s, t in zip(sizes, seconds))
+        # beta alone (alpha at its floor): minimise sum((floor_a/t + beta S/t - 1)^2)
+        b_only = max(floor_b, sum(y * (1 - floor_a * x) for x, y in a) / s22)
+        a_only = max(floor_a, sum(x * (1 - floor_b * y) for x, y in a) / s11)
+        candidates = [(floor_a, b_only), (a_only, floor_b)]
+        alpha, beta = min(candidates, key=lambda ab: sum((ab[0] * x + ab[1] * y - 1) ** 2 for x, y in a))
+    worst = max(abs(alpha + beta * s - t) / t for s, t in zip(sizes, seconds))
+    return alpha, beta, worst
+
+
+def _median(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+# -- the calibration --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MachineCalibration:
+    """What this machine's ranks cost, measured (see the module's docstring for each quantity's definition).
+
+    Times in seconds, rates in FLOP/s, bandwidths in bytes/s; one rank's costs are measured with the other ranks
+    asleep, and ``contention`` says how much slower a kind of work goes with k ranks busy at once.
+    ``collectives[(name, world)] = (alpha, beta)`` with beta in seconds per byte of the collective's whole buffer S;
+    ``p2p = (alpha, beta)`` one way, at the largest world measured (``collectives[("p2p", world)]`` at each).
+    ``raw[world]`` keeps the medians the fits were made from."""
+
+    cpu: str
+    capability: str  # torch.backends.cpu.get_cpu_capability()
+    cores: int  # len(os.sched_getaffinity(0))
+    threads_per_rank: int  # torch.get_num_threads() on a rank
+    world_sizes: tuple[int, ...]
+    torch_version: str
+    op_s: float  # one eager op (a + b on 8 floats)
+    op_forward_s: float  # one op recorded by autograd (y * w, w a leaf), forward only
+    op_forward_backward_s: float  # the same op, forward + its share of backward
+    backward_call_s: float  # fixed cost of a backward() call (and the sum before it)
+    linear_forward_backward_s: float  # nn.Linear(32, 32) on [8, 32]: forward, sum, backward
+    matmul: tuple[tuple[str, int, int, int, float], ...]  # (dtype, m, n, k, FLOP/s), overhead included
+    stream_bandwidth: float  # bytes read + written per second by a large copy
+    contention: tuple[tuple[str, int, float], ...]  # (kind "matmul" | "op" | "stream", ranks busy, time / alone)
+    collectives: dict = field(default_factory=dict)  # {(name, world): (alpha_s, beta_s_per_byte)}
+    fit_error: dict = field(default_factory=dict)  # {(name, world): worst relative error of the fit}
+    p2p: tuple[float, float] = (0.0, 0.0)  # (alpha_s, beta_s_per_byte), one way
+    measured_at: str = ""  # ISO time
+    seconds: float = 0.0  # wall time of the calibration
+    params: dict = field(default_factory=dict)  # the worker's parameters (beyond its defaults)
+    raw: dict = field(default_factory=dict)  # {world: medians, as aggregated over the ranks}
+
+    # -- reading it -----------------------------------------------------------------------------------------------
+    def collective_seconds(self, name: str, world: int, nbytes: float) -> float:
+        alpha, beta = self.collectives[(name, world)]
+        return alpha + beta * nbytes
+
+    def slowdown(self, busy: int, kind: str = "matmul") -> float:
+        """Time of ``kind`` with ``busy`` ranks working at once over its time alone (past the ranks measured: the
+        last measured slowdown, scaled by busy ranks; 1 when nothing was measured)."""
+        rows = sorted((k, s) for what, k, s in self.contention if what == kind)
+        if not rows:
+            return 1.0
+        for k, s in rows:
+            if k >= busy:
+                return s
+        return rows[-1][1] * busy / rows[-1][0]
+
+    def link_fits(self) -> tuple[tuple[str, int, float, float], ...]:
+        """Every fit as ``(collective, ranks, alpha_s, beta_s_per_byte)`` (``p2p`` included): ``hardware.Link.fitted``'s
+        form."""
+        return tuple((n, w, a, b) for (n, w), (a, b) in sorted(self.collectives.items()))
+
+    def matmul_rows(self, dtype: str) -> list[tuple[int, int, int, float]]:
+        """``[(m, n, k, FLOP/s)]`` measured in ``dtype``."""
+        return [(m, n, k, f) for d, m, n, k, f in self.matmul if d == dtype]
+
+    # -- JSON -----------------------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["collectives"] = [[n, w, a, b] for (n, w), (a, b) in sorted(self.collectives.items())]
+        d["fit_error"] = [[n, w, e] for (n, w), e in sorted(self.fit_error.items())]
+        d["raw"] = {str(w): v for w, v in self.raw.items()}
+        return json.dumps({"format": FORMAT, **d}, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "MachineCalibration":
+        d = json.loads(text)
+        if d.pop("format", None) != FORMAT:
+            raise ValueError(f"not a machine calibration of format {FORMAT}")
+        d["world_sizes"] = tuple(d["world_sizes"])
+        d["matmul"] = tuple(tuple(r) for r in d["matmul"])
+        d["contention"] = tuple(tuple(r) for r in d["contention"])
+        d["collectives"] = {(n, int(w)): (a, b) for n, w, a, b in d["collectives"]}
+        d["fit_error"] = {(n, int(w)): e for n, w, e in d["fit_error"]}
+        d["p2p"] = tuple(d["p2p"])
+        d["raw"] = {int(w): v for w, v in d["raw"].items()}
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    # -- for the notebook -----------------------------------------------------------------------------------------
+    def summary(self) -> Table:
+        """One table: the machine, the overheads, the matmul rates, the bandwidth, contention, every alpha-beta fit."""
+        us, gf = 1e6, 1e-9
+        rows = [["machine", f"{self.cpu}, {self.capability}, {self.cores} cores, {self.threads_per_rank} thread(s) "
+                            f"per rank, torch {self.torch_version}"],
+                ["one eager op", f"{self.op_s * us:.2f} us"],
+                ["one autograd op, forward", f"{self.op_forward_s * us:.2f} us"],
+                ["one autograd op, forward + backward", f"{self.op_forward_backward_s * us:.2f} us"],
+                ["a backward() call", f"{self.backward_call_s * us:.1f} us"],
+                ["nn.Linear(32, 32) on [8, 32], forward + backward", f"{self.linear_forward_backward_s * us:.1f} us"],
+                ["stream (copy)", f"{self.stream_bandwidth * gf:.1f} GB/s"]]
+        for dtype in sorted({r[0] for r in self.matmul}):
+            rates = ", ".join(f"{m}x{n}x{k} {f * gf:.3g}" for m, n, k, f in self.matmul_rows(dtype))
+            rows.append([f"matmul {dtype} (GFLOP/s)", rates])
+        for kind in ("matmul", "op", "stream"):
+            cells = ", ".join(f"{k}: {s:.2f}x" for what, k, s in self.contention if what == kind)
+            if cells:
+                rows.append([f"{kind}: time with k ranks busy / alone", cells])
+        for (name, world), (alpha, beta) in sorted(self.collectives.items()):
+            rows.append([f"{name}, {world} ranks", f"alpha {alpha * us:.0f} us, 1/beta {1 / beta * gf:.2f} GB/s "
+                                                   f"(worst fit error {self.fit_error[(name, world)]:.0%})"])
+        return Table(["quantity", "measured"], rows,
+                     caption=f"this machine, measured {self.measured_at} in {self.seconds:.1f} s (CPU timings: they "
+                             "vary by machine and by load)")
+
+    def collective_table(self) -> Table:
+        """Per collective and world: each size's measured median and what the fit says."""
+        rows = []
+        for (name, world), (alpha, beta) in sorted(self.collectives.items()):
+            for nbytes, t in self.raw[world]["collectives"][name]:
+                fit = alpha + beta * nbytes
+                rows.append([name, world, nbytes, f"{t * 1e6:.0f}", f"{fit * 1e6:.0f}", f"{fit / t - 1:+.0%}"])
+        return Table(["collective", "ranks", "bytes", "measured us", "fit us", "fit error"], rows)
+
+
+OPS = ("op_s", "op_forward_s", "op_forward_backward_s", "backward_call_s", "linear_forward_backward_s")
+
+
+def aggregate(ranks: list[dict]) -> dict:
+    """One calibration run's rank results as one world's medians: one rank's costs from rank 0 (measured alone),
+    contention as the median over the busy ranks, a collective's time as its slowest rank's median."""
+    r0, world = ranks[0], len(ranks)
+    matmul = [{k: row[k] for k in ("dtype", "m", "n", "k", "median", "min", "max")} for row in r0["matmul"]]
+    ops = {k: r0["ops"][k] for k in (*OPS, "chain", "chain_forward_s", "chain_forward_backward_s")}
+    stream = {k: r0["stream"][k] for k in ("bytes", "copy_bytes_per_s", "add_bytes_per_s")}
+    contention = {kind: [{"active": row["active"], "calls": row["calls"],
+                          "seconds": _median(r["contention"][kind][i]["seconds"] for r in ranks)}
+                         for i, row in enumerate(rows)] for kind, rows in r0["contention"].items()}
+    coll = {name: [[row["bytes"], max(r["collectives"][name][i]["median"] for r in ranks)]
+                   for i, row in enumerate(rows)] for name, rows in r0["collectives"].items()}
+    # the same, as each rank's mean of the middle 80% of its calls (what many calls cost on average)
+    coll_mean = {name: [[row["bytes"], max(r["collectives"][name][i]["mean"] for r in ranks)]
+                        for i, row in enumerate(rows)] for name, rows in r0["collectives"].items()}
+    return {"world": world, "matmul": matmul, "ops": ops, "stream": stream, "contention": contention,
+            "contention_shape": r0["contention_shape"], "stream_bytes": r0["stream_bytes"], "collectives": coll,
+            "collectives_mean": coll_mean,
+            "rank_seconds": max(r["seconds"] for r in ranks), "phases": r0["phases"]}
+
+
+def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dict | None = None) -> MachineCalibration:
+    """A ``MachineCalibration`` from the ranks' results of each world (``{world: res.ranks}``): one rank's costs
+    are the median over the worlds (the same quantity, measured in each), contention the largest world's."""
+    worlds = tuple(sorted(per_world))
+    raw = {w: aggregate(per_world[w]) for w in worlds}
+    r0 = per_world[worlds[0]][0]
+    matmul = []
+    for i, row in enumerate(raw[worlds[0]]["matmul"]):
+        t = _median(raw[w]["matmul"][i]["median"] for w in worlds)
+        matmul.append((row["dtype"], row["m"], row["n"], row["k"], 2.0 * row["m"] * row["n"] * row["k"] / t))
+    top = raw[worlds[-1]]["contention"]
+    contention = tuple((kind, c["active"], c["seconds"] / rows[0]["seconds"]) for kind, rows in top.items()
+                       for c in rows)
+    collectives, errors = {}, {}
+    for w in worlds:
+        for name, points in raw[w]["collectives"].items():
+            alpha, beta, worst = fit_alpha_beta([b for b, _ in points], [t for _, t in points])
+            collectives[(name, w)], errors[(name, w)] = (alpha, beta), worst
+    p2p_worlds = [w for w in worlds if ("p2p", w) in collectives]
+    one = {k: _median(raw[w]["ops"][k] for w in worlds) for k in OPS}
+    return MachineCalibration(
+        cpu=r0["cpu"], capability=r0["capability"], cores=r0["cores"], threads_per_rank=r0["threads"],
+        world_sizes=worlds, torch_version=r0["torch"], **one, matmul=tuple(matmul),
+        stream_bandwidth=_median(raw[w]["stream"]["copy_bytes_per_s"] for w in worlds),
+        contention=contention, collectives=collectives, fit_error=errors,
+        p2p=collectives[("p2p", max(p2p_worlds))] if p2p_worlds else (0.0, 0.0),
+        measured_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), seconds=seconds,
+        params=dict(params or {}), raw=raw)
+
+
+_CACHE: dict[tuple, MachineCalibration] = {}
+
+
+def _worker_digest() -> str:
+    return hashlib.sha1((ROOT / "workers" / "calibrate.py").read_bytes()).hexdigest()[:12]
+
+
+def _key(world_sizes: tuple, params: dict) -> tuple:
+    return (torch.backends.cpu.get_cpu_capability(), tuple(world_sizes), json.dumps(params, sort_keys=True))
+
+
+def cache_file(world_sizes=WORLD_SIZES, **params) -> Path:
+    """Where ``calibrate(world_sizes, **params)`` keeps its result between sessions."""
+    cap, worlds, p = _key(tuple(world_sizes), params)
+    tag = hashlib.sha1(p.encode()).hexdigest()[:8]
+    return _scratch() / f"machine_{cap}_w{'-'.join(map(str, worlds))}_{tag}.json"
+
+
+def _fresh(cal: MachineCalibration) -> bool:
+    """A stored calibration still describes this machine: same CPU, cores, threads, torch and worker."""
+    return (cal.capability == torch.backends.cpu.get_cpu_capability() and cal.torch_version == torch.__version__
+            and cal.cores == cores() and cal.params.get("_worker") == _worker_digest()
+            and cal.threads_per_rank == int(os.environ.get("COURSE_THREADS_PER_RANK", 1)))
+
+
+def calibrate(world_sizes=WORLD_SIZES, *, refresh: bool = False, timeout: float = TIMEOUT_S, store: bool = True,
+              **params) -> MachineCalibration:
+    """Measure this machine on ``world_sizes`` ranks (``params`` go to ``workers/calibrate.py``: fewer ``shapes``,
+    ``sizes``, ``repeats`` for a quick run), or return the session's (or the stored) calibration of the same
+    settings. ``refresh=True`` measures again; ``store=False`` keeps the result out of the JSON file."""
+    world_sizes = tuple(sorted(world_sizes))
+    key = _key(world_sizes, params)
+    if not refresh and key in _CACHE:
+        return _CACHE[key]
+    path = cache_file(world_sizes, **params)
+    if not refresh and path.is_file():
+        try:
+            cal = MachineCalibration.from_json(path.read_text())
+            if _fresh(cal):
+                _CACHE[key] = cal
+                return cal
+        except (ValueError, KeyError, TypeError):
+            pass  # an older or damaged file: measure again
+    start = time.perf_counter()
+    per_world = {}
+    for w in world_sizes:
+        progress.say(f"calibrating this machine on {w} ranks")
+        per_world[w] = run_worker(WORKER, world_size=w, timeout=timeout, **params).ranks
+    cal = build(per_world, seconds=time.perf_counter() - start, params={**params, "_worker": _worker_digest()})
+    _CACHE[key] = cal
+    if store:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(cal.to_json())
+        tmp.replace(path)
+    return cal
+
+
+# -- the measured side: the chapters' runs ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run to measure: the chapter, a name, the worker, the world size and the worker's parameters."""
+
+    chapter: int
+    name: str
+    worker: str
+    world: int
+    params: dict
+
+
+def ch15_params(layout: str, **options) -> dict:
+    """The worker parameters chapter 15 runs ``layout`` with (``course_utils/ch15.py: layout_for`` and
+    ``worker_params``: two micro-batches per rank when there is a pipeline, unless given)."""
+    from workers.layout import Layout
+
+    options = {"micro_batches": 2 if Layout.parse(layout).pp > 1 else 1, **options}
+    layout_keys = ("zero", "sequence_parallel", "micro_batches", "schedule", "virtual_stages", "split")
+    lay = Layout.parse(layout, **{k: v for k, v in options.items() if k in layout_keys})
+    out = {d: getattr(lay, d) for d in ("dp", "tp", "pp", "cp", *layout_keys)}
+    return {**out, **{k: v for k, v in options.items() if k not in layout_keys}}
+
+
+def default_runs(chapters=(13, 15), *, padded: bool = True, unpadded: bool = True,
+                 two_rank_layouts: bool = True) -> list[RunSpec]:
+    """The runs the planner is held to: chapter 15's 4-rank layouts as the chapter runs them (ZeRO 0 and 1), its
+    timed 1F1B run (m = 4, 20 / 40 ms padding), and the 2-rank layouts of the same model; chapter 13's gpipe,
+    1f1b and interleaved (v = 2) at pp 2 and 4 (world 4: pp 2 runs as two pipelines), m 4 and 8, padded with the
+    chapter's TIMED waits and not."""
+    runs = []
+    if 15 in chapters:
+        for layout in ("1x1x4x1", "1x1x1x4"):
+            for zero in (0, 1):
+                runs.append(RunSpec(15, f"{layout} zero {zero}", CH15_WORKER, 4, ch15_params(layout, zero=zero)))
+        if padded:
+            runs.append(RunSpec(15, "1x1x4x1 m 4 timed", CH15_WORKER, 4,
+                                ch15_params("1x1x4x1", micro_batches=4, forward_ms=20.0, backward_ms=40.0)))
+        if two_rank_layouts:
+            for layout in ("1x1x2x1", "1x1x1x2", "2x1x1x1", "1x2x1x1"):
+                runs.append(RunSpec(15, layout, CH15_WORKER, 2, ch15_params(layout)))
+    if 13 in chapters:
+        paddings = ([("timed", CH13_TIMED)] if padded else []) + ([("unpadded", {})] if unpadded else [])
+        for label, pad in paddings:
+            for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+                for pp in (2, 4):
+                    for m in (4, 8):
+                        name = f"{schedule}{f' v {v}' if v > 1 else ''} pp {pp} m {m} {label}"
+                        runs.append(RunSpec(13, name, CH13_WORKER, 4, {"schedule": schedule, "pp": pp,
+                                                                       "virtual_stages": v, "micro_batches": m,
+                                                                       **pad}))
+    return runs
+
+
+def _spread(per_step: list[float]) -> tuple[float, float, float]:
+    return statistics.median(per_step), min(per_step), max(per_step)
+
+
+def _per_step(ranks: list[dict], key: str, drop: int) -> list[float]:
+    """Per step after the first ``drop``: the median over ranks of each rank's ``key``[step]."""
+    steps = len(ranks[0][key])
+    return [statistics.median(r[key][i] for r in ranks) for i in range(drop, steps)]
+
+
+def run_row(spec: RunSpec, ranks: list[dict], *, steps: int, seconds: float = 0.0, launch: str = "") -> dict:
+    """One measured run as a row: its median step time and everything a predictor needs to rebuild the run."""
+    drop = 1 if steps > 1 else 0
+    per_step = _per_step(ranks, "step_s", drop)
+    median, lo, hi = _spread(per_step)
+    p = spec.params
+    row = {"chapter": spec.chapter, "name": spec.name, "worker": spec.worker, "world": spec.world,
+           "params": dict(p), "steps": len(per_step), "measured_median_s": median, "measured_spread": (lo, hi),
+           "step_s": per_step, "forward_ms": p.get("forward_ms", 0.0), "backward_ms": p.get("backward_ms", 0.0),
+           "run_s": seconds, "launch": launch}
+    if spec.chapter == 15:
+        cfg = ranks[0]["config"]
+        lay = ranks[0]["layout"]
+        dp, m = lay["dp"], lay["micro_batches"]
+        row.update(model={"kind": "gpt", **{k: cfg[k] for k in ("vocab", "seq", "hidden", "heads", "kv_heads", "ffn",
+                                                                  "layers", "tied")}, "dtype": cfg["dtype"]},
+                   layout={k: lay[k] for k in ("dp", "tp", "pp", "cp", "zero", "sequence_parallel", "micro_batches",
+                                               "schedule", "virtual_stages", "split")},
+                   global_batch=cfg["global_batch"], micro_batches=m, micro_batch_size=cfg["global_batch"] // dp // m,
+                   pipelines=dp * lay["tp"] * lay["cp"])
+        # the training part alone (schedule + gradient sync + optimizer), the slowest rank per step: bench.py's measure
+        train = [max(r["schedule_s"][i] + r["sync_s"][i] for r in ranks) for i in range(drop, len(ranks[0]["step_s"]))]
+        row["train_median_s"] = statistics.median(train)
+    else:
+        cfg = ranks[0]["config"]
+        pp, m = ranks[0]["pp"], p["micro_batches"]
+        # workers/pipeline/model.py: layers x (Linear(h, h), tanh but the last), mean-squared error, SGD
+        row.update(model={"kind": "mlp", "layers": cfg["layers"], "hidden": cfg["hidden"], "dtype": "float32",
+                          "optimizer": "sgd"},
+                   layout={"dp": spec.world // pp, "tp": 1, "pp": pp, "cp": 1, "zero": 0, "micro_batches": m,
+                           "schedule": p["schedule"], "virtual_stages": ranks[0]["virtual_stages"]},
+                   global_batch=m * cfg["micro_batch_size"], micro_batches=m,
+                   micro_batch_size=cfg["micro_batch_size"], pipelines=spec.world // pp)
+        # the schedule alone: from the barrier every rank leaves together to the last action's end, slowest rank
+        spans = [max(r["timelines"][i][-1]["end"] for r in ranks) for i in range(drop, len(ranks[0]["timelines"]))]
+        row["schedule_median_s"] = statistics.median(spans)
+    return row
+
+
+def padded(spec: RunSpec) -> bool:
+    """Whether ``spec`` pads its actions to a calibrated wait (its steps are then steady: a few suffice)."""
+    return spec.params.get("forward_ms", 0.0) > 0 or spec.params.get("backward_ms", 0.0) > 0
+
+
+def measure_runs(runs: list[RunSpec] | None = None, *, steps: int = 8, padded_steps: int = 4,
+                 timeout: float = RUN_TIMEOUT_S) -> list[dict]:
+    """Run each of ``runs`` (``default_runs()`` when None) on warm ranks for ``steps`` optimizer steps
+    (``padded_steps`` for a run padded to calibrated waits, whose steps vary by about 1%) and return one row per run
+    (``run_row``): the median step time over the steps after the first (warm-up), their min and max, the model, the
+    layout or schedule, the batch and the padding. CPU timings: they vary by machine and by load."""
+    runs = default_runs() if runs is None else list(runs)
+    if min(steps, padded_steps) < 2:
+        raise ValueError(f"steps={steps}, padded_steps={padded_steps}: measure at least 2 steps (the first is "
+                         "warm-up and left out)")
+    rows = []
+    for spec in progress.each(runs, "measured run", lambda s: f"chapter {s.chapter}, {s.name}"):
+        n = padded_steps if padded(spec) else steps
+        res = run_worker(spec.worker, world_size=spec.world, timeout=timeout, steps=n, **spec.params)
+        rows.append(run_row(spec, res.ranks, steps=n, seconds=res.seconds, launch=res.launch))
+    return rows
+
+
+def runs_table(rows: list[dict]) -> Table:
+    """The measured runs: per run its median step time and the spread over the steps."""
+    return Table(["chapter", "run", "ranks", "steps", "median ms", "min ms", "max ms"],
+                 [[r["chapter"], r["name"], r["world"], r["steps"], f"{r['measured_median_s'] * 1e3:.1f}",
+                   f"{r['measured_spread'][0] * 1e3:.1f}", f"{r['measured_spread'][1] * 1e3:.1f}"] for r in rows],
+                 caption="measured on this machine's ranks (CPU timings: they vary by machine and by load)")
+
+
+__all__ = ["MachineCalibration", "RunSpec", "aggregate", "build", "cache_file", "calibrate", "ch15_params",
+           "cores", "default_runs", "fit_alpha_beta", "measure_runs", "padded", "run_row", "runs_table"]

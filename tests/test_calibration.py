@@ -1,0 +1,183 @@
+"""This machine as a planner device (``course_utils/calibration.py``, ``workers/calibrate.py``): the fits, the
+calibration's fields and its JSON, and the measured side (``measure_runs``).
+
+No assertion here is on how fast anything is: the machine is shared and its timings vary. The fit checks are exact
+properties of least squares (a law it can represent is recovered to rounding; the fit is never worse than either of
+its one-term special cases, on any data), or bounds every timing satisfies (positive, finite, min <= median <= max).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from course_utils import calibration as cal_mod
+from course_utils.calibration import MachineCalibration, RunSpec, ch15_params, default_runs, fit_alpha_beta
+from course_utils.validate import check_params
+
+# A calibration small enough for a test (about 2 s on 2 warm ranks): two shapes, three sizes, short windows.
+QUICK = {"shapes": ["8x32x32", "64x64x64"], "dtypes": ["float32"], "sizes": [8, 4096, 262144], "repeats": 3,
+         "target_ms": 0.5, "window_ms": 5.0, "windows": 1, "calls": 5, "max_calls": 9, "point_ms": 10.0,
+         "stream_mib": 4}
+SIZES = [8, 64, 512, 4096, 32768, 262144, 1048576, 4194304]
+
+
+def rms(values) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values))
+
+
+def relative_errors(alpha, beta, sizes, seconds):
+    return [(alpha + beta * s - t) / t for s, t in zip(sizes, seconds)]
+
+
+def best_one_term_rms(sizes, seconds) -> float:
+    """The least relative RMS error of t = alpha alone and of t = beta * S alone (closed forms)."""
+    a = sum(1 / t for t in seconds) / sum(1 / t**2 for t in seconds)
+    b = sum(s / t for s, t in zip(sizes, seconds)) / sum((s / t) ** 2 for s, t in zip(sizes, seconds))
+    return min(rms(relative_errors(a, 0.0, sizes, seconds)), rms(relative_errors(0.0, b, sizes, seconds)))
+
+
+# -- the fit, without ranks ---------------------------------------------------------------------------------------------
+
+def test_the_fit_recovers_an_alpha_beta_law_exactly():
+    # gloo-like: 60 us latency, 1.5 GB/s; the points are the law itself, so only float64 rounding separates them
+    seconds = [60e-6 + s / 1.5e9 for s in SIZES]
+    alpha, beta, worst = fit_alpha_beta(SIZES, seconds)
+    assert abs(alpha / 60e-6 - 1) < 1e-9 and abs(beta * 1.5e9 - 1) < 1e-9
+    assert worst < 1e-9
+
+
+@pytest.mark.parametrize("shape", ["flat", "noisy", "bandwidth only", "falling"])
+def test_the_fit_stays_positive_and_is_never_worse_than_either_term_alone(shape):
+    # The two one-term laws are special cases of alpha + beta S, so the least-squares fit's relative RMS error is at
+    # most theirs (exact, whatever the data). When the best fit would need a negative term (a flat or falling curve),
+    # that term is held at a floor that moves no point by more than 1e-6 of its time: still no worse than the better
+    # one-term law, up to that.
+    wobble = [1.0, 1.3, 0.8, 1.2, 0.9, 1.25, 0.85, 1.1]  # a fixed +-30% pattern: deterministic "noise"
+    seconds = {"flat": [300e-6] * 8, "noisy": [(80e-6 + s / 1e9) * w for s, w in zip(SIZES, wobble)],
+               "bandwidth only": [s / 2e9 for s in SIZES], "falling": [1e-3 / (i + 1) for i in range(8)]}[shape]
+    alpha, beta, worst = fit_alpha_beta(SIZES, seconds)
+    assert alpha > 0 and beta > 0
+    errors = relative_errors(alpha, beta, SIZES, seconds)
+    assert rms(errors) <= best_one_term_rms(SIZES, seconds) + 2e-6
+    assert worst == pytest.approx(max(abs(e) for e in errors))
+
+
+def test_the_fit_refuses_what_it_cannot_fit():
+    with pytest.raises(ValueError, match="at least two"):
+        fit_alpha_beta([8], [1e-4])
+    with pytest.raises(ValueError, match="positive finite"):
+        fit_alpha_beta([8, 64], [1e-4, float("nan")])
+
+
+def test_the_default_runs_are_the_chapters_runs_and_every_one_passes_its_workers_check():
+    runs = default_runs()
+    names = [(r.chapter, r.name) for r in runs]
+    assert len(names) == len(set(names))
+    ch13 = [r for r in runs if r.chapter == 13]
+    # 3 schedules x pp 2 and 4 x m 4 and 8 x padded to chapter 13's TIMED waits and not
+    assert len(ch13) == 24 and sum(cal_mod.padded(r) for r in ch13) == 12
+    assert {(r.params["schedule"], r.params["virtual_stages"]) for r in ch13} == {("gpipe", 1), ("1f1b", 1),
+                                                                                  ("interleaved", 2)}
+    ch15 = {r.name: r for r in runs if r.chapter == 15}
+    assert ch15["1x1x4x1 m 4 timed"].params["micro_batches"] == 4
+    assert ch15["1x1x4x1 zero 0"].params["micro_batches"] == 2  # the chapter's layout_for: m = 2 with a pipeline
+    assert ch15["1x1x1x4 zero 1"].params["micro_batches"] == 1 and ch15["1x1x1x4 zero 1"].params["zero"] == 1
+    for r in runs:
+        check_params(r.worker, r.world, {**r.params, "steps": 3})  # raises InvalidParameter if the worker refuses
+
+
+def test_chapter_15_parameters_match_the_chapters_own():
+    from course_utils import ch15
+
+    for name in ch15.LAYOUTS_4:
+        for options in ({}, {"zero": 1}, {"micro_batches": 4, "forward_ms": 20.0, "backward_ms": 40.0}):
+            layout = ch15.layout_for(name, **options)
+            extra = {k: v for k, v in options.items() if k not in ch15.LAYOUT_OPTIONS}
+            assert ch15_params(name, **options) == {**ch15.worker_params(layout), **extra}
+
+
+# -- on ranks ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    before = os.environ.get("COURSE_SCRATCH_DIR")
+    os.environ["COURSE_SCRATCH_DIR"] = str(tmp_path_factory.mktemp("scratch"))  # the JSON file goes there
+    try:
+        yield cal_mod.calibrate((2,), refresh=True, **QUICK)
+    finally:
+        if before is None:
+            os.environ.pop("COURSE_SCRATCH_DIR", None)
+        else:
+            os.environ["COURSE_SCRATCH_DIR"] = before
+
+
+@pytest.mark.ranks
+def test_the_calibration_describes_this_machine(calibration):
+    c = calibration
+    assert c.capability == torch.backends.cpu.get_cpu_capability()
+    assert c.cores == cal_mod.cores() and c.threads_per_rank == 1 and c.world_sizes == (2,)
+    for name in ("op_s", "op_forward_s", "op_forward_backward_s", "backward_call_s", "linear_forward_backward_s",
+                 "stream_bandwidth"):
+        value = getattr(c, name)
+        assert math.isfinite(value) and value > 0, name
+    assert [(d, m, n, k) for d, m, n, k, _ in c.matmul] == [("float32", 8, 32, 32), ("float32", 64, 64, 64)]
+    assert all(math.isfinite(f) and f > 0 for *_, f in c.matmul)
+    assert {(kind, k) for kind, k, _ in c.contention} == {(kind, k) for kind in ("matmul", "op", "stream")
+                                                         for k in (1, 2)}
+    assert all(s == 1.0 for _, k, s in c.contention if k == 1)
+
+
+@pytest.mark.ranks
+def test_every_collective_gets_a_sane_alpha_beta_fit(calibration):
+    c = calibration
+    names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+    assert set(c.collectives) == {(n, 2) for n in names} and c.p2p == c.collectives[("p2p", 2)]
+    assert {(n, w) for n, w, _, _ in c.link_fits()} == set(c.collectives)
+    for (name, world), (alpha, beta) in c.collectives.items():
+        points = c.raw[world]["collectives"][name]
+        sizes, seconds = [s for s, _ in points], [t for _, t in points]
+        assert sizes == [8, 4096, 262144]  # float32, a whole number of elements per rank: the sizes asked for
+        assert all(t > 0 for t in seconds)
+        assert alpha > 0 and beta > 0, name
+        errors = relative_errors(alpha, beta, sizes, seconds)
+        # least squares on the relative error: never worse than the better of latency alone and bandwidth alone
+        # (exact, on any measurement), and the worst error it reports is its own
+        assert rms(errors) <= best_one_term_rms(sizes, seconds) + 2e-6, name
+        assert c.fit_error[(name, world)] == pytest.approx(max(abs(e) for e in errors))
+
+
+@pytest.mark.ranks
+def test_the_calibration_round_trips_through_json_and_is_cached(calibration, monkeypatch):
+    c = calibration
+    again = MachineCalibration.from_json(c.to_json())
+    assert again == c
+    assert cal_mod.calibrate((2,), **QUICK) is c  # the session's cache: no ranks run
+    # the file under the scratch folder serves a new session while the machine, torch and the worker are the same
+    path = cal_mod.cache_file((2,), **QUICK)
+    assert path.is_file() and str(path).startswith(os.environ["COURSE_SCRATCH_DIR"])
+    monkeypatch.setattr(cal_mod, "_CACHE", {})
+    monkeypatch.setattr(cal_mod, "run_worker", lambda *a, **k: pytest.fail("a stored calibration was measured again"))
+    assert cal_mod.calibrate((2,), **QUICK) == c
+    assert "one eager op" in str(c.summary()) and "all_reduce" in str(c.collective_table())
+
+
+@pytest.mark.ranks
+def test_measure_runs_gives_one_row_per_run_with_its_shapes():
+    runs = [RunSpec(15, "1x1x2x1", cal_mod.CH15_WORKER, 2, ch15_params("1x1x2x1")),
+            RunSpec(13, "1f1b pp 2 m 4", cal_mod.CH13_WORKER, 2, {"schedule": "1f1b", "pp": 2, "micro_batches": 4})]
+    rows = cal_mod.measure_runs(runs, steps=3)
+    assert [(r["chapter"], r["name"]) for r in rows] == [(15, "1x1x2x1"), (13, "1f1b pp 2 m 4")]
+    for r in rows:
+        lo, hi = r["measured_spread"]
+        assert r["steps"] == 2 and len(r["step_s"]) == 2  # the first of 3 steps is warm-up
+        assert 0 < lo <= r["measured_median_s"] <= hi
+        assert r["layout"]["pp"] == 2 and r["micro_batches"] in (2, 4) and r["forward_ms"] == 0.0
+    gpt, mlp = rows[0], rows[1]
+    assert {k: gpt["model"][k] for k in ("vocab", "seq", "hidden", "heads", "layers", "dtype")} == {
+        "vocab": 32, "seq": 16, "hidden": 32, "heads": 8, "layers": 4, "dtype": "float64"}
+    assert gpt["global_batch"] == 8 and gpt["micro_batch_size"] == 4 and gpt["train_median_s"] > 0
+    assert mlp["model"] == {"kind": "mlp", "layers": 8, "hidden": 16, "dtype": "float32", "optimizer": "sgd"}
+    assert mlp["global_batch"] == 16 and mlp["micro_batch_size"] == 4 and mlp["schedule_median_s"] > 0

@@ -1,0 +1,147 @@
+"""The planner's time model term by term (course_utils/step_time.py): each term does what its docstring says.
+
+These are properties, not fits: the terms add up to the step, the pipeline bubble is chapter 13's simulated schedule
+(and the textbook formula when stages are equal), overlap never hides more than the traffic or less than its last
+bucket, uneven stages follow Llama 3's rule, FP8 and recomputation move the terms they should.
+"""
+import random
+
+import pytest
+
+from course_utils.device_rates import GemmRow, GemmTable, gemm_table
+from course_utils.hardware import CLUSTERS, GPUS
+from course_utils.ledger import pipeline_bubble_fraction
+from course_utils.planner import Layout, ModelShape, plan, resolve_layout
+from course_utils.step_time import (
+    TERMS,
+    Practice,
+    exposed,
+    group_time,
+    memory_bound_bytes,
+    pipeline_makespan,
+    stage_layers,
+    step_time,
+)
+from workers.pipeline.schedules import all_stages, simulate
+
+H100 = CLUSTERS["h100-ib"]
+# a model whose head and embedding are negligible next to a layer (vocab 64), so equal stages are equal in time
+NARROW_VOCAB = ModelShape("no-head", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=64)
+
+
+def _timed(model, layout, n, practice=Practice(), cluster=H100):
+    lay = resolve_layout(model, layout, n)
+    return lay, step_time(model, lay, n, cluster, practice)
+
+
+def test_gemm_table_returns_measured_rows_and_interpolates_between_them():
+    rows = (GemmRow(1024, 1024, 1024, 100e12), GemmRow(4096, 4096, 4096, 400e12))
+    t = GemmTable("test", "bf16", rows)
+    assert t.rate(1024, 1024, 1024) == 100e12 and t.rate(4096, 4096, 4096) == 400e12
+    middle = t.rate(2048, 2048, 2048)
+    assert 100e12 < middle < 400e12 and middle == pytest.approx(200e12, rel=1e-6)  # geometric blend, log2 halfway
+    assert t.rate(64, 64, 64) == 100e12 and t.rate(1 << 16, 1 << 16, 1 << 16) == 400e12  # clamped, not extrapolated
+    for device in ("a100-sxm-80gb", "h100-sxm"):  # the committed table has every device the clusters name
+        table = gemm_table(device)
+        assert table.best <= {"a100-sxm-80gb": GPUS["a100"], "h100-sxm": GPUS["h100"]}[device].peak_flops
+
+
+def test_terms_add_up_to_the_step_and_every_term_is_named():
+    lay, st = _timed(NARROW_VOCAB, Layout(tp=4, pp=4, dp=4, zero=1, micro_batches=8, sequence_parallel=True), 64)
+    assert set(st.terms) == set(TERMS)
+    assert st.total == pytest.approx(sum(st.terms.values()))
+    assert all(v >= 0 for v in st.terms.values()) and all(v >= 0 for v in st.hidden.values())
+    assert 0 < st.comm_share < 1 and 0 < st.mfu < 1
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [("1f1b", 4, 8, 1), ("gpipe", 4, 16, 1), ("interleaved", 4, 8, 2)])
+def test_bubble_is_chapter_13s_schedule_simulated_and_the_formula_for_equal_stages(schedule, p, m, v):
+    # The bubble comes from simulating the very action lists chapter 13's ranks execute; with equal stages and free
+    # messages it is the textbook (p-1)/(v m) of the busy time (Narayanan et al. 2021, sec 2.2).
+    lay, st = _timed(NARROW_VOCAB, Layout(pp=p, dp=1, micro_batches=m, virtual_stages=v, schedule=schedule), p)
+    busy = max(st.stage_busy)
+    assert st.terms["bubble"] == pytest.approx(busy * pipeline_bubble_fraction(p, m, v), rel=0.02)
+    per_stage_f = busy / m / 3  # B = 2F in the simulator's ideal check below; only the ratio matters
+    sim = simulate(all_stages(schedule, p, m, v), per_stage_f, 2 * per_stage_f)
+    assert sim["makespan"] / (3 * per_stage_f * m) == pytest.approx(1 + pipeline_bubble_fraction(p, m, v), rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule, p, v", [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved", 4, 2),
+                                            ("interleaved", 8, 3), ("1f1b", 8, 1)])
+def test_a_long_pipeline_is_its_simulation_extended_along_the_steady_state(schedule, p, v):
+    # pipeline_makespan simulates 4p and 8p micro-batches and extends the line; on stages of random, unequal
+    # forward and backward times, with and without message latency, it stays within 0.1% of simulating every one
+    rng = random.Random(p * 10 + v)
+    f = [1 + rng.random() for _ in range(p * v)]
+    b = [2 * x + rng.random() for x in f]
+    for m in (9 * p * v, 13 * p * v, 20 * p * v):
+        for message in (0.0, 0.3):
+            full = simulate(all_stages(schedule, p, m, v if schedule == "interleaved" else 1), f, b, message)
+            assert pipeline_makespan(schedule, p, m, v, f, b, message) == pytest.approx(full["makespan"], rel=1e-3)
+
+
+def test_uneven_stages_follow_llama_3_and_are_priced():
+    # Llama 3, sec 3.3.2: 126 layers on 16 stages, one layer fewer on the first and the last stage.
+    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_layers(128, 16) == [8] * 16
+    assert sum(stage_layers(105, 105)) == 105 and stage_layers(10, 4) == [2, 3, 3, 2]
+    model = ModelShape("405B-like", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128_256)
+    lay, st = _timed(model, Layout(tp=8, pp=16, dp=1, micro_batches=32, virtual_stages=2, schedule="interleaved",
+                                   sequence_parallel=True), 128)
+    assert st.terms["bubble"] > 0 and st.total > 0  # interleaving 126 layers over 32 chunks is a layout now
+
+
+def test_overlap_hides_at_most_the_traffic_and_never_the_last_bucket():
+    assert exposed(10.0, 4.0, 1.0) == 6.0  # does not fit: what is left after the window
+    assert exposed(10.0, 40.0, 1.0) == 1.0  # fits: the last bucket still waits
+    assert exposed(0.5, 40.0, 1.0) == 0.5 and exposed(0.0, 1.0, 1.0) == 0.0
+    model = NARROW_VOCAB
+    lay = Layout(dp=64, zero=1, micro_batches=4)
+    on = _timed(model, lay, 64, Practice(grad_overlap=True, param_gather_overlap=True))[1]
+    off = _timed(model, lay, 64, Practice(grad_overlap=False, param_gather_overlap=False))[1]
+    assert off.hidden["dp"] == pytest.approx(0.0, abs=1e-12)
+    assert on.terms["dp"] < off.terms["dp"]
+    assert on.terms["dp"] + on.hidden["dp"] == pytest.approx(off.terms["dp"])  # the same traffic, less of it exposed
+
+
+def test_hierarchical_groups_cross_the_fabric_with_a_share_of_the_bytes():
+    # 8 ranks 1 apart fit in a node (NVLink); 16 ranks 8 apart put one per node (the fabric, every byte); 16 ranks
+    # 4 apart put two per node: reduce-scatter inside, half the bytes across on two NICs, all-gather inside.
+    nbytes = 1e9
+    inside = group_time("all_reduce", nbytes, 8, 1, H100)
+    across = group_time("all_reduce", nbytes, 16, 8, H100)
+    two_per_node = group_time("all_reduce", nbytes, 16, 4, H100)
+    assert inside < two_per_node < across
+
+
+def test_memory_bound_bytes_count_the_passes_the_docstring_names():
+    gpt = ModelShape("gpt", layers=1, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=1000, mlp="gelu")
+    lay = Layout(tp=1, micro_batch=1, seq=2048)
+    plain = memory_bound_bytes(gpt, lay, Practice(flash_attention=True))
+    tokens, h = 2048, 1024
+    assert plain["norms"] == 8 * h * tokens  # two LayerNorms, read + write, 2 bytes
+    assert plain["residual"] == 14 * h * tokens  # two bias-dropout-adds
+    assert plain["activation"] == 4 * 4096 * tokens and plain["rope"] == 0 and plain["softmax"] == 0
+    unfused = memory_bound_bytes(gpt, lay, Practice(flash_attention=False))
+    assert unfused["softmax"] == 9 * 16 * 2048 * tokens  # scores read and written, with dropout's mask and pass
+
+
+def test_recompute_and_fp8_move_the_terms_they_should():
+    base = Layout(tp=8, dp=8, zero=1, sequence_parallel=True, micro_batches=2)
+    sel = _timed(NARROW_VOCAB, Layout(**{**base.as_dict(), "recompute": "selective"}), 64,
+                 Practice(flash_attention=False))[1]
+    full = _timed(NARROW_VOCAB, Layout(**{**base.as_dict(), "recompute": "full"}), 64)[1]
+    none = _timed(NARROW_VOCAB, Layout(**{**base.as_dict(), "recompute": "none"}), 64)[1]
+    assert none.terms["recompute"] == 0 and 0 < sel.terms["recompute"] < full.terms["recompute"]
+    # full recomputation reruns the forward and its TP collectives: a third to a half of compute + TP again
+    assert 0.25 < full.terms["recompute"] / (none.compute + none.terms["tp"]) < 0.5
+    fp8 = _timed(NARROW_VOCAB, Layout(**{**base.as_dict(), "recompute": "none"}), 64, Practice(dtype="fp8"))[1]
+    assert fp8.terms["matmul"] < 0.6 * none.terms["matmul"] and fp8.terms["memory-bound"] > none.terms["memory-bound"]
+
+
+def test_plan_reports_the_breakdown_and_the_communication_share():
+    p = plan("70B", Layout(tp=8, pp=4, zero=1, sequence_parallel=True), 256, global_batch=256)
+    assert p.step_time_s == pytest.approx(p.time.total)
+    assert p.comm_share == pytest.approx(sum(p.comm_time_s.values()) / p.step_time_s)
+    text = p.summary()
+    assert "matmul" in text and "communication" in text and "hidden behind compute" in text

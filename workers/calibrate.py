@@ -1,0 +1,372 @@
+"""Calibrate this machine as a device of chapter 00's planner: what one rank's work and its messages cost here.
+
+    torchrun --nproc-per-node 4 workers/calibrate.py
+    torchrun --nproc-per-node 2 workers/calibrate.py --dtypes float32 --sizes 8 4096 1048576
+
+Every number is measured on the ranks as the course runs them (one intra-op thread per rank, the ranks sharing the
+machine's cores), after a warm-up. What one rank costs is measured on rank 0 alone, the other ranks asleep in a
+barrier (a gloo barrier waits without spinning): the median of ``repeats`` repeats, each a loop of about
+``target_ms`` over the thing measured, counted as the loop's mean per call.
+
+* **matmul**: ``a @ b`` for each (m, n, k) of ``shapes`` (an (m x k) @ (k x n) product) in each dtype;
+* **ops**: the fixed cost of one eager op (``a + b`` on 8 floats), of one op recorded by autograd (forward) and of
+  its backward (a chain of K ``y * w_i``, each ``w_i`` a leaf: the slope in K of the forward, and of the forward
+  plus ``backward()``; the intercept of the latter is the fixed cost of a ``backward()`` call), and of a tiny
+  ``nn.Linear``'s forward + backward;
+* **stream**: a large copy and a large add (``stream_mib`` MiB per operand): bytes read + written per second;
+* **contention**: one compute-bound matmul (``contention_shape``, float32), one tiny op and the copy, run by 1, 2,
+  ... world ranks at once, each for ``windows`` windows of about ``window_ms`` (many scheduler slices: ranks that
+  outnumber the cores take turns, as in a training step; a short repeat's median would hide that);
+* **collectives** at the world size: all_reduce, all_gather (``all_gather_into_tensor``), reduce_scatter
+  (``reduce_scatter_tensor``), all_to_all (``all_to_all_single``), broadcast, at every size of ``sizes`` (bytes,
+  float32; nccl-tests' S: the whole buffer, for all_gather the gathered output, for reduce_scatter the unreduced
+  input, for all_to_all each rank's whole buffer), and ``p2p``: isend/irecv ping-pong between ranks 2i and 2i+1
+  (all pairs at once), one way = half a round trip. Each call is timed on its own, back to back, ``calls`` to
+  ``max_calls`` of them (as many as fit in ``point_ms``).
+
+Each rank returns its own numbers; the notebook (``course_utils/calibration.py``) takes the slowest rank's median
+for a collective (it is done when its last rank is) and the median over the busy ranks for contention.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from workers.runtime import all_gather_single, at_least, entrypoint, one_of, reduce_scatter_single, refusal
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+SHAPES = ["4x16x16", "8x32x32", "32x32x96", "64x64x64", "128x32x128", "128x128x128", "256x256x256", "512x512x512"]
+SIZES = [8, 64, 512, 4096, 32768, 262144, 1048576, 4194304]
+CHAIN = (1, 2, 4, 8, 16)  # ops per autograd chain: the slope in K is one op's cost
+MAX_BYTES = 64 << 20
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"64x32x96"`` -> (m, n, k) = (64, 32, 96): an (m x k) @ (k x n) product."""
+    m, n, k = (int(x) for x in str(text).lower().split("x"))
+    if min(m, n, k) < 1:
+        raise ValueError(text)
+    return m, n, k
+
+
+def _shape_problem(shapes) -> str | None:
+    try:
+        if not shapes:
+            raise ValueError
+        for s in shapes:
+            parse_shape(s)
+    except (ValueError, TypeError):
+        return f"shapes must be 'MxNxK' strings of positive sizes (like '64x32x96'), not {shapes!r}"
+    return None
+
+
+def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes=SIZES, collectives=COLLECTIVES,
+                 contention_shape="256x256x256", repeats=7, target_ms=2.0, window_ms=30.0, windows=3, calls=11,
+                 max_calls=41, point_ms=50.0, stream_mib=32, **_):
+    bad_sizes = not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 4 or s > MAX_BYTES
+                                 for s in sizes)
+    return refusal(_shape_problem(shapes), _shape_problem([contention_shape]),
+                   *(one_of("dtypes", d, tuple(DTYPES)) for d in dtypes),
+                   *(one_of("collectives", c, COLLECTIVES) for c in collectives),
+                   f"sizes must be whole numbers of bytes from 4 to {MAX_BYTES} (64 MiB), not {sizes!r}"
+                   if bad_sizes else None,
+                   at_least("repeats", repeats, 3), at_least("windows", windows), at_least("calls", calls, 3),
+                   None if max_calls >= calls else f"max_calls={max_calls} must be at least calls={calls}",
+                   *(None if 0.05 <= v <= 1000 else f"{k}={v} must be between 0.05 and 1000 ms"
+                     for k, v in (("target_ms", target_ms), ("window_ms", window_ms), ("point_ms", point_ms))),
+                   None if 1 <= stream_mib <= 256 else f"stream_mib={stream_mib} must be between 1 and 256")
+
+
+# -- timing ---------------------------------------------------------------------------------------------------------
+
+def _stats(samples: list[float]) -> dict:
+    """Median, min, max, count, and the mean of the middle 80% (what a run of many such calls costs on average,
+    without the rare preemption by another program)."""
+    cut = len(samples) // 10
+    middle = sorted(samples)[cut:len(samples) - cut]
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": len(samples),
+            "mean": statistics.fmean(middle)}
+
+
+def timed(fn, repeats: int, target_s: float) -> dict:
+    """Seconds per call of ``fn``: warm-up calls, then ``repeats`` repeats of a loop of ``inner`` calls lasting
+    about ``target_s``; the median (and min, max) of the repeats' per-call means, and ``inner``."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    fn()
+    one = (time.perf_counter() - start) / 2
+    inner = max(1, min(20000, round(target_s / max(one, 1e-8))))
+    for _ in range(min(inner, 50)):  # warm the loop itself (allocator, caches, branch predictors)
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    return {**_stats(samples), "inner": inner}
+
+
+def _matmul_fn(dtype, m: int, n: int, k: int):
+    a = torch.randn(m, k, dtype=dtype)  # [m, k]
+    b = torch.randn(k, n, dtype=dtype)  # [k, n]
+    return lambda: a @ b  # [m, n], allocated as a model's product is
+
+
+def _op_fn():
+    a, b = torch.ones(8), torch.ones(8)
+    return lambda: a + b  # one eager op, allocating its output
+
+
+def _chain_fns(length: int):
+    """Forward-only (graph recorded) and forward + backward of ``length`` ops ``y = y * w_i`` (each w_i a leaf)."""
+    x = torch.ones(8)
+    ws = [torch.ones(8, requires_grad=True) for _ in range(length)]
+
+    def forward():
+        y = x
+        for w in ws:
+            y = y * w
+        return y
+
+    def forward_backward():
+        for w in ws:
+            w.grad = None
+        forward().sum().backward()
+
+    return forward, forward_backward
+
+
+def _linear_fn():
+    lin = torch.nn.Linear(32, 32)
+    x = torch.randn(8, 32)  # [batch, in]
+
+    def step():
+        lin.weight.grad = lin.bias.grad = None
+        lin(x).sum().backward()
+
+    return step
+
+
+def _fit_line(xs, ys) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys over xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def measure_ops(repeats: int, target_s: float) -> dict:
+    op = timed(_op_fn(), repeats, target_s)
+    fwd, fwd_bwd = [], []
+    for length in CHAIN:
+        f, fb = _chain_fns(length)
+        fwd.append(timed(f, repeats, target_s)["median"])
+        fwd_bwd.append(timed(fb, repeats, target_s)["median"])
+    f0, f1 = _fit_line(CHAIN, fwd)
+    c0, c1 = _fit_line(CHAIN, fwd_bwd)
+    return {"op_s": op["median"], "op": op, "chain": list(CHAIN), "chain_forward_s": fwd,
+            "chain_forward_backward_s": fwd_bwd, "op_forward_s": f1, "op_forward_backward_s": c1,
+            "backward_call_s": c0, "forward_intercept_s": f0,
+            "linear_forward_backward_s": timed(_linear_fn(), repeats, target_s)["median"]}
+
+
+def measure_stream(mib: int, repeats: int) -> dict:
+    n = (mib << 20) // 4
+    a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
+    copy = timed(lambda: c.copy_(a), repeats, 0.0)  # read a, write c
+    add = timed(lambda: torch.add(a, b, out=c), repeats, 0.0)  # read a and b, write c
+    nbytes = n * 4
+    return {"bytes": nbytes, "copy_s": copy["median"], "add_s": add["median"],
+            "copy_bytes_per_s": 2 * nbytes / copy["median"], "add_bytes_per_s": 3 * nbytes / add["median"]}
+
+
+def _alone(ctx, fn):
+    """``fn()`` on rank 0 while the other ranks sleep in a barrier (a gloo barrier waits without spinning)."""
+    dist.barrier()
+    out = fn() if ctx.rank == 0 else None
+    dist.barrier()
+    return out
+
+
+def _agree(value: float, op=dist.ReduceOp.MAX) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def busy(ctx, fn, active: int, calls: int, windows: int) -> float | None:
+    """Seconds per call of ``fn`` while ranks 0..active-1 all run it: each runs ``windows`` windows of ``calls``
+    calls started together from a barrier (about ``window_ms`` each when alone, many scheduler slices, so that ranks
+    outnumbering the cores share them as in a training step); the median of the windows' per-call means."""
+    fn()
+    samples = []
+    for _ in range(windows):
+        dist.barrier()
+        if ctx.rank < active:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - start) / calls)
+    dist.barrier()
+    return statistics.median(samples) if samples else None
+
+
+def contention(ctx, fn, alone_s: float, window_ms: float, windows: int) -> list[dict]:
+    """``busy`` with 1, 2, ... world ranks at once; the number of calls per window is rank 0's alone time's."""
+    calls = max(1, round(_agree(window_ms / 1e3 / alone_s if ctx.rank == 0 else 0.0)))
+    return [{"active": k, "seconds": busy(ctx, fn, k, calls, windows), "calls": calls}
+            for k in range(1, ctx.world_size + 1)]
+
+
+# -- collectives ----------------------------------------------------------------------------------------------------
+
+def element_count(nbytes: int, world: int) -> int:
+    """float32 elements of the whole buffer S, a multiple of ``world`` (at least one per rank)."""
+    return max(nbytes // 4 // world, 1) * world
+
+
+def _collective_fn(name: str, total: int, world: int, rank: int):
+    if name == "all_reduce":
+        x = torch.ones(total)
+        return lambda: dist.all_reduce(x)
+    if name == "broadcast":
+        x = torch.ones(total)
+        return lambda: dist.broadcast(x, src=0)
+    if name == "all_gather":
+        out, inp = torch.empty(total), torch.ones(total // world)
+        return lambda: all_gather_single(out, inp)
+    if name == "reduce_scatter":
+        out, inp = torch.empty(total // world), torch.ones(total)
+        return lambda: reduce_scatter_single(out, inp)
+    if name == "all_to_all":
+        out, inp = torch.empty(total), torch.ones(total)
+        return lambda: dist.all_to_all_single(out, inp)
+    if name == "p2p":  # ping-pong: rank 2i sends, 2i+1 answers; one way is half the round trip
+        buf, back = torch.ones(total), torch.empty(total)
+        peer = rank + 1 if rank % 2 == 0 else rank - 1
+
+        def ping_pong():
+            if rank % 2 == 0:
+                send = dist.isend(buf, dst=peer)
+                dist.irecv(back, src=peer).wait()
+                send.wait()
+            else:
+                dist.irecv(back, src=peer).wait()
+                dist.isend(buf, dst=peer).wait()
+
+        return ping_pong
+    raise ValueError(f"unknown collective {name!r}")
+
+
+def measure_collective(ctx, name: str, sizes, calls: int, max_calls: int, point_ms: float) -> list[dict]:
+    """Per size: two warm-up calls, then between ``calls`` and ``max_calls`` calls (as many as fit in ``point_ms``,
+    from the slowest rank's warm-up, so that every rank makes the same calls), each timed on its own."""
+    world, rank = ctx.world_size, ctx.rank
+    rows = []
+    for nbytes in sizes:
+        total = element_count(int(nbytes), 1 if name == "p2p" else world)
+        fn = _collective_fn(name, total, world, rank)
+        fn()
+        start = time.perf_counter()
+        fn()
+        warm = _agree(time.perf_counter() - start)
+        n = int(min(max_calls, max(calls, point_ms / 1e3 / max(warm, 1e-6))))
+        dist.barrier()
+        samples = []
+        for _ in range(n):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        if name == "p2p":
+            samples = [s / 2 for s in samples]
+        rows.append({"bytes": total * 4, **_stats(samples)})
+    return rows
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # noqa: B006
+         sizes: list = SIZES, collectives: list = list(COLLECTIVES), contention_shape: str = "256x256x256",
+         repeats: int = 7, target_ms: float = 2.0, window_ms: float = 30.0, windows: int = 3, calls: int = 11,
+         max_calls: int = 41, point_ms: float = 50.0, stream_mib: int = 32):
+    """Measure matmul rates, per-op overheads, memory bandwidth, contention and collectives on these ranks."""
+    start = time.perf_counter()
+    target_s = target_ms / 1e3
+    phases = {}
+
+    def phase(name: str, t0: float) -> None:
+        phases[name] = time.perf_counter() - t0
+        ctx.metric(step=len(phases), seconds=phases[name])  # progress: one point per phase
+
+    if ctx.device.type != "cpu" or ctx.backend != "gloo":
+        raise RuntimeError(f"workers/calibrate.py measures CPU ranks talking through gloo; this rank runs on "
+                           f"{ctx.device} with {ctx.backend}: set COURSE_DEVICE=cpu to calibrate the CPU")
+
+    t0 = time.perf_counter()
+    matmul = []
+    for dtype in dtypes:
+        for shape in shapes:
+            m, n, k = parse_shape(shape)
+            fn = _matmul_fn(DTYPES[dtype], m, n, k)
+            got = _alone(ctx, lambda: timed(fn, repeats, target_s))
+            matmul.append({"dtype": dtype, "m": m, "n": n, "k": k, **(got or {})})
+    phase("matmul", t0)
+
+    t0 = time.perf_counter()
+    ops = _alone(ctx, lambda: measure_ops(repeats, target_s))
+    phase("ops", t0)
+
+    t0 = time.perf_counter()
+    stream = _alone(ctx, lambda: measure_stream(stream_mib, max(3, repeats // 2)))
+    phase("stream", t0)
+
+    t0 = time.perf_counter()
+    cm, cn, ck = parse_shape(contention_shape)
+    n_stream = (stream_mib << 20) // 4
+    src, dst = torch.ones(n_stream), torch.empty(n_stream)
+    shared = {}
+    for kind, fn in {"matmul": _matmul_fn(torch.float32, cm, cn, ck), "op": _op_fn(),
+                     "stream": lambda: dst.copy_(src)}.items():
+        alone_s = timed(fn, repeats, target_s)["median"] if ctx.rank == 0 else 1.0  # the others wait in _agree
+        shared[kind] = contention(ctx, fn, alone_s, window_ms, windows)
+    phase("contention", t0)
+
+    t0 = time.perf_counter()
+    coll = {}
+    for name in collectives if ctx.world_size > 1 else ():
+        if name == "p2p" and ctx.world_size % 2:
+            continue  # ping-pong needs pairs of ranks
+        coll[name] = measure_collective(ctx, name, sizes, calls, max_calls, point_ms)
+    phase("collectives", t0)
+
+    return {"cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "torch": torch.__version__, "world_size": ctx.world_size, "backend": ctx.backend,
+            "device": str(ctx.device), "matmul": matmul if ctx.rank == 0 else None, "ops": ops, "stream": stream,
+            "contention": shared, "contention_shape": [cm, cn, ck], "stream_bytes": n_stream * 4,
+            "collectives": coll, "phases": phases, "seconds": time.perf_counter() - start,
+            "params": {"repeats": repeats, "target_ms": target_ms, "window_ms": window_ms, "windows": windows,
+                       "calls": calls, "max_calls": max_calls, "point_ms": point_ms, "stream_mib": stream_mib}}
+
+
+if __name__ == "__main__":
+    entrypoint(main)
