@@ -9,7 +9,9 @@
   (``LiveRun.measure``; the notebook's time excludes these measurements);
 - every exercise's check on warm ranks: the reference solution checked once to warm, then timed (median of 3),
   the time a learner waits for a verdict after the first (``--checks-only`` runs just this);
-- with a GPU: the chapters' GPU benchmarks (attention backends and kernels), written under data/.
+- with a GPU: the chapters' GPU benchmarks (attention backends and kernels), written under data/;
+- this machine calibrated as a planner device, the chapters' runs measured, and per run the planner's predicted step
+  against the measured median (``course_utils/machine_device.py``; ``--planner`` runs just this).
 All numbers are CPU wall times of this machine; results also go to build/bench/results.json.
 """
 from __future__ import annotations
@@ -181,6 +183,32 @@ def bench_checks(repeats: int = 3) -> dict:
     return out
 
 
+def bench_planner() -> dict:
+    """This machine as a device of the planner: calibrate (or reuse the stored calibration), measure the chapters'
+    default runs (chapter 15's layouts, chapter 13's schedules), and print per run the planner's predicted step
+    against the measured median, with the count within the acceptance band."""
+    import course_utils as cu
+    from course_utils import calibration, machine_device
+
+    t0 = time.perf_counter()
+    cal = calibration.calibrate()
+    t1 = time.perf_counter()
+    print(f"calibration: {cal.cpu}, {cal.cores} cores, measured {cal.measured_at} ({t1 - t0:.1f} s here)", flush=True)
+    rows = calibration.measure_runs()
+    t2 = time.perf_counter()
+    print(f"measured {len(rows)} runs in {t2 - t1:.1f} s", flush=True)
+    compared = machine_device.compare_runs(cal, rows)
+    t3 = time.perf_counter()
+    print(machine_device.comparison_table(compared), flush=True)
+    within = sum(r["within"] for r in compared)
+    print(f"planner: {within} of {len(compared)} runs within {machine_device.TOLERANCE:.0%} of the measured median "
+          f"(predictions in {t3 - t2:.1f} s)", flush=True)
+    cu.shutdown_pools()
+    return {"calibration_s": t1 - t0, "measure_s": t2 - t1, "predict_s": t3 - t2, "within": within,
+            "runs": [{k: r[k] for k in ("chapter", "name", "world", "predicted_s", "measured_s", "ratio", "within",
+                                        "dominant", "terms")} for r in compared]}
+
+
 def _widget_records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -245,11 +273,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-notebooks", action="store_true")
     p.add_argument("--notebooks", nargs="*", help="only these notebooks")
     p.add_argument("--checks-only", action="store_true", help="only the exercises' checks on warm ranks")
+    p.add_argument("--planner", action="store_true",
+                   help="only the planner against this machine: calibrate, measure the chapters' runs, compare")
     a = p.parse_args(argv)
     from workers.provenance import record
 
     prov = record("python -m course_utils.bench " + " ".join(argv if argv is not None else sys.argv[1:]), device="cpu")
     print(f"CPU wall times on {prov['device']} ({os.cpu_count()} cores); gloo on CPU", flush=True)
+    if a.planner:
+        results = {"provenance": prov, "planner": bench_planner()}
+        out = ROOT / "build" / "bench" / "planner.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {out.relative_to(ROOT)}")
+        return 0
     if a.checks_only:
         results = {"provenance": prov, "checks": bench_checks()}
         out = ROOT / "build" / "bench" / "checks.json"
@@ -259,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = {"provenance": prov, "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
                "launch": bench_launch(), "widget": bench_widget(), "composed": bench_composed(),
-               "checks": bench_checks()}
+               "checks": bench_checks(), "planner": bench_planner()}
     results["gpu"] = bench_gpu()
     if not a.skip_notebooks:
         results.update(bench_notebooks(a.notebooks))

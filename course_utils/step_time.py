@@ -279,8 +279,8 @@ def link_time(collective: str, nbytes: float, ranks: int, link: Link) -> float:
         if name == collective and n == ranks:
             return alpha + beta * nbytes
     if link.fitted:  # measured at other group sizes only: scale the nearest fit by the ring's hop and byte counts
-        name, n, alpha, beta = min((f for f in link.fitted if f[0] == collective) or link.fitted,
-                                   key=lambda f: abs(f[1] - ranks))
+        same = [f for f in link.fitted if f[0] == collective]
+        name, n, alpha, beta = min(same or list(link.fitted), key=lambda f: abs(f[1] - ranks))
         ring = collective_time(collective, nbytes, ranks, 1.0, 1.0) / max(collective_time(collective, nbytes, n, 1.0, 1.0), 1e-30)
         return (alpha + beta * nbytes) * ring
     return collective_time(collective, nbytes, ranks, link.achieved, link.latency)

@@ -145,3 +145,15 @@ def test_plan_reports_the_breakdown_and_the_communication_share():
     assert p.comm_share == pytest.approx(sum(p.comm_time_s.values()) / p.step_time_s)
     text = p.summary()
     assert "matmul" in text and "communication" in text and "hidden behind compute" in text
+
+
+def test_a_measured_link_prices_a_collective_it_did_not_measure_from_its_nearest_fit():
+    # a calibrated machine's link holds (collective, ranks, alpha, beta) fits; one it lacks is scaled from the
+    # nearest group size of the same collective, or from any fit when that collective was never measured
+    from course_utils.hardware import Link
+    from course_utils.step_time import link_time
+
+    link = Link("gloo", 1e9, 1e-5, "test", fitted=(("all_reduce", 2, 1e-4, 1e-9), ("all_gather", 4, 2e-4, 2e-9)))
+    assert link_time("all_reduce", 1000, 2, link) == pytest.approx(1e-4 + 1e-6)
+    assert link_time("all_reduce", 1000, 4, link) > link_time("all_reduce", 1000, 2, link)
+    assert link_time("send_recv", 1000, 2, link) > 0  # never measured: priced from the nearest fit, not a crash

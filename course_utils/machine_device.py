@@ -1,0 +1,541 @@
+"""This machine as a device of chapter 00's planner, and the planner held to the chapters' own runs on it.
+
+``device_from(cal)`` turns a ``MachineCalibration`` (``course_utils/calibration.py``) into a ``Cluster`` that
+``step_time`` prices exactly as it prices an H100 node: the matmul rows measured here as its GEMM table, the copy
+bandwidth as its memory bandwidth, one op's measured cost as its kernel overhead (serial: a CPU rank dispatches op
+after op), the cores its ranks share, and gloo's fitted alpha-beta per collective and world size as both network
+tiers (every rank is on this one machine, so every group is "inside the node"). Two choices of the mapping:
+
+* an "op" is an aten op as ``TorchDispatchMode`` sees it, and one costs what the calibration's small ``nn.Linear``
+  step costs per op the same counter sees in it (``op_seconds``: module call, autograd and ``backward()``
+  included). Measured against one process running the chapters' own modules alone, this prices a GPT layer about
+  25% low (its modules, TP mappings and regions are Python the dispatcher does not see) and the CP ring's blocks and
+  chapter 13's Linear + tanh chunks about 40% high (bare aten ops); the calibration's autograd chain
+  (``op_forward_backward_s`` over its 4 counted ops, 2 us here) would price all three 25-55% low;
+* the calibration's ``p2p`` fits are also given under ``send_recv``, the name ``step_time`` prices a pipeline's
+  message by: without it ``link_time`` would take the nearest fit of any collective (a 2-rank all_gather).
+
+``predict(row, cal)`` prices one ``measure_runs`` row with that device:
+
+* chapter 15 (the course's GPT, float64): a ``ModelShape`` of the run's model, a ``Layout`` of its degrees and
+  micro-batches, and ``step_time(model, layout, world, cluster, Practice(...))``; the ``Practice`` says how the
+  course's trainer runs (float64 activations and gradients, no overlap of the gradient reduction or the ZeRO-1
+  all-gather with compute, SDPA's fused kernel for attention, the ring's unfused blocks under context parallelism)
+  and carries the ops per layer and per micro-batch *counted* on the model as the worker builds it
+  (``count_gpt_ops``);
+* chapter 13 (a stack of Linear + tanh, float32, which a ``ModelShape`` cannot express): each virtual stage's
+  forward and backward from the same pieces (its GEMMs through the device's ``GemmTable``, its tanh's bytes over the
+  memory bandwidth, its counted ops times the op cost, all times the cores' contention), the message from the
+  fitted ``p2p`` link, and ``pipeline_makespan`` of those times.
+
+Terms that are not the time model's own, one sentence each:
+
+* **padding** (chapter 13 and 15 runs with ``forward_ms``/``backward_ms``): the executor sleeps after an action's
+  real compute until the action has lasted forward_ms / v (backward_ms / v), so an action takes
+  max(compute, pad), and the padding term is that max minus the compute, on the busiest rank;
+* **tied embedding** (chapter 15 with pp > 1): the tied embedding's gradient is all-reduced between the first and
+  the last stage after the schedule (``sum_tied_gradients``), priced with the fitted 2-rank all_reduce;
+* **loss all-reduce** (chapter 15): the last stage all-reduces the step's loss (8 bytes) over dp x cp after the
+  schedule, priced with the fitted all_reduce of that group's size.
+
+``compare_runs(cal, rows)`` sets every prediction against the measured median step, and ``comparison_table`` prints
+it. CPU timings on a shared machine: see ``course_utils/calibration.py``.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+from workers.layout.rules import Layout
+
+from .calibration import MachineCalibration
+from .device_rates import GemmRow, GemmTable
+from .hardware import GPU, Cluster, Link
+from .model_shapes import ModelShape
+from .step_time import Practice, gemm_seconds, group_time, pipeline_makespan, step_time
+from .tables import Table
+
+TOLERANCE = 0.25  # the acceptance band: |predicted / measured - 1| <= 25%
+ALL_ON_ONE_NODE = 1 << 20  # gpus_per_node: every group of ranks is inside the one machine
+P2P_NAMES = ("send_recv",)  # what step_time calls a one-way message (the calibration's "p2p")
+DTYPE_BYTES = {"float64": 8, "float32": 4}
+
+
+# -- the device ---------------------------------------------------------------------------------------------------
+
+def link_fits(cal: MachineCalibration) -> tuple[tuple[str, int, float, float], ...]:
+    """``cal.link_fits()``, and each ``p2p`` fit again under the name ``step_time`` asks for (``send_recv``): the
+    same measured constants, so a pipeline's message is priced as a one-way p2p, not as the nearest collective."""
+    fits = cal.link_fits()
+    return fits + tuple((alias, n, a, b) for name, n, a, b in fits if name == "p2p" for alias in P2P_NAMES)
+
+
+def op_seconds(cal: MachineCalibration) -> float:
+    """The cost of one op as the op counter counts them: the calibration's small ``nn.Linear`` step (forward,
+    ``sum``, ``backward()``: module call, autograd and the backward call included) over the aten ops the same
+    dispatch counter sees in that step (``linear_step_ops``)."""
+    return cal.linear_forward_backward_s / linear_step_ops()
+
+
+def _memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def device_from(cal: MachineCalibration) -> Cluster:
+    """This machine as a planner ``Cluster``: one "GPU" per rank, all ranks on one node sharing ``cal.cores``."""
+    best = max(f for *_, f in cal.matmul)
+    gpu = GPU(name=f"{cal.cpu} ({cal.cores} cores, {cal.threads_per_rank} thread per rank)",
+              memory_bytes=_memory_bytes(), peak_flops=best,
+              source=f"course_utils.calibration, measured {cal.measured_at}",
+              memory_bandwidth=cal.stream_bandwidth, stream_efficiency=1.0, kernel_overhead_s=op_seconds(cal),
+              overhead_serial=True, cores=cal.cores, gemm_rows=tuple(cal.matmul))
+    alpha, beta = cal.p2p
+    link = Link(name="gloo on this machine", bandwidth=1.0 / beta if beta > 0 else 0.0, latency=alpha,
+                source="course_utils.calibration: per-collective alpha-beta fits", fitted=link_fits(cal))
+    return Cluster(name=f"this machine: {cal.cores} cores, gloo", gpu=gpu, gpus_per_node=ALL_ON_ONE_NODE,
+                   intra_node=link, inter_node=link)
+
+
+def gemm_table(cluster: Cluster, dtype: str) -> GemmTable:
+    """The device's measured matmul rows in ``dtype`` (all rows when none were measured in it)."""
+    rows = cluster.gpu.gemm_rows
+    chosen = [r for r in rows if r[0] == dtype] or list(rows)
+    return GemmTable(cluster.gpu.name, dtype, tuple(GemmRow(m, n, k, f) for _, m, n, k, f in chosen))
+
+
+def contention(cluster: Cluster, world: int) -> float:
+    """step_time's rule: ranks that outnumber the cores slow each other's compute by ranks / cores."""
+    cores = cluster.gpu.cores
+    return max(1.0, world / cores) if cores else 1.0
+
+
+# -- counting ops ---------------------------------------------------------------------------------------------------
+
+def _counter():
+    import torch  # noqa: F401 - TorchDispatchMode needs torch loaded
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        """Every aten op dispatched inside the block, by name."""
+
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+        @property
+        def total(self) -> int:
+            return sum(self.ops.values())
+
+    return Count()
+
+
+@functools.lru_cache(maxsize=None)
+def linear_step_ops() -> int:
+    """Aten ops of the calibration's ``nn.Linear(32, 32)`` step on ``[8, 32]`` float32: forward, ``sum``,
+    ``backward()`` after clearing the two gradients (the step ``workers/calibrate.py: _linear_fn`` times, rebuilt
+    here: nothing imports a worker script)."""
+    import torch
+
+    with _one_thread(torch), torch.random.fork_rng(devices=[]):
+        lin = torch.nn.Linear(32, 32)
+        x = torch.randn(8, 32)  # [batch, in]
+
+        def step():
+            lin.weight.grad = lin.bias.grad = None
+            lin(x).sum().backward()
+
+        step()  # the first call's one-time work is not what the calibration times (it warms up first)
+        with _counter() as c:
+            step()
+    return c.total
+
+
+@contextlib.contextmanager
+def _one_thread(torch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A world of one (gloo, an in-memory store) for building a rank's model in this process: its TP mappings ask
+    the default group's size. Left as it was afterwards; refused inside a real world of several ranks."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError("count ops outside a process group of several ranks: its collectives would run")
+        yield
+        return
+    hook = sys.excepthook  # init_process_group wraps it to prefix tracebacks with "[rank0]": put it back after
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """Aten ops of one micro-batch: per layer (forward, backward), and outside the layers (embedding, final norm,
+    head, loss, its ``.item()``; forward, backward)."""
+
+    layer_forward: int
+    layer_backward: int
+    extra_forward: int
+    extra_backward: int
+
+    @property
+    def per_layer(self) -> tuple[int, int]:
+        return (self.layer_forward, self.layer_backward)
+
+    @property
+    def extra(self) -> int:
+        return self.extra_forward + self.extra_backward
+
+
+def _loopback_ring(cp: int):
+    """A ring of ``cp`` whose exchanges run the real ring's tensor ops (detach, copy to the comm device, a receive
+    buffer) without ranks: what each rank's ring attention dispatches, counted in one process."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from workers.context_parallel.ring import Exchange, Ring
+
+    class Loopback(Ring):
+        def exchange(self, tensor, phase, tag=0):
+            send_buf = tensor.detach().to(self.comm_device).contiguous()
+            recv_buf = torch.empty_like(send_buf)
+            with _disable_current_modes():  # what gloo writes into it, outside the dispatcher on a rank
+                recv_buf.copy_(send_buf)
+            return Exchange([], send_buf, recv_buf, self.device, self)
+
+    cpu = torch.device("cpu")
+    return Loopback(0, list(range(cp)), cpu, cpu)
+
+
+@functools.lru_cache(maxsize=None)
+def count_gpt_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: int = 8, layers: int = 4,
+                  micro_batch: int = 4, cp: int = 1, dtype: str = "float64") -> OpCount:
+    """The aten ops of one micro-batch's forward and backward of chapter 15's GPT, built as the worker builds it
+    (``workers/composed``: ``make_dense``, then ``ParallelGPT`` per stage, tp = 1, the ring under cp > 1), counted
+    with ``TorchDispatchMode`` at the run's shapes: per layer from a stage holding one middle layer, and the rest
+    (embedding, position table, final LayerNorm, tied head, the loss as the trainer normalises it and its
+    ``.item()``) as the whole model's count less ``layers`` layers. A layout with tp > 1 is counted at tp = 1 (the
+    same ops on narrower tensors, less the mappings' clones); the executor's message buffers are not counted.
+    Cached: the count is a property of the code."""
+    import torch
+
+    from workers.composed.model import make_dense, model_config
+    from workers.context_parallel.split import local_positions
+    from workers.model import Where
+    from workers.model.batch import make_batch, token_losses
+    from workers.parallel.gpt import ParallelGPT, Parallelism
+
+    if layers < 3:
+        raise ValueError(f"layers={layers}: counting one middle layer needs at least 3")
+    dt = {"float64": torch.float64, "float32": torch.float32}[dtype]
+    cfg = model_config(vocab, seq, hidden, heads, layers)
+    global_batch = micro_batch
+    with _one_thread(torch), _one_rank_group(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        dense = make_dense(cfg, 0, dt)
+        tokens, valid = make_batch(cfg, global_batch, 0)
+        positions = local_positions(seq, cp, 0, "zigzag")
+        where = Where(0, positions, torch.arange(micro_batch), global_batch, seq)
+        inputs, targets = tokens[:, :-1][:, positions], tokens[:, 1:][:, positions]
+        mask = valid[:, positions]
+
+        def count(vs: int, stages: int) -> tuple[int, int]:
+            ring = _loopback_ring(cp) if cp > 1 else None
+            stage = ParallelGPT(dense, Parallelism(ring=ring), vs, stages)
+            if stage.first:
+                x = inputs
+            else:
+                x = torch.randn(len(positions), micro_batch, hidden, dtype=dt, requires_grad=True)
+            grad = None if stage.last else torch.randn(len(positions), micro_batch, hidden, dtype=dt)
+            for counting in (False, True):  # once to warm (first-call work), once counted
+                with _counter() if counting else contextlib.nullcontext() as fwd:
+                    y = stage(x, where)
+                    if stage.last:  # the trainer's loss: summed CE / the batch's valid tokens, and its value read
+                        y = token_losses(y, targets, mask) / max(int(mask.sum()), 1)
+                        y.item()
+                with _counter() if counting else contextlib.nullcontext() as bwd:
+                    if stage.last:
+                        y.backward()
+                    else:
+                        torch.autograd.backward(y, grad_tensors=grad)
+            return fwd.total, bwd.total
+
+        layer_f, layer_b = count(1, layers)  # a middle stage of one layer: neither embedding nor head
+        whole_f, whole_b = count(0, 1)
+    return OpCount(layer_f, layer_b, whole_f - layers * layer_f, whole_b - layers * layer_b)
+
+
+@functools.lru_cache(maxsize=None)
+def count_mlp_chunk_ops(layers: int = 8, hidden: int = 16, micro_batch_size: int = 4, chunks: int = 2,
+                        micro_batches: int = 4) -> tuple[tuple[int, int], ...]:
+    """Chapter 13: the aten ops of one micro-batch's forward and backward of each of the ``chunks`` virtual
+    stages of its MLP (``workers/pipeline/model.py: stage_module``, as the worker builds them; the last with the
+    loss / m and its ``.item()``, as the executor runs it), counted with ``TorchDispatchMode``."""
+    import torch
+
+    from workers.pipeline.model import PipelineConfig, loss_fn, make_batch, stage_module
+
+    cfg = PipelineConfig(layers=layers, hidden=hidden, micro_batch_size=micro_batch_size, micro_batches=micro_batches)
+    out = []
+    with _one_thread(torch), torch.random.fork_rng(devices=[]):
+        x0, y0 = make_batch(cfg)
+        x0, y0 = x0[:micro_batch_size], y0[:micro_batch_size]
+        for vs in range(chunks):
+            module = stage_module(cfg, vs, chunks)
+            first, last = vs == 0, vs == chunks - 1
+            for counting in (False, True):
+                x = x0 if first else torch.randn(micro_batch_size, hidden).requires_grad_()
+                grad = None if last else torch.randn(micro_batch_size, hidden)
+                with _counter() if counting else contextlib.nullcontext() as fwd:
+                    y = module(x)
+                    if last:
+                        y = loss_fn(y, y0) / micro_batches
+                        y.item()
+                with _counter() if counting else contextlib.nullcontext() as bwd:
+                    if last:
+                        y.backward()
+                    else:
+                        torch.autograd.backward(y, grad_tensors=grad)
+            out.append((fwd.total, bwd.total))
+    return tuple(out)
+
+
+# -- chapter 15: step_time ------------------------------------------------------------------------------------------
+
+def gpt_shape(row: dict) -> ModelShape:
+    """Chapter 15's GPT as the planner spells a model (GeLU MLP, tied embedding)."""
+    m = row["model"]
+    return ModelShape("chapter 15's GPT", layers=m["layers"], hidden=m["hidden"], heads=m["heads"],
+                      kv_heads=m.get("kv_heads") or m["heads"], ffn=m.get("ffn") or 4 * m["hidden"], vocab=m["vocab"],
+                      mlp="gelu", tied_embeddings=bool(m.get("tied", True)), source="workers/composed/model.py")
+
+
+def gpt_layout(row: dict) -> Layout:
+    lay = row["layout"]
+    return Layout(dp=lay["dp"], tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], zero=lay["zero"],
+                  sequence_parallel=bool(lay.get("sequence_parallel")), micro_batches=row["micro_batches"],
+                  virtual_stages=lay.get("virtual_stages", 1), schedule=lay.get("schedule", "1f1b"),
+                  split=lay.get("split", "zigzag"), micro_batch=row["micro_batch_size"], seq=row["model"]["seq"],
+                  recompute="none")
+
+
+def gpt_ops(row: dict) -> OpCount:
+    m, lay = row["model"], row["layout"]
+    return count_gpt_ops(m["vocab"], m["seq"], m["hidden"], m["heads"], m["layers"], row["micro_batch_size"],
+                         lay["cp"], m.get("dtype", "float64"))
+
+
+def gpt_practice(row: dict, ops: OpCount) -> Practice:
+    """How the course's composed trainer runs a step, in the planner's words: float64 matmuls (the calibration's
+    float64 rows), 8-byte activations and gradients, the gradient reduction and ZeRO-1's all-gather after the
+    schedule (no overlap), SDPA's fused attention kernel (``flash_attention``) except under CP, where the ring's
+    blocks are unfused batched matmuls, no dropout, no recomputation, and the counted ops (``step_time`` adds the
+    per-micro-batch ones, embedding and head and loss alike, to the first stage)."""
+    nbytes = DTYPE_BYTES[row["model"].get("dtype", "float64")]
+    return Practice(flash_attention=row["layout"]["cp"] == 1,  # SDPA's fused kernel; the ring's blocks are unfused
+                    dtype=row["model"].get("dtype", "float64"), grad_overlap=False, param_gather_overlap=False,
+                    ops_per_layer=ops.per_layer, activation_bytes=float(nbytes), grad_bytes=float(nbytes),
+                    dropout=False, extra_ops_per_microbatch=ops.extra)
+
+
+def _pipeline_message(model: ModelShape, layout: Layout, cluster: Cluster, practice: Practice) -> float:
+    """One activation between stages, as step_time prices it (``send_recv`` over two ranks)."""
+    msg = layout.micro_batch * layout.seq / layout.cp * model.hidden * practice.activation_bytes / layout.tp
+    return group_time("send_recv", msg, 2, layout.tp * layout.cp, cluster)
+
+
+def predict_gpt(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
+    """Chapter 15: ``step_time`` of the run's model, layout and practice on this machine, plus the documented
+    terms outside it (padding, the tied embedding's and the loss's all-reduces)."""
+    cluster = cluster or device_from(cal)
+    model, layout, ops = gpt_shape(row), gpt_layout(row), gpt_ops(row)
+    practice = gpt_practice(row, ops)
+    world, lay = row["world"], row["layout"]
+    st = step_time(model, layout, world, cluster, practice)
+    terms = dict(st.terms)
+    nbytes = DTYPE_BYTES[row["model"].get("dtype", "float64")]
+    if lay["pp"] > 1 and model.tied_embeddings:
+        terms["tied embedding"] = group_time("all_reduce", model.vocab * model.hidden * nbytes, 2, 1, cluster)
+    group = lay["dp"] * lay["cp"]
+    terms["loss all-reduce"] = group_time("all_reduce", 8.0, group, 1, cluster) if group > 1 else 0.0
+    extra = {}
+    if row.get("forward_ms", 0.0) > 0 or row.get("backward_ms", 0.0) > 0:
+        extra = _pad_gpt(row, model, layout, cluster, practice, st, terms)
+    return {"predicted_s": sum(terms.values()), "terms": terms, "step_time": st, "ops": ops, **extra}
+
+
+def _pad_gpt(row, model, layout, cluster, practice, st, terms) -> dict:
+    """A padded chapter 15 run: the pipeline again with every action max(its compute, the pad). Each rank's
+    compute per micro-batch is step_time's (``stage_busy`` / m), split between forward and backward as step_time
+    splits one layer (``layer_seconds``) and between a rank's v chunks equally; the pipeline's terms (bubble, pp)
+    are replaced by the padded pipeline's, and ``padding`` is the busiest padded rank's time less its compute."""
+    from .step_time import COMPUTE_TERMS, layer_seconds
+
+    p, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
+    chunks = p * v
+    one = layer_seconds(model, layout, cluster, practice)
+    f1, b1 = sum(one["forward"].values()), sum(one["backward"].values())
+    share = f1 / (f1 + b1) if f1 + b1 > 0 else 1 / 3
+    pad_f, pad_b = row.get("forward_ms", 0.0) / 1e3 / v, row.get("backward_ms", 0.0) / 1e3 / v
+    compute = [st.stage_busy[vs % p] / m / v for vs in range(chunks)]  # one micro-batch of one chunk
+    fwd = [max(c * share, pad_f) for c in compute]
+    bwd = [max(c * (1 - share), pad_b) for c in compute]
+    message = _pipeline_message(model, layout, cluster, practice) if p > 1 else 0.0
+    schedule = layout.schedule if p > 1 else "1f1b"
+    flat = pipeline_makespan(schedule, p, m, v, fwd, bwd, 0.0)
+    timed = pipeline_makespan(schedule, p, m, v, fwd, bwd, message) if message else flat
+    busy = [m * sum(fwd[vs] + bwd[vs] for vs in range(r, chunks, p)) for r in range(p)]
+    critical = max(range(p), key=lambda r: busy[r])
+    terms["padding"] = busy[critical] - sum(terms[t] for t in COMPUTE_TERMS)
+    terms["bubble"] = flat - busy[critical]
+    terms["pp"] = timed - flat
+    return {"forward": fwd, "backward": bwd, "message": message, "busy": busy}
+
+
+# -- chapter 13: pipeline_makespan ----------------------------------------------------------------------------------
+
+def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
+    """Chapter 13: each virtual stage's forward and backward of one micro-batch from the time model's pieces, each
+    action padded to max(compute, pad), and ``pipeline_makespan`` of the run's schedule over them."""
+    cluster = cluster or device_from(cal)
+    m_, lay = row["model"], row["layout"]
+    layers, h, mbs = m_["layers"], m_["hidden"], row["micro_batch_size"]
+    p, v, m = lay["pp"], lay.get("virtual_stages", 1), row["micro_batches"]
+    chunks = p * v
+    per_chunk = layers // chunks
+    dtype = m_.get("dtype", "float32")
+    table = gemm_table(cluster, dtype)
+    slow = contention(cluster, row["world"])
+    gpu = cluster.gpu
+    bw = gpu.memory_bandwidth * gpu.stream_efficiency
+    e = DTYPE_BYTES[dtype]
+    ops = count_mlp_chunk_ops(layers, h, mbs, chunks, m)
+    pad_f, pad_b = row.get("forward_ms", 0.0) / 1e3 / v, row.get("backward_ms", 0.0) / 1e3 / v
+    compute_f, compute_b, parts = [], [], []
+    for vs in range(chunks):
+        tanhs = per_chunk - (1 if vs == chunks - 1 else 0)  # the last layer is linear
+        mm_f = per_chunk * gemm_seconds(table, mbs, h, h)
+        mm_b = per_chunk * gemm_seconds(table, mbs, h, h, backward=True)
+        mem_f = tanhs * 2 * e * mbs * h / bw  # tanh reads and writes the activation
+        mem_b = 2 * mem_f
+        over_f, over_b = ops[vs][0] * gpu.kernel_overhead_s, ops[vs][1] * gpu.kernel_overhead_s
+        f = {"matmul": mm_f * slow, "memory-bound": mem_f * slow, "kernel overhead": over_f * slow}
+        b = {"matmul": mm_b * slow, "memory-bound": mem_b * slow, "kernel overhead": over_b * slow}
+        compute_f.append(sum(f.values()))
+        compute_b.append(sum(b.values()))
+        parts.append((f, b))
+    fwd = [max(t, pad_f) for t in compute_f]
+    bwd = [max(t, pad_b) for t in compute_b]
+    message = group_time("send_recv", mbs * h * e, 2, 1, cluster) if p > 1 else 0.0
+    schedule = lay["schedule"] if p > 1 else "1f1b"
+    flat = pipeline_makespan(schedule, p, m, v, fwd, bwd, 0.0)
+    total = pipeline_makespan(schedule, p, m, v, fwd, bwd, message) if message else flat
+    busy = [m * sum(fwd[vs] + bwd[vs] for vs in range(r, chunks, p)) for r in range(p)]
+    critical = max(range(p), key=lambda r: busy[r])
+    terms = {"matmul": 0.0, "memory-bound": 0.0, "kernel overhead": 0.0}
+    for vs in range(critical, chunks, p):
+        for part in parts[vs]:
+            for k, x in part.items():
+                terms[k] += m * x
+    compute = sum(terms.values())
+    terms["padding"] = busy[critical] - compute
+    terms["bubble"] = flat - busy[critical]
+    terms["pp"] = total - flat
+    return {"predicted_s": total, "terms": terms, "forward": fwd, "backward": bwd, "message": message,
+            "busy": busy, "ops": ops}
+
+
+# -- both -----------------------------------------------------------------------------------------------------------
+
+def predict(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
+    """The predicted step of one ``measure_runs`` row: ``{"predicted_s", "terms", ...}`` (terms add up to it)."""
+    if row["chapter"] == 15:
+        return predict_gpt(row, cal, cluster)
+    if row["chapter"] == 13:
+        return predict_mlp(row, cal, cluster)
+    raise ValueError(f"no predictor for chapter {row['chapter']}'s runs (15 and 13 have one)")
+
+
+def message_bytes(row: dict) -> float:
+    """Bytes of one message between pipeline stages (chapter 15: ``[s/cp, b, h]``; chapter 13: ``[b, h]``), or of
+    one K/V exchange of the ring (chapter 15 under cp > 1: ``[2, b, heads, s/cp, d]``); 0 without either."""
+    m, lay = row["model"], row["layout"]
+    e = DTYPE_BYTES[m.get("dtype", "float64")]
+    if row["chapter"] == 13:
+        return row["micro_batch_size"] * m["hidden"] * e if lay["pp"] > 1 else 0.0
+    if lay["pp"] > 1:
+        return m["seq"] / lay["cp"] * row["micro_batch_size"] * m["hidden"] * e / lay["tp"]
+    if lay["cp"] > 1:
+        return 2 * row["micro_batch_size"] * m["seq"] / lay["cp"] * m["hidden"] * e / lay["tp"]
+    return 0.0
+
+
+def p2p_check(cal: MachineCalibration, nbytes: float, world: int) -> tuple[float, float]:
+    """(the fitted one-way p2p time of ``nbytes``, the measured median at the nearest size measured, in log2) at
+    ``world`` ranks: how well the alpha-beta line prices a message of that size on this machine."""
+    alpha, beta = cal.collectives.get(("p2p", world), cal.p2p)
+    points = cal.raw.get(world, {}).get("collectives", {}).get("p2p", [])
+    if not points or nbytes <= 0:
+        return alpha + beta * nbytes, float("nan")
+    _, median = min(points, key=lambda pt: abs(math.log2(pt[0]) - math.log2(nbytes)))
+    return alpha + beta * nbytes, median
+
+
+def compare_runs(cal: MachineCalibration, rows: list[dict]) -> list[dict]:
+    """Per row: predicted and measured median step, ratio = predicted / measured, whether it is within
+    ``TOLERANCE``, the largest term and all terms; for a run that sends messages (a pipeline, the CP ring), one
+    message's size, its fitted p2p time and the measured p2p median nearest that size."""
+    cluster = device_from(cal)
+    out = []
+    for row in rows:
+        pred = predict(row, cal, cluster)
+        measured = row["measured_median_s"]
+        ratio = pred["predicted_s"] / measured if measured > 0 else float("nan")
+        terms = pred["terms"]
+        nbytes = message_bytes(row)
+        fit, median = p2p_check(cal, nbytes, row["world"]) if nbytes else (0.0, float("nan"))
+        out.append({"chapter": row["chapter"], "name": row["name"], "world": row["world"],
+                    "predicted_s": pred["predicted_s"], "measured_s": measured, "ratio": ratio,
+                    "within": abs(ratio - 1) <= TOLERANCE, "dominant": max(terms, key=terms.get), "terms": terms,
+                    "message_bytes": nbytes, "message_fit_s": fit, "message_measured_s": median})
+    return out
+
+
+def comparison_table(compared: list[dict]) -> Table:
+    """Predicted, measured, ratio and the largest term per run; the caption counts those within the band."""
+    ok = sum(r["within"] for r in compared)
+    rows = [[r["chapter"], r["name"], r["world"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
+             f"{r['ratio']:.2f}", "yes" if r["within"] else "no",
+             f"{r['dominant']} {r['terms'][r['dominant']] / r['predicted_s']:.0%}"] for r in compared]
+    return Table(["chapter", "run", "ranks", "predicted ms", "measured ms", "ratio", f"within {TOLERANCE:.0%}",
+                  "largest term"], rows,
+                 caption=f"the planner's step_time on this machine's calibration against the measured median step: "
+                         f"{ok} of {len(compared)} within {TOLERANCE:.0%}")
+
+
+__all__ = ["OpCount", "compare_runs", "comparison_table", "count_gpt_ops", "count_mlp_chunk_ops", "device_from",
+           "link_fits", "op_seconds", "predict"]
