@@ -15,9 +15,10 @@ split over TP, ...) raises ``LayoutError`` with one sentence saying what to chan
 checks a ``Layout`` against the course's one rule set (``workers/layout/rules.py``, which defines
 ``Layout`` too). ``min_gpus_to_fit`` and ``candidate_layouts`` search layouts with ``plan``.
 
-The planner is five modules, one concern each. This one holds the layout check and the plan, and
-re-exports the other four's public names (``__all__``), so ``from course_utils.planner import ...``
-reaches every one:
+The planner is these modules, one concern each. This one holds the layout check, the plan and the search, and
+re-exports the public names of the four below (``__all__``), so ``from course_utils.planner import ...``
+reaches every one; the step's time is ``course_utils.step_time`` (its rates by shape ``course_utils.device_rates``),
+held to published runs by ``course_utils.planner_runs`` and to this machine by ``course_utils.machine_device``:
 
 - ``course_utils.model_shapes``: ``ModelShape``, ``MODEL_SHAPES``, ``model_shape``, and ``LayoutError``,
   which all five raise;
