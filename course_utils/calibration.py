@@ -51,10 +51,10 @@ WORKER = "workers.calibrate"
 CH13_WORKER = "workers.ch13_pipeline"
 CH15_WORKER = "workers.ch15_composed"
 WORLD_SIZES = (2, 4)
-TIMEOUT_S = 120.0  # one calibration run: 3 s on 2 ranks, 6-7 s on 4 (a loaded 2-core machine, warm ranks)
+TIMEOUT_S = 120.0  # one calibration run: 3 s on 2 ranks, 10-11 s on 4 (4 s of contended messages; warm ranks)
 RUN_TIMEOUT_S = 120.0  # one measured run of a chapter
 CH13_TIMED = {"forward_ms": 20.0, "backward_ms": 40.0}  # chapter 13's TIMED padding (t_B = 2 t_F)
-FORMAT = 1  # of the JSON file; a file of another format is measured again
+FORMAT = 1  # of the JSON file; a file of another format is measured again (fields added since have defaults)
 
 
 def cores() -> int:
@@ -134,12 +134,27 @@ class MachineCalibration:
     collectives: dict = field(default_factory=dict)  # {(name, world): (alpha_s, beta_s_per_byte)}
     fit_error: dict = field(default_factory=dict)  # {(name, world): worst relative error of the fit}
     p2p: tuple[float, float] = (0.0, 0.0)  # (alpha_s, beta_s_per_byte), one way
+    adamw_step_s: float = 0.0  # one AdamW step (float64, one parameter at a time as on CPU) over adamw_shapes
+    adamw_shapes: tuple[tuple[int, ...], ...] = ()
+    contended_world: int = 0  # the world the contended messages were measured in (0: none was)
+    p2p_busy: tuple[float, float] = (0.0, 0.0)  # (alpha_s, beta_s_per_byte) one way, every other rank busy
+    p2p_quiet: tuple[float, float] = (0.0, 0.0)  # the same pair and work, the other ranks idle
+    all_reduce_busy: tuple[float, float] = (0.0, 0.0)  # two ranks' all-reduce, every other rank busy
+    all_reduce_quiet: tuple[float, float] = (0.0, 0.0)  # the same, the other ranks idle
+    world_all_reduce_busy: tuple[float, float] = (0.0, 0.0)  # every rank of contended_world computing, all-reducing
+    barrier: tuple[tuple[int, float], ...] = ()  # (world, mean seconds of one barrier of the whole world)
     measured_at: str = ""  # ISO time
     seconds: float = 0.0  # wall time of the calibration
     params: dict = field(default_factory=dict)  # the worker's parameters (beyond its defaults)
     raw: dict = field(default_factory=dict)  # {world: medians, as aggregated over the ranks}
 
     # -- reading it -----------------------------------------------------------------------------------------------
+    def barrier_seconds(self, world: int) -> float:
+        """One barrier of ``world`` ranks as measured (the nearest world measured; 0 for one rank or none)."""
+        if world <= 1 or not self.barrier:
+            return 0.0
+        return min(self.barrier, key=lambda wt: (abs(wt[0] - world), -wt[0]))[1]
+
     def collective_seconds(self, name: str, world: int, nbytes: float) -> float:
         alpha, beta = self.collectives[(name, world)]
         return alpha + beta * nbytes
@@ -183,6 +198,11 @@ class MachineCalibration:
         d["collectives"] = {(n, int(w)): (a, b) for n, w, a, b in d["collectives"]}
         d["fit_error"] = {(n, int(w)): e for n, w, e in d["fit_error"]}
         d["p2p"] = tuple(d["p2p"])
+        for name in CONTENDED_FITS:  # absent from older files
+            if name in d:
+                d[name] = tuple(d[name])
+        d["adamw_shapes"] = tuple(tuple(s) for s in d.get("adamw_shapes", ()))
+        d["barrier"] = tuple((int(w), t) for w, t in d.get("barrier", ()))
         d["raw"] = {int(w): v for w, v in d["raw"].items()}
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -209,6 +229,16 @@ class MachineCalibration:
         for (name, world), (alpha, beta) in sorted(self.collectives.items()):
             rows.append([f"{name}, {world} ranks", f"alpha {alpha * us:.0f} us, 1/beta {1 / beta * gf:.2f} GB/s "
                                                    f"(worst fit error {self.fit_error[(name, world)]:.0%})"])
+        if self.contended_world:
+            for what, fit in (("p2p, others busy", self.p2p_busy), ("p2p, others idle", self.p2p_quiet),
+                              ("all_reduce, others busy", self.all_reduce_busy),
+                              ("all_reduce, others idle", self.all_reduce_quiet)):
+                rows.append([f"{what}: 2 of {self.contended_world} ranks", f"alpha {fit[0] * us:.0f} us, "
+                                                                           f"{fit[1] * 1e12:.0f} ps/byte"])
+        for world, t in self.barrier:
+            rows.append([f"barrier, {world} ranks", f"{t * us:.0f} us"])
+        if self.adamw_step_s:
+            rows.append([f"AdamW step, {len(self.adamw_shapes)} float64 tensors", f"{self.adamw_step_s * us:.0f} us"])
         return Table(["quantity", "measured"], rows,
                      caption=f"this machine, measured {self.measured_at} in {self.seconds:.1f} s (CPU timings: they "
                              "vary by machine and by load)")
@@ -223,15 +253,54 @@ class MachineCalibration:
         return Table(["collective", "ranks", "bytes", "measured us", "fit us", "fit error"], rows)
 
 
-OPS = ("op_s", "op_forward_s", "op_forward_backward_s", "backward_call_s", "linear_forward_backward_s")
+CONTENDED_FITS = ("p2p_busy", "p2p_quiet", "all_reduce_busy", "all_reduce_quiet", "world_all_reduce_busy")
+OPS = ("op_s", "op_forward_s", "op_forward_backward_s", "backward_call_s", "linear_forward_backward_s",
+       "adamw_step_s")
+
+
+DISTRIBUTION = ("median", "q1", "q3", "min", "max", "calls", "mean")  # _distribution's list; mean: of the middle 80%
+CONTENDED_COLUMNS = ("bytes", "busy", *DISTRIBUTION)  # a contended row
+CONTENDED_STAT = "mean"  # what the contended fits and the barrier are made of
+
+
+def _distribution(samples: list[float]) -> list[float]:
+    """[median, first quartile, third quartile, min, max, count, mean of the middle 80%] of ``samples`` (NaN left
+    out)."""
+    xs = sorted(x for x in samples if x == x)
+    if not xs:
+        return [float("nan")] * 5 + [0, float("nan")]
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
+    cut = len(xs) // 10
+    return [statistics.median(xs), q1, q3, xs[0], xs[-1], len(xs), statistics.fmean(xs[cut:len(xs) - cut])]
+
+
+def contended_rows(ranks: list[dict]) -> dict:
+    """The contended messages of one run as ``{kind: [[bytes, busy, median, q1, q3, min, max, calls, mean], ...]}``
+    (``mean``: of the middle 80% of the calls): a ping-pong's one way as rank 0 timed it; an all-reduce per call the
+    least of its ranks' times (the rank that arrived last times the collective itself, the others also their wait
+    for it)."""
+    r0 = ranks[0].get("contended")
+    if not r0:
+        return {}
+    out = {}
+    for kind, rows in r0.items():
+        out[kind] = []
+        for i, row in enumerate(rows):
+            seconds = row["seconds"]
+            if kind != "p2p":
+                takers = [r["contended"][kind][i]["seconds"] for r in ranks if r["contended"][kind][i]["seconds"]]
+                seconds = [min(call) for call in zip(*takers)]
+            out[kind].append([row["bytes"], row["busy"], *_distribution(seconds)])
+    return out
 
 
 def aggregate(ranks: list[dict]) -> dict:
     """One calibration run's rank results as one world's medians: one rank's costs from rank 0 (measured alone),
-    contention as the median over the busy ranks, a collective's time as its slowest rank's median."""
+    contention as the median over the busy ranks, a collective's time as its slowest rank's median; the contended
+    messages as ``contended_rows``, and the barrier's calls (each its slowest rank's) as a ``DISTRIBUTION``."""
     r0, world = ranks[0], len(ranks)
     matmul = [{k: row[k] for k in ("dtype", "m", "n", "k", "median", "min", "max")} for row in r0["matmul"]]
-    ops = {k: r0["ops"][k] for k in (*OPS, "chain", "chain_forward_s", "chain_forward_backward_s")}
+    ops = {k: r0["ops"][k] for k in (*OPS, "chain", "chain_forward_s", "chain_forward_backward_s", "adamw_shapes")}
     stream = {k: r0["stream"][k] for k in ("bytes", "copy_bytes_per_s", "add_bytes_per_s")}
     contention = {kind: [{"active": row["active"], "calls": row["calls"],
                           "seconds": _median(r["contention"][kind][i]["seconds"] for r in ranks)}
@@ -241,7 +310,9 @@ def aggregate(ranks: list[dict]) -> dict:
     # the same, as each rank's mean of the middle 80% of its calls (what many calls cost on average)
     coll_mean = {name: [[row["bytes"], max(r["collectives"][name][i]["mean"] for r in ranks)]
                         for i, row in enumerate(rows)] for name, rows in r0["collectives"].items()}
+    barrier = [max(r["barrier"][i] for r in ranks) for i in range(len(r0.get("barrier") or []))]
     return {"world": world, "matmul": matmul, "ops": ops, "stream": stream, "contention": contention,
+            "contended": contended_rows(ranks), "barrier": _distribution(barrier) if barrier else [],
             "contention_shape": r0["contention_shape"], "stream_bytes": r0["stream_bytes"], "collectives": coll,
             "collectives_mean": coll_mean,
             "rank_seconds": max(r["seconds"] for r in ranks), "phases": r0["phases"]}
@@ -267,14 +338,51 @@ def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dic
             collectives[(name, w)], errors[(name, w)] = (alpha, beta), worst
     p2p_worlds = [w for w in worlds if ("p2p", w) in collectives]
     one = {k: _median(raw[w]["ops"][k] for w in worlds) for k in OPS}
+    contended = _contended_fits(raw, collectives)
     return MachineCalibration(
         cpu=r0["cpu"], capability=r0["capability"], cores=r0["cores"], threads_per_rank=r0["threads"],
         world_sizes=worlds, torch_version=r0["torch"], **one, matmul=tuple(matmul),
         stream_bandwidth=_median(raw[w]["stream"]["copy_bytes_per_s"] for w in worlds),
         contention=contention, collectives=collectives, fit_error=errors,
         p2p=collectives[("p2p", max(p2p_worlds))] if p2p_worlds else (0.0, 0.0),
+        adamw_shapes=tuple(tuple(s) for s in r0["ops"]["adamw_shapes"]), **contended,
+        barrier=tuple((w, raw[w]["barrier"][DISTRIBUTION.index(CONTENDED_STAT)]) for w in worlds if raw[w]["barrier"]),
         measured_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), seconds=seconds,
         params=dict(params or {}), raw=raw)
+
+
+def alpha_at(beta: float, sizes: list[float], seconds: list[float]) -> float:
+    """The alpha of ``t = alpha + beta * bytes`` with ``beta`` given, least squares on the relative error (as
+    ``fit_alpha_beta``), at least a millionth of the smallest time."""
+    alpha = sum((t - beta * s) / t**2 for s, t in zip(sizes, seconds)) / sum(1 / t**2 for t in seconds)
+    return max(alpha, 1e-6 * min(seconds))
+
+
+def _contended_fits(raw: dict, collectives: dict) -> dict:
+    """The contended fields of the largest world that measured them: per kind and state (every other rank busy,
+    ``busy`` = world - 2, or none, ``busy`` = 0) the alpha of the mean calls (``CONTENDED_STAT``) over the sizes,
+    with the beta of the same transfer's back-to-back fit (``p2p`` at that world for the ping-pong, the 2-rank
+    ``all_reduce`` for the pair's, the world's ``all_reduce`` for ``world_all_reduce``): the bytes move as fast once
+    the rank runs; what contention adds is a wait for a core once per message, and two sizes measured in a few
+    noisy windows cannot tell a bandwidth apart. The mean, not the median: a contended message's time is bimodal
+    (a core is free at once, or after the scheduler's slice), and what a schedule's many messages add up to is the
+    mean."""
+    worlds = [w for w in sorted(raw) if raw[w]["contended"]]
+    if not worlds:
+        return {}
+    world = worlds[-1]
+    out = {"contended_world": world}
+    column = CONTENDED_COLUMNS.index(CONTENDED_STAT)
+    rows = raw[world]["contended"]
+    betas = {"p2p": ("p2p", world), "all_reduce": ("all_reduce", 2), "world_all_reduce": ("all_reduce", world)}
+    for kind, states in (("p2p", ("busy", "quiet")), ("all_reduce", ("busy", "quiet")), ("world_all_reduce", ("busy",))):
+        beta = collectives.get(betas[kind], (0.0, 0.0))[1]
+        for state in states:
+            busy = world - 2 if state == "busy" else 0
+            got = [(r[0], r[column]) for r in rows.get(kind, []) if r[1] == busy and r[column] > 0]
+            if got:
+                out[f"{kind}_{state}"] = (alpha_at(beta, [b for b, _ in got], [t for _, t in got]), beta)
+    return out
 
 
 _CACHE: dict[tuple, MachineCalibration] = {}

@@ -13,7 +13,13 @@ tiers (every rank is on this one machine, so every group is "inside the node"). 
   chapter 13's Linear + tanh chunks about 40% high (bare aten ops); the calibration's autograd chain
   (``op_forward_backward_s`` over its 4 counted ops, 2 us here) would price all three 25-55% low;
 * the calibration's ``p2p`` fits are also given under ``send_recv``, the name ``step_time`` prices a pipeline's
-  message by: without it ``link_time`` would take the nearest fit of any collective (a 2-rank all_gather).
+  message by: without it ``link_time`` would take the nearest fit of any collective (a 2-rank all_gather);
+* with more ranks computing than cores (``device_from(cal, world)``, ``contended``), a rank woken by a message
+  waits for the scheduler to give it a core back: a group smaller than the world (a pipeline's message, the tied
+  embedding's all-reduce) is priced with the calibration's contended fits (``p2p_busy``, ``all_reduce_busy``:
+  measured between two ranks while the others compute), a collective over the whole world keeps its fit (every
+  rank in it, as measured). A padded run's ranks sleep through their pads and hold no core: its messages are the
+  quiet ones.
 
 ``predict(row, cal)`` prices one ``measure_runs`` row with that device:
 
@@ -36,7 +42,13 @@ Terms that are not the time model's own, one sentence each:
 * **tied embedding** (chapter 15 with pp > 1): the tied embedding's gradient is all-reduced between the first and
   the last stage after the schedule (``sum_tied_gradients``), priced with the fitted 2-rank all_reduce;
 * **loss all-reduce** (chapter 15): the last stage all-reduces the step's loss (8 bytes) over dp x cp after the
-  schedule, priced with the fitted all_reduce of that group's size.
+  schedule, priced with the fitted all_reduce of that group's size;
+* **optimizer** (added to step_time's memory-bound AdamW term; chapter 13's SGD) and **reporting** (the step's
+  batch, the gradients and digests the worker reports, ZeRO-1's report all-gathers): ops *counted* on the first
+  stage's parameters as the trainer runs them (``count_gpt_step_ops``, ``count_mlp_step_ops``), at the
+  calibration's cost of an AdamW op (``optimizer_op_seconds``) and of one eager op (``op_s``), times the cores'
+  contention;
+* **barrier**: the executor's barrier of the whole world before each schedule, the calibration's mean barrier.
 
 ``compare_runs(cal, rows)`` sets every prediction against the measured median step, and ``comparison_table`` prints
 it. CPU timings on a shared machine: see ``course_utils/calibration.py``.
@@ -68,11 +80,44 @@ DTYPE_BYTES = {"float64": 8, "float32": 4}
 
 # -- the device ---------------------------------------------------------------------------------------------------
 
-def link_fits(cal: MachineCalibration) -> tuple[tuple[str, int, float, float], ...]:
+def contended(cal: MachineCalibration, world: int | None) -> bool:
+    """Whether ``world`` ranks computing at once outnumber the cores and the calibration measured what a message
+    costs then (``p2p_busy``)."""
+    return bool(world and cal.contended_world and cal.cores and world > cal.cores and cal.p2p_busy[0] > 0)
+
+
+def hops(collective: str, ranks: int) -> int:
+    """Messages one after another in a ring collective over ``ranks`` (an all-reduce is a reduce-scatter and an
+    all-gather): what a woken rank waits for a core at, once each."""
+    return 2 * (ranks - 1) if collective == "all_reduce" else ranks - 1
+
+
+def link_fits(cal: MachineCalibration, world: int | None = None) -> tuple[tuple[str, int, float, float], ...]:
     """``cal.link_fits()``, and each ``p2p`` fit again under the name ``step_time`` asks for (``send_recv``): the
-    same measured constants, so a pipeline's message is priced as a one-way p2p, not as the nearest collective."""
+    same measured constants, so a pipeline's message is priced as a one-way p2p, not as the nearest collective.
+
+    In a world of more ranks than cores (``contended``), a group smaller than the world talks while other ranks
+    compute, and a rank woken by a message waits for the scheduler to give it a core: its 2-rank message
+    (``send_recv``) costs the calibration's ``p2p_busy``, its 2-rank all-reduce ``all_reduce_busy``, and any other
+    collective over fewer ranks than the world its fit plus, per message of its ring (``hops``), the measured
+    excess of a contended message over a quiet one (``p2p_busy`` - ``p2p_quiet``, alpha). A collective over every
+    rank of the world keeps its fit: it was measured with every rank in it, as the runs call it."""
     fits = cal.link_fits()
-    return fits + tuple((alias, n, a, b) for name, n, a, b in fits if name == "p2p" for alias in P2P_NAMES)
+    fits = fits + tuple((alias, n, a, b) for name, n, a, b in fits if name == "p2p" for alias in P2P_NAMES)
+    if not contended(cal, world):
+        return fits
+    excess = max(0.0, cal.p2p_busy[0] - cal.p2p_quiet[0])
+    out = []
+    for name, n, a, b in fits:
+        if n >= world or name == "p2p":
+            out.append((name, n, a, b))
+        elif name in P2P_NAMES and n == 2:
+            out.append((name, n, *cal.p2p_busy))
+        elif name == "all_reduce" and n == 2 and cal.all_reduce_busy[0] > 0:
+            out.append((name, n, *cal.all_reduce_busy))
+        else:
+            out.append((name, n, a + hops(name, n) * excess, b))
+    return tuple(out)
 
 
 def op_seconds(cal: MachineCalibration) -> float:
@@ -89,8 +134,9 @@ def _memory_bytes() -> float:
         return 0.0
 
 
-def device_from(cal: MachineCalibration) -> Cluster:
-    """This machine as a planner ``Cluster``: one "GPU" per rank, all ranks on one node sharing ``cal.cores``."""
+def device_from(cal: MachineCalibration, world: int | None = None) -> Cluster:
+    """This machine as a planner ``Cluster``: one "GPU" per rank, all ranks on one node sharing ``cal.cores``;
+    ``world``: the ranks that compute at once (its links are then ``link_fits(cal, world)``'s)."""
     best = max(f for *_, f in cal.matmul)
     gpu = GPU(name=f"{cal.cpu} ({cal.cores} cores, {cal.threads_per_rank} thread per rank)",
               memory_bytes=_memory_bytes(), peak_flops=best,
@@ -99,7 +145,7 @@ def device_from(cal: MachineCalibration) -> Cluster:
               overhead_serial=True, cores=cal.cores, gemm_rows=tuple(cal.matmul))
     alpha, beta = cal.p2p
     link = Link(name="gloo on this machine", bandwidth=1.0 / beta if beta > 0 else 0.0, latency=alpha,
-                source="course_utils.calibration: per-collective alpha-beta fits", fitted=link_fits(cal))
+                source="course_utils.calibration: per-collective alpha-beta fits", fitted=link_fits(cal, world))
     return Cluster(name=f"this machine: {cal.cores} cores, gloo", gpu=gpu, gpus_per_node=ALL_ON_ONE_NODE,
                    intra_node=link, inter_node=link)
 
@@ -324,6 +370,162 @@ def count_mlp_chunk_ops(layers: int = 8, hidden: int = 16, micro_batch_size: int
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
+def adamw_ops(shapes: tuple) -> int:
+    """Aten ops of the AdamW step the calibration times (``workers/calibrate.py: _adamw_fn``, rebuilt here):
+    float64 parameters of ``shapes``, chapter 15's betas, eps and weight decay, the step after the first."""
+    import torch
+
+    with _one_thread(torch):
+        params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in shapes]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+        opt.step()
+        with _counter() as c:
+            opt.step()
+    return c.total
+
+
+def optimizer_op_seconds(cal: MachineCalibration) -> float:
+    """The cost of one op of an optimizer step as the op counter counts them: the calibration's AdamW step over the
+    ops the same counter sees in it (``adamw_ops``; a loop over the parameters, Python included), or one eager op
+    (``op_s``) for a calibration without it."""
+    if cal.adamw_step_s > 0 and cal.adamw_shapes:
+        return cal.adamw_step_s / adamw_ops(tuple(tuple(s) for s in cal.adamw_shapes))
+    return cal.op_s
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """Aten ops of one rank's step outside its schedule: ``optimizer`` (the gradient buckets' copies and the
+    optimizer's step: AdamW, ZeRO-1's flat shards, SGD) and ``reporting`` (the step's batch and what the worker
+    reports: gradients, digests); ``report_gather_bytes``: what ZeRO-1's report all-gathers (one call per bucket)."""
+
+    optimizer: int
+    reporting: int
+    report_gather_bytes: tuple[float, ...] = ()
+
+
+@functools.lru_cache(maxsize=None)
+def count_gpt_step_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: int = 8, layers: int = 4,
+                       dtype: str = "float64", global_batch: int = 8, dp: int = 1, pp: int = 1, cp: int = 1,
+                       virtual_stages: int = 1, micro_batches: int = 1, zero: int = 0) -> StepOps:
+    """Chapter 15: the aten ops of the first stage's rank (dp = cp = 0, the one that reports) outside its schedule,
+    as ``workers/composed/train.py: ComposedTrainer.step`` runs them, counted with ``TorchDispatchMode`` on that
+    rank's parameters (``ParallelGPT`` per chunk, tp = 1): ``optimizer`` the gradient buckets' flatten and copy back
+    and ``torch.optim.AdamW``'s step (ZeRO-0), or ``Zero1Optimizer.step`` with its inner AdamW (in a world of one:
+    its flat shard is one tensor per bucket whatever the group); ``reporting`` ``_micro_batches`` (the step's batch),
+    ``record`` of the gradients (ZeRO-1: ``_zero1_grads``, whose all-gathers are priced as collectives) and the
+    digest of every parameter. The step after the first (the optimizer's state exists). Cached."""
+    import types
+
+    import torch
+
+    from workers.composed.model import make_dense, model_config
+    from workers.composed.train import BETAS, EPS, WEIGHT_DECAY, ComposedTrainer, digest, record
+    from workers.context_parallel.split import local_positions
+    from workers.layout import Layout
+    from workers.model.batch import make_batch
+    from workers.parallel.gpt import ParallelGPT, Parallelism
+    from workers.pipeline.schedules import virtual_stage
+
+    dt = {"float64": torch.float64, "float32": torch.float32}[dtype]
+    cfg = model_config(vocab, seq, hidden, heads, layers)
+    chunks = pp * virtual_stages
+    with _one_thread(torch), _one_rank_group(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        dense = make_dense(cfg, 0, dt)
+        modules = [ParallelGPT(dense, Parallelism(), virtual_stage(0, c, pp), chunks) for c in range(virtual_stages)]
+        named = {n: p for mod in modules for n, p in mod.named_parameters()}
+        params = list(named.values())
+        for p in params:
+            p.grad = torch.randn_like(p)
+        tied = [p for p in params if hasattr(p, "tied_to")] + ([modules[0].embed.weight] if pp > 1 else [])
+        tied_ids = {id(p) for p in tied}
+        buckets = [b for b in ([p for p in params if id(p) in tied_ids], [p for p in params if id(p) not in tied_ids])
+                   if b]
+        gathers = ()
+        if zero == 1:
+            from workers.zero.zero1 import Zero1Optimizer
+
+            opt = Zero1Optimizer([{"params": b} for b in buckets], torch.optim.AdamW, average=False, lr=0.01,
+                                 betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+            def optimizer():
+                opt.zero_grad()
+                opt.step()
+
+            me = types.SimpleNamespace(optimizer=opt, named=named, reporter=True)
+            report = functools.partial(ComposedTrainer._zero1_grads, me)
+            gathers = tuple(float(flat.flat_grads.nbytes) for flat in opt.groups)
+        else:
+            opt = torch.optim.AdamW(params, lr=0.01, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+            def optimizer():  # ComposedTrainer.step's buckets: one flat tensor each, all-reduced, copied back
+                for bucket in buckets:
+                    flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                    offset = 0
+                    for p in bucket:
+                        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
+                opt.step()
+
+            def report():
+                return record(named, "grad")
+
+        layout = Layout(dp=dp, pp=pp, cp=cp, micro_batches=micro_batches, virtual_stages=virtual_stages)
+        me = types.SimpleNamespace(layout=layout, cfg=cfg, batch=make_batch, global_batch=global_batch, data_seed=1,
+                                   coords={"dp": 0}, positions=local_positions(seq, cp, 0, "zigzag"))
+
+        def reporting():
+            ComposedTrainer._micro_batches(me, 1)
+            report()
+            return {n: digest(p.data) for n, p in named.items()}
+
+        optimizer()  # the first step creates the state
+        reporting()
+        with _counter() as opt_ops:
+            optimizer()
+        with _counter() as report_ops:
+            reporting()
+    return StepOps(opt_ops.total, report_ops.total, gathers)
+
+
+@functools.lru_cache(maxsize=None)
+def count_mlp_step_ops(layers: int = 8, hidden: int = 16, micro_batch_size: int = 4, micro_batches: int = 4,
+                       pp: int = 2, virtual_stages: int = 1, lr: float = 0.1) -> StepOps:
+    """Chapter 13: the aten ops of the first stage's rank outside its schedule, as ``workers/ch13_pipeline.py``
+    runs them: ``optimizer`` its SGD step, ``reporting`` the step's batch (made and split) and the copy of every
+    gradient it reports. Counted with ``TorchDispatchMode``; cached."""
+    import torch
+
+    from workers.pipeline.model import PipelineConfig, make_batch, micro_batches as split, stage_module
+    from workers.pipeline.schedules import virtual_stage
+
+    cfg = PipelineConfig(layers=layers, hidden=hidden, micro_batch_size=micro_batch_size, micro_batches=micro_batches)
+    chunks = pp * virtual_stages
+    with _one_thread(torch), torch.random.fork_rng(devices=[]):
+        modules = [stage_module(cfg, virtual_stage(0, c, pp), chunks) for c in range(virtual_stages)]
+        params = [q for mod in modules for q in mod.parameters()]
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt = torch.optim.SGD(params, lr=lr)
+
+        def reporting():
+            x, y = make_batch(cfg, 1)
+            split(cfg, x), split(cfg, y)
+            return [q.grad.detach().cpu().clone() for q in params]
+
+        opt.step()
+        reporting()
+        with _counter() as opt_ops:
+            opt.step()
+        with _counter() as report_ops:
+            reporting()
+    return StepOps(opt_ops.total, report_ops.total)
+
+
 # -- chapter 15: step_time ------------------------------------------------------------------------------------------
 
 def gpt_shape(row: dict) -> ModelShape:
@@ -368,10 +570,53 @@ def _pipeline_message(model: ModelShape, layout: Layout, cluster: Cluster, pract
     return group_time("send_recv", msg, 2, layout.tp * layout.cp, cluster)
 
 
+def padded(row: dict) -> bool:
+    """Whether the run pads its actions to calibrated waits (``forward_ms``/``backward_ms``)."""
+    return row.get("forward_ms", 0.0) > 0 or row.get("backward_ms", 0.0) > 0
+
+
+def busy_world(row: dict) -> int | None:
+    """The ranks of the run that compute at once: its world, unless its actions are padded (a padded action sleeps
+    most of its time, and a sleeping rank holds no core)."""
+    return None if padded(row) else row["world"]
+
+
+def run_cluster(row: dict, cal: MachineCalibration) -> Cluster:
+    """``device_from(cal, busy_world(row))``: the device with the links the run's messages meet."""
+    return device_from(cal, busy_world(row))
+
+
+def step_ops(row: dict) -> StepOps:
+    """The counted ops of the run's step outside its schedule (``count_gpt_step_ops``, ``count_mlp_step_ops``)."""
+    m, lay = row["model"], row["layout"]
+    if row["chapter"] == 15:
+        return count_gpt_step_ops(m["vocab"], m["seq"], m["hidden"], m["heads"], m["layers"],
+                                  m.get("dtype", "float64"), row["global_batch"], lay["dp"], lay["pp"], lay["cp"],
+                                  lay.get("virtual_stages", 1), row["micro_batches"], lay["zero"])
+    return count_mlp_step_ops(m["layers"], m["hidden"], row["micro_batch_size"], row["micro_batches"], lay["pp"],
+                              lay.get("virtual_stages", 1))
+
+
+def outside_schedule(row: dict, cal: MachineCalibration, cluster: Cluster) -> dict[str, float]:
+    """What a step does besides its schedule, priced from counted ops and measured constants (the first stage's
+    rank: it ends the schedule last and starts the next one first): ``optimizer`` the counted optimizer ops at the
+    calibration's optimizer op (``optimizer_op_seconds``), ``reporting`` the counted batch and report ops at one
+    eager op (``op_s``), plus ZeRO-1's report all-gathers, both times the cores' contention (every rank runs them
+    at about the same time); ``barrier`` the executor's barrier of the whole world that starts each schedule
+    (the calibration's mean barrier at the run's world)."""
+    ops = step_ops(row)
+    slow = contention(cluster, row["world"])
+    group = row["layout"]["dp"] * row["layout"]["cp"] if row["chapter"] == 15 else 1
+    gathers = sum(group_time("all_gather", b, group, 1, cluster) for b in ops.report_gather_bytes) if group > 1 else 0.0
+    return {"optimizer": ops.optimizer * optimizer_op_seconds(cal) * slow,
+            "reporting": ops.reporting * cal.op_s * slow + gathers,
+            "barrier": cal.barrier_seconds(row["world"])}
+
+
 def predict_gpt(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
     """Chapter 15: ``step_time`` of the run's model, layout and practice on this machine, plus the documented
-    terms outside it (padding, the tied embedding's and the loss's all-reduces)."""
-    cluster = cluster or device_from(cal)
+    terms outside it (padding, the tied embedding's and the loss's all-reduces, the step outside its schedule)."""
+    cluster = cluster or run_cluster(row, cal)
     model, layout, ops = gpt_shape(row), gpt_layout(row), gpt_ops(row)
     practice = gpt_practice(row, ops)
     world, lay = row["world"], row["layout"]
@@ -383,8 +628,11 @@ def predict_gpt(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     group = lay["dp"] * lay["cp"]
     terms["loss all-reduce"] = group_time("all_reduce", 8.0, group, 1, cluster) if group > 1 else 0.0
     extra = {}
-    if row.get("forward_ms", 0.0) > 0 or row.get("backward_ms", 0.0) > 0:
+    if padded(row):
         extra = _pad_gpt(row, model, layout, cluster, practice, st, terms)
+    outside = outside_schedule(row, cal, cluster)
+    terms["optimizer"] += outside.pop("optimizer")
+    terms.update(outside)
     return {"predicted_s": sum(terms.values()), "terms": terms, "step_time": st, "ops": ops, **extra}
 
 
@@ -420,8 +668,9 @@ def _pad_gpt(row, model, layout, cluster, practice, st, terms) -> dict:
 
 def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
     """Chapter 13: each virtual stage's forward and backward of one micro-batch from the time model's pieces, each
-    action padded to max(compute, pad), and ``pipeline_makespan`` of the run's schedule over them."""
-    cluster = cluster or device_from(cal)
+    action padded to max(compute, pad), and ``pipeline_makespan`` of the run's schedule over them (``schedule_s``),
+    plus the step outside its schedule (``outside_schedule``)."""
+    cluster = cluster or run_cluster(row, cal)
     m_, lay = row["model"], row["layout"]
     layers, h, mbs = m_["layers"], m_["hidden"], row["micro_batch_size"]
     p, v, m = lay["pp"], lay.get("virtual_stages", 1), row["micro_batches"]
@@ -465,8 +714,9 @@ def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     terms["padding"] = busy[critical] - compute
     terms["bubble"] = flat - busy[critical]
     terms["pp"] = total - flat
-    return {"predicted_s": total, "terms": terms, "forward": fwd, "backward": bwd, "message": message,
-            "busy": busy, "ops": ops}
+    terms.update(outside_schedule(row, cal, cluster))
+    return {"predicted_s": sum(terms.values()), "schedule_s": total, "terms": terms, "forward": fwd,
+            "backward": bwd, "message": message, "busy": busy, "ops": ops}
 
 
 # -- both -----------------------------------------------------------------------------------------------------------
@@ -509,10 +759,13 @@ def compare_runs(cal: MachineCalibration, rows: list[dict]) -> list[dict]:
     """Per row: predicted and measured median step, ratio = predicted / measured, whether it is within
     ``TOLERANCE``, the largest term and all terms; for a run that sends messages (a pipeline, the CP ring), one
     message's size, its fitted p2p time and the measured p2p median nearest that size."""
-    cluster = device_from(cal)
+    clusters = {}
     out = []
     for row in rows:
-        pred = predict(row, cal, cluster)
+        world = busy_world(row)
+        if world not in clusters:
+            clusters[world] = device_from(cal, world)
+        pred = predict(row, cal, clusters[world])
         measured = row["measured_median_s"]
         ratio = pred["predicted_s"] / measured if measured > 0 else float("nan")
         terms = pred["terms"]
@@ -537,5 +790,6 @@ def comparison_table(compared: list[dict]) -> Table:
                          f"{ok} of {len(compared)} within {TOLERANCE:.0%}")
 
 
-__all__ = ["OpCount", "compare_runs", "comparison_table", "count_gpt_ops", "count_mlp_chunk_ops", "device_from",
-           "link_fits", "op_seconds", "predict"]
+__all__ = ["OpCount", "StepOps", "adamw_ops", "compare_runs", "comparison_table", "contended", "count_gpt_ops",
+           "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "device_from", "link_fits", "op_seconds",
+           "optimizer_op_seconds", "outside_schedule", "predict"]

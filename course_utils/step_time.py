@@ -72,9 +72,10 @@ ATTENTION_SHARE_CUDNN = {
 }
 FLASH_BACKWARD_FLOPS = 2.5  # backward = 2.5 x forward FLOPs (FlashAttention-2, sec 4: fwd+bwd counted as 3.5x fwd)
 ADAMW_BYTES_PER_PARAM = 30.0
-# Kernels per layer (forward, backward) of an unfused pre-LN block in eager PyTorch: counted once on the course's
-# block with torch's dispatch (course_utils/calibration.py counts the learner's own model the same way).
-OPS_PER_LAYER = (24, 48)
+# Kernels per layer (forward, backward) of an unfused pre-LN block in eager PyTorch: the aten ops of chapter 15's
+# block counted with torch's dispatch mode (course_utils/machine_device.py counts the learner's own model the same
+# way); on a GPU they only bound a layer's time from below, which no published run's layer comes near.
+OPS_PER_LAYER = (38, 69)
 
 
 @dataclass(frozen=True)

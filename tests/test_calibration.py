@@ -72,6 +72,80 @@ def test_the_fit_refuses_what_it_cannot_fit():
         fit_alpha_beta([8, 64], [1e-4, float("nan")])
 
 
+def test_alpha_at_a_given_beta_recovers_the_law_and_stays_positive():
+    sizes = [8, 4096, 65536]
+    assert cal_mod.alpha_at(1e-9, sizes, [1.2e-3 + 1e-9 * s for s in sizes]) == pytest.approx(1.2e-3, rel=1e-12)
+    assert cal_mod.alpha_at(1e-6, sizes, [1e-4] * 3) > 0  # the bytes alone would overshoot: held at its floor
+
+
+def _rank(world: int, rank: int, per_call: dict) -> dict:
+    """A rank's contended result as workers/calibrate.py returns it: per kind, size and busy, its calls."""
+    rows = {kind: [{"bytes": b, "busy": busy, "seconds": per_call.get((kind, b, busy, rank), [])}
+                   for b in (8, 65536) for busy in ((world - 2,) if kind == "world_all_reduce" else (0, world - 2))
+                   if not (kind == "world_all_reduce" and b > 8)]
+            for kind in ("p2p", "all_reduce", "world_all_reduce")}
+    return {"contended": rows, "barrier": [1e-3, 2e-3, 3e-3]}
+
+
+def test_contended_rows_and_fits_from_synthetic_ranks():
+    # rank 0 times a ping-pong (its one way); an all-reduce counts per call the least of its ranks' times
+    calls = {("p2p", b, busy, 0): [(1e-4 if busy == 0 else 1.5e-3) + 1e-9 * b] * 5 for b in (8, 65536)
+             for busy in (0, 2)}
+    calls.update({("all_reduce", b, busy, r): [(3e-4 if busy == 0 else 2e-3) + 2e-9 * b + r * 1e-3] * 4
+                  for b in (8, 65536) for busy in (0, 2) for r in (0, 1)})
+    calls.update({("world_all_reduce", 8, 2, r): [5e-3 + r * 1e-4] * 3 for r in range(4)})
+    ranks = [_rank(4, r, calls) for r in range(4)]
+    rows = cal_mod.contended_rows(ranks)
+    mean = cal_mod.CONTENDED_COLUMNS.index("mean")
+    p2p = {(r[0], r[1]): r for r in rows["p2p"]}
+    assert p2p[(8, 2)][2] == pytest.approx(1.5e-3 + 8e-9) and p2p[(8, 2)][7] == 5
+    assert p2p[(8, 2)][mean] == pytest.approx(p2p[(8, 2)][2])
+    ar = {(r[0], r[1]): r for r in rows["all_reduce"]}
+    assert ar[(65536, 0)][2] == pytest.approx(3e-4 + 2e-9 * 65536)  # rank 0's, the smaller
+    assert rows["world_all_reduce"][0][2] == pytest.approx(5e-3)
+    raw = {2: {"contended": {}}, 4: {"contended": rows}}
+    fits = cal_mod._contended_fits(raw, {("p2p", 4): (6e-5, 1e-9), ("all_reduce", 2): (3e-4, 2e-9),
+                                         ("all_reduce", 4): (1e-3, 3e-9)})
+    assert fits["contended_world"] == 4
+    assert fits["p2p_busy"] == pytest.approx((1.5e-3, 1e-9)) and fits["p2p_quiet"] == pytest.approx((1e-4, 1e-9))
+    assert fits["all_reduce_busy"] == pytest.approx((2e-3, 2e-9))
+    assert fits["all_reduce_quiet"] == pytest.approx((3e-4, 2e-9))
+    assert fits["world_all_reduce_busy"][1] == 3e-9 and fits["world_all_reduce_busy"][0] == pytest.approx(5e-3 - 24e-9)
+    assert cal_mod._contended_fits({2: {"contended": {}}}, {}) == {}  # two ranks: nothing measured
+
+
+def test_the_new_fields_round_trip_and_an_older_file_still_loads():
+    old = {"format": cal_mod.FORMAT, "cpu": "x", "capability": "DEFAULT", "cores": 2, "threads_per_rank": 1,
+           "world_sizes": [2], "torch_version": "0", "op_s": 1e-6, "op_forward_s": 2e-6,
+           "op_forward_backward_s": 8e-6, "backward_call_s": 2e-5, "linear_forward_backward_s": 6e-5,
+           "matmul": [["float32", 8, 8, 8, 1e9]], "stream_bandwidth": 1e10, "contention": [["op", 1, 1.0]],
+           "collectives": [["p2p", 2, 6e-5, 1e-9]], "fit_error": [["p2p", 2, 0.1]], "p2p": [6e-5, 1e-9],
+           "measured_at": "", "seconds": 1.0, "params": {}, "raw": {}}
+    import json
+
+    cal = MachineCalibration.from_json(json.dumps(old))  # written before the contended fields existed
+    assert cal.contended_world == 0 and cal.p2p_busy == (0.0, 0.0) and cal.barrier == () and cal.adamw_step_s == 0
+    assert cal.barrier_seconds(4) == 0.0
+    new = {**old, "contended_world": 4, "p2p_busy": [1.5e-3, 1e-9], "p2p_quiet": [1e-4, 1e-9],
+           "all_reduce_busy": [2e-3, 2e-9], "all_reduce_quiet": [3e-4, 2e-9], "world_all_reduce_busy": [5e-3, 3e-9],
+           "barrier": [[2, 2e-4], [4, 1e-3]], "adamw_step_s": 3e-4, "adamw_shapes": [[32], [32, 32]]}
+    cal = MachineCalibration.from_json(json.dumps(new))
+    assert cal.p2p_busy == (1.5e-3, 1e-9) and cal.adamw_shapes == ((32,), (32, 32))
+    assert cal.barrier_seconds(4) == 1e-3 and cal.barrier_seconds(3) == 1e-3 and cal.barrier_seconds(1) == 0.0
+    assert MachineCalibration.from_json(cal.to_json()) == cal
+    assert "others busy" in str(cal.summary()) and "barrier, 4 ranks" in str(cal.summary())
+
+
+def test_the_worker_refuses_contended_settings_it_cannot_run():
+    from course_utils.validate import InvalidParameter
+
+    for bad in ({"contended_sizes": [2]}, {"contended_rounds": 0}, {"contended_work_ms": -1.0},
+                {"contended_ms": 0.0}, {"contended_calls": 1}):
+        with pytest.raises(InvalidParameter):
+            check_params(cal_mod.WORKER, 4, {**QUICK, **bad})
+    check_params(cal_mod.WORKER, 4, {**QUICK, "contended_sizes": []})  # none: the phase is skipped
+
+
 def test_the_default_runs_are_the_chapters_runs_and_every_one_passes_its_workers_check():
     runs = default_runs()
     names = [(r.chapter, r.name) for r in runs]
@@ -128,6 +202,28 @@ def test_the_calibration_describes_this_machine(calibration):
     assert {(kind, k) for kind, k, _ in c.contention} == {(kind, k) for kind in ("matmul", "op", "stream")
                                                          for k in (1, 2)}
     assert all(s == 1.0 for _, k, s in c.contention if k == 1)
+    assert c.adamw_step_s > 0 and len(c.adamw_shapes) == 12
+    assert [w for w, _ in c.barrier] == [2] and c.barrier[0][1] > 0
+    assert c.contended_world == 0 and c.p2p_busy == (0.0, 0.0)  # two ranks: no other rank to be busy
+
+
+@pytest.mark.ranks
+def test_contended_messages_are_measured_with_the_other_ranks_busy_and_idle():
+    short = {**QUICK, "collectives": ["broadcast"], "contended_ms": 3.0, "contended_rounds": 1,
+             "contended_work_ms": 0.2}
+    ranks = cal_mod.run_worker(cal_mod.WORKER, world_size=3, **short).ranks
+    raw = cal_mod.aggregate(ranks)
+    rows = raw["contended"]
+    assert {(r[0], r[1]) for r in rows["p2p"]} == {(b, busy) for b in (8, 65536) for busy in (0, 1)}
+    assert {(r[0], r[1]) for r in rows["world_all_reduce"]} == {(8, 1)}
+    for kind, kind_rows in rows.items():
+        for _, _, median, q1, q3, lo, hi, calls, mean in kind_rows:
+            assert calls >= 1 and 0 <= lo <= q1 <= median <= q3 <= hi and lo <= mean <= hi, kind
+    fits = cal_mod._contended_fits({3: raw}, {("p2p", 3): (6e-5, 1e-9), ("all_reduce", 2): (3e-4, 1e-9),
+                                              ("all_reduce", 3): (1e-3, 1e-9)})
+    assert fits["contended_world"] == 3
+    assert all(fits[k][0] > 0 for k in cal_mod.CONTENDED_FITS)
+    assert len(raw["barrier"]) == 7 and raw["barrier"][0] > 0
 
 
 @pytest.mark.ranks

@@ -30,6 +30,11 @@ SYNTHETIC = {
     "collectives": COLLECTIVES, "fit_error": [[n, w, 0.1] for n, w, _, _ in COLLECTIVES],
     "p2p": [6e-5 * 2, 8e-10], "measured_at": "2025-01-01T00:00:00+00:00", "seconds": 1.0, "params": {},
     "raw": {"4": {"collectives": {"p2p": [[8, 6e-5], [4096, 1e-3], [65536, 1.5e-3]]}}},
+    # messages between two of four ranks, the other two busy or idle, and the AdamW step and barriers
+    "contended_world": 4, "p2p_busy": [1.5e-3, 8e-10], "p2p_quiet": [1.2e-4, 8e-10],
+    "all_reduce_busy": [2e-3, 5e-10], "all_reduce_quiet": [4e-4, 5e-10], "world_all_reduce_busy": [3e-3, 5e-10],
+    "barrier": [[2, 2e-4], [4, 1.5e-3]], "adamw_step_s": 3e-4,
+    "adamw_shapes": [[32], [32], [96, 32], [96], [32, 32], [32], [32], [32], [128, 32], [128], [32, 128], [32]],
 }
 
 
@@ -92,9 +97,60 @@ def test_a_padded_pipeline_is_the_makespan_of_its_padded_stages(cal, name):
     assert len(fwd) == len(bwd) == p * v
     assert min(fwd) >= row["forward_ms"] / 1e3 / v and min(bwd) >= row["backward_ms"] / 1e3 / v
     busiest = max(m * sum(fwd[vs] + bwd[vs] for vs in range(r, p * v, p)) for r in range(p))
-    assert pred["predicted_s"] >= busiest >= m * (row["forward_ms"] + row["backward_ms"]) / 1e3
-    assert pred["predicted_s"] == pipeline_makespan(lay["schedule"], p, m, v, fwd, bwd, pred["message"])
+    assert pred["schedule_s"] >= busiest >= m * (row["forward_ms"] + row["backward_ms"]) / 1e3
+    assert pred["schedule_s"] == pipeline_makespan(lay["schedule"], p, m, v, fwd, bwd, pred["message"])
+    # a padded action sleeps: its rank holds no core, so the message is the quiet one
+    assert pred["message"] == md.group_time("send_recv", 4 * 16 * 4, 2, 1, md.device_from(cal))
+    outside = md.outside_schedule(row, cal, md.device_from(cal))
+    assert pred["predicted_s"] == pytest.approx(pred["schedule_s"] + sum(outside.values()), rel=1e-12)
     assert sum(pred["terms"].values()) == pytest.approx(pred["predicted_s"], rel=1e-12)
+
+
+def test_more_ranks_than_cores_price_a_small_groups_messages_at_the_contended_cost(cal):
+    quiet = dict(((n, w), (a, b)) for n, w, a, b in md.link_fits(cal))
+    assert md.link_fits(cal, 2) == md.link_fits(cal)  # as many ranks as cores: every fit as measured
+    assert not md.contended(cal, 2) and md.contended(cal, 4)
+    busy = dict(((n, w), (a, b)) for n, w, a, b in md.link_fits(cal, 4))
+    assert busy[("send_recv", 2)] == cal.p2p_busy and busy[("all_reduce", 2)] == cal.all_reduce_busy
+    excess = cal.p2p_busy[0] - cal.p2p_quiet[0]
+    for name in ("all_gather", "reduce_scatter"):  # not measured under contention: one excess per ring message
+        assert busy[(name, 2)] == pytest.approx((quiet[(name, 2)][0] + excess, quiet[(name, 2)][1]))
+    for key in quiet:  # every rank of the world in the collective, and the raw p2p fits: as measured
+        if key[1] == 4 or key[0] == "p2p":
+            assert busy[key] == quiet[key]
+    assert md.hops("all_reduce", 4) == 6 and md.hops("all_gather", 4) == 3
+    older = MachineCalibration.from_json(json.dumps({k: v for k, v in SYNTHETIC.items()
+                                                     if k not in ("contended_world", "p2p_busy")}))
+    assert md.link_fits(older, 4) == md.link_fits(older)  # a calibration without contended messages
+
+
+def test_an_unpadded_pipeline_on_more_ranks_than_cores_waits_the_contended_message(cal):
+    row = _row("1f1b pp 4 m 8 unpadded")
+    pred = md.predict(row, cal)
+    assert pred["message"] == pytest.approx(cal.p2p_busy[0] + cal.p2p_busy[1] * 4 * 16 * 4)
+    assert pred["schedule_s"] == pipeline_makespan("1f1b", 4, 8, 1, pred["forward"], pred["backward"],
+                                                   pred["message"])
+    gpt = md.predict(_row("1x1x4x1 zero 0"), cal)  # the tied embedding: a 2-rank all-reduce, others computing
+    assert gpt["terms"]["tied embedding"] == pytest.approx(cal.all_reduce_busy[0] + cal.all_reduce_busy[1] * 32 * 32 * 8)
+
+
+def test_the_step_outside_the_schedule_is_counted_ops_at_measured_costs(cal):
+    for name in ("1x1x1x4 zero 0", "1x1x1x4 zero 1", "2x1x1x1", "1f1b pp 2 m 4 unpadded"):
+        row = _row(name)
+        cluster = md.device_from(cal, row["world"])
+        ops = md.step_ops(row)
+        slow = md.contention(cluster, row["world"])
+        outside = md.outside_schedule(row, cal, cluster)
+        assert outside["optimizer"] == pytest.approx(ops.optimizer * md.optimizer_op_seconds(cal) * slow)
+        gathers = sum(md.group_time("all_gather", b, 4, 1, cluster) for b in ops.report_gather_bytes)
+        assert outside["reporting"] == pytest.approx(ops.reporting * cal.op_s * slow + gathers)
+        assert outside["barrier"] == cal.barrier_seconds(row["world"])
+        assert bool(ops.report_gather_bytes) == (name == "1x1x1x4 zero 1")  # ZeRO-1's report gathers its grads
+        pred = md.predict(row, cal)
+        assert pred["terms"]["reporting"] == outside["reporting"] and pred["terms"]["barrier"] == outside["barrier"]
+    # the optimizer's op: the calibration's AdamW step over the ops counted in it (12 tensors, about 10 ops each)
+    assert md.adamw_ops(tuple(map(tuple, SYNTHETIC["adamw_shapes"]))) == md.adamw_ops(((1,),) * 12) >= 120
+    assert md.optimizer_op_seconds(cal) == pytest.approx(3e-4 / md.adamw_ops(((1,),) * 12))
 
 
 def test_the_op_counts_are_positive_integers_and_the_same_every_time():
@@ -108,6 +164,14 @@ def test_the_op_counts_are_positive_integers_and_the_same_every_time():
     assert chunks == md.count_mlp_chunk_ops.__wrapped__(8, 16, 4, 4, 8) and len(chunks) == 4
     assert all(isinstance(x, int) and x > 0 for pair in chunks for x in pair)
     assert md.linear_step_ops() > 0
+    for kwargs in ({}, {"pp": 4, "micro_batches": 2}, {"cp": 4, "zero": 1}):
+        first, second = (md.count_gpt_step_ops.__wrapped__(**kwargs) for _ in range(2))
+        assert first == second and first.optimizer > 0 and first.reporting > 0
+    # ZeRO-0 steps every tensor (AdamW, about ten ops each); ZeRO-1 one flat shard per bucket, but collects views
+    whole, stage = md.count_gpt_step_ops(), md.count_gpt_step_ops(pp=4, micro_batches=2)
+    assert whole.optimizer > stage.optimizer and whole.reporting > stage.reporting  # a stage holds fewer tensors
+    mlp = md.count_mlp_step_ops.__wrapped__(8, 16, 4, 4, 2, 1)
+    assert mlp == md.count_mlp_step_ops.__wrapped__(8, 16, 4, 4, 2, 1) and mlp.optimizer > 0 and mlp.reporting > 0
 
 
 def test_compare_runs_gives_one_row_per_run_in_order(cal):
@@ -124,6 +188,7 @@ def test_compare_runs_gives_one_row_per_run_in_order(cal):
         assert sum(c["terms"].values()) == pytest.approx(c["predicted_s"], rel=1e-12)
         assert c["dominant"] in c["terms"]
     assert "padding" in compared[2]["terms"] and "tied embedding" in compared[0]["terms"]
+    assert all({"optimizer", "reporting", "barrier"} <= set(c["terms"]) for c in compared)
     assert f"of {len(names)} within" in str(md.comparison_table(compared))
 
 

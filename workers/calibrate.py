@@ -22,10 +22,24 @@ barrier (a gloo barrier waits without spinning): the median of ``repeats`` repea
   float32; nccl-tests' S: the whole buffer, for all_gather the gathered output, for reduce_scatter the unreduced
   input, for all_to_all each rank's whole buffer), and ``p2p``: isend/irecv ping-pong between ranks 2i and 2i+1
   (all pairs at once), one way = half a round trip. Each call is timed on its own, back to back, ``calls`` to
-  ``max_calls`` of them (as many as fit in ``point_ms``).
+  ``max_calls`` of them (as many as fit in ``point_ms``);
+* **contended** messages (worlds of 3 ranks or more): ranks 0 and 1 as two pipeline stages, each computing
+  ``contended_work_ms`` of small eager ops between messages: a ping-pong (one way = (round trip - the other side's
+  work) / 2) and an all-reduce over the pair, at every size of ``contended_sizes``, while the other world - 2 ranks
+  are busy (spinning on small eager ops, as a training rank computes) or idle (in a barrier); and an all-reduce of
+  the whole world with every rank computing between calls (``world_all_reduce``, the smallest size). A rank
+  blocked in a receive sleeps; when the message comes it must get a core back, and with more busy ranks than cores
+  that waits for the scheduler to take one from a busy rank, not for the wire. The scheduler tends to stay in one
+  regime for a window, so each point is ``contended_rounds`` windows of about ``contended_ms`` taken in turn, each
+  call timed on its own;
+* **barrier**: barriers of the whole world back to back, each timed (every world of 2 ranks or more);
+* **adamw**: one ``torch.optim.AdamW`` step (as on CPU: a loop over the parameters, about ten eager ops each) over
+  the parameters of one layer of chapter 15's GPT (``ADAMW_SHAPES``, float64), measured with the ops.
 
 Each rank returns its own numbers; the notebook (``course_utils/calibration.py``) takes the slowest rank's median
-for a collective (it is done when its last rank is) and the median over the busy ranks for contention.
+for a collective (it is done when its last rank is) and the median over the busy ranks for contention; a contended
+ping-pong is rank 0's (it times the round trip), a contended all-reduce per call the least of its ranks' times (the
+rank that arrived last times the collective itself).
 """
 from __future__ import annotations
 
@@ -45,6 +59,10 @@ SHAPES = ["4x16x16", "8x32x32", "32x32x96", "64x64x64", "128x32x128", "128x128x1
 SIZES = [8, 64, 512, 4096, 32768, 262144, 1048576, 4194304]
 CHAIN = (1, 2, 4, 8, 16)  # ops per autograd chain: the slope in K is one op's cost
 MAX_BYTES = 64 << 20
+CONTENDED = ("p2p", "all_reduce", "world_all_reduce")
+CONTENDED_SIZES = [8, 65536]
+# one layer of chapter 15's GPT at hidden 32, ffn 128 (two LayerNorms, QKV, output projection, the MLP's two)
+ADAMW_SHAPES = ((32,), (32,), (96, 32), (96,), (32, 32), (32,), (32,), (32,), (128, 32), (128,), (32, 128), (32,))
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -68,18 +86,28 @@ def _shape_problem(shapes) -> str | None:
 
 def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes=SIZES, collectives=COLLECTIVES,
                  contention_shape="256x256x256", repeats=7, target_ms=2.0, window_ms=30.0, windows=3, calls=11,
-                 max_calls=41, point_ms=50.0, stream_mib=32, **_):
-    bad_sizes = not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 4 or s > MAX_BYTES
-                                 for s in sizes)
+                 max_calls=41, point_ms=50.0, stream_mib=32, contended_sizes=CONTENDED_SIZES, contended_ms=40.0,
+                 contended_calls=100, contended_work_ms=1.0, contended_rounds=6, **_):
+    def bad(values):
+        return any(not isinstance(s, int) or isinstance(s, bool) or s < 4 or s > MAX_BYTES for s in values)
+
+    bad_sizes = not sizes or bad(sizes)
     return refusal(_shape_problem(shapes), _shape_problem([contention_shape]),
                    *(one_of("dtypes", d, tuple(DTYPES)) for d in dtypes),
                    *(one_of("collectives", c, COLLECTIVES) for c in collectives),
                    f"sizes must be whole numbers of bytes from 4 to {MAX_BYTES} (64 MiB), not {sizes!r}"
                    if bad_sizes else None,
+                   f"contended_sizes must be whole numbers of bytes from 4 to {MAX_BYTES} (64 MiB), not "
+                   f"{contended_sizes!r}" if not isinstance(contended_sizes, (list, tuple)) or bad(contended_sizes)
+                   else None,
                    at_least("repeats", repeats, 3), at_least("windows", windows), at_least("calls", calls, 3),
+                   at_least("contended_calls", contended_calls, 2), at_least("contended_rounds", contended_rounds),
+                   None if 0 <= contended_work_ms <= 100 else
+                   f"contended_work_ms={contended_work_ms} must be between 0 and 100 ms",
                    None if max_calls >= calls else f"max_calls={max_calls} must be at least calls={calls}",
                    *(None if 0.05 <= v <= 1000 else f"{k}={v} must be between 0.05 and 1000 ms"
-                     for k, v in (("target_ms", target_ms), ("window_ms", window_ms), ("point_ms", point_ms))),
+                     for k, v in (("target_ms", target_ms), ("window_ms", window_ms), ("point_ms", point_ms),
+                                  ("contended_ms", contended_ms))),
                    None if 1 <= stream_mib <= 256 else f"stream_mib={stream_mib} must be between 1 and 256")
 
 
@@ -155,6 +183,17 @@ def _linear_fn():
     return step
 
 
+def _adamw_fn():
+    """One AdamW step over ``ADAMW_SHAPES`` (float64, chapter 15's betas, eps and weight decay), past the first (which
+    creates the state): on CPU torch steps one parameter at a time (``foreach`` is for CUDA tensors)."""
+    params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in ADAMW_SHAPES]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opt.step()
+    return opt.step
+
+
 def _fit_line(xs, ys) -> tuple[float, float]:
     """Least-squares (intercept, slope) of ys over xs."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -174,7 +213,9 @@ def measure_ops(repeats: int, target_s: float) -> dict:
     return {"op_s": op["median"], "op": op, "chain": list(CHAIN), "chain_forward_s": fwd,
             "chain_forward_backward_s": fwd_bwd, "op_forward_s": f1, "op_forward_backward_s": c1,
             "backward_call_s": c0, "forward_intercept_s": f0,
-            "linear_forward_backward_s": timed(_linear_fn(), repeats, target_s)["median"]}
+            "linear_forward_backward_s": timed(_linear_fn(), repeats, target_s)["median"],
+            "adamw_step_s": timed(_adamw_fn(), repeats, target_s)["median"],
+            "adamw_shapes": [list(s) for s in ADAMW_SHAPES]}
 
 
 def measure_stream(mib: int, repeats: int) -> dict:
@@ -290,6 +331,114 @@ def measure_collective(ctx, name: str, sizes, calls: int, max_calls: int, point_
     return rows
 
 
+# -- contended messages ----------------------------------------------------------------------------------------------
+
+def _spin(seconds: float) -> int:
+    """Small eager ops back to back for ``seconds``, as a training rank's step dispatches them; how many."""
+    a, b = torch.ones(8), torch.ones(8)
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            torch.add(a, b)
+        n += 8
+    return n
+
+
+def _pair_call(kind: str, total: int, rank: int, pair, work_s: float):
+    """``call(more) -> (seconds, more)`` for ranks 0 and 1, as two pipeline stages: each computes ``work_s`` of small
+    eager ops, then they exchange. ``p2p``: rank 0 sends and waits for the answer, which rank 1 sends after its own
+    ``work_s`` (its measured length rides in the answer): one way = (round trip - rank 1's work) / 2, the wire and
+    the two wake-ups. ``all_reduce``: both compute, then all-reduce over the pair, each timing its call (the one
+    that arrived last times the collective itself); ``world_all_reduce`` the same over every rank of the world.
+    ``more`` (rank 0's choice) rides in the message, so that the others know whether another call follows."""
+    buf, back = torch.zeros(total), torch.empty(total)  # at least 2 elements: [more, seconds of work]
+    if kind == "p2p":
+        def call(more: bool) -> tuple[float, bool]:
+            if rank == 0:
+                _spin(work_s)
+                buf[0] = 1.0 if more else 0.0
+                start = time.perf_counter()
+                send = dist.isend(buf, dst=1)
+                dist.irecv(back, src=1).wait()
+                send.wait()
+                return max(time.perf_counter() - start - back[1].item(), 0.0) / 2, more
+            dist.irecv(back, src=0).wait()
+            start = time.perf_counter()
+            _spin(work_s)
+            buf[1] = time.perf_counter() - start
+            dist.isend(buf, dst=0).wait()
+            return float("nan"), back[0].item() != 0.0
+        return call
+
+    group = None if kind == "world_all_reduce" else pair
+
+    def all_reduce(more: bool) -> tuple[float, bool]:
+        _spin(work_s)
+        buf.zero_()
+        if rank == 0:
+            buf[0] = 1.0 if more else 0.0
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        seconds = time.perf_counter() - start
+        return seconds, buf[0].item() != 0.0
+    return all_reduce
+
+
+def measure_contended(ctx, sizes, window_ms: float, max_calls: int, work_ms: float, rounds: int) -> dict:
+    """Ranks 0 and 1 exchange messages (``CONTENDED``, each side computing ``work_ms`` between them) for a window of
+    about ``window_ms`` while ``busy`` = 0 or world - 2 other ranks spin on small eager ops (10% longer than the
+    window and 10 ms more, so that the pair's last call still has them busy; with 0 they wait in a barrier);
+    ``world_all_reduce`` has every rank compute and all-reduce, at the smallest size (``busy`` = world - 2: while two
+    ranks exchange, the others compute). The scheduler tends to stay in one regime for a whole window (the woken rank gets a core at
+    once, or after a slice), so each point is ``rounds`` windows, taken in turn with the others'. Rows per kind,
+    size and busy of each rank's calls (``seconds``: every call's, in order; empty on a rank that only spun or
+    waited)."""
+    rank, world = ctx.rank, ctx.world_size
+    pair = dist.new_group([0, 1])  # every rank takes part in making it
+    window, work = window_ms / 1e3, work_ms / 1e3
+    points = [(kind, int(nbytes), busy) for kind in CONTENDED
+              for nbytes in (sizes[:1] if kind == "world_all_reduce" else sizes)
+              for busy in ([world - 2] if kind == "world_all_reduce" else [0, world - 2])]
+    calls, samples = {}, {point: [] for point in points}
+    for _ in range(rounds):
+        for point in points:
+            kind, nbytes, busy = point
+            everyone = kind == "world_all_reduce"
+            if (rank < 2 or everyone) and point not in calls:
+                calls[point] = _pair_call(kind, max(element_count(nbytes, 1), 2), rank, pair, work)
+            dist.barrier()
+            if point in calls:
+                call = calls[point]
+                call(True)  # warm-up: the window's first call
+                start, more, n = time.perf_counter(), True, 0
+                while more:
+                    if rank == 0:
+                        more = time.perf_counter() - start < window and n + 1 < max_calls
+                    seconds, more = call(more)
+                    samples[point].append(seconds)
+                    n += 1
+            elif rank < 2 + busy:
+                _spin(1.1 * window + 0.01)
+            dist.barrier()
+    rows = {kind: [] for kind in CONTENDED}
+    for kind, nbytes, busy in points:
+        rows[kind].append({"bytes": max(element_count(nbytes, 1), 2) * 4, "busy": busy,
+                           "seconds": samples[(kind, nbytes, busy)]})
+    return rows
+
+
+def measure_barrier(calls: int) -> list[float]:
+    """``calls`` barriers of the whole world back to back, each timed (what the pipeline executor's step starts
+    with)."""
+    dist.barrier()
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        dist.barrier()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
 # -- the run --------------------------------------------------------------------------------------------------------
 
 def cpu_name() -> str:
@@ -306,8 +455,11 @@ def cpu_name() -> str:
 def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # noqa: B006
          sizes: list = SIZES, collectives: list = list(COLLECTIVES), contention_shape: str = "256x256x256",
          repeats: int = 7, target_ms: float = 2.0, window_ms: float = 30.0, windows: int = 3, calls: int = 11,
-         max_calls: int = 41, point_ms: float = 50.0, stream_mib: int = 32):
-    """Measure matmul rates, per-op overheads, memory bandwidth, contention and collectives on these ranks."""
+         max_calls: int = 41, point_ms: float = 50.0, stream_mib: int = 32, contended_sizes: list = CONTENDED_SIZES,
+         contended_ms: float = 40.0, contended_calls: int = 100, contended_work_ms: float = 1.0,
+         contended_rounds: int = 6):
+    """Measure matmul rates, per-op overheads, memory bandwidth, contention, collectives and messages under
+    contention on these ranks."""
     start = time.perf_counter()
     target_s = target_ms / 1e3
     phases = {}
@@ -357,15 +509,27 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
         coll[name] = measure_collective(ctx, name, sizes, calls, max_calls, point_ms)
     phase("collectives", t0)
 
+    t0 = time.perf_counter()
+    contended = None
+    if ctx.world_size > 2 and contended_sizes:
+        contended = measure_contended(ctx, contended_sizes, contended_ms, contended_calls, contended_work_ms,
+                                      contended_rounds)
+    barrier = measure_barrier(max(calls, max_calls)) if ctx.world_size > 1 else []
+    phase("contended", t0)
+
     return {"cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
             "torch": torch.__version__, "world_size": ctx.world_size, "backend": ctx.backend,
             "device": str(ctx.device), "matmul": matmul if ctx.rank == 0 else None, "ops": ops, "stream": stream,
             "contention": shared, "contention_shape": [cm, cn, ck], "stream_bytes": n_stream * 4,
-            "collectives": coll, "phases": phases, "seconds": time.perf_counter() - start,
+            "collectives": coll, "contended": contended, "barrier": barrier, "phases": phases,
+            "seconds": time.perf_counter() - start,
             "params": {"repeats": repeats, "target_ms": target_ms, "window_ms": window_ms, "windows": windows,
-                       "calls": calls, "max_calls": max_calls, "point_ms": point_ms, "stream_mib": stream_mib}}
+                       "calls": calls, "max_calls": max_calls, "point_ms": point_ms, "stream_mib": stream_mib,
+                       "contended_sizes": list(contended_sizes), "contended_ms": contended_ms,
+                       "contended_calls": contended_calls, "contended_work_ms": contended_work_ms,
+                       "contended_rounds": contended_rounds}}
 
 
 if __name__ == "__main__":
