@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from workers.layout.rules import Layout
@@ -94,6 +94,7 @@ def practice(row: PublishedConfig) -> Practice:
     overlap = value(row, "grad_overlap")
     return Practice(flash_attention=(row.year or 0) >= 2023, dtype=value(row, "dtype") or "bf16",
                     grad_overlap=True if overlap is None else overlap, dualpipe=row.schedule == "dualpipe",
+                    ep_overlap=bool(value(row, "ep_overlap")),
                     fused=row.fused_kernels, recompute_matmuls=0.5 if row.paper == "torchtitan" else 0.0,
                     pp_outermost=row.paper in PP_OUTERMOST,
                     attention_kernel="cudnn" if row.paper in CUDNN_ATTENTION else "flash")
@@ -147,7 +148,7 @@ def cluster_of(row: PublishedConfig) -> Cluster:
 
 
 def compare(row: PublishedConfig, sustained: dict[str, float] | None = None, **overrides) -> Comparison:
-    """Price one published run; ``overrides`` replace Layout fields (what an assumption would change)."""
+    """Price one published run; ``overrides`` replace Layout or Practice fields (what an assumption would change)."""
     shares = tuple(sorted((SUSTAINED if sustained is None else sustained).items()))
     return _compare(row, shares, tuple(sorted(overrides.items())))
 
@@ -159,16 +160,20 @@ def _compare(row: PublishedConfig, shares: tuple, overrides: tuple) -> Compariso
     sustained, overrides = dict(shares), dict(overrides)
     model = shape(row)
     cl = cluster_of(row)
+    habits = {k: overrides.pop(k) for k in list(overrides) if k in _PRACTICE_FIELDS}
     lay = replace(layout(row), **overrides)
     if lay.virtual_stages == 1 and lay.schedule == "interleaved":
         lay = replace(lay, schedule="1f1b")
     lay = resolve_layout(model, lay, row.gpus, global_batch=value(row, "global_batch"))
     moe = next((m for m in PUBLISHED_MOE if m.name == row.moe), None) if row.moe else None
-    st = step_time(model, lay, row.gpus, cl, practice(row), sustained=sustained.get(generation(cl), 1.0), moe=moe)
+    st = step_time(model, lay, row.gpus, cl, replace(practice(row), **habits),
+                   sustained=sustained.get(generation(cl), 1.0), moe=moe)
     return Comparison(row, st, published_step_s(row, model, lay, cl))
 
 
-_ALTERNATIVES = {"micro_batch": (1, 2, 4), "virtual_stages": (1, 2, 3, 4), "recompute": ("none", "selective", "full")}
+_PRACTICE_FIELDS = {f.name for f in fields(Practice)}
+_ALTERNATIVES = {"micro_batch": (1, 2, 4), "virtual_stages": (1, 2, 3, 4), "recompute": ("none", "selective", "full"),
+                 "ep_overlap": (False, True)}
 
 
 def _alternatives(row: PublishedConfig, name: str) -> tuple:

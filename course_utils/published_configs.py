@@ -86,6 +86,7 @@ class PublishedConfig:
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "dualpipe" | "zb"
     grad_overlap: bool | None = None  # DP gradient reduction overlapped with backward, where the source says
+    ep_overlap: bool | None = None  # expert all-to-alls hidden behind another micro-batch's compute, where it says
     cluster: str = ""  # a key of course_utils.hardware.CLUSTERS (or of CLUSTERS_TO_ADD)
     dtype: str = "bf16"  # matmul precision: "fp16", "bf16", "fp8"
     moe: str = ""  # name of a PUBLISHED_MOE entry for a mixture-of-experts run
@@ -202,12 +203,19 @@ _LLAMA3 = "Llama Team 2024, The Llama 3 Herd of Models (arXiv:2407.21783)"
 _L_COMMON = dict(gpu="H100 80GB", data_parallel="FSDP", layers=126, hidden=16384, heads=128, vocab=128_000,
                  kv_heads=8, ffn=53248, mlp="swiglu", position_embedding="rope", schedule="interleaved",
                  sequence_parallel=True,
-                 virtual_stages=2, grad_overlap=True, cluster="h100-roce", dtype="bf16", flop_convention="model",
+                 virtual_stages=8, grad_overlap=True, cluster="h100-roce", dtype="bf16", flop_convention="model",
                  published_params=405e9, published_params_unit=1e9, page="p. 10 (Table 4); pp. 10-12 (sec 3.3.2)",
                  year=2024, paper="llama3")
+# V is read, not assumed: sec 3.3.2 (p. 11) takes "one Transformer layer each from the first and the last stages.
+# This means that the first model chunk on the first stage has only the embedding, and the last model chunk on the
+# last stage has only output projection and loss calculation": taking one layer empties a chunk, so a chunk is one
+# layer, 126 layers plus the embedding's and the head's chunks are 128 chunks, V = 128 / 16 = 8. (Figure 6 draws
+# V = 2 on 4 ranks as an illustration.) As a check, not a fit: the paper's bubble ratio (PP - 1) / (V * M) with
+# V = 8 is 15/256 at 8K GPUs (M = 32) and 15/128 at 16K (M = 16), a 5.5% longer step at 16K, where Table 4's MFU
+# falls from 43% to 41% (4.7%).
+_L_V = ("V = 8 (sec 3.3.2: the first chunk of the first stage holds only the embedding once one layer is taken "
+        "from that stage, so a chunk is one layer; 126 layers + 2 = 128 chunks over PP = 16)")
 _L_ASSUMED = (
-    ("virtual_stages", 2, "sec 3.3.2 (p. 11) uses 'an interleaved schedule with V pipeline stages on one pipeline "
-                          "rank' but prints no V for Table 4; Figure 6 illustrates V = 2 (8 stages on 4 ranks)"),
     ("micro_batch", 1, "not printed: Table 4 gives only 'Batch size/DP' (32, 16, 16 sequences); Figure 6 counts "
                        "micro-batches of whole sequences"),
     ("sequence_parallel", True, "not stated; sec 3.3.2 cites Korthikanti et al. (2023), tensor parallelism with "
@@ -225,14 +233,14 @@ _L_ASSUMED = (
 LLAMA3_405B_TABLE4 = (
     PublishedConfig("Llama 3 405B, 8K GPUs", f"{_LLAMA3}, Table 4", gpus=8192, tp=8, cp=1, pp=16, dp=64,
                     seq=8192, global_batch=32 * 64, flops_per_gpu=430e12, mfu=0.43, recompute="none",
-                    assumed=_L_ASSUMED, **_L_COMMON),
+                    notes=_L_V, assumed=_L_ASSUMED, **_L_COMMON),
     PublishedConfig("Llama 3 405B, 16K GPUs", f"{_LLAMA3}, Table 4", gpus=16384, tp=8, cp=1, pp=16, dp=128,
                     seq=8192, global_batch=16 * 128, flops_per_gpu=400e12, mfu=0.41, recompute="none",
-                    assumed=_L_ASSUMED, **_L_COMMON),
+                    notes=_L_V, assumed=_L_ASSUMED, **_L_COMMON),
     PublishedConfig("Llama 3 405B, 16K GPUs, 128K context", f"{_LLAMA3}, Table 4", gpus=16384, tp=8, cp=16,
                     pp=16, dp=8, seq=131_072, global_batch=16 * 8, flops_per_gpu=380e12, mfu=0.38,
                     notes="arXiv v3 prints DP=8; other copies of the paper print DP=4, which breaks both "
-                          "8*16*16*DP = 16,384 and the 16M tokens per batch (131,072 x 16 x 8)",
+                          "8*16*16*DP = 16,384 and the 16M tokens per batch (131,072 x 16 x 8); " + _L_V,
                     derived="DP=8 as in arXiv v3 (other copies print 4)",
                     assumed=_L_ASSUMED + (
                         ("recompute", "none", "printed only for 8K-token sequences; with CP = 16 each rank holds "
@@ -668,6 +676,10 @@ MEGATRON_BRIDGE_DEEPSEEK_V3_H100 = PublishedConfig(
                          "scaling): Llama rows of the same table at 725-763 TFLOP/s exceed the BF16 peak"),
         ("sequence_parallel", True, "not printed; Megatron-Core requires sequence parallelism for MoE with TP > 1"),
         ("cluster", "h100-ib", "printed only as 'DGX-H100'; the interconnect is not printed"),
+        ("ep_overlap", False, "not printed: the 25.09 recipe's YAML sets no all-to-all overlap; the repository's "
+                              "later H100 recipe for this run (scripts/performance/configs/deepseek/"
+                              "deepseek_llm_pretrain.py) enables DeepEP and set_moe_a2a_overlap_overrides, which "
+                              "hides the dispatch and combine behind another micro-batch's compute"),
     ),
     page="n/a (a GitHub docs page: 25.09 NeMo Container, Pre-Training Performance, System: DGX-H100)", year=2025,
     paper="megatron-bridge",

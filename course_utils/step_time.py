@@ -96,6 +96,8 @@ class Practice:
     extra_ops_per_microbatch: int = 0  # ops outside the layers (a CPU trainer's loss, embedding, bookkeeping)
     imbalance: float = 1.0  # mixture of experts: the busiest expert's rows over the mean
     dualpipe: bool = False  # DeepSeek-V3's DualPipe: its bubble formula, all-to-alls overlapped with compute
+    ep_overlap: bool = False  # one micro-batch's all-to-alls hidden behind another's compute (Megatron-Core's
+    #                           overlap_moe_expert_parallel_comm); DualPipe implies it
     fused: bool = True  # elementwise work fused (Megatron's kernels, torch.compile); False: eager PyTorch passes
     recompute_matmuls: float = 0.0  # under "selective": the share of forward matmul time recomputed too
     pp_outermost: bool = False  # rank order tp-cp-dp-pp (Megatron, torchtitan, DeepSpeed) instead of Llama 3's [TP, CP, PP, DP]
@@ -416,7 +418,7 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
         cp_b = exposed(scatter, at_b, scatter / cp)
         cp_hidden = gather + scatter - cp_f - cp_b
     # EP: the dispatch and the combine, each an all-to-all of the tokens/tp rows top_k times over the EP group
-    # (forward, and again backward); DualPipe overlaps them with the other direction's compute
+    # (forward, and again backward); DualPipe and Megatron's A2A overlap hide them behind the other direction's compute
     ep_f = ep_b = ep_hidden = 0.0
     if moe is not None and expert_layer and layout.ep > 1:
         rows = b * layout.seq / cp / tp * moe.top_k * practice.imbalance
@@ -426,7 +428,7 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
         a2a = group_time("all_to_all", dispatch, layout.ep, stride, cluster) \
             + group_time("all_to_all", combine, layout.ep, stride, cluster)
         ep_f = ep_b = a2a
-        if practice.dualpipe:
+        if practice.dualpipe or practice.ep_overlap:
             ep_f = exposed(a2a, mm_f + at_f, a2a / layout.ep)
             ep_b = exposed(a2a, mm_b + at_b, a2a / layout.ep)
             ep_hidden = 2 * a2a - ep_f - ep_b

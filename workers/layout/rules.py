@@ -170,9 +170,12 @@ def problem(layout: Layout, world: int, model=None, *, global_batch: int | None 
     if getattr(model, "ffn", None) and model.ffn % tp:
         reasons.append(f"tp={tp} does not divide ffn={model.ffn}")
     if getattr(model, "layers", None):
-        if pp * v > model.layers:
+        # the first and the last stage may hold the embedding or the head alone (Llama 3, sec 3.3.2: "the first model
+        # chunk on the first stage has only the embedding"); every other stage needs a layer
+        if pp * v > model.layers + 2:
             what = f"pp={pp}" if v == 1 else f"pp x virtual_stages = {pp * v}"
-            reasons.append(f"{what} is more than layers={model.layers} (a stage without layers)")
+            reasons.append(f"{what} is more than layers={model.layers} plus the embedding's and the head's stages "
+                           f"(a stage without layers)")
         # uneven chunks are a layout (Llama 3 ran 126 layers interleaved over 16 stages, sec 3.3.2); an implementation
         # that cuts equal chunks, as Megatron and the course's ranks do, adds equal_stages_problem
     seq = lay.seq or getattr(model, "seq", None)
