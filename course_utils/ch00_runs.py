@@ -42,7 +42,7 @@ def runs_figure(comps: list[Comparison], ax=None):
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(6.4, 5.2))
+        _, ax = plt.subplots(figsize=(7, 6))
     papers = sorted({c.row.paper for c in comps})
     cmap = plt.get_cmap("tab10")
     lo = min(min(c.published_s, c.predicted.total) for c in comps) / 1.5
@@ -67,7 +67,7 @@ def runs_figure(comps: list[Comparison], ax=None):
     ax.set_ylabel("planner's seconds per step")
     ax.set_title("the planner against published runs\n(hollow: an assumed value moves it by more than the band)",
                  fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", frameon=False)
+    ax.legend(fontsize=9, loc="upper left", frameon=False)
     return ax
 
 
@@ -76,7 +76,7 @@ def breakdown_figure(comps: list[Comparison], ax=None):
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.32 * len(comps) + 1.8))
+        _, ax = plt.subplots(figsize=(10, 0.3 * len(comps) + 2))
     left = [0.0] * len(comps)
     for term, colour in TIME_COLOURS.items():
         values = [c.predicted.terms[term] / c.published_s for c in comps]
@@ -87,14 +87,21 @@ def breakdown_figure(comps: list[Comparison], ax=None):
         left = [a + v for a, v in zip(left, values)]
     ax.axvline(1.0, color="black", linewidth=1)
     ax.axvspan(1 - BAND, 1 + BAND, color="#EEEEEE", zorder=0)
-    ax.set_yticks(range(len(comps)), [f"{c.row.name} ({c.row.paper})" for c in comps], fontsize=7)
+    ax.set_yticks(range(len(comps)), [run_label(c) for c in comps], fontsize=9)
     ax.invert_yaxis()
     ax.set_xlim(0, max(1.4, max(left) * 1.05))
     ax.set_xlabel("predicted step by term / published step (1 = exact; grey: +-15%)")
     ax.set_title("where each run's predicted step goes", fontsize=10)
-    ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.6 / max(len(comps), 4) - 0.08),
+    ax.legend(fontsize=9, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.6 / max(len(comps), 4) - 0.08),
               frameon=False)
     return ax
+
+
+def run_label(c: Comparison) -> str:
+    """A run's name, with its paper's key where the name does not already say it (Korthikanti's "22B")."""
+    name, paper = c.row.name, c.row.paper
+    said = "".join(ch for ch in name.lower() if ch.isalnum())
+    return name if "".join(ch for ch in paper.lower() if ch.isalpha())[:6] in said else f"{name} ({paper})"
 
 
 SEARCH_HEADER = ["#", "tp/cp/pp/dp", "v", "micro-batch", "ZeRO", "recompute", "GB/GPU", "s/step", "MFU",

@@ -98,14 +98,34 @@ def execute(path: Path, output: Path, *, timeout: float = 900) -> float:
     return time.perf_counter() - start
 
 
+# What a stored widget output says before its cell has run in the learner's kernel: JupyterLab shows an output's
+# text/plain when the widget's model does not exist yet, and ipywidgets' own is the widget tree's repr
+# ("VBox(children=(HBox(children=(Dropdown(...").
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_NOT_RUN = "(an interactive widget: it appears when this cell runs, e.g. after Run > Run All Cells)"
+
+
+def placeholder_widgets(nb) -> int:
+    """Give every stored widget output the sentence above as its text/plain; how many outputs changed."""
+    changed = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET_VIEW in data and data.get("text/plain") != WIDGET_NOT_RUN:
+                data["text/plain"] = WIDGET_NOT_RUN
+                changed += 1
+    return changed
+
+
 def _relative_paths(path: Path) -> None:
     """Papermill records where it read and wrote the notebook; a committed notebook must not carry this machine's
-    folders, so the paths are stored relative to the repository."""
+    folders, so the paths are stored relative to the repository. Its widget outputs get ``WIDGET_NOT_RUN``."""
     nb = nbformat.read(str(path), as_version=4)
     meta = nb.metadata.get("papermill", {})
     for key in ("input_path", "output_path"):
         if meta.get(key):
             meta[key] = os.path.relpath(Path(meta[key]).resolve(), ROOT)
+    placeholder_widgets(nb)
     nbformat.write(nb, str(path))
 
 

@@ -557,14 +557,11 @@ print("sustained share of the benchmark GEMM rate, per generation:", SUSTAINED_G
 display(ch00_runs.runs_table(runs))
 
 # %% tags=["nbval-ignore-output"]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(17, 11), gridspec_kw={"width_ratios": [1, 1.45]})
-ch00_runs.runs_figure(runs, ax=ax1)
-ch00_runs.breakdown_figure(runs, ax=ax2)
-fig.tight_layout()
-plots.savefig(fig, "00_planner_vs_published");
+plots.savefig(ch00_runs.runs_figure(runs).figure, "00_planner_vs_published")
+plots.savefig(ch00_runs.breakdown_figure(runs).figure, "00_planner_breakdown");
 
 # %% [markdown]
-# Left, every run's predicted step against its published one; right, each predicted step by term, divided by the
+# First, every run's predicted step against its published one; then each predicted step by term, divided by the
 # published step, so a bar ends at its ratio and its colours say where the time went. On Selene's A100s (Narayanan
 # et al. 2021 Table 1, Korthikanti et al. 2022 Table 5, BLOOM) the planner lands within a few percent of every fully
 # printed run from 1.7B to 1T parameters. The term that matters most differs by run: memory-bound work and

@@ -3,15 +3,19 @@ one exercise wrong, save, close the tab.
 
 For each chapter, in one lab session (``conftest.py``), in the headless Chromium:
 
-* Run > Run All Cells runs every code cell, and no cell prints a traceback;
+* as opened (the stored outputs) and after Run > Run All Cells, the page shows no raw widget repr and no word meant
+  for the course's builders (``checks.page_text``); Run All runs every code cell, no cell prints a traceback, and
+  every cell that saves a figure shows it (``checks.cell_figures_shown``);
 * every widget (each cell output that holds controls) has its first control that is not greyed out moved once,
   and its output changes (a new figure, a new verdict or a one-sentence refusal) with nothing left saying it is
-  busy and nothing saying it broke (a drawing that raised, a rank's exception, a timeout); a widget that promises
-  a figure (``FIGURES``, read from the chapter's source) shows one after the move, a loaded image in its output
-  (a widget whose figure never reaches the page, as ``plt.show()`` under ``make lab``'s Agg did, fails here even
-  though its text changed); chapter 00's planner is then refused (its GPU count) and set back: the refusal replaces
-  the figure, and the valid setting's figure replaces the refusal; a screenshot of each is saved under
-  ``build/browser/`` for review;
+  busy and nothing saying it broke (a drawing that raised, a rank's exception, a timeout); a wait it announced
+  ("a cold start: about N s") is not exceeded by more than half (``checks.wait_as_announced``); a widget that
+  promises a figure (``FIGURES``, read from the chapter's source) shows one after the move, a loaded image in its
+  output (a widget whose figure never reaches the page, as ``plt.show()`` under ``make lab``'s Agg did, fails here
+  even though its text changed), unless the move reached a refused setting, whose refusal must then stand alone
+  (no figure of earlier settings left unmarked); the widgets in ``REFUSALS`` are then set to a value they refuse
+  and back: the refusal stands alone, and the valid setting's figure replaces it with no refusal left
+  (``checks.no_stale_refusal``); a screenshot of each is saved under ``build/browser/`` for review;
 * one exercise (the first with a wrong answer in ``tests/wrong_answers/``) gets that wrong answer typed into its
   cell; running the cell and its check shows the check's reason for it;
 * File > Save writes the learner's copy; the tab is closed (the kernel keeps running, as after closing a tab);
@@ -31,6 +35,9 @@ import time
 import pytest
 
 from course_utils.exercises import exercises
+from tests.browser import checks
+from tests.browser.checks import (BROKEN, WIDGET, figures_shown, refusal_shown, settled, signature, wait_until,
+                                  widget_text)
 from tests.browser.lab_ui import (BUSY, IDLE_S, kernel_pids, lab_ranks, open_page, run_all, save, shut_down_kernels,
                                   tracked_changes)
 from tests.exercise_sources import wrong_answers
@@ -41,17 +48,6 @@ CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"
 OUT = ROOT / "build" / "browser"
 REPORT: dict[str, dict] = {}
 CLOSED: list[tuple[str, int, float]] = []  # (chapter, kernel pid, when its tab closed)
-# What a widget shows when it is broken rather than answering: a drawing that raised, a rank's exception, a run
-# that timed out (a refusal is an answer: one sentence about the settings).
-BROKEN = ("drawing failed", "Traceback", " raised ", "timed out", "Error: ")
-# A cell output with controls in it: one widget as the learner sees it.
-WIDGET = (".jp-CodeCell .jp-OutputArea-output:has(.widget-hslider, .widget-dropdown, .widget-toggle-buttons, "
-          ".widget-checkbox)")
-# A drawn figure inside a widget: an image in one of its output areas (matplotlib's PNG; a canvas or an svg for
-# other renderers) or an Image widget.
-FIGURE = ".widget-output img, .widget-output canvas, .widget-output svg, img.widget-image"
-
-
 # What makes a control in a chapter's source, and what makes a widget that draws a figure: ``LiveRun`` (its draw
 # returns a figure) and every subclass of it in course_utils, the sharding, tile-walk and planner widgets, and an
 # ``Image`` widget that a callback fills with a figure's PNG. A widget that only prints (chapter 10's alpha-beta
@@ -85,14 +81,6 @@ def session_start(lab):
     return {"tracked": tracked_changes()}
 
 
-def signature(widget) -> str:
-    """What a move must change: the widget's status lines and outputs (verdicts, refusals, figures), not the
-    controls' own labels and read-outs, which change at once."""
-    texts = widget.locator(".widget-html-content, .widget-output").all_inner_texts()
-    images = [img.get_attribute("src") or "" for img in widget.locator("img").all()]
-    return "|".join(texts) + "|" + "|".join(str(hash(src)) for src in images)
-
-
 def move_first_control(widget) -> str:
     """Move the first control a learner can use; return what was moved."""
     for slider in widget.locator(".widget-hslider").all():
@@ -124,56 +112,38 @@ def move_first_control(widget) -> str:
     raise AssertionError(f"no control to move in a widget: {widget.inner_text()[:200]!r}")
 
 
-def settled(widget, before: str, timeout_s: float = 240) -> float:
-    """Seconds until the widget's output differs from ``before`` and nothing in it says it is still busy."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        now = signature(widget)
-        if (now != before or any(b in now for b in BROKEN)) and not any(b in now for b in BUSY):
-            return time.perf_counter() - t0
-        time.sleep(0.25)
-    raise AssertionError(f"the widget did not answer within {timeout_s:.0f} s: {widget.inner_text()[:300]!r}")
+def dropdown(widget, label: str):
+    return widget.locator(f".widget-dropdown:has(> .widget-label:text-is('{label}')) select")
 
 
-def figures_shown(widget) -> int:
-    """Figures the widget's outputs show now: loaded images (a broken or empty image does not count), canvases,
-    svgs."""
-    return widget.locator(FIGURE).evaluate_all(
-        "els => els.filter(e => e.tagName !== 'IMG' || (e.complete && e.naturalWidth > 0)).length")
-
-
-def output_text(widget) -> str:
-    return "\n".join(widget.locator(".widget-output").all_inner_texts())
-
-
-def wait_until(condition, what: str, timeout_s: float = 30) -> float:
-    t0 = time.perf_counter()
-    while not condition():
-        if time.perf_counter() - t0 > timeout_s:
-            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
-        time.sleep(0.2)
-    return time.perf_counter() - t0
-
-
-def planner_refusal_then_valid(widget) -> dict:
-    """Chapter 00's planner: a GPU count that the layout does not divide is refused, and the refusal replaces the
-    figure and the summary; the valid count again draws a figure, and no refusal is left above it."""
-    gpus = widget.locator(".widget-dropdown:has(> .widget-label:text-is('GPUs')) select")
-    valid = gpus.evaluate("s => s.options[s.selectedIndex].text")
-    gpus.select_option(label="8")  # tp 8 x pp 4 = 32 does not divide 8 GPUs
-    refused_s = wait_until(lambda: "cannot run: " in output_text(widget), "the planner refused 8 GPUs")
-    refusal = output_text(widget)
-    assert "does not divide" in refusal and "memory per GPU" not in refusal, f"the summary stayed: {refusal!r}"
-    assert figures_shown(widget) == 0, "the refusal left the previous setting's figure on the page"
-    gpus.select_option(label=valid)
-    valid_s = wait_until(lambda: figures_shown(widget) > 0 and "cannot run" not in output_text(widget),
-                         f"{valid} GPUs again: a figure, and the refusal gone: {output_text(widget)[:300]!r}")
-    assert figures_shown(widget) == 1, f"{figures_shown(widget)} figures after one valid setting"
+def refused_then_valid(widget, what: str, label: str, refused: str) -> dict:
+    """A setting the chapter refuses (the dropdown ``label`` at ``refused``): the refusal shows, alone or beside a
+    figure marked as the earlier settings'; the valid value again draws a figure, and no refusal is left."""
+    control = dropdown(widget, label)
+    valid = control.evaluate("s => s.options[s.selectedIndex].text")
+    control.select_option(label=refused)
+    refused_s = wait_until(lambda: refusal_shown(widget), f"{what}: {label}={refused} refused")
+    checks.refusal_alone(widget, f"{what} with {label}={refused}")
+    control.select_option(label=valid)
+    valid_s = wait_until(lambda: figures_shown(widget) > 0 and not refusal_shown(widget),
+                         f"{what}: {label}={valid} again, a figure and no refusal: {widget_text(widget)[:300]!r}")
+    checks.no_stale_refusal(widget, f"{what} with {label}={valid} again")
+    assert figures_shown(widget) == 1, f"{what}: {figures_shown(widget)} figures after one valid setting"
     return {"refusal_s": round(refused_s, 2), "valid_again_s": round(valid_s, 2)}
 
 
-# (chapter, widget index) -> what else to do with that widget after its first move
-FURTHER = {("00_overview.ipynb", 0): planner_refusal_then_valid}
+# (chapter, widget index) -> a setting its widget refuses before anything launches: (dropdown label, value)
+REFUSALS = {
+    ("00_overview.ipynb", 0): ("GPUs", "8"),  # tp 8 x pp 4 = 32 does not divide 8 GPUs
+    ("15_composed.ipynb", 0): ("dp", "8"),  # dp 8 x tp 2 x pp 2 = 32 ranks: more than the lab runs
+}
+
+
+def figure_cells(chapter: str) -> list[int]:
+    """Indices, among the chapter's code cells, of those that save a figure (``plots.savefig`` shows it inline)."""
+    nb = json.loads((ROOT / "notebooks" / chapter).read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    return [i for i, c in enumerate(code) if "savefig(" in "".join(c["source"])]
 
 
 def answer_wrong(page, chapter: str) -> dict:
@@ -232,10 +202,13 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
     page = open_page(browser, lab, f"lab/{chapter}")
     report = REPORT.setdefault(chapter, {"widgets": []})
     try:
+        checks.page_text(page, f"{chapter} as opened, before any cell ran")
         report["run_all_s"] = run_all(page)
         tracebacks = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] "
                                   ":text('Traceback')").count()
         assert tracebacks == 0, f"{chapter}: a cell printed a traceback"
+        checks.page_text(page, f"{chapter} after Run All")
+        checks.cell_figures_shown(page, figure_cells(chapter), chapter)
 
         widgets = page.locator(WIDGET)
         promised = FIGURES[chapter]
@@ -243,22 +216,25 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
             f"{chapter}: {widgets.count()} widgets on the page, {len(promised)} in its source ({promised})")
         for i in range(widgets.count()):
             widget = widgets.nth(i)
+            what = f"{chapter} widget {i}"
             widget.scroll_into_view_if_needed()
             before = signature(widget)
-            assert not any(b in before for b in BUSY), f"{chapter} widget {i} still busy after Run All: {before[:300]!r}"
-            assert not any(b in before for b in BROKEN), f"{chapter} widget {i} broken after Run All: {before[:400]!r}"
+            assert not any(b in before for b in BUSY), f"{what} still busy after Run All: {before[:300]!r}"
+            assert not any(b in before for b in BROKEN), f"{what} broken after Run All: {before[:400]!r}"
             moved = move_first_control(widget)
-            seconds = settled(widget, before)
+            seconds, announced = settled(widget, before)
             widget.screenshot(path=str(OUT / f"{chapter[:-6]}_widget{i}.png"))
             shown = signature(widget)
-            assert not any(b in shown for b in BROKEN), f"{chapter} widget {i} after {moved}: {shown[:400]!r}"
-            entry = {"moved": moved, "seconds": round(seconds, 2)}
-            if promised[i]:  # the image arrives with the output; give the browser a moment to decode it
-                wait_until(lambda: figures_shown(widget) > 0,
-                           f"{chapter} widget {i} promises a figure; after {moved} it shows none: "
-                           f"{output_text(widget)[:300]!r}", timeout_s=10)
-            if (chapter, i) in FURTHER:
-                entry.update(FURTHER[chapter, i](widget))
+            assert not any(b in shown for b in BROKEN), f"{what} after {moved}: {shown[:400]!r}"
+            entry = {"moved": moved, "seconds": round(seconds, 2), "announced_s": announced}
+            checks.wait_as_announced(seconds, announced, f"{what} after {moved}")
+            if refusal_shown(widget):  # the move reached a refused setting: the refusal answers it, alone
+                checks.refusal_alone(widget, f"{what} after {moved}")
+            elif promised[i]:
+                checks.figure_shown(widget, f"{what} after {moved}")
+            if (chapter, i) in REFUSALS:
+                entry.update(refused_then_valid(widget, what, *REFUSALS[chapter, i]))
+                widget.screenshot(path=str(OUT / f"{chapter[:-6]}_widget{i}_after_refusal.png"))
             report["widgets"].append(entry)
 
         if wrong_answers(chapter[:2]):
