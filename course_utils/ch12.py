@@ -33,14 +33,15 @@ def draw_ledger(rows: list[dict], limit_gb: float | None = 80.0):
             bottom += vals
         for i, total in enumerate(bottom):
             ax.text(i, total, f"{total:.0f} GB" if total >= 10 else f"{total:.1f} GB", ha="center", va="bottom",
-                    fontsize=8)
+                    fontsize=9)
         if limit_gb:
-            ax.axhline(limit_gb, color="k", ls=":", lw=1)
-            ax.text(-0.45, limit_gb, f"{limit_gb:g} GB GPU", ha="left", va="bottom", fontsize=8)
-        ax.set_yscale("log")
+            ax.axhline(limit_gb, color="k", ls=":", lw=1, label=f"one {limit_gb:g} GB GPU")
+        # a linear axis: on a log one a stacked bar's segments have no honest height (its base is cut at the floor)
+        ax.set_ylim(0, max(bottom.max(), limit_gb or 0) * 1.12)
         ax.set_title(model)
-        ax.set_ylabel("GB per GPU (1e9 bytes)")
-    axes[-1].legend(fontsize=7, loc="upper right")
+    axes[0].set_ylabel("GB per GPU (1e9 bytes)")
+    fig.subplots_adjust(wspace=0.3)
+    axes[-1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False)
     fig.suptitle("Model states for fine-tuning: full vs LoRA vs QLoRA (activations not counted)", y=1.03)
     return fig
 

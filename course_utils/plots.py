@@ -58,6 +58,17 @@ def _tick_label(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+# JupyterLab breaks printed output anywhere (``.jp-OutputArea-output pre {word-break: break-all}``): a table or a
+# long line then wraps in the middle of a number or a word. Printed lines wrap at spaces instead, and only a token
+# longer than the line is broken.
+LAB_CSS = "<style>.jp-OutputArea-output pre {word-break: normal; overflow-wrap: anywhere;}</style>"
+
+
 def style() -> None:
+    """The course's figure style; in a notebook's kernel also the lab's wrapping of printed lines (``LAB_CSS``)."""
     matplotlib.rcParams.update({"figure.figsize": (7.5, 3.6), "axes.grid": True, "grid.alpha": 0.3,
                                 "axes.spines.top": False, "axes.spines.right": False, "font.size": 10})
+    if _in_kernel():
+        from IPython.display import HTML, display
+
+        display(HTML(LAB_CSS))

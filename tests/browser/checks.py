@@ -9,7 +9,9 @@ deliberately broken notebook, so a check that could not fail would be noticed.
   backend, ``plt.show()`` inside a widget shows nothing though its text changed);
 * ``no_stale_refusal``: after a valid setting no refusal is left on the widget, and while a refusal is shown no
   figure of earlier settings is shown unmarked;
-* ``wait_as_announced``: a widget that announced a wait ("a cold start: about N s") answered within 1.5 N.
+* ``wait_as_announced``: a widget that announced a wait ("a cold start: about N s") answered within 1.5 N;
+* ``lines_wrap_at_words``: printed output (tables, summaries, progress lines) wraps at spaces, not inside a word or
+  a number (JupyterLab's own rule breaks them anywhere; ``plots.style()`` replaces it).
 """
 from __future__ import annotations
 
@@ -142,3 +144,11 @@ def cell_figures_shown(page, cells: list[int], what: str) -> None:
             missing.append(i)
     if missing:
         raise AssertionError(f"{what}: code cell(s) {missing} draw a figure and show none on the page")
+
+
+def lines_wrap_at_words(page, what: str) -> None:
+    """Printed output wraps at spaces: no output's text is set to break inside words (JupyterLab's default)."""
+    breaking = page.locator(".jp-OutputArea-output pre").evaluate_all(
+        "els => els.filter(e => getComputedStyle(e).wordBreak === 'break-all').length")
+    if breaking:
+        raise AssertionError(f"{what}: {breaking} printed output(s) wrap inside words (word-break: break-all)")

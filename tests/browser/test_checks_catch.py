@@ -3,7 +3,8 @@
 A scratch notebook (under ``build/``, ignored by git) holds one broken case per check: a stored widget output that
 shows its raw repr and a markdown cell in the builders' words (``page_text``), a widget that draws with
 ``plt.show()`` under Agg (``figure_shown``), one that appends its answer under an earlier refusal
-(``no_stale_refusal``) and one that announces a 1-second wait and answers after 4 (``wait_as_announced``). Each check
+(``no_stale_refusal``), one that announces a 1-second wait and answers after 4 (``wait_as_announced``), and printed
+lines left to JupyterLab's own wrapping, which breaks inside words (``lines_wrap_at_words``). Each check
 must raise on its case; the chapters' test holds every chapter to the same checks.
 """
 from __future__ import annotations
@@ -72,6 +73,8 @@ def test_each_check_fails_on_its_broken_case(lab, browser):
         run_all(page)
         with pytest.raises(AssertionError, match="builders"):
             checks.page_text(page, "the broken notebook after Run All")
+        with pytest.raises(AssertionError, match="wrap inside words"):  # no plots.style(): JupyterLab's own rule
+            checks.lines_wrap_at_words(page, "the broken notebook after Run All")
         widgets = page.locator(checks.WIDGET)
         assert widgets.count() == 3, widgets.count()
         drawn, refusing, slow = (widgets.nth(i) for i in range(3))

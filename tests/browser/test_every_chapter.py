@@ -5,7 +5,8 @@ For each chapter, in one lab session (``conftest.py``), in the headless Chromium
 
 * as opened (the stored outputs) and after Run > Run All Cells, the page shows no raw widget repr and no word meant
   for the course's builders (``checks.page_text``); Run All runs every code cell, no cell prints a traceback, and
-  every cell that saves a figure shows it (``checks.cell_figures_shown``);
+  every cell that saves a figure shows it (``checks.cell_figures_shown``); printed lines wrap at spaces, not inside
+  a word or a number (``checks.lines_wrap_at_words``);
 * every widget (each cell output that holds controls) has its first control that is not greyed out moved once,
   and its output changes (a new figure, a new verdict or a one-sentence refusal) with nothing left saying it is
   busy and nothing saying it broke (a drawing that raised, a rank's exception, a timeout); a wait it announced
@@ -208,6 +209,7 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
                                   ":text('Traceback')").count()
         assert tracebacks == 0, f"{chapter}: a cell printed a traceback"
         checks.page_text(page, f"{chapter} after Run All")
+        checks.lines_wrap_at_words(page, f"{chapter} after Run All")
         checks.cell_figures_shown(page, figure_cells(chapter), chapter)
 
         widgets = page.locator(WIDGET)
