@@ -81,6 +81,7 @@ class RankJob:
         self.closed = False
         self.busy = threading.Lock()
         self.tasks_run = 0
+        self.workers_run: set[str] = set()  # workers that have answered on these ranks (set by the launcher)
         self.code_version = 0.0  # set by the launcher for warm pools
         self.started_at = time.time()
         self.startup_seconds = 0.0

@@ -16,9 +16,13 @@ ranks; the next run starts new ones.
 
 Warm ranks do not outlive their use: a set left idle for ``POOL_IDLE_S`` (10 minutes; ``COURSE_POOL_IDLE_S``)
 is stopped by a background thread of the notebook's kernel, whether or not the notebook's tab is still open, and
-the next run that needs it says so (``Job.start_note``). A cold start is announced with the time it is expected to
-take: this machine's last start of that many ranks (``build/cold_starts.json``), or a model measured on a 2-core
-machine before any; ``run`` in a notebook prints it as a progress line before it waits (``course_utils.progress``).
+the next run that needs it says so (``Job.start_note``). A cold start is announced with the time the caller will
+wait, from the call to the answer (``expected_cold_s``): the ranks' start (torchrun, ``import torch``, rendezvous)
+and the worker's first run on new ranks (its imports, building its model, first allocations, autograd's first pass:
+seconds, where the same run on warm ranks takes one). Each cold start that answers records both, per worker and world
+size (``build/cold_starts.json``); a worker never started cold here is estimated from its record at another size, or
+from that many ranks' start and an allowance measured on a 2-core machine. ``run`` in a notebook prints the note as
+a progress line before it waits (``course_utils.progress``); a widget shows it in its status line.
 """
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ import atexit
 import collections
 import inspect
 import json
+import math
 import os
+import statistics
 import textwrap
 import threading
 import time
@@ -119,42 +125,184 @@ def _cold_starts_file():
     return ROOT / "build" / "cold_starts.json"
 
 
-def expected_start_s(world_size: int) -> tuple[float, str]:
-    """Seconds a cold start of ``world_size`` ranks should take here, and where that number comes from."""
+# What a cold start costs on top of the ranks' start, for a worker never started cold here: its first run on new
+# ranks (importing the worker's modules, building the model, first-time allocations, autograd's first backward).
+# Measured on this 2-core machine, another session's runs sharing it (load 1-8), 2026-12-05, first run on new
+# ranks at the chapters' default settings (seconds; the same settings rerun warm in brackets):
+#   workers.ch02_ddp        2 ranks 2.9 (0.03), 4 ranks 5.0 (0.06)
+#   workers.ch15_composed   4 ranks 6.1 (0.84), 8 ranks 8.9 (1.07)   (the chapter 15 widget: tp 2, pp 2, m 2)
+#   workers.ch16_moe_train  2 ranks 3.6 (1.4),  4 ranks 6.1 (3.2)    (the chapter 16 widget: 40 steps)
+# Ranks share two cores, so the first run grows with the world like the start does: 1.5 s + 1 s per rank.
+FIRST_RUN_BASE_S, FIRST_RUN_PER_RANK_S = 1.5, 1.0
+RECENT_COLD_STARTS = 3  # per worker and world size: the estimate is the median of these (one busy start is not the rule)
+
+
+def _read_store() -> dict:
+    """The cold-start record, or {} when it is missing, unreadable or not what we wrote: never an error."""
     try:
         seen = json.loads(_cold_starts_file().read_text())
-        return float(seen[str(world_size)]), "this machine's last start"
-    except (OSError, ValueError, KeyError, TypeError):
-        # torchrun, `import torch` and rendezvous on an idle 2-core EPYC (2026-12-04): 2.9 s for 2 ranks,
-        # 4.4-4.6 s for 4, 7.4-7.9 s for 8 (workers.rank_faults, warm=False, twice each).
-        return 1.5 + 0.8 * world_size, "an idle 2-core machine"
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return seen if isinstance(seen, dict) else {}
 
 
-def _record_start(world_size: int, seconds: float) -> None:
-    path = _cold_starts_file()
+def _seconds(value) -> float | None:
+    """A stored number of seconds, or None for anything else (a corrupt or hand-edited record)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
+def _update_store(change: Callable[[dict], None]) -> None:
+    """Read, change and write the record. Written whole then renamed: other notebooks (make test runs two executions
+    at once) may read it meanwhile; two writers at once may lose one's update, which costs one estimate, nothing more."""
+    tmp = None
     try:
-        seen = json.loads(path.read_text()) if path.exists() else {}
-        seen[str(world_size)] = round(seconds, 1)
+        path = _cold_starts_file()
+        seen = _read_store()
+        change(seen)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Written whole then renamed: other notebooks (make test runs two executions at once) may read it meanwhile.
         tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(seen, sort_keys=True) + "\n")
         os.replace(tmp, path)
-    except (OSError, ValueError):
-        pass  # an estimate for next time, never a reason to fail a run
+    except Exception:  # noqa: BLE001 - an estimate for next time, never a reason to fail a run
+        try:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
-def _start_note(world_size: int, key: tuple | None) -> str:
-    """What the learner is told while new ranks start."""
-    expected, source = expected_start_s(world_size)
-    note = (f"starting {world_size} rank{'s' if world_size > 1 else ''} (a cold start: about {expected:.0f} s, "
-            f"{source}; longer while the machine is busy)")
+def expected_start_s(world_size: int) -> tuple[float, str]:
+    """Seconds the ranks' own start (torchrun, ``import torch``, rendezvous) of ``world_size`` ranks should take here,
+    and where that number comes from. What a learner waits for is longer: see ``expected_cold_s``."""
+    seen = _seconds(_read_store().get(str(world_size)))
+    if seen is not None:
+        return seen, "this machine's last start"
+    # torchrun, `import torch` and rendezvous on an idle 2-core EPYC (2026-12-04): 2.9 s for 2 ranks,
+    # 4.4-4.6 s for 4, 7.4-7.9 s for 8 (workers.rank_faults, warm=False, twice each).
+    return 1.5 + 0.8 * world_size, "an idle 2-core machine"
+
+
+def first_run_allowance_s(world_size: int) -> float:
+    """What a worker never started cold here is expected to add on new ranks (see FIRST_RUN_BASE_S)."""
+    return FIRST_RUN_BASE_S + FIRST_RUN_PER_RANK_S * world_size
+
+
+def _cold_key(worker: str, world_size: int) -> str:
+    return f"{worker}@{world_size}"
+
+
+def _first_runs(worker: str) -> dict[int, dict[str, list]]:
+    """This machine's record of ``worker``'s first runs, by world size, oldest first: ``"cold"``, [(start s, first run
+    s)] of its cold starts; ``"warm"``, [first run s] of its first runs on ranks another worker had started (the same
+    imports, model building and first allocations: a stand-in until it has started cold at that size)."""
+    runs = _read_store().get("cold_runs")
+    out: dict[int, dict[str, list]] = {}
+    if not isinstance(runs, dict):
+        return out
+    for key, entry in runs.items():
+        name, _, world = str(key).rpartition("@")
+        if name != worker or not world.isdigit() or int(world) < 1 or not isinstance(entry, dict):
+            continue
+        cold = [(start, first) for start, first in (_pair(p) for p in _list(entry.get("runs"))) if first is not None]
+        warm = [f for f in (_seconds(v) for v in _list(entry.get("first_on_warm"))) if f is not None]
+        if cold or warm:
+            out[int(world)] = {"cold": cold, "warm": warm}
+    return out
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _pair(value) -> tuple[float, float | None]:
+    """A stored [start s, first run s], or (0, None) when it is not one."""
+    if isinstance(value, list) and len(value) == 2:
+        start, first = _seconds(value[0]), _seconds(value[1])
+        if start is not None and first is not None:
+            return start, first
+    return 0.0, None
+
+
+def expected_cold_s(worker: str, world_size: int) -> tuple[float, str]:
+    """Seconds a learner waits for ``worker`` on ``world_size`` new ranks, from the call to the answer: the ranks'
+    start and the worker's first run on them. Where that number comes from, in words, best first: this machine's
+    recent cold starts of that worker at that size (the median of the last few); the start of that many ranks and
+    the worker's first run on ranks started for another worker; the same scaled from another size; the start of that
+    many ranks and a first run's allowance."""
+    runs = _first_runs(worker)
+    here = runs.get(world_size, {})
+    if here.get("cold"):
+        pairs = here["cold"]
+        total = statistics.median(start + first for start, first in pairs)
+        return total, ("measured here on its last cold start" if len(pairs) == 1
+                       else f"the median of its last {len(pairs)} cold starts here")
+    start, source = expected_start_s(world_size)
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    started = (f"this machine's last start of {ranks}" if source == "this machine's last start"
+               else "an idle 2-core machine's start")
+    if here.get("warm"):
+        return start + statistics.median(here["warm"]), f"from {started} and its first run on ranks here"
+    if runs:
+        # The same worker at another size: its first run scaled as the allowance scales (ranks share the cores).
+        near = min(runs, key=lambda w: (abs(w - world_size), -w))
+        firsts = [f for _, f in runs[near]["cold"]] or runs[near]["warm"]
+        first = statistics.median(firsts) * first_run_allowance_s(world_size) / first_run_allowance_s(near)
+        return start + first, f"from {started} and its first run on {near} rank{'s' if near > 1 else ''} here, scaled"
+    if source == "this machine's last start":
+        return start + first_run_allowance_s(world_size), f"from {started} and a first run's usual time"
+    return start + first_run_allowance_s(world_size), "as on a 2-core machine"
+
+
+def _record_start(world_size: int, seconds: float) -> None:
+    """The ranks' start alone (a cold start whose run failed says nothing about the worker's first run)."""
+    _update_store(lambda seen: seen.__setitem__(str(world_size), round(seconds, 1)))
+
+
+def _record_first_run(worker: str, world_size: int, first_s: float, start_s: float | None = None) -> None:
+    """After the first run of ``worker`` on a set of ranks that answered: on ranks started for it (``start_s``, a cold
+    start: the ranks' start is recorded too), or on warm ranks that had not run it yet. Keeps the last few of each."""
+    def change(seen: dict) -> None:
+        if start_s is not None:
+            seen[str(world_size)] = round(start_s, 1)
+        runs = seen.get("cold_runs")
+        if not isinstance(runs, dict):
+            runs = seen["cold_runs"] = {}
+        key = _cold_key(worker, world_size)
+        entry = runs.get(key) if isinstance(runs.get(key), dict) else {}
+        cold = [p for p in _list(entry.get("runs")) if _pair(p)[1] is not None]
+        warm = [v for v in _list(entry.get("first_on_warm")) if _seconds(v) is not None]
+        if start_s is not None:
+            cold.append([round(start_s, 2), round(first_s, 2)])
+        else:
+            warm.append(round(first_s, 2))
+        runs[key] = {"runs": cold[-RECENT_COLD_STARTS:], "first_on_warm": warm[-RECENT_COLD_STARTS:],
+                     "when": time.strftime("%Y-%m-%d %H:%M")}
+
+    _update_store(change)
+
+
+def _start_note(world_size: int, key: tuple | None, worker: str = "") -> tuple[str, float]:
+    """What the learner is told while new ranks start, and the seconds it announces: from the call to the answer."""
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    try:
+        if worker:
+            expected, source = expected_cold_s(worker, world_size)
+            what = f"to start {'them' if world_size > 1 else 'it'} and run {worker} for the first time, {source}"
+        else:
+            expected, what = expected_start_s(world_size)
+    except Exception:  # noqa: BLE001 - a record we cannot make sense of: the model, never a failed run
+        expected = 1.5 + 0.8 * world_size + (first_run_allowance_s(world_size) if worker else 0.0)
+        what = (f"to start {'them' if world_size > 1 else 'it'} and run {worker} for the first time, as on a 2-core "
+                "machine" if worker else "an idle 2-core machine")
+    note = f"starting {ranks} (a cold start: about {max(expected, 1):.0f} s {what}; longer while the machine is busy)"
     idle = _retired.pop(key, None) if key is not None else None
     if idle is not None:
         took = f"{idle:.0f} s" if idle < 120 else f"{idle / 60:.0f} min"
         note = (f"the warm ranks of world {world_size} had stopped after {took} idle "
                 f"(COURSE_POOL_IDLE_S={POOL_IDLE_S:g}): " + note)
-    return note
+    return note, expected
 
 
 def _workers_version() -> float:
@@ -164,7 +312,7 @@ def _workers_version() -> float:
     return max((p.stat().st_mtime for p in (ROOT / "workers").rglob("*.py")), default=0.0)
 
 
-def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm) -> tuple[RankJob, bool]:
+def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker: str = "") -> tuple[RankJob, bool]:
     """A started (maybe still starting) job for this run, and whether it is a pool to give back after."""
     if warm:
         key = _pool_key(world_size, nnodes, env, collective_timeout_s)
@@ -184,13 +332,13 @@ def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm) -> tuple[R
                 job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s)
                 job.code_version = _workers_version()
                 job.busy.acquire()
-                job.start_note = _start_note(world_size, key)
+                job.start_note, job.start_expected_s = _start_note(world_size, key, worker)
                 _pools[key] = job
                 _start_reaper()
                 return job, True
         # The warm ranks are busy with another run: this run gets ranks of its own.
     job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s)
-    job.start_note = _start_note(world_size, None)
+    job.start_note, job.start_expected_s = _start_note(world_size, None, worker)
     return job, False
 
 
@@ -200,6 +348,7 @@ class Job:
     def __init__(self, worker: str, world_size: int, params: dict, *, timeout: float, seed: int, warm: bool,
                  nnodes: int, env: dict | None, collective_timeout_s: float,
                  on_event: Callable[[str, int, dict], None] | None):
+        self._t_launch = time.perf_counter()  # what a cold start's record measures: from here to the answer
         self.worker, self.world_size, self.params = worker, world_size, params
         self.metrics: list[list[dict]] = [[] for _ in range(world_size)]
         self.logs: list[str] = []
@@ -210,11 +359,14 @@ class Job:
         self._error: BaseException | None = None
         self._on_event = on_event
         self._watch = None  # (status HTML, log Output) once watch() was called
+        self.waited_s: float | None = None  # a cold start that answered: seconds from the call to the answer
         # Processes are started here, in the caller's thread (their parent-death signal follows this thread).
-        self._rank_job, self._pooled = _acquire_job(world_size, nnodes, env, collective_timeout_s, warm)
-        # Whether this run waits for new ranks, and the sentence that says so (with the time to expect).
+        self._rank_job, self._pooled = _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker)
+        # Whether this run waits for new ranks, the sentence that says so and the seconds it announces (from the call
+        # to the answer: the ranks' start and this worker's first run on them).
         self.cold = len(self._rank_job.ready) < world_size
         self.start_note = getattr(self._rank_job, "start_note", "") if self.cold else ""
+        self.expected_s = getattr(self._rank_job, "start_expected_s", None) if self.cold else None
         self._thread = threading.Thread(target=self._drive, args=(timeout, seed), daemon=True)
         self._thread.start()
 
@@ -265,13 +417,29 @@ class Job:
     def _drive(self, timeout: float, seed: int) -> None:
         job = self._rank_job
         try:
-            if len(job.ready) < job.world_size:
+            started = len(job.ready) < job.world_size
+            first_here = self.worker not in job.workers_run
+            if started:
                 job.wait_ready(cancelled=self._cancel.is_set)
-                _record_start(job.world_size, job.startup_seconds)
             self.status = "running"
-            self._result = job.run_task(self.worker, self.params, seed=seed, timeout_s=timeout,
-                                        on_event=self._event, cancelled=self._cancel.is_set)
+            try:
+                self._result = job.run_task(self.worker, self.params, seed=seed, timeout_s=timeout,
+                                            on_event=self._event, cancelled=self._cancel.is_set)
+            except BaseException:
+                if started:
+                    _record_start(job.world_size, job.startup_seconds)
+                raise
             self.status = "done"
+            if started:
+                # Everything this cold start cost the caller: the ranks' start, then this worker's first run on them.
+                self.waited_s = time.perf_counter() - self._t_launch
+                _record_first_run(self.worker, job.world_size, max(self.waited_s - job.startup_seconds, 0.0),
+                                  start_s=job.startup_seconds)
+            elif first_here:
+                # Warm ranks that had not run this worker: its first run's imports and allocations, a stand-in for
+                # the first run of a cold start at this size until one is seen.
+                _record_first_run(self.worker, job.world_size, self._result.seconds)
+            job.workers_run.add(self.worker)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
             self.status = "cancelled" if isinstance(exc, JobCancelled) else "failed"
@@ -374,5 +542,57 @@ def warm_pools() -> list[str]:
 
 atexit.register(shutdown_pools)
 
+
+def cold_check(worker: str, world_size: int, *, timeout: float = 300.0, **params: Any) -> dict:
+    """One cold start as a learner meets it: every warm rank of this process stopped (as a chapter's last cell does),
+    then ``worker`` on new ranks. The seconds the note announced against the seconds waited, from the call to the
+    answer (this start then updates the record, as any cold start does). A measurement, not a test: it varies with
+    the machine's load."""
+    shutdown_pools()
+    t0 = time.perf_counter()
+    job = launch(worker, world_size, timeout=timeout, **params)
+    res = job.wait()
+    waited = time.perf_counter() - t0
+    return {"worker": worker, "world_size": world_size, "announced_s": round(job.expected_s, 1),
+            "waited_s": round(waited, 1), "announced/waited": round(job.expected_s / waited, 2),
+            "start_s": round(res.startup_seconds, 1), "first_run_s": round(waited - res.startup_seconds, 1),
+            "load": round(os.getloadavg()[0], 1), "note": job.start_note}
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """``python -m course_utils.launcher WORKER WORLD [name=value ...] [--times N] [--fresh]``: ``cold_check`` N times in
+    a row, one JSON line each. ``--fresh`` uses an empty record (a temporary file) instead of build/cold_starts.json,
+    so the first line shows the estimate for a worker never started here and the next ones this machine's record."""
+    import argparse
+    import tempfile
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m course_utils.launcher", description=_main.__doc__)
+    parser.add_argument("worker")
+    parser.add_argument("world_size", type=int)
+    parser.add_argument("params", nargs="*", help="name=value (a JSON value, or else a string)")
+    parser.add_argument("--times", type=int, default=2)
+    parser.add_argument("--fresh", action="store_true")
+    args = parser.parse_args(argv)
+    params = {}
+    for item in args.params:
+        name, _, text = item.partition("=")
+        try:
+            params[name] = json.loads(text)
+        except ValueError:
+            params[name] = text
+    global _cold_starts_file
+    if args.fresh:
+        fresh = Path(tempfile.mkdtemp(prefix="cold-check-")) / "cold_starts.json"
+        _cold_starts_file = lambda: fresh  # noqa: E731 - this process only
+    for _ in range(args.times):
+        print(json.dumps(cold_check(args.worker, args.world_size, **params)), flush=True)
+    shutdown_pools()
+
+
 __all__ = ["run", "launch", "Job", "shutdown_pools", "warm_pools", "ship_callable", "CourseError", "max_world_size",
-           "expected_start_s"]
+           "expected_start_s", "expected_cold_s", "cold_check"]
+
+
+if __name__ == "__main__":
+    _main()

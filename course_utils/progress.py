@@ -3,7 +3,9 @@
 Two sources, one format (a line that starts with ``[progress]``, printed as the cell goes):
 
 * ``launcher.run`` says so before it waits for new ranks ("[progress] workers.ch02_ddp: starting 4 ranks (a cold
-  start: about 5 s, ...)"), so a cell or an exercise check that starts ranks cold names the wait and its length;
+  start: about 10 s to start them and run workers.ch02_ddp for the first time, measured here on its last cold
+  start; ...)"), so a cell or an exercise check that starts ranks cold names the wait and its length: the whole wait
+  until the answer, the worker's first run on the new ranks included (``launcher.expected_cold_s``);
 * ``each(items, what)`` wraps a cell's loop over runs and says which item it is on and the seconds so far.
 
 They are printed only in a notebook's kernel (JupyterLab, papermill): tests and command-line tools stay quiet.

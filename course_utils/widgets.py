@@ -7,7 +7,8 @@ are refused with the launcher's one-sentence message instead of a traceback. Dra
 notebook process from the ``RunResult``; nothing is cached: every change is a new run on real ranks.
 
 While a run is pending the status line says what it waits for: warm ranks, or a cold start with the time it
-is expected to take (``Job.start_note``: new ranks, or ranks that had stopped after sitting idle). The controls
+is expected to take until the answer, the worker's first run on the new ranks included (``Job.start_note``: new ranks,
+or ranks that had stopped after sitting idle; ``launcher.expected_cold_s``). The controls
 wrap onto more rows at a narrow width instead of squeezing each other (a slider keeps room for its label and
 its track).
 """
@@ -119,7 +120,9 @@ class LiveRun:
         try:
             job = launch(self.worker, world_size, timeout=self.timeout, on_event=self._on_event, **params)
         except InvalidParameter as exc:
-            self.status.value = f"<span style='color:#cf222e'>{exc}</span>"
+            # the refusal answers these settings: the figure of earlier ones goes, so nothing shown belongs to others
+            self.show(None)
+            self.status.value = f"<span class='course-refusal' style='color:#cf222e'>{exc}</span>"
             self.history.append((settings, exc))
             return
         self.idle.clear()
@@ -128,7 +131,8 @@ class LiveRun:
         self.progress.max, self.progress.value = max(total, 1), 0
         self.progress.layout.visibility = "visible" if total else "hidden"
         self.cancel_button.disabled = False
-        self.status.value = (f"<i>{job.start_note}, then running on real ranks...</i>" if job.cold
+        # A cold start's note already counts the run itself (the worker's first run on new ranks): one number to wait.
+        self.status.value = (f"<i>{job.start_note}: running on real ranks...</i>" if job.cold
                              else "<i>running on real ranks (warm)...</i>")
         threading.Thread(target=self._finish, args=(job, settings), daemon=True).start()
 
@@ -219,7 +223,8 @@ class LiveRun:
     def measure(self, changes: int = 3) -> dict:
         """What a learner waits for, from a control moved to the new figure drawn: on warm ranks (the median of
         ``changes`` moves of the first control whose other value runs), and once cold (every warm rank stopped
-        first, then the same settings again). Restores the controls it moved; CPU wall times of this machine."""
+        first, then the same settings again, with the seconds its status line announced for it). Restores the controls
+        it moved; CPU wall times of this machine."""
         from course_utils.launcher import shutdown_pools
 
         started = time.perf_counter()
@@ -249,6 +254,7 @@ class LiveRun:
         shutdown_pools()
         t0 = time.perf_counter()
         self.request()
+        announced = getattr(self._job, "expected_s", None)  # what the status line promised for this cold start
         outcome = self._settle()
         cold = time.perf_counter() - t0
         world = outcome.world_size if isinstance(outcome, RunResult) else None
@@ -256,4 +262,5 @@ class LiveRun:
                 "warm_median_s": statistics.median(warm) if warm else None, "warm_max_s": max(warm) if warm else None,
                 "cold_s": cold if isinstance(outcome, RunResult) and outcome.launch == "cold" else None,
                 "cold_startup_s": outcome.startup_seconds if isinstance(outcome, RunResult) else None,
+                "cold_announced_s": announced,
                 "measure_s": time.perf_counter() - started}

@@ -34,7 +34,8 @@ def test_a_cell_says_before_it_waits_for_new_ranks_and_a_loop_says_where_it_is(t
     cold, warm, loop, _ = (stdout(c) for c in nb.cells)
     # The cold start is announced before the run's own output, with the time to expect.
     first, second = cold.splitlines()
-    assert re.fullmatch(r"\[progress\] workers\.hello: starting 2 ranks \(a cold start: about \d+ s, .*\)", first), cold
+    assert re.fullmatch(r"\[progress\] workers\.hello: starting 2 ranks \(a cold start: about \d+ s to start them and "
+                        r"run workers\.hello for the first time, .*\)", first), cold
     assert second == "ranks answered: cold"
     assert warm == "ranks answered: warm\n", "a warm run has nothing to announce"
     assert loop.splitlines()[0] == "[progress] setting 1 of 3: A"
@@ -52,8 +53,9 @@ def test_outside_a_notebook_nothing_is_printed():
 
 def test_nbval_leaves_progress_lines_out_of_the_comparison():
     patterns = get_sanitize_patterns((ROOT / "tests" / "nbval_sanitize.cfg").read_text())
-    stored = (f"{progress.PREFIX}workers.ch02_ddp: starting 4 ranks (a cold start: about 5 s, this machine's last "
-              f"start; longer while the machine is busy)\nworkers.ch02_ddp: world 4\n{progress.PREFIX}layout 2 of 6: "
+    stored = (f"{progress.PREFIX}workers.ch02_ddp: starting 4 ranks (a cold start: about 10 s to start them and run "
+              f"workers.ch02_ddp for the first time, measured here on its last cold start; longer while the machine is "
+              f"busy)\nworkers.ch02_ddp: world 4\n{progress.PREFIX}layout 2 of 6: "
               "2x2x2x1, ZeRO-1 (4 s so far)\n")
     rerun = "workers.ch02_ddp: world 4\n"
     for regex, replace in patterns:

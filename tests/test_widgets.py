@@ -35,10 +35,12 @@ def test_invalid_setting_is_explained_not_launched():
     mode = slider("bad_rank", 0, 0, 5)
     live = LiveRun("workers.rank_faults", {"bad_rank": mode}, lambda r, p: "ok", params={"world_size": 2, "mode": "ok"})
     assert live.wait(120)
+    assert live.out.outputs  # the valid setting's answer
     mode.value = 3
     assert live.wait(5)
-    assert "use 0 to 1" in live.status.value
+    assert "use 0 to 1" in live.status.value and "course-refusal" in live.status.value
     assert live.history[-1][1].__class__.__name__ == "InvalidParameter"
+    assert live.out.outputs == ()  # nothing of the earlier setting is left beside the refusal
 
 
 def test_changes_during_a_run_queue_and_only_the_newest_runs():
@@ -80,7 +82,8 @@ def test_the_status_announces_a_cold_start_with_its_time_and_then_says_warm():
     assert live.wait(60)
     pending = [s for s in seen if "running on real ranks" in s]
     assert len(pending) == 2, seen
-    assert "starting 3 ranks (a cold start: about " in pending[0] and " s, " in pending[0], pending[0]
+    assert "starting 3 ranks (a cold start: about " in pending[0] and " s to start them and run workers.hello for the " \
+        "first time, " in pending[0], pending[0]
     assert pending[1] == "<i>running on real ranks (warm)...</i>"
     assert "cold start" in seen[seen.index(pending[0]) + 1] and "warm ranks" in seen[-1]
 
@@ -125,6 +128,7 @@ def test_under_make_bench_a_widget_measures_itself_warm_and_cold(tmp_path, monke
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["chapter"] == "99_probe" and record["worker"] == "workers.hello" and record["world_size"] == 2
     assert record["control"] == "value" and record["warm_median_s"] > 0 and record["cold_s"] > record["cold_startup_s"] > 0
+    assert record["cold_announced_s"] > 0  # what the status line promised for that cold start, beside what it took
     assert value.value == 10 and live.history[-1][1].launch == "cold"  # restored, and the last run was the cold one
     assert [s["value"] for s, _ in live.history] == [10, 11, 10, 11, 10, 10]
     assert live.wait(5) and len(out.read_text().splitlines()) == 1  # measured once per widget
