@@ -497,6 +497,19 @@ def ch16_moe_train(seed: int) -> dict[str, float]:
     return out
 
 
+@experiment("ch16_imbalance", {
+    "busy_cpu_over_others": Criterion(">", 1.5, f"{NB16} (ch16.imbalance_verdict); tests/test_ch16_glue.py"),
+    "others_wait_over_busy": Criterion(">", 2.0, f"{NB16} (ch16.imbalance_verdict); tests/test_ch16_glue.py"),
+})
+def ch16_imbalance(seed: int) -> dict[str, float]:
+    """Chapter 16's even and skewed batch through one MoE layer on EP 4: the busiest rank's expert CPU time against
+    the others', and the others' wait at the combine against its own (``ch16.IMBALANCE_SPREAD``)."""
+    from course_utils import ch16
+
+    m = ch16.imbalance_measures(ch16.imbalance_rows(ch16.imbalance_runs(seed)))
+    return {k: float(v) for k, v in m.items() if k != "busy_rank"}
+
+
 # -- running ----------------------------------------------------------------------------------------------------
 
 def _parse_seeds(text: str) -> list[int]:

@@ -19,6 +19,8 @@ the experts once.
 """
 import time
 
+import torch.distributed as dist
+
 from workers.moe.batch import DTYPES, balance, batch, cases
 from workers.moe.faults import FAULTS, inject
 from workers.moe.layer import MoELayer, build_weights, expert_mesh, reduce_gradients
@@ -45,7 +47,10 @@ def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: fl
          z_coeff: float = 0.01, shared_experts: int = 0, hidden: int = 16, ffn: int = 32, tokens: int = 32,
          seed: int = 0, data_seed: int = 1, skew: float = 0.0, fault: str = "none", sweep: bool = False,
          dtype: str = "float64", balanced: bool = False, repeats: int = 1, report: bool = True):
-    """One forward and backward per case; ``repeats`` > 1 times it (the last run is reported)."""
+    """One forward and backward per case; ``repeats`` > 1 times it: every rank starts each forward at a barrier,
+    and ``timings`` lists, per repeat, the wall seconds of the forward's routing and dispatch, its experts (and
+    their CPU seconds), its combine all-to-all (the wait for the slowest rank), the forward and the step (the rest
+    of the record is the last repeat's)."""
     ep = ep or ctx.world_size
     world, rank = ctx.world_size, ctx.rank
     out = []
@@ -59,24 +64,31 @@ def main(ctx, ep: int = 0, experts: int = 4, top_k: int = 2, capacity_factor: fl
             x_all, g_all = batch(cfg, tokens, data_seed, skew, DTYPES[dtype], weights, balanced)
             per = tokens // world
             rows = slice(rank * per, (rank + 1) * per)
+            timings = []  # per repeat: where this rank's forward went, and the whole step (wall seconds)
             for _ in range(repeats):
                 layer.zero_grad(set_to_none=True)
                 x = x_all[rows].clone().to(ctx.device).requires_grad_(True)  # [T/W, h]
+                if repeats > 1 and world > 1:
+                    dist.barrier()  # every rank starts the timed forward together
                 t0 = time.perf_counter()
                 y = layer(x)  # [T/W, h]
+                forward_s = time.perf_counter() - t0
                 loss = (y * g_all[rows].to(ctx.device)).sum(dim=-1).mean() + layer.aux_loss
                 loss.backward()
                 reduce_gradients(layer.parameters(), layer.expert_parameters(), mesh,
                                  router_params=layer.router.parameters())
                 step_s = time.perf_counter() - t0
-            rec = layer.last
+                rec = layer.last
+                timings.append({"dispatch_s": rec.dispatch_s, "expert_s": rec.expert_s,
+                                "expert_cpu_s": rec.expert_cpu_s, "combine_s": rec.combine_s,
+                                "forward_s": forward_s, "step_s": step_s})
             kept = int(rec.keep.sum())
             case = {"config": cfg.as_dict(), "rows": [rows.start, rows.stop], "ep_rank": layer.ep_rank,
                     "local_experts": layer.local, "experts": rec.experts.cpu(), "keep": rec.keep.cpu(),
                     "counts": rec.counts.cpu(), "kept": kept, "dropped": rec.keep.numel() - kept,
                     "send_splits": rec.send_splits, "recv_splits": rec.recv_splits,
                     "tokens_per_local_expert": rec.tokens_per_local_expert, "expert_cpu_s": rec.expert_cpu_s,
-                    "combine_s": rec.combine_s,
+                    "combine_s": rec.combine_s, "timings": timings,
                     "step_s": step_s, "loss": float(loss), "aux": rec.aux, "z": rec.z,
                     # the bytes this rank's dispatch all-to-all moved to other ranks (the combine sends recv back)
                     "dispatch_bytes": (sum(rec.send_splits) - rec.send_splits[layer.ep_rank]) * hidden * x.element_size(),

@@ -15,8 +15,8 @@
 # * a **router whose gradient is never all-reduced** across data-parallel ranks, so every replica's router drifts
 #   its own way (torchtitan PR #2416);
 # * **expert gradients exactly `ep` times too large**: an expert's gradient already sums the tokens that every EP
-#   rank sent it, and averaging it over its expert-data-parallel group alone divides by too little (PyTorch issue
-#   #160285; Megatron-LM PR #5956 "Divide expert gradients by the expert-parallel size");
+#   rank sent it, and averaging it over its expert-data-parallel group alone divides by too little
+#   (pytorch/pytorch issue #160285; Megatron-LM PR #5956 "Divide expert gradients by the expert-parallel size");
 # * tokens **combined back in the wrong order**: the rows come back sorted by expert, not by token;
 # * a **load-balancing loss on each rank's statistics** instead of the batch's: another loss, with another optimum
 #   (Qiu et al. 2025, *Demons in the Detail: On Implementing Load Balancing Loss for Training Specialized
@@ -33,6 +33,8 @@
 # `workers/ch16_moe.py` and `workers/ch16_moe_train.py`.
 
 # %%
+import textwrap
+
 import torch
 
 import course_utils as cu
@@ -131,12 +133,15 @@ print(f"load-balancing loss {rec.aux:.4f} (1 = even), z-loss {rec.z:.4f}; "
 
 # %%
 split_run = cu.run(ch16.WORKER, 4, timeout=180, ep=4, experts=8, top_k=2, capacity_factor=1.0)
-print(Table.of(ch16.split_rows(split_run), caption="float64 activations, hidden 16: 128 bytes a row"))
+print(Table.of(ch16.split_rows(split_run), formats=ch16.SPLIT_FORMATS,
+               caption="float64 activations, hidden 16: 128 bytes a row; bytes out: the dispatch's rows to other "
+                       "ranks, bytes back: the combine's"))
 
 # %% [markdown]
 # Row by row: what rank r sends to rank j (`send splits[j]`) is what j receives from r (`recv splits[r]`); the rows a
 # rank keeps for itself never touch the network, so the bytes that leave are the rest, times 16 x 8 bytes. The
-# combine sends back exactly what the dispatch received.
+# combine sends back exactly what the dispatch received (`rows per expert` are the rows each of the rank's experts
+# computes, from every source).
 #
 # ## Equal to one process
 #
@@ -187,7 +192,7 @@ print(Table.of([{k: r[k] for k in ("fault", "caught")} for r in faults]))
 
 # %% tags=["nbval-ignore-output"]
 for r in faults:
-    print(f"{r['fault']}:\n    {r['what the check says first']}")
+    print(f"{r['fault']}:\n{textwrap.fill(r['what the check says first'], 110, initial_indent='    ', subsequent_indent='    ')}")
 
 # %% [markdown]
 # None of these crashes or even looks wrong on a loss curve at first: the unreduced router is each replica's own
@@ -207,36 +212,51 @@ for r in faults:
 bytes_runs = {"even (by construction)": cu.run(ch16.WORKER, 4, timeout=180, ep=4, experts=8, top_k=2, tokens=256,
                                                balanced=True),
               "random": cu.run(ch16.WORKER, 4, timeout=180, ep=4, experts=8, top_k=2, tokens=256)}
-print(Table.of(ch16.bytes_rows(bytes_runs, hidden=16, top_k=2, element_bytes=8),
-               caption="one dispatch, 64 tokens per rank, top-2, EP 4, float64: model = 64 x 16 x 8 x 2 x 3/4"))
+print(Table.of(ch16.bytes_rows(bytes_runs, hidden=16, top_k=2, element_bytes=8), formats=ch16.BYTES_FORMATS,
+               caption="bytes of one dispatch, 64 tokens per rank, top-2, EP 4, float64: model = 64 x 16 x 8 x 2 x 3/4"))
 
 # %% [markdown]
 # ## Imbalance: the slowest rank sets the pace
 #
 # Skew the batch towards expert 0 (every token leans towards its router row) and the rank holding it computes most
-# of the rows; the others reach the combine's all-to-all early and wait there. 8,192 tokens of hidden 128 (float32,
-# experts 512 wide) on four ranks, EP 4, even and skewed. The rows are exact; the CPU times are this machine's.
+# of the rows. The others finish their experts early and reach the combine's all-to-all, where they wait: no rank
+# gets its rows back before the busiest rank has computed them and sent them. To see it on a CPU, the experts must be
+# most of the forward, so here they are wide and the tokens few: 2,048 tokens of hidden 128, experts 2,048 wide
+# (float32; a row costs 6 x 128 x 2,048 flops in its expert), on four ranks, EP 4, an even batch and a skewed one.
+# Each rank times four forwards (and backwards), each started at a barrier, and reports the median of the last three:
+# the wall time of routing and the dispatch, of its experts, and of the wait in the combine, and the CPU time its
+# experts took (the rank's own: another process on the same cores does not inflate it). The rows each rank computed
+# are exact; the verdicts compare ranks of one run, with margins measured over seeds and CPU kernels
+# (`course_utils/ch16.py: IMBALANCE_SPREAD`).
 
 # %%
-imbalance_runs = {label: cu.run(ch16.WORKER, 4, timeout=300, ep=4, experts=8, top_k=2, tokens=8192, hidden=128,
-                                ffn=512, dtype="float32", repeats=3, report=False, skew=skew)
-                  for label, skew in (("even", 0.0), ("skewed", 4.0))}
-imbalance = ch16.imbalance_rows(imbalance_runs)
-print(Table.of([{k: r[k] for k in ("batch", "rank", "experts", "rows computed")} for r in imbalance]))
-
-# %% tags=["nbval-ignore-output"]
-print(Table.of(imbalance, formats={"expert CPU ms": "{:.1f}", "combine wait ms": "{:.1f}", "step ms": "{:.1f}"},
-               caption=plots.CPU_NOTE))
-busy = ch16.slowest(imbalance, "skewed")
-print(f"skewed: rank {busy['rank']} computes {busy['rows computed']:,} rows, "
-      f"{busy['rows computed'] / (sum(r['rows computed'] for r in imbalance if r['batch'] == 'skewed') / 4):.2f}x an "
-      "even share; every other rank waits for it in the combine")
+imbalance = ch16.imbalance_rows(ch16.imbalance_runs())
+print(Table.of([{k: r[k] for k in ("batch", "rank", "experts", "rows computed")} for r in imbalance],
+               formats={"rows computed": "{:,}"}))
+print(ch16.imbalance_verdict(imbalance))
 
 # %% [markdown]
-# On a GPU the same thing happens in the expert GEMMs: the step takes as long as the busiest rank's experts, so a
-# router sending 2x an even share to one expert halves the throughput of the whole EP group. Capacity bounds the
-# damage (the busiest expert computes at most its capacity) at the price of dropped tokens; the load-balancing loss
-# attacks the cause.
+# Where each rank's forward went, on this machine (the times vary with the CPU, its cores and its load):
+
+# %% tags=["nbval-ignore-output"]
+print(Table.of(imbalance, ["batch", "rank", "rows computed", *ch16.TIMINGS], caption=plots.CPU_NOTE,
+               formats={"rows computed": "{:,}", **{k: "{:.1f}" for k in ch16.TIMINGS}}))
+print(ch16.imbalance_sentence(imbalance))
+plots.savefig(ch16.draw_imbalance(imbalance), "16_moe_imbalance")
+
+# %% [markdown]
+# In the skewed batch every bar ends at about the same time: each rank leaves the combine when the busiest one
+# arrives, so the busiest rank's experts set the length of everyone's forward, and the other ranks spend the
+# difference waiting (the hatched part). In the even batch the waits are scattered: they go to whichever ranks the
+# machine happened to run a little later. The backward repeats the pattern (the experts' backward, then an all-to-all that waits for it).
+#
+# How much longer the whole step takes depends on what the ranks run on. With a device per rank (GPUs, or a CPU
+# core each) the experts' part of the step grows by the busiest rank's share, about 2x here. When ranks outnumber
+# cores, as with four ranks on a 2-core machine, the ranks that wait give their cores to the busy one and the wall
+# time grows by less; on a machine busy with other work the difference between two runs can vanish in the noise (the
+# last lines above give this machine's ratios). The comparison between the ranks of one run does not depend on
+# either. Capacity bounds the damage (the busiest expert computes at most its capacity) at the price of dropped
+# tokens; the load-balancing loss attacks the cause.
 #
 # ## Training an MoE GPT, with and without the load-balancing loss
 #
@@ -258,24 +278,32 @@ train_runs = {f"aux {ch16.AUX}": ch16.train(ch16.AUX), "no aux loss": ch16.train
 summary = ch16.training_summary(train_runs)
 print(ch16.aux_verdict(summary, f"aux {ch16.AUX}", "no aux loss"))
 
+# %% [markdown]
+# This run's numbers, and the figure (they vary by machine; the verdicts above hold on every CPU's kernels,
+# `course_utils/cpu_spread.py: ch16_moe_train`):
+
 # %% tags=["nbval-ignore-output"]
-print(Table.of(summary))
+print(Table.of(summary, formats=ch16.SUMMARY_FORMATS))
+print(ch16.load_sentence(summary, f"aux {ch16.AUX}", "no aux loss"))
 plots.savefig(ch16.draw_training(train_runs), "16_moe_training")
 
 # %% [markdown]
-# Both learn the chain equally well: the aux loss costs nothing here. Without it the router concentrates tokens on a
-# few experts (the busiest takes about twice an even share: the numbers vary by machine, the verdict above holds on
-# every CPU's kernels, `course_utils/cpu_spread.py: ch16_moe_train`); with it the load stays near even. The heat maps
-# are the load histogram of every step: a bright band is an expert taking several even shares, a dark one an expert
-# the router has all but abandoned. That load is what capacity must absorb. The same routing, cut at other capacity
-# factors (GShard's queue, per rank):
+# The two loss curves lie almost on top of each other; the middle panel, their difference, is noise around zero, a
+# small fraction of the loss: the aux loss costs nothing visible in the loss here. The load differs. Without the aux
+# loss the router concentrates tokens on a few experts (the dashed line on the right, the bright bands of the right
+# heat map). With it the busiest expert's load is lower, but not even: it stays well above an even share (the line
+# marked "even"; the mean and the highest value are printed above). A coefficient of 0.01 pulls the router towards
+# balance without forcing it there. The heat maps are the load histogram of every step: a bright band is an expert
+# taking several even shares, a dark one an expert the router has all but abandoned. That load is what capacity
+# must absorb. The same routing, cut at other capacity factors (GShard's queue, per rank):
 
 # %% tags=["nbval-ignore-output"]
 plots.savefig(ch16.draw_drops(train_runs), "16_moe_drops")
 
 # %% [markdown]
-# At capacity 1.0 the unbalanced router would drop several times more of its choices; raising the capacity factor
-# buys the drops back with padding compute and memory (every expert is sized for its capacity). This is why Switch
+# At capacity 1.0 the router without the aux loss would drop more of its choices (the verdict above; this run's
+# percentages are printed with the table); raising the capacity factor buys the drops back with padding compute and
+# memory (every expert is sized for its capacity). This is why Switch
 # trains with capacity 1.0-1.25 *and* an aux loss, and why dropless MoEs (Megablocks, DeepSeek-V3) need the balance
 # even more: there the busiest expert sets the step time directly. DeepSeek-V3 replaces most of the aux loss by a
 # per-expert bias added to the routing scores (report, sec. 2.1.2, "auxiliary-loss-free load balancing"), counted in
@@ -346,9 +374,10 @@ check("combine", combine)
 # Choose the experts, top-k, the capacity factor (0: dropless), the aux coefficient and the EP size (the number of
 # ranks). Each change trains the MoE GPT for 40 steps on real ranks and draws the last step's tokens per expert (EP
 # ranks' boundaries marked), the drops and the busiest expert's load over training, and the bytes each rank's dispatch
-# sent against the model. Combinations the layer cannot take (experts not divisible by EP, top-k above the experts)
-# are refused before a rank starts. A change of EP size starts new ranks (about 7 s on an idle 2-core machine, `make
-# bench`; the status line says so); the same size reuses the warm ones (about 2 s for 40 steps).
+# sent against the model. Combinations the layer cannot take are refused in one sentence, in the status line, before
+# a rank starts: try 6 experts on EP 4 (each EP rank must hold the same number of experts), or top-k 8 with fewer
+# than 8 experts. A change of EP size starts new ranks (about 7 s on an idle 2-core machine, `make bench`; the status
+# line says so); the same size reuses the warm ones (about 2 s for 40 steps).
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W
@@ -359,10 +388,9 @@ def choice(name, options, value, width="150px"):
                       style={"description_width": "initial"})
 
 
-explorer = ch16.MoEExplorer({"experts": choice("experts", [4, 8, 16], 8), "top_k": choice("top-k", [1, 2, 4], 2),
-                             "capacity_factor": choice("capacity", [0.0, 1.0, 1.25, 2.0], 1.0),
-                             "aux_coeff": choice("aux", [0.0, 0.001, 0.01, 0.1], 0.01),
-                             "ep": choice("EP", [1, 2, 4], 2)})
+# ch16.EXPLORER_CONTROLS: name -> (label, options, first value); experts 6 and top-k 8 reach the refusals
+explorer = ch16.MoEExplorer({name: choice(label, options, value)
+                             for name, (label, options, value) in ch16.EXPLORER_CONTROLS.items()})
 explorer.wait(120)
 explorer
 
@@ -401,8 +429,13 @@ explorer
 #   by expert before and its inverse after. Expert gradients are averaged over their copies but divided by the world.
 # * On EP 1, 2, 4 and EP 2 x DP 2, every output and gradient equals the token-by-token reference in float64, dropping
 #   the same choices; four silent bugs are each caught and named.
-# * All-to-all bytes are `T h b k (n-1)/n` per direction under even routing, exactly; a skewed router makes the busiest
-#   rank set the pace, and the aux loss keeps the load near even at no cost to the loss here.
+# * All-to-all bytes are `T h b k (n-1)/n` per direction under even routing, exactly. A skewed router gives one rank
+#   most of the rows; the others wait for it at the combine, so the busiest rank sets the pace of the EP group.
+# * The load-balancing loss lowers the busiest expert's load without making it even, at no visible cost to the loss
+#   here; without it a capacity factor of 1 would drop more of the choices.
 
-# %%
-cu.shutdown_pools()  # stop this notebook's warm ranks
+# %% [markdown]
+# ### Before you close this chapter
+# This chapter's warm ranks are still running, so the widgets above answer at once when you come back to them.
+# Closing the tab leaves the kernel running, and the ranks with it: they stop by themselves after 10 idle minutes
+# (`COURSE_POOL_IDLE_S`) and when the kernel stops. To free them now, run `cu.shutdown_pools()` in a cell.

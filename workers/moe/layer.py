@@ -75,6 +75,8 @@ class RoutingRecord:
     tokens_per_local_expert: list[int] = field(default_factory=list)
     expert_cpu_s: float = 0.0  # CPU seconds this rank spent in its experts (process time: robust to a busy machine)
     combine_s: float = 0.0  # wall seconds in the combine's all-to-all: mostly waiting for the slowest rank
+    dispatch_s: float = 0.0  # wall seconds from the forward's start to the experts' (routing, the dispatch all-to-all)
+    expert_s: float = 0.0  # wall seconds in this rank's experts
 
 
 class MoELayer(nn.Module):
@@ -103,6 +105,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        start_s = time.perf_counter()
         x = x.reshape(-1, shape[-1])  # [T, h]: the batch's tokens, wherever they sat
         logits, probs, weights, experts = self.router(x)  # [T, E], [T, E], [T, k], [T, k]
         keep = keep_mask(experts, self.cfg.experts, self.cfg.capacity(x.shape[0]))  # [T, k]
@@ -110,19 +113,20 @@ class MoELayer(nn.Module):
         z = z_loss(logits)
         self.aux_loss = self.cfg.aux_coeff * aux + self.cfg.z_coeff * z
         rows, state = self.dispatcher.dispatch(x, experts, weights, keep)  # [R, h]
-        t0 = time.process_time()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         outs, start = [], 0
         for e, n in zip(self.local, state.tokens_per_local_expert):  # each expert reads one contiguous block
             outs.append(self.experts[str(e)](rows[start:start + n]))  # [n, h]
             start += n
         expert_out = torch.cat(outs) if outs else rows  # [R, h]
-        cpu_s = time.process_time() - t0
+        cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - t0
         y = self.dispatcher.combine(expert_out, state, x.shape[0])  # [T, h]
         for shared in self.shared.values():
             y = y + shared(x)
         self.last = RoutingRecord(experts.detach(), weights.detach(), keep, tokens_per_expert(experts, self.cfg.experts),
                                   aux.item(), z.item(), state.send_splits, state.recv_splits,
-                                  state.tokens_per_local_expert, cpu_s, self.dispatcher.combine_s)
+                                  state.tokens_per_local_expert, cpu_s, self.dispatcher.combine_s,
+                                  dispatch_s=t0 - start_s, expert_s=wall_s)
         return y.view(shape)
 
     def balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
