@@ -276,7 +276,7 @@ def draw_collective(ax_before, ax_after, result, collective: str, *, chunk: int 
     draw_tensors(ax_after, result.gather("after"), title="after" if not barrier else "waited inside (ms)", n=n, width=width,
                  fmt=fmt, defined=result.gather("defined"), colour_by_origin=not barrier)
     ax_after.set_yticks([])
-    ax_before.text(0, n + 0.25, first["call"], fontsize=6.5, family="monospace", va="top", ha="left", clip_on=False)
+    ax_before.text(0, n + 0.25, first["call"], fontsize=7.5, family="monospace", va="top", ha="left", clip_on=False)
 
 
 def collective_panel(result, params: dict):
@@ -308,7 +308,7 @@ def collectives_figure(results: dict, *, chunk: int = 1, columns: int = 3):
     rows = -(-len(names) // columns)
     n = next(iter(results.values())).world_size
     fig = plt.figure(figsize=(4.4 * columns, (0.42 * n + 1.0) * rows))
-    ratios = ([1, 1, 0.28] * columns)[:-1]
+    ratios = ([1, 1, 0.36] * columns)[:-1]
     grid = fig.add_gridspec(rows, len(ratios), width_ratios=ratios, wspace=0.08, hspace=0.75)
     for i, name in enumerate(names):
         row, col = divmod(i, columns)
@@ -439,8 +439,8 @@ def bandwidth_figure(measured: dict[str, list[dict]], published: list[dict] | No
     ax_t.set_title("time and the alpha-beta fit t = alpha + S/B")
     fig.tight_layout()
     for ax in (ax_bw, ax_t):  # below the plots: the curves span the whole axes
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
-    fig.text(0.01, 1.0, f"gloo curves: {CPU_NOTE}. Black: published, not measured here.", fontsize=7)
+        ax.legend(fontsize=8.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    fig.text(0.01, 1.0, f"gloo curves: {CPU_NOTE}. Black: published, not measured here.", fontsize=8.5)
     return fig
 
 

@@ -115,20 +115,24 @@ def draw_gradcheck(rows: list[dict]):
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     circuits = list(dict.fromkeys(r["circuit"] for r in rows))
     grid = np.zeros((len(circuits), len(variants)))
-    fig, ax = plt.subplots(figsize=(11, 0.8 + 0.6 * len(circuits)))
+    fig, ax = plt.subplots(figsize=(11, 0.8 + 0.75 * len(circuits)))
     for r in rows:
         i, j = circuits.index(r["circuit"]), variants.index(r["variant"])
         passed = r["gradcheck"] == "pass"
         grid[i, j] = 1.0 if passed else 0.0
         ratios = r["ratio"].split(", ")
-        shown = ratios[0] if len(set(ratios)) == 1 else " / ".join(ratios)
-        ax.text(j, i, f"{'pass' if passed else 'FAIL'}\nratio {shown}", ha="center", va="center", fontsize=7.5)
+        if len(set(ratios)) == 1:
+            shown = f"ratio {ratios[0]}"
+        else:  # one value per rank, two to a line: a single line would run into the next cell
+            shown = "ratios\n" + "\n".join(" / ".join(ratios[k:k + 2]) for k in range(0, len(ratios), 2))
+        ax.text(j, i, f"{'pass' if passed else 'FAIL'}\n{shown}", ha="center", va="center", fontsize=8.5,
+                linespacing=1.1)
     ax.imshow(grid, cmap="RdYlGn", vmin=-0.3, vmax=1.3, aspect="auto")
-    ax.set_xticks(range(len(variants)), variants, fontsize=8, rotation=12, ha="right")
-    ax.set_yticks(range(len(circuits)), circuits, fontsize=7.5)
+    ax.set_xticks(range(len(variants)), variants, fontsize=9, rotation=12, ha="right")
+    ax.set_yticks(range(len(circuits)), circuits, fontsize=8.5)
     ax.grid(False)
     ax.set_title(f"torch.autograd.gradcheck in groups of {rows[0]['ranks']} real ranks (float64); each column swaps in one "
-                 "wrong mapping\n(ratio: <v, J u> from backward / from finite differences, per rank)", fontsize=9)
+                 "wrong mapping\n(ratio: <v, J u> from backward / from finite differences, per rank)", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -120,7 +120,7 @@ def tile_walk_figure(scores, values, block: int, step: int | None = None):
     s = np.asarray(scores, dtype=float)
     cmap = plt.get_cmap("tab10")
     fig, (ax_s, ax_l, ax_o) = plt.subplots(1, 3, figsize=(12.5, 4.2), gridspec_kw={"width_ratios": [2.2, 1.2, 1.2]})
-    below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.2), "fontsize": 8, "frameon": False}
+    below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.2), "fontsize": 9, "frameon": False}
 
     for t in steps:
         seen = t["tile"] < step
@@ -144,7 +144,7 @@ def tile_walk_figure(scores, values, block: int, step: int | None = None):
              color=[cmap(t["tile"] % 10) for t in done], label="this tile: sum exp(s - m_new)")
     for t in done:
         if 0 < t["alpha"] < 1:  # the max rose: everything summed so far shrinks
-            ax_l.annotate(f"x{t['alpha']:.2f}", (t["tile"] + 1, t["l_new"]), ha="center", va="bottom", fontsize=8,
+            ax_l.annotate(f"x{t['alpha']:.2f}", (t["tile"] + 1, t["l_new"]), ha="center", va="bottom", fontsize=9,
                           color="#cf222e")
     if step == len(steps) and steps:
         ax_l.axhline(exact["sum"], color="black", linestyle="--", linewidth=1,
@@ -290,7 +290,7 @@ def comparison_figure(reference: dict, bench: dict | None = None, head_dim: int 
             peak = reference.get("matmul_bf16_tflops")
             if peak:
                 ax.axhline(peak, color="black", linestyle=":", linewidth=1)
-                ax.text(0.01, peak * 0.97, f"8192^3 bf16 matmul, same GPU: {peak:.0f}", fontsize=7, va="top",
+                ax.text(0.01, peak * 0.97, f"8192^3 bf16 matmul, same GPU: {peak:.0f}", fontsize=8.5, va="top",
                         transform=ax.get_yaxis_transform())
             _n_axis(ax, [r["n"] for r in ref_rows] + [r["n"] for r in (bench or {}).get("rows", [])])
             ax.set_title(f"{'forward' if mode == 'fwd' else 'forward + backward'}, "
@@ -303,11 +303,11 @@ def comparison_figure(reference: dict, bench: dict | None = None, head_dim: int 
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, -0.06))
+    fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=3, fontsize=9, bbox_to_anchor=(0.5, 0.0))
     caption = reference_data.label(reference)
     if bench is not None:
         caption += f"\ndashed: {reference_data.label(bench)}"
-    fig.suptitle(title or f"attention, bf16, B=2, H=16, d={head_dim}: {caption}", fontsize=9)
+    fig.suptitle(title or f"attention, bf16, B=2, H=16, d={head_dim}: {caption}", fontsize=9.5)
     fig.tight_layout()
     return fig
 
@@ -364,10 +364,10 @@ def io_figure(rows: list[dict], reference: dict, block_q: int = 128):
     ax_b.set_title("HBM traffic (model): naive grows as N^2 with 4x the constant", fontsize=10)
     ax_t.set_ylabel("ms")
     ax_t.set_title("as time on the H200, with the measured forwards", fontsize=10)
-    ax_b.legend(fontsize=7)
-    ax_t.legend(fontsize=6.5, loc="upper left")
-    fig.suptitle(f"bf16, B=2, H=16, d=128; bandwidth and matmul rate: {reference_data.label(reference)}", fontsize=8)
+    fig.suptitle(f"bf16, B=2, H=16, d=128; bandwidth and matmul rate: {reference_data.label(reference)}", fontsize=9)
     fig.tight_layout()
+    for ax in (ax_b, ax_t):  # under the panels: inside, the legends covered lines and the measured points
+        ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     return fig
 
 
@@ -456,10 +456,11 @@ def memory_figure(reference: dict, saved_rows: list[dict]):
         _n_axis(ax, axis_ns)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N")
-        ax.legend(fontsize=7)
     fig.suptitle(f"left: {reference_data.label(reference)}; right: counted on this machine's CPU (exact, not timed)",
-                 fontsize=8)
+                 fontsize=9)
     fig.tight_layout()
+    for ax in (ax_g, ax_c):  # under the panels: inside, the left legend covered the math and model lines
+        ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     return fig
 
 
@@ -531,13 +532,14 @@ def layout_figure(cpu_rows: list[dict], gpu_rows: list[dict], reference: dict):
     threads = torch.get_num_threads()
     ax_c.set_title(f"measured on this machine's CPU ({threads} thread{'s' if threads > 1 else ''}, fp32, B=1, H=8, "
                    "D=64): not GPU numbers", fontsize=9)
-    ax_c.legend(fontsize=8)
+    ax_c.legend(fontsize=9)
     labels = [f"N={r['n']}" for r in gpu_rows]
     shares = [100 * (r["copy_share"] or 0) for r in gpu_rows]
     ax_g.bar(labels, shares, color="#ff7f0e")
     for i, r in enumerate(gpu_rows):
         ax_g.text(i, shares[i], f"{r['copy_ms'] * 1e3:.0f} us vs {r['flash_fwd_ms'] * 1e3:.0f} us", ha="center",
-                  va="bottom", fontsize=8)
+                  va="bottom", fontsize=9)
+    ax_g.set_ylim(0, 1.15 * max(shares + [1.0]))  # room above the tallest bar for its label
     ax_g.set_ylabel("copies / flash forward (%)")
     ax_g.set_title(f"H200 model: copies at {reference['copy_TBps']:.2f} TB/s vs the measured SDPA flash forward\n"
                    "(bf16, B=2, H=16, d=128; from data/reference)", fontsize=9)

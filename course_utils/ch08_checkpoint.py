@@ -97,9 +97,10 @@ def ckpt_draw_resume(straight, runs: dict, save_at: int, rank: int = 0):
     ax.text(save_at + 0.6, ax.get_ylim()[1], " save | new process", va="top", fontsize=8, color="grey")
     ax.set_ylabel("training loss (mean over ranks)")
     ax.set_title("Resumed runs against the straight run")
-    ax.legend(fontsize=7)
     _draw_loss_diff(ax_d, s, runs, save_at, rank)
     fig.tight_layout()
+    # under the panels (the right one uses the same colours and markers): inside, it covered the losses
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.18), ncol=3, frameon=False)
     return fig
 
 
@@ -216,7 +217,9 @@ def ckpt_draw_async(res):
     ax.set_xticks(x, [f"save {i + 1}" + (" (first: sets up staging)" if i == 0 else "") for i in range(n)], fontsize=8)
     ax.set_ylabel("seconds (slowest rank)")
     ax.set_title(f"Blocking vs async DCP save, {mb:.0f} MiB of weights + AdamW state x2, world {world}")
-    ax.legend(fontsize=8)
+    tallest = max(max(t[k]) for k in ("blocking", "async_call", "async_durable"))
+    ax.set_ylim(0, 1.5 * tallest)  # the top third holds the legend, above every bar
+    ax.legend(fontsize=8, loc="upper left")
     fig.text(0.01, -0.02, f"slowest of the {world} ranks per save; {CPU_NOTE}", fontsize=7)
     return fig
 

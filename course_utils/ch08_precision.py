@@ -364,10 +364,10 @@ def draw_loss_scaling(res):
     args = res[0]["scaler_args"]
     ax1.set_title(f"GradScaler: x{args['growth_factor']:g} after {args['growth_interval']} good steps, "
                   f"x{args['backoff_factor']:g} and skip on inf/NaN (markers: skipped)", fontsize=10)
-    ax1.legend(fontsize=8)
     ax2.set_ylabel("loss (fp16 autocast)")
     ax2.set_xlabel("step")
-    ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):  # beside the panels: the scale's steps and the losses fill them wherever they go
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -427,6 +427,7 @@ def draw_master_weights(d: dict):
     ax2.set_ylabel("% of weights")
     ax2.set_ylim(-3, 103)
     ax2.set_title("bf16(w - lr*g) == w: the update vanished")
-    ax2.legend(fontsize=7)
     fig.tight_layout()
+    # under the panel: the curves rise into every corner of it
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     return fig

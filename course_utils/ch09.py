@@ -81,16 +81,18 @@ def draw_telemetry(tel: dict, title: str = "", vocab: int | None = None):
         ax.set_xlabel("step")
     if vocab is not None and panels and panels[0][0] == "loss":
         axes.flat[0].axhline(math.log(vocab), color="k", ls=":", lw=1, label=LOG_V_NOTE)
-        axes.flat[0].legend(fontsize=7)
+        axes.flat[0].legend(fontsize=8.5)
     if title:
         fig.suptitle(title, y=1.02, fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def _mark(ax, step, label, colour="crimson"):
+def _mark(ax, step, label=None, colour="crimson"):
+    """A dotted line at ``step``, labelled at the top unless ``label`` is None."""
     ax.axvline(step, color=colour, ls=":", lw=1.2)
-    ax.text(step, 0.98, f" {label}", transform=ax.get_xaxis_transform(), color=colour, fontsize=8, va="top")
+    if label is not None:
+        ax.text(step, 0.98, f" {label}", transform=ax.get_xaxis_transform(), color=colour, fontsize=8, va="top")
 
 
 # -- data: the garbage batch --------------------------------------------------------------------------------
@@ -163,7 +165,9 @@ def draw_fp16(runs: dict[str, dict], vocab: int | None = None):
         ax.set_xlabel("step")
     axes[2].set_yscale("log")
     log2_axis(axes[3], axis="y")
-    axes[0].legend(fontsize=7, loc="lower left")
+    # under the panels, not inside the first: there it covered the loss-scaled run's curve
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, -0.02),
+               ncol=min(4, len(runs) + 1), fontsize=8.5, frameon=False)
     fig.suptitle("Numeric fault: fp16 backward with small gradients, with and without loss scaling", y=1.03)
     return fig
 
@@ -180,14 +184,15 @@ def draw_dormant(runs: dict[str, dict], wake: int, vocab: int | None = None):
     _mark(ax0, wake, f"first gradient in the body, step {wake}")
     ax0.set_title("loss")
     ax0.set_xlabel("step")
-    ax0.legend(fontsize=7, loc="lower left")
+    # under the panel: the two runs part at the bottom left, where a legend inside would sit on them
+    ax0.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     n = max(len(tel["step"]) for tel in runs.values()) - wake
     steps = adam_steps_after_one_gradient(wake, n)
     ax1.bar(range(wake, wake + n), steps, color="#3b75af", label="step at each step (units of lr)")
     ax1.plot(range(wake, wake + n), np.cumsum(steps), color="k", lw=1.2, label="total distance moved (units of lr)")
     ax1.set_title(f"Adam on a weight whose one nonzero gradient comes at step {wake}", fontsize=9)
     ax1.set_xlabel("step")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=8, loc="center right")  # between the total's plateau and the bars along the bottom
     return fig
 
 
@@ -214,9 +219,9 @@ def draw_checksums(res, title: str):
     ax1.set_xlabel("step (green: checksum equals rank 0's; red: differs)")
     ax1.grid(False)
     alarm = res[0].get("checksum_alarm")
-    if alarm:
-        for ax in (ax0, ax1):
-            _mark(ax, alarm["step"], f"first disagreement, step {alarm['step']}")
+    if alarm:  # labelled once, above: on the strip the red text would sit on red and green
+        _mark(ax0, alarm["step"], f"first disagreement, step {alarm['step']}")
+        _mark(ax1, alarm["step"])
     return fig
 
 
@@ -241,9 +246,9 @@ def draw_replay(res, title: str):
     ax1.set_yticks(range(len(tels)), [f"rank {r}" for r in range(len(tels))])
     ax1.set_xlabel("step (green: replay reproduces the fingerprint bit for bit; red: it does not)")
     ax1.grid(False)
-    if rep["diverged"]:
-        for ax in (ax0, ax1):
-            _mark(ax, rep["first_step"], f"first difference, step {rep['first_step']}")
+    if rep["diverged"]:  # labelled once, above: on the strip the red text would sit on red and green
+        _mark(ax0, rep["first_step"], f"first difference, step {rep['first_step']}")
+        _mark(ax1, rep["first_step"])
     return fig
 
 

@@ -211,8 +211,12 @@ def moments_figure(runs: dict, *, gpu: bool = False, title: str = "", unit: floa
     the ledger's total as a black tick, and ``cuda_allocated`` as a hollow bar when ``gpu``."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.4 * len(runs) + 1.5, 3.6), sharey=True, squeeze=False)
-    for ax, (label, r) in zip(axes[0], runs.items()):
+    cols = len(runs) if len(runs) <= 3 else 2  # 4 runs in a row would be shown at half size: 2 x 2
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + 1.5, 3.0 * rows + 0.6), sharey=True, squeeze=False)
+    for ax in axes.flat[len(runs):]:
+        fig.delaxes(ax)
+    for ax, (label, r) in zip(axes.flat, runs.items()):
         ms = moments_of(r)
         ledger = ledger_moments(r["config"], r["n_params"])
         for i, m in enumerate(ms):
@@ -229,10 +233,11 @@ def moments_figure(runs: dict, *, gpu: bool = False, title: str = "", unit: floa
                 alloc = (m["cuda_allocated"] - r.get("baseline_cuda_allocated", 0)) / unit
                 ax.bar(i + 0.18, alloc, width=0.36, fill=False, edgecolor="black", hatch="//",
                        label="cuda memory_allocated" if (i == 0 and ax is axes[0][0]) else None)
-        ax.set_xticks(range(len(ms)), [m["moment"] for m in ms], fontsize=8)
-        ax.set_title(label, fontsize=9)
-    axes[0][0].set_ylabel(unit_name)
-    fig.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95), frameon=False)
+        ax.set_xticks(range(len(ms)), [m["moment"] for m in ms], fontsize=9)
+        ax.set_title(label, fontsize=10)
+    for row in axes:
+        row[0].set_ylabel(unit_name)
+    fig.legend(fontsize=8.5, loc="upper left", bbox_to_anchor=(1.0, 0.95), frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -484,9 +489,14 @@ def zero3_timeline_figure(runs: dict, unit: float = 1024, axes=None):
     setting; the x axis counts the events in order (their times on a shared CPU are noise)."""
     import matplotlib.pyplot as plt
 
-    if axes is None:
-        _, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False)
-        axes = axes[0]
+    fig = None
+    if axes is None:  # 4 settings in a row would be shown at half size: 2 x 2
+        cols = len(runs) if len(runs) <= 2 else 2
+        rows = -(-len(runs) // cols)
+        fig, grid = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.0 * rows), sharey=True, squeeze=False)
+        for ax in grid.flat[len(runs):]:
+            fig.delaxes(ax)
+        axes = list(grid.flat[:len(runs)])
     for ax, ((prefetch, reshard), r) in zip(axes, runs.items()):
         events = r["timeline"]
         xs = range(len(events))
@@ -494,18 +504,28 @@ def zero3_timeline_figure(runs: dict, unit: float = 1024, axes=None):
                 label="whole parameters")
         ax.step(xs, [e["grads"] / unit for e in events], where="post", color=STATE_COLOURS["grads"],
                 label="whole gradients (.grad)")
-        for i, e in enumerate(events):
+        for i, e in enumerate(events):  # upright labels: forward's gathers are two events apart
             if e["kind"] in ("gather", "prefetch"):
-                ax.annotate(e["unit"].replace("unit", "b"), (i, e["params"] / unit), fontsize=6, ha="center",
-                            va="bottom", color="#333333")
+                ax.annotate(e["unit"].replace("unit", "b"), (i, e["params"] / unit), xytext=(0, 2),
+                            textcoords="offset points", fontsize=7.5, rotation=90, ha="center", va="bottom",
+                            color="#333333")
         backward = next((i for i, e in enumerate(events) if e["kind"] == "grad"), None)
         if backward is not None:
             ax.axvline(backward - 0.5, color="grey", lw=0.8, ls=":")
         ax.axhline(r["padded_bytes"] / unit, color="black", lw=0.8, ls="--", label="the whole model")
-        ax.set_title(zero3_setting(prefetch, reshard), fontsize=9)
+        ax.set_title(zero3_setting(prefetch, reshard), fontsize=10)
         ax.set_xlabel("hook events in order (forward | backward)")
-    axes[0].set_ylabel("KiB on rank 0" if unit == 1024 else f"bytes / {unit:g}")
-    axes[0].legend(fontsize=7, loc="upper left")
+    top = 1.15 * max(r["padded_bytes"] for r in runs.values()) / unit  # room for the labels over the whole model
+    for ax in axes:
+        ax.set_ylim(top=top)
+        if ax.get_subplotspec() is None or ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("KiB on rank 0" if unit == 1024 else f"bytes / {unit:g}")
+    if fig is None:
+        axes[0].legend(fontsize=8, loc="upper left")
+    else:  # under the panels: inside, it covered the whole model's line
+        fig.tight_layout()
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3,
+                   fontsize=9, frameon=False)
     return axes
 
 

@@ -173,6 +173,7 @@ def qkv_split_figure(heads: int = 4, kv_heads: int = 4, head_dim: int = 2, tp: i
 def training_figure(dense_losses: list[float], runs: dict):
     """The one-process GPT's losses and each parallel run's, and their relative difference per step."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from course_utils.tp_check import LOSS_RTOL
 
@@ -193,6 +194,8 @@ def training_figure(dense_losses: list[float], runs: dict):
     axes[1].set_xlabel("optimizer step")
     axes[1].set_ylabel("|loss - dense loss| / dense loss")
     axes[1].set_title(f"relative difference (tolerance {LOSS_RTOL:g})", fontsize=10)
+    for ax in axes:  # whole steps: no tick at step 1.5
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return fig
 

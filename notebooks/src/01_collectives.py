@@ -543,5 +543,9 @@ check("bus_bandwidth", bus_bandwidth)
 #
 # Next, chapter 02: data parallelism, where one all-reduce per step (or per bucket) is the whole algorithm.
 
-# %%
-cu.shutdown_pools()  # stop this notebook's warm ranks
+# %% [markdown]
+# ### Before you close this chapter
+# This chapter's warm ranks are still running, so the widgets above answer at once when you come back to them.
+# Closing the tab leaves the kernel running, and the ranks with it: they stop by themselves after 10 idle minutes
+# (`COURSE_POOL_IDLE_S`) and when the kernel stops. To free them now, run `cu.shutdown_pools()` in a cell; the
+# next chapter starts its own.

@@ -134,7 +134,7 @@ plots.savefig(tp_figures.equivalence_figure(reports, "attention by head vs dense
 
 # %% [markdown]
 # One bar per tensor (outputs, input gradient, every weight and bias gradient), for each layout: the
-# largest error against the dense float64 reference, far below the float32 tolerance line. Splitting the
+# largest error against the dense float64 reference, below the float32 tolerance line. Splitting the
 # KV heads and replicating them give the same function; only the bookkeeping of the gradients differs.
 
 # %% [markdown]
@@ -244,8 +244,7 @@ cu.check("kv_heads_for_rank", kv_heads_for_rank)
 
 # %% [markdown]
 # ### Before you close this chapter
-# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
-# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
-
-# %%
-cu.shutdown_pools()  # stop this notebook's warm ranks
+# This chapter's warm ranks are still running, so the widgets above answer at once when you come back to them.
+# Closing the tab leaves the kernel running, and the ranks with it: they stop by themselves after 10 idle minutes
+# (`COURSE_POOL_IDLE_S`) and when the kernel stops. To free them now, run `cu.shutdown_pools()` in a cell; the
+# next chapter starts its own.

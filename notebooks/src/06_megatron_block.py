@@ -309,9 +309,9 @@ plots.savefig(tp_figures.attention_share_figure(SEQS, [p["forward_share"]["atten
 # The measured attention share (of attention + MLP compute time, TP 1) follows the FLOPs share's trend: the
 # $s^2$ terms take over as the sequence grows. Where it departs from the FLOPs line, the cause is the
 # kernels, not the arithmetic: on this CPU the small attention matmuls and the softmax run at a different
-# efficiency from the big MLP matmuls. At TP 2 the communication bar is large: two processes on two
-# shared cores, with gloo over the loopback, is the worst case for communication; on NVLink the same
-# bytes take microseconds (chapter 00's bandwidth tiers; chapter 10, NCCL tuning, is planned to measure it).
+# efficiency from the big MLP matmuls. At TP 2 (the lines printed above) communication takes a large share of
+# each pass: two processes on two shared cores, with gloo over the loopback, is the worst case for communication;
+# on NVLink the same bytes take microseconds (chapter 00's bandwidth tiers; chapter 10 models NCCL's time).
 #
 # ## 5. On a GPU
 #
@@ -413,8 +413,7 @@ block_live
 
 # %% [markdown]
 # ### Before you close this chapter
-# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
-# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
-
-# %%
-cu.shutdown_pools()  # stop this notebook's warm ranks
+# This chapter's warm ranks are still running, so the widgets above answer at once when you come back to them.
+# Closing the tab leaves the kernel running, and the ranks with it: they stop by themselves after 10 idle minutes
+# (`COURSE_POOL_IDLE_S`) and when the kernel stops. To free them now, run `cu.shutdown_pools()` in a cell; the
+# next chapter starts its own.

@@ -52,11 +52,11 @@ display(Table(["stage", "params GB", "grads GB", "optimizer GB", "total GB"], ro
 # stay.
 
 # %% tags=["nbval-ignore-output"]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 3.8))
+fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7.2))  # one above the other: side by side is shown at 60%
 ch11.ledger_figure(ch11.ledger_plans("7B", (8, 64, 512)), "Llama 2 7B, seq 4096, micro-batch 1", ax=ax1)
 ch11.ledger_figure(ch11.ledger_plans("70B", (1, 8, 32), tp=8, pp=4), "Llama 3 70B with tp=8, pp=4 (32 GPUs per replica)",
                    ax=ax2)
-fig.tight_layout()
+fig.tight_layout(h_pad=2.5)  # room between the upper panel's dp labels and the lower one's title
 plots.savefig(fig, "11_ledger_states");
 
 # %% [markdown]
@@ -389,8 +389,9 @@ axes = ch11.zero3_timeline_figure(z3)
 plots.savefig(axes[0].figure, "11_zero3_timeline");
 
 # %% [markdown]
-# Left to right: FSDP's default holds the root and one block (every gather is matched by a free); prefetch holds
-# two blocks, the price of hiding the next all-gather behind this block's compute; without resharding after
+# In reading order (top left, top right, then the bottom row): FSDP's default holds the root and one block (every
+# gather is matched by a free); prefetch holds two blocks, the price of hiding the next all-gather behind this
+# block's compute; without resharding after
 # forward every unit stays whole from its forward to its backward, which is ZeRO-2's parameter memory in exchange
 # for one all-gather less (2Ψ(N-1)/N). The whole gradients (orange) never add up to the model's: each unit's are
 # reduce-scattered and dropped as soon as they are complete. Between steps a rank holds nothing whole, only its
@@ -621,8 +622,7 @@ print(f"with a fused attention that keeps its bf16 output for its own backward (
 
 # %% [markdown]
 # ### Before you close this chapter
-# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
-# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
-
-# %%
-cu.shutdown_pools()  # stop this notebook's warm ranks
+# This chapter's warm ranks are still running, so the widgets above answer at once when you come back to them.
+# Closing the tab leaves the kernel running, and the ranks with it: they stop by themselves after 10 idle minutes
+# (`COURSE_POOL_IDLE_S`) and when the kernel stops. To free them now, run `cu.shutdown_pools()` in a cell; the
+# next chapter starts its own.

@@ -5,8 +5,9 @@ runs every cell with Run > Run All Cells, and uses the head-count widget, which 
 
 * every code cell ran, none printed an error, and the widget's first run came back from 4 ranks;
 * moving "heads" from 8 to 7 (7 query heads cannot share 2 KV heads) shows the launcher's one-sentence message,
-  no traceback, and nothing is launched; moving it back starts ranks again (the chapter's last cell stopped them),
-  and the status line says so while they start; TP 2 then runs on those warm ranks and draws a different figure;
+  no traceback, and nothing is launched; moving it back answers on the ranks Run All started (the chapter leaves
+  them warm); left alone for the lab's idle time they stop by themselves, and TP 2 then starts new ones, saying so
+  (and why) while they start, and draws a different figure;
 * Kernel > Restart Kernel leaves none of the ranks behind;
 * File > Save writes the learner's copy, and no tracked file changed: the course's notebook, its committed
   figures (Run All drew them under build/) and everything else ``git status`` watches.
@@ -28,7 +29,7 @@ import time
 import psutil
 import pytest
 
-from tests.browser.lab_ui import lab_ranks, open_page, run_all, sha256, shut_down_kernels, tracked_changes
+from tests.browser.lab_ui import IDLE_S, lab_ranks, open_page, run_all, sha256, shut_down_kernels, tracked_changes
 from tests.lab_server import ROOT, request
 
 pytestmark = pytest.mark.browser
@@ -83,20 +84,26 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
         assert "kv_heads=2" in refusal and "hidden" not in refusal and "Traceback" not in refusal, refusal
         assert len(refusal.rstrip(".").split(". ")) == 1, f"the refusal should be one sentence: {refusal!r}"
 
-        # Back to 8. The chapter's last cell stopped its ranks, so this run starts new ones, and says so while it does
+        # Back to 8: the ranks Run All started are still warm (the chapter leaves them running), so it answers at once
         page.keyboard.press("ArrowRight")
-        wait_status(page, box, "t.includes('starting 4 ranks (a cold start: about ')", 30)
-        timings["rerun_cold_s"] = wait_status(page, box, "t.includes('world 4') && t.includes('ran in')", 120)
-        assert "cold start" in status_text(box)
+        timings["rerun_warm_s"] = wait_status(page, box, "t.includes('world 4') && t.includes('ran in')", 60)
+        assert "warm ranks" in status_text(box), status_text(box)
 
+        # Left alone for the idle time they stop by themselves; the next move starts new ones and says so, and why
+        deadline = time.time() + IDLE_S + IDLE_S / 4 + 30
+        while lab_ranks(lab.proc.pid) and time.time() < deadline:
+            time.sleep(1)
+        assert not lab_ranks(lab.proc.pid), f"the warm ranks were still running {IDLE_S} s + margin after the last run"
         tp = box.locator(".widget-hslider:has(.widget-label:text-is('TP')) .noUi-handle")
         tp.focus()
         marker = status_text(box)
         page.keyboard.press("ArrowLeft")  # TP 4 -> 3: 8 heads do not split over 3 ranks
         wait_status(page, box, "t.includes('tp=3')", 30)
-        page.keyboard.press("ArrowLeft")  # TP 2: valid, a different sharding and a different figure
-        timings["rerun_tp2_s"] = wait_status(page, box, f"t.includes('ran in') && t !== {json.dumps(marker)}", 60)
-        assert "warm ranks" in status_text(box)  # the ranks the previous move started
+        page.keyboard.press("ArrowLeft")  # TP 2: valid, a different sharding and a different figure, on new ranks
+        wait_status(page, box, "t.includes('had stopped after') && t.includes('starting 4 ranks (a cold start: about ')",
+                    30)
+        timings["rerun_tp2_cold_s"] = wait_status(page, box, f"t.includes('ran in') && t !== {json.dumps(marker)}", 120)
+        assert "cold start" in status_text(box), status_text(box)
         image.wait_for(timeout=10_000)
         assert image.get_attribute("src") != figure_tp4, "TP 2 drew the same figure as TP 4"
 
