@@ -8,7 +8,6 @@ What is computed here without ranks (``holdings``, ``group_rows``, ``micro_batch
 """
 from __future__ import annotations
 
-import textwrap
 from functools import lru_cache
 
 import matplotlib.pyplot as plt
@@ -16,6 +15,7 @@ import torch
 
 from course_utils.launcher import run as run_worker
 from course_utils.plots import CPU_NOTE
+from course_utils.results import RunResult
 from course_utils.tables import Table
 from course_utils.widgets import LiveRun
 from workers.composed.equivalence import TIED, TOLERANCE, compare, relative_error
@@ -51,7 +51,23 @@ FAULT_CASES = {
 # the parameters of one layer that tensor parallelism cuts (heads for attention, ffn columns for the MLP)
 SHARDED_PER_LAYER = ("attention.qkv.weight", "attention.qkv.bias", "attention.proj.weight", "mlp.fc1.weight",
                      "mlp.fc1.bias", "mlp.fc2.weight")
+SMALLEST_FONT = 7.0  # points: 9.7 px at the widget's 100 dpi, 10.7 px in a saved figure (110 dpi)
 LAYOUT_OPTIONS = ("zero", "sequence_parallel", "micro_batches", "schedule", "virtual_stages", "split")
+
+
+TEXT_WIDTH = 110  # characters: a printed line that fits the output area of a 1400-px JupyterLab window unbroken
+
+
+def wrap(text: str, width: int = TEXT_WIDTH, indent: str = "") -> str:
+    """``text`` in lines of at most ``width`` characters, broken between words only and never inside a parenthesis
+    (JupyterLab breaks an output line that is too long anywhere, mid-word); ``indent`` starts every line."""
+    import re
+    import textwrap
+
+    glue = "\0"  # a parenthesis, "(dp 0, tp 1, pp 0, cp 0)", stays on one line
+    held = re.sub(r"\([^()]*\)", lambda m: m.group().replace(" ", glue), text)
+    return textwrap.fill(held, width, initial_indent=indent, subsequent_indent=indent + "  ", break_long_words=False,
+                         break_on_hyphens=False).replace(glue, " ")
 
 
 # -- the layout, before any rank starts ---------------------------------------------------------------------------
@@ -183,7 +199,8 @@ def mesh_figure(layout: Layout, cfg: GPTConfig = CONFIG, global_batch: int = GLO
         x, y = col * w, -row * h
         ax.add_patch(plt.Rectangle((x + 0.05, y + 0.05), w - 0.1, h - 0.1, facecolor=colours(c["pp"] % 9),
                                    edgecolor="0.35", lw=0.8))
-        ax.text(x + w / 2, y + h / 2, holding_label(hold), ha="center", va="center", fontsize=6.5)
+        ax.text(x + w / 2, y + h / 2, holding_label(hold), ha="center", va="center", fontsize=SMALLEST_FONT,
+                linespacing=1.15)
     for d in range(layout.dp):  # frame each data-parallel replica: one whole model
         y = -(d * layout.pp + layout.pp - 1) * h
         ax.add_patch(plt.Rectangle((0, y), cols_n * w, layout.pp * h, fill=False, edgecolor="k", lw=1.6))
@@ -344,62 +361,271 @@ COMM_DIMS = ("tp", "tp_parameters", "cp", "pp", "dp", "embedding")
 MOMENTS = ("params", "grads", "optimizer", "activations")
 
 
-def traffic_axes(ranks: list[dict], ax, step: int = -1) -> None:
-    """Bytes each rank sent in one step, stacked by dimension (exact counts: ``workers/composed/train.py: _comm``)."""
+def _side_legend(ax, handles, labels, title: str) -> None:
+    """A legend in its own empty axes (next to the bars), so it covers nothing."""
+    ax.axis("off")
+    ax.legend(handles, labels, loc="center left", fontsize=SMALLEST_FONT, title=title,
+              title_fontsize=SMALLEST_FONT + 0.5, frameon=False, borderaxespad=0, handlelength=1.2)
+
+
+def traffic_axes(ranks: list[dict], ax, step: int = -1, legend_ax=None) -> None:
+    """Bytes each rank sent in one step, stacked by dimension (exact counts: ``workers/composed/train.py: _comm``).
+    The legend goes into ``legend_ax`` (or outside ``ax``, to its right): never over a bar."""
     bottom = [0.0] * len(ranks)
     for i, dim in enumerate(COMM_DIMS):
         values = [r["comm"][step][dim]["wire_bytes"] / 1e3 for r in ranks]
         if any(values):
             ax.bar(range(len(ranks)), values, bottom=bottom, label=dim, color=plt.get_cmap("tab10")(i))
             bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xticks(range(len(ranks))), ax.set_xlabel("rank"), ax.set_ylabel("kB sent in one step")
-    ax.set_title("traffic per rank, by dimension", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    _bar_axes(ax, len(ranks), "kB sent in one step", "traffic per rank, by dimension", legend_ax)
 
 
-def memory_axes(ranks: list[dict], ax, step: int = -1) -> None:
+def memory_axes(ranks: list[dict], ax, step: int = -1, legend_ax=None) -> None:
     """Each rank's parameters, gradients, optimizer state and peak saved activations (bytes it holds)."""
     bottom = [0.0] * len(ranks)
     for i, moment in enumerate(MOMENTS):
         values = [r["memory"][step][moment] / 1e3 for r in ranks]
         ax.bar(range(len(ranks)), values, bottom=bottom, label=moment, color=plt.get_cmap("Set2")(i))
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xticks(range(len(ranks))), ax.set_xlabel("rank"), ax.set_ylabel("kB held")
-    ax.set_title("memory per rank at the four moments (float64)", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    _bar_axes(ax, len(ranks), "kB held", "memory per rank (float64)", legend_ax)
 
 
-def draw_run(res, params: dict):
-    """The widget's picture: the verdict against one process; the mesh (who holds what); every rank's timeline of the
-    last step; the bytes each rank sent per dimension and the memory it holds."""
-    verdict = verdict_of(res.ranks)
-    mark = "EQUAL" if verdict["ok"] else "DIFFERENT"
+def _bar_axes(ax, n: int, ylabel: str, title: str, legend_ax) -> None:
+    ax.set_xticks(range(n)), ax.set_xlabel("rank", fontsize=8), ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=SMALLEST_FONT + 0.5)
+    ax.set_title(title, fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    if legend_ax is not None:
+        _side_legend(legend_ax, handles[::-1], labels[::-1], "top to bottom")  # the stack's order, read downwards
+    else:
+        ax.legend(handles[::-1], labels[::-1], fontsize=SMALLEST_FONT, loc="upper left", bbox_to_anchor=(1.01, 1),
+                  frameon=False)
+
+
+def compact_label(h: dict, chars: int = 24, lines: int = 3) -> str:
+    """The widget's short box label: rank, layers, heads (tp > 1), tokens (cp > 1), the ends of the model, packed
+    into lines of at most ``chars`` characters (a word longer than that stands alone), at most ``lines`` of them (a
+    grid of many small boxes drops the last words; the chapter's mesh figures say everything)."""
+    words = [f"r{h['rank']}", "L" + ",".join(_span(chunk) for chunk in h["layers"])]
+    if h["tp"] > 1:
+        words.append(f"h{_span(h['heads'])}")
+    if h["cp"] > 1:
+        runs = _token_label(h["tokens"]).split(",")
+        words += [f"t{runs[0]}"] + runs[1:]
+    words += [e.split(" ")[0] for e in h["ends"] if e in ("embed", "head = embed", "head (tied copy)")]
+    out = []
+    for word in words:
+        if out and len(out[-1]) + 1 + len(word) <= chars:
+            out[-1] += " " + word
+        else:
+            out.append(word)
+    return "\n".join(out[:lines])
+
+
+def compact_mesh_axes(layout: Layout, ax, width_in: float, height_in: float, cfg: GPTConfig = CONFIG,
+                      global_batch: int = GLOBAL_BATCH) -> None:
+    """``mesh_figure`` small enough for the widget: one box per rank in the same grid (a row per (dp, pp), a column
+    per (cp, tp)), coloured by stage, with a short label (``compact_label``), every text at least SMALLEST_FONT: as
+    much of it as fits a box of the ``width_in`` x ``height_in`` inches the axes get."""
+    rows_n, cols_n = layout.dp * layout.pp, layout.cp * layout.tp
+    colours = plt.get_cmap("Pastel1")
+    chars = max(4, int((width_in * 72 / cols_n - 4) // (SMALLEST_FONT * 0.62)))
+    lines = max(1, int((height_in * 72 / rows_n - 4) // (SMALLEST_FONT * 1.25)))
+    for hold in holdings(layout, cfg, global_batch):
+        c = hold["coords"]
+        row, col = c["dp"] * layout.pp + c["pp"], c["cp"] * layout.tp + c["tp"]
+        ax.add_patch(plt.Rectangle((col + 0.04, -row - 0.96), 0.92, 0.92, facecolor=colours(c["pp"] % 9),
+                                   edgecolor="0.35", lw=0.7))
+        ax.text(col + 0.5, -row - 0.5, compact_label({**hold, "tp": layout.tp, "cp": layout.cp}, chars, lines),
+                ha="center", va="center", fontsize=SMALLEST_FONT, linespacing=1.1)
+    for d in range(layout.dp):  # frame each data-parallel replica
+        ax.add_patch(plt.Rectangle((0, -(d + 1) * layout.pp), cols_n, layout.pp, fill=False, edgecolor="k", lw=1.4))
+    for cp in range(1, layout.cp):
+        ax.plot([cp * layout.tp] * 2, [-rows_n, 0], color="k", lw=0.8, ls="--")
+    ax.set_xlim(-0.02, cols_n + 0.02), ax.set_ylim(-rows_n - 0.02, 0.02)
+    ax.axis("off")
+    ax.set_title("who holds what: r rank, L layers, h heads, t tokens\nrow = (dp, pp), column = (cp, tp); "
+                 "colour = stage; frame = dp replica", fontsize=8)
+
+
+def draw_run(res, params: dict | None = None, verdict: dict | None = None):
+    """The widget's picture, 9 x 6 inches whatever the layout: the mesh (who holds what) beside every rank's
+    timeline of the last step; below, the bytes each rank sent per dimension and the memory it holds, each with its
+    legend beside it. The verdict's one line is the figure's title (the widget shows its whole sentence beside the
+    controls: ``verdict_html``). ``verdict``: ``verdict_of(res.ranks)``, when the caller has it already."""
+    verdict = verdict_of(res.ranks) if verdict is None else verdict
     layout = Layout(**res.ranks[0]["layout"])
-    n = len(res.ranks)
-    fig = plt.figure(figsize=(11, 1.5 * layout.dp * layout.pp + 0.4 * n + 5.5))
-    grid = fig.add_gridspec(3, 2, height_ratios=[1.5 * layout.dp * layout.pp + 0.6, 0.38 * n + 1.0, 2.6])
-    mesh_figure(layout, ax=fig.add_subplot(grid[0, :]))
-    timeline_figure(res.ranks, ax=fig.add_subplot(grid[1, :]),
-                    title="\n".join(textwrap.wrap(f"{mark}: {verdict['message']}", 120)))
-    traffic_axes(res.ranks, fig.add_subplot(grid[2, 0]))
-    memory_axes(res.ranks, fig.add_subplot(grid[2, 1]))
-    fig.tight_layout()
+    fig = plt.figure(figsize=(9.0, 6.0), layout="constrained")
+    grid = fig.add_gridspec(2, 4, height_ratios=[3.2, 2.0], width_ratios=[1.0, 0.32, 1.0, 0.32])
+    mesh_ax = fig.add_subplot(grid[0, :2])
+    timeline_ax = fig.add_subplot(grid[0, 2:])
+    compact_mesh_axes(layout, mesh_ax, width_in=4.2, height_in=3.0)  # its half of the top row, less the titles
+    timeline_figure(res.ranks, ax=timeline_ax, title="every rank's last step: F light, B dark,\ncolour = micro-batch")
+    timeline_ax.set_yticks(range(len(res.ranks)), [f"r{i} " + " ".join(f"{d}{r['coords'][d]}" for d in DEGREES)
+                                                   for i, r in enumerate(res.ranks)], fontsize=SMALLEST_FONT)
+    timeline_ax.tick_params(labelsize=SMALLEST_FONT)
+    timeline_ax.set_xlabel("ms since the step's barrier (CPU, gloo)", fontsize=8)
+    traffic_axes(res.ranks, fig.add_subplot(grid[1, 0]), legend_ax=fig.add_subplot(grid[1, 1]))
+    memory_axes(res.ranks, fig.add_subplot(grid[1, 2]), legend_ax=fig.add_subplot(grid[1, 3]))
+    fig.suptitle(f"{'EQUAL' if verdict['ok'] else 'DIFFERENT'}: {_short_verdict(verdict, layout)}", fontsize=9.5,
+                 color="#1a7f37" if verdict["ok"] else "#bc4c00")
     return fig
+
+
+def _short_verdict(verdict: dict, layout: Layout) -> str:
+    if verdict["ok"]:
+        return f"layout {layout.name} equals one process (every step's loss, gradients, final parameters)"
+    first = verdict["first"]
+    return f"layout {layout.name} differs from one process: {_named(first)} at step {first['step']}" if first \
+        else f"layout {layout.name} differs from one process"
+
+
+def verdict_html(verdict: dict) -> str:
+    """The verdict's whole sentence (``verdict_of``), for the widget's text beside its controls."""
+    import html
+
+    # not the refusals' red (#cf222e): a run that differs from one process ran; it was not refused
+    colour, mark = ("#1a7f37", "EQUAL") if verdict["ok"] else ("#bc4c00", "DIFFERENT")
+    return f"<b style='color:{colour}'>{mark}</b>: {html.escape(verdict['message'])}"
+
+
+def explorer_problem(settings: dict, limit: int | None = None) -> str | None:
+    """Why the explorer will not run these settings, in terms of the controls a learner moves; or None.
+
+    The product of the degrees is the number of ranks: more than this machine's lab runs is said as that product
+    (the learner never sets a world size). A global batch that dp x m does not divide is said as the choice of dp
+    and m (the batch is fixed here). Every other clause is the worker's own refusal."""
+    from course_utils.validate import max_world_size
+
+    limit = max_world_size() if limit is None else limit
+    dp, tp, pp, cp = (settings.get(d, 1) for d in ("dp", "tp", "pp", "cp"))
+    world = dp * tp * pp * cp
+    if world > limit:
+        return (f"dp x tp x pp x cp = {dp} x {tp} x {pp} x {cp} = {world} ranks; this machine's lab runs at most "
+                f"{limit}: lower a degree")
+    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=settings.get("zero", 0),
+                    sequence_parallel=settings.get("sequence_parallel", False),
+                    micro_batches=settings.get("micro_batches", 1))
+    found = layout_problem(layout, world, global_batch=settings.get("global_batch", GLOBAL_BATCH))
+    if found is None:
+        return None
+    return "; ".join(_explorer_clause(c, dp, layout.micro_batches) for c in found.split("; "))
+
+
+def _explorer_clause(clause: str, dp: int, m: int) -> str:
+    import re
+
+    batch = re.search(r"does not divide global_batch=(\d+)", clause)
+    if batch:
+        b = int(batch.group(1))
+        fits = ", ".join(str(k) for k in range(1, b + 1) if b % k == 0)
+        return (f"dp x m = {dp} x {m} = {dp * m} does not divide the global batch of {b} samples: choose dp and m "
+                f"whose product is one of {fits}")
+    return clause
+
+
+REFUSED_NOTE = "(no figure: these settings were refused; the sentence above says what to change)"
+
+
+def explorer_controls() -> dict:
+    """The explorer's controls, small enough for a two-row grid: the four degrees, then m, ZeRO and sequence
+    parallelism (dropdowns of one width, so the grid's columns line up)."""
+    import ipywidgets as W
+
+    def degree(name, options, value):
+        return W.Dropdown(options=options, value=value, description=name, layout=W.Layout(width="124px"),
+                          style={"description_width": "38px"})
+
+    return {"dp": degree("dp", [1, 2, 4, 8], 1), "tp": degree("tp", [1, 2, 4, 8], 2),
+            "pp": degree("pp", [1, 2, 3, 4], 2), "cp": degree("cp", [1, 2, 4], 1),
+            "micro_batches": degree("m", [1, 2, 3, 4], 2),
+            "zero": degree("ZeRO", [0, 1], 0),
+            "sequence_parallel": W.Checkbox(value=True, description="sequence parallel", indent=False,
+                                            layout=W.Layout(width="150px"))}
 
 
 class LayoutRun(LiveRun):
     """``LiveRun`` of the composed worker whose world size is the product of the chosen degrees.
 
-    A layout that does not fit is refused by the worker's ``check_params`` (``train.layout_problem``) before any rank
-    starts, and its one sentence shows in the widget's status line."""
+    Laid out to fit a laptop's window (about 900 px with its figure): the controls in a grid of two rows, the status
+    and the verdict's sentence beside them, then a 9 x 6 inch figure (``draw_run``). A layout that does not fit is
+    refused before any rank starts (``explorer_problem``, in the controls' own terms, then the worker's
+    ``check_params``); a refusal replaces the previous figure with a note, so what is shown always belongs to the
+    settings on screen. While a new run is going, the text beside says the figure is the previous layout's."""
 
-    def __init__(self, controls: dict, *, params: dict | None = None, timeout: float = 120, **kw):
+    def __init__(self, controls: dict | None = None, *, params: dict | None = None, timeout: float = 120,
+                 auto_start: bool = True, **kw):
+        import ipywidgets as W
+
         kw.setdefault("progress_total", lambda p: p.get("steps", STEPS))  # one metric per step from rank 0
-        super().__init__(WORKER, controls, draw_run, params=params, timeout=timeout, **kw)
+        controls = explorer_controls() if controls is None else controls
+        self.verdict = W.HTML(layout=W.Layout(width="auto"))
+        self.verdict.observe(self._compact_lines, names="value")
+        self.shown: str | None = None  # the layout name of the figure on screen
+        super().__init__(WORKER, controls, self._draw, params=params, timeout=timeout, auto_start=False, **kw)
+        # two rows of controls, 550 px wide, and the text beside them (below them in a window too narrow for both)
+        grid = W.GridBox(list(controls.values()), layout=W.Layout(
+            grid_template_columns="repeat(4, max-content)", grid_gap="2px 8px", align_items="center"))
+        self.status.layout = W.Layout(width="auto")
+        self.status.observe(self._compact_lines, names="value")
+        left = W.VBox([grid, W.HBox([self.cancel_button, self.progress], layout=W.Layout(align_items="center"))],
+                      layout=W.Layout(width="550px"))
+        right = W.VBox([self.status, self.verdict], layout=W.Layout(width="390px", max_height="150px",
+                                                                    overflow="auto", margin="0 0 0 12px"))
+        self.box = W.VBox([W.HBox([left, right], layout=W.Layout(flex_flow="row wrap")), self.out])
+        if auto_start:
+            self.request()
 
     def settings(self) -> dict:
         s = super().settings()
         return {**s, "world_size": s["dp"] * s["tp"] * s["pp"] * s["cp"]}
+
+    LINES = "<div style='line-height:1.35'>"
+
+    def _compact_lines(self, change) -> None:
+        """Text that wraps onto a second line at the usual line height, not a widget row's 28 px per line."""
+        if change["new"] and not change["new"].startswith(self.LINES):
+            change["owner"].value = f"{self.LINES}{change['new']}</div>"
+
+    def _draw(self, res, params: dict):
+        verdict = verdict_of(res.ranks)
+        fig = draw_run(res, params, verdict)
+        self.verdict.value = verdict_html(verdict)
+        self.shown = res.ranks[0]["layout_name"]
+        return fig
+
+    def refuse(self, settings: dict, sentence: str) -> None:
+        """Say why, and take the previous settings' figure and verdict off the screen."""
+        from course_utils.results import InvalidParameter
+
+        self.status.value = f"<span style='color:#cf222e'>refused: {sentence}</span>"
+        self.verdict.value = ""
+        self.show(REFUSED_NOTE)
+        self.shown = None
+        self.history.append((settings, InvalidParameter(sentence)))
+
+    def _start(self, settings: dict) -> None:
+        sentence = explorer_problem({**self.fixed, **settings})
+        if sentence:
+            self.refuse(settings, sentence)
+            return
+        if self.shown is not None:  # said at once: starting new ranks can take a while before the status changes
+            self.verdict.value = (f"<i>the figure below is still layout {self.shown}'s: this run's replaces it when "
+                                  "it ends</i>")
+        before = len(self.history)
+        super()._start(settings)
+        if self._job is None and len(self.history) > before:  # refused by the launcher (check_params)
+            _, exc = self.history.pop()
+            self.refuse(settings, str(exc))
+
+    def _finish(self, job, settings: dict) -> None:
+        super()._finish(job, settings)
+        outcome = next((o for s, o in reversed(self.history) if s is settings), None)
+        if not isinstance(outcome, RunResult) and self.shown is not None:
+            # cancelled, failed, or its drawing failed: the figure on screen is another layout's; take it off
+            self.show("(no figure: this run did not finish; the status above says why)")
+            self.shown = None
+            self.verdict.value = ""
 
 
 # -- PyTorch's own APIs, side by side (workers/ch15_native.py) ------------------------------------------------------

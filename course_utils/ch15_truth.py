@@ -238,45 +238,99 @@ def exact_everywhere(ranks: list[dict]) -> bool:
     return True
 
 
+def truth_rows(runs: dict) -> list[dict]:
+    """Every (layout, dimension) of the truth table: ``layout``, ``dimension``, ``planner``, ``implementation``,
+    ``measured`` (bytes rank 0 sent in a step). A dimension where neither the planner nor the run sends a byte is
+    left out (nothing to compare); a planner of 0 or a measurement of 0 is kept."""
+    return [{"layout": name, **{k: row[k] for k in ("dimension", "planner", "implementation", "measured")}}
+            for name, res in runs.items() for row in comm_rows(res.ranks)
+            if not row["planner"] == row["measured"] == 0]
+
+
 def truth_table(runs: dict) -> Table:
     """One row per (layout, dimension): planner, this code's bookkeeping, measured (bytes rank 0 sent in a step)."""
-    rows = []
-    for name, res in runs.items():
-        for row in comm_rows(res.ranks):
-            if row["planner"] == row["measured"] == 0:
-                continue
-            ratio = row["planner"] / row["measured"] if row["measured"] else math.inf
-            rows.append({"layout": name, "dimension": row["dimension"], "planner": f"{row['planner']:,.0f}",
-                         "this code": f"{row['implementation']:,.0f}", "measured": f"{row['measured']:,.0f}",
-                         "planner / measured": "exact" if row["planner"] == row["measured"] else f"{ratio:.3g}"})
+    rows = [{"layout": r["layout"], "dimension": r["dimension"], "planner": f"{r['planner']:,.0f}",
+             "this code": f"{r['implementation']:,.0f}", "measured": f"{r['measured']:,.0f}",
+             "planner / measured": ratio_label(r["planner"], r["measured"])} for r in truth_rows(runs)]
     return Table.of(rows, ["layout", "dimension", "planner", "this code", "measured", "planner / measured"])
 
 
-def truth_figure(runs: dict):
-    """planner / measured per dimension (bars) for each layout: 1 where the planner is exact."""
-    import matplotlib.pyplot as plt
-    import numpy as np
+def ratio_label(planner: float, measured: float | None) -> str:
+    """planner / measured as the table and the figure say it: ``exact``, ``0.5``, and in words where there is no
+    ratio to draw on a log axis (a planner of 0: it does not model that traffic; no measurement)."""
+    if not measured:
+        return "no measurement (0 bytes measured)" if planner else "exact"
+    if planner == measured:
+        return "exact"
+    if not planner:
+        return "0 (not modelled)"
+    return f"{planner / measured:.3g}"
 
-    dims = ("tp", "cp", "pp", "dp")
-    names = list(runs)
-    ratios = np.full((len(names), len(dims)), np.nan)
-    for i, name in enumerate(names):
-        for row in comm_rows(runs[name].ranks):
-            if row["dimension"] in dims and row["measured"]:
-                ratios[i, dims.index(row["dimension"])] = row["planner"] / row["measured"]
-    fig, ax = plt.subplots(figsize=(9, 3.2))
-    width = 0.8 / len(dims)
-    for j, dim in enumerate(dims):
-        ax.bar(np.arange(len(names)) + (j - 1.5) * width, ratios[:, j], width, label=dim)
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_yscale("log", base=2)
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("planner / measured bytes")
-    ax.set_title("Chapter 00's planner against rank 0's measured traffic, one step (1 = exact; a gap is a stated reason)",
-                 fontsize=9)
-    ax.legend(ncol=4, fontsize=8)
+
+RATIO_BAND = 0.25  # the shaded band around 1: within 25% of the measurement
+DIMENSION_COLOURS = {d: i for i, d in enumerate(("tp", "tp_parameters", "cp", "pp", "dp", "embedding"))}
+
+
+def ratio_figure(rows: list[dict], *, title: str = "", band: float = RATIO_BAND,
+                 quantity: str = "planner / measured bytes"):
+    """One line per row (``label`` or ``layout`` and ``dimension``; ``planner``; ``measured``): a bar from 1 to the
+    ratio on a log2 axis, so that 0.5 and 2 are bars of the same length on either side of the line at 1, with the
+    band of +-``band`` shaded. Rows without a ratio are drawn and labelled, never dropped: a planner of 0 (traffic it
+    does not model) is a hatched bar running off the left edge, labelled 0; a missing or zero measurement has no bar
+    and says so. The ratio of every row is written in a column right of the axes; the legend sits below them."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    cmap = plt.get_cmap("tab10")
+    n = len(rows)
+    ratios = [r["planner"] / r["measured"] for r in rows if r["measured"] and r["planner"]]
+    lo, hi = min(ratios + [1 - band]), max(ratios + [1 + band])
+    left, right = 2.0 ** (math.floor(math.log2(lo)) - 1), 2.0 ** (math.ceil(math.log2(hi)) + 0.5)
+    fig, ax = plt.subplots(figsize=(8.4, 0.27 * n + 1.6))
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(left, right)
+    ax.set_ylim(n - 0.5, -0.5)  # the first row on top
+    ax.axvspan(1 - band, 1 + band, color="0.88", zorder=0)
+    ax.axvline(1.0, color="black", lw=1.0, zorder=1)
+    seen = {}
+    for i, r in enumerate(rows):
+        dim = r.get("dimension", "")
+        colour = cmap(DIMENSION_COLOURS.get(dim, len(DIMENSION_COLOURS) + len(seen)) % 10)
+        seen.setdefault(dim, colour)
+        planner, measured = r["planner"], r["measured"]
+        if not measured:  # nothing to divide by: no bar, a mark on the line, and the words
+            ax.plot([1.0], [i], marker="x", color="0.3", ms=6, zorder=3)
+        elif not planner:  # 0 / measured: infinitely far left on a log axis, so the bar runs off the edge
+            ax.barh(i, 1.0 - left, left=left, height=0.66, color=colour, alpha=0.45, hatch="///", edgecolor=colour,
+                    zorder=2)
+        elif planner == measured:
+            ax.plot([1.0], [i], marker="o", color=colour, ms=6, zorder=3)
+        else:
+            a, b = sorted((1.0, planner / measured))
+            ax.barh(i, b - a, left=a, height=0.66, color=colour, zorder=2)
+        ax.text(1.02, i, ratio_label(planner, measured), transform=ax.get_yaxis_transform(), va="center",
+                ha="left", fontsize=8, clip_on=False)
+        if i and r.get("layout") != rows[i - 1].get("layout"):  # a thin line between two layouts' rows
+            ax.axhline(i - 0.5, color="0.75", lw=0.6, zorder=0)
+    ax.set_yticks(range(n), [r.get("label") or f"{r['layout']}  {r.get('dimension', '')}" for r in rows],
+                  fontsize=8)
+    ax.grid(axis="y", visible=False)
+    ticks = [2.0 ** k for k in range(int(math.log2(left)), int(math.ceil(math.log2(right))))]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel(f"{quantity} (log scale; right of the line: the planner counts more)", fontsize=9)
+    ax.set_title(title or "Chapter 00's planner against rank 0's measured traffic, one step", fontsize=9.5, pad=24)
+    handles = [Patch(color=c, label=d) for d, c in sorted(seen.items(), key=lambda dc: DIMENSION_COLOURS.get(dc[0], 99))]
+    handles.append(Patch(color="0.88", label=f"within {band:.0%}"))
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=min(len(handles), 7),
+              fontsize=8, frameon=False, borderaxespad=0.2, handlelength=1.4, columnspacing=1.2)
     fig.tight_layout()
     return fig
+
+
+def truth_figure(runs: dict):
+    """planner / measured bytes of every row of ``truth_table``, as bars from 1 (``ratio_figure``)."""
+    return ratio_figure(truth_rows(runs))
 
 
 def memory_table(ranks: list[dict]) -> Table:

@@ -201,10 +201,19 @@ def _run_on_ranks(ex: Exercise, answer: Callable) -> tuple[str, str]:
             return FAIL, f"at world size {world_size}, rank {exc.rank} raised {exc.error_type}: {said}"
         verdicts = res.gather("verdict")
         for rank, v in enumerate(verdicts):
+            if v["status"] == TODO:  # not attempted: nothing happened at a world size or on a rank
+                return TODO, v["message"]
             if v["status"] != PASS:
-                return v["status"], f"at world size {world_size}, rank {rank}: {v['message']}"
+                return v["status"], where_seen(world_size, v.get("rank", rank), v["message"])
     sizes = ", ".join(str(w) for w in ex.world_sizes)
     return PASS, f"correct on real ranks at world size {sizes}"
+
+
+def where_seen(world_size: int, rank: int, message: str) -> str:
+    """``at world size 4, rank 1: <message>``: one sentence naming the world size and the one rank that saw it. A
+    message that names the world size itself ("at world size 4 your step raised ...") is not told it twice."""
+    own = re.match(rf"at world size {world_size}\b,? *", message)
+    return f"at world size {world_size}, rank {rank}: {message[own.end():] if own else message}"
 
 
 ANSWER_LIMIT_S = 30.0

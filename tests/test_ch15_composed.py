@@ -28,7 +28,7 @@ from workers.layout.grid import DIMS
 WORKER = "workers.ch15_composed"
 pytestmark = pytest.mark.ranks
 
-# the eight layouts (DPxTPxPPxCP); a pipeline runs two micro-batches per rank so that 1F1B overlaps
+# the chapter's eight layouts (DPxTPxPPxCP); a pipeline runs two micro-batches per rank so that 1F1B overlaps
 LAYOUTS = ["8x1x1x1", "1x8x1x1", "2x2x2x1", "2x2x1x2", "1x2x2x2", "2x1x2x2", "1x1x4x1", "1x1x1x4"]
 
 
@@ -49,7 +49,7 @@ def run(name: str, **options):
 
 
 CASES = [(name, zero) for name in LAYOUTS for zero in (0, 1)]
-CASES.sort(key=lambda case: -Layout.parse(case[0]).world)  # world 8 first (stable: the order within)
+CASES.sort(key=lambda case: -Layout.parse(case[0]).world)  # world 8 first (stable: the chapter's order within)
 
 
 @pytest.mark.parametrize("name,zero", CASES)

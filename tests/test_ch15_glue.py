@@ -19,7 +19,7 @@ from workers.layout.grid import DIMS
 matplotlib.use("Agg")
 
 
-def test_the_issue_layouts_and_the_fault_cases_fit_the_model_and_show():
+def test_the_chapter_layouts_and_the_fault_cases_fit_the_model_and_show():
     from workers.composed.faults import fault_problem
 
     for name in ch15.LAYOUTS_8 + ch15.LAYOUTS_4:
@@ -187,24 +187,191 @@ def test_the_timeline_figure_draws_every_box_of_every_rank():
     plt.close(fig)
 
 
+def _pngs(live) -> list:
+    return [o for o in live.out.outputs if "image/png" in o.get("data", {})]
+
+
+def _shown_text(live) -> str:
+    return "".join(o.get("text", "") for o in live.out.outputs if o.get("output_type") == "stream")
+
+
 def test_the_explorer_runs_on_the_product_of_the_degrees_and_refuses_a_bad_layout_before_launching():
     import ipywidgets as W
+
+    from course_utils.validate import max_world_size
 
     controls = {d: W.Dropdown(options=[1, 2, 3, 4, 8], value=v) for d, v in
                 (("dp", 1), ("tp", 2), ("pp", 2), ("cp", 1))}
     controls["micro_batches"] = W.Dropdown(options=[1, 2, 3, 4], value=2)
     live = ch15.LayoutRun(controls, auto_start=False)
     assert live.settings()["world_size"] == 4
-    controls["pp"].value = 3  # observed: a request, refused by the worker's check_params before any rank starts
+    fig, _ = plt.subplots()
+    live.show(fig)  # a figure of earlier settings on screen
+    live.verdict.value = "EQUAL: layout 1x2x2x1 ..."
+    controls["pp"].value = 3  # observed: a request, refused before any rank starts
     assert live.idle.is_set() and live._job is None
     assert "pp=3 does not divide layers=4 into equal stages" in live.status.value
-    controls["dp"].value = 8  # 8 x 2 x 3 x 1 = 48 ranks: more than this machine runs
-    assert "world_size=48 is more ranks than this machine runs" in live.status.value
+    assert _pngs(live) == [] and _shown_text(live).startswith("(no figure: these settings were refused")
+    assert live.verdict.value == "", "the refused settings left the previous layout's verdict beside the controls"
+    controls["dp"].value = 8  # 8 x 2 x 3 x 1 = 48 ranks: said as the degrees the learner chose, not a world size
+    limit = max_world_size()
+    assert (f"dp x tp x pp x cp = 8 x 2 x 3 x 1 = 48 ranks; this machine's lab runs at most {limit}: lower a degree"
+            in live.status.value)
+    assert "world_size" not in live.status.value
     controls["tp"].value = 1
     controls["pp"].value = 1  # 8x1x1x1 with m = 2: dp x m = 16 does not divide the batch of 8
-    assert "dp=8 x micro_batches=2 = 16 does not divide global_batch=8" in live.status.value
+    assert ("dp x m = 8 x 2 = 16 does not divide the global batch of 8 samples: choose dp and m whose product is one "
+            "of 1, 2, 4, 8") in live.status.value
+    assert "global_batch=" not in live.status.value  # the learner cannot set it here: not named as a knob
     assert live._job is None and len(live.history) == 4
     assert all(isinstance(outcome, Exception) for _, outcome in live.history)
+    assert _pngs(live) == []
+
+
+def test_explorer_refusals_name_only_what_the_controls_change():
+    assert ch15.explorer_problem({"dp": 2, "tp": 2, "pp": 2, "cp": 2}, limit=8) == (
+        "dp x tp x pp x cp = 2 x 2 x 2 x 2 = 16 ranks; this machine's lab runs at most 8: lower a degree")
+    assert ch15.explorer_problem({"dp": 2, "tp": 2, "pp": 2, "cp": 2}, limit=16) is None
+    assert ch15.explorer_problem({"dp": 1, "tp": 2, "pp": 2, "cp": 1, "micro_batches": 2}, limit=8) is None
+    both = ch15.explorer_problem({"dp": 1, "tp": 1, "pp": 3, "cp": 1, "micro_batches": 3}, limit=8)
+    assert both == ("dp x m = 1 x 3 = 3 does not divide the global batch of 8 samples: choose dp and m whose product "
+                    "is one of 1, 2, 4, 8; pp=3 does not divide layers=4 into equal stages")
+    # every setting the notebook's controls offer is run or refused in words a learner acts on: never a world size
+    import itertools
+
+    options = ch15.explorer_controls()
+    values = {k: [o[1] if isinstance(o, tuple) else o for o in c.options] if hasattr(c, "options") else [True, False]
+              for k, c in options.items()}
+    for combo in itertools.product(*values.values()):
+        found = ch15.explorer_problem(dict(zip(values, combo)), limit=8)
+        assert found is None or ("world" not in found and "global_batch=" not in found), found
+
+
+def test_a_run_that_fails_takes_its_predecessors_figure_off_the_screen(monkeypatch):
+    """While a run is going, the earlier layout's figure is marked as such; cancelled, failed or undrawable, no
+    figure of other settings stays under the controls."""
+    import ipywidgets as W
+
+    from course_utils import widgets
+    from course_utils.results import CourseError
+
+    import threading
+
+    release = threading.Event()
+
+    class FailingJob:
+        cold, start_note = False, ""
+
+        def wait(self):
+            release.wait(10)
+            raise CourseError("rank 1 failed: a test's failure")
+
+        def cancel(self):
+            pass
+
+    monkeypatch.setattr(widgets, "launch", lambda *a, **k: FailingJob())
+    controls = {d: W.Dropdown(options=[1, 2], value=1) for d in ("dp", "tp", "pp", "cp")}
+    live = ch15.LayoutRun(controls, auto_start=False)
+    fig, _ = plt.subplots()
+    live.show(fig)
+    live.shown = "1x1x1x1"
+    controls["tp"].value = 2
+    # while it runs, the figure on screen is marked as the earlier layout's
+    assert len(_pngs(live)) == 1 and "the figure below is still layout 1x1x1x1's" in live.verdict.value
+    release.set()
+    assert live.idle.wait(10)
+    assert "rank 1 failed" in live.status.value
+    assert _pngs(live) == [] and "(no figure: this run did not finish" in _shown_text(live)
+
+
+def test_the_explorer_fits_a_laptop_window():
+    """Controls in a grid of four columns with the status and verdict beside them, then the figure: no control is
+    wider than a dropdown pair, and every control of the notebook's explorer is in the grid once."""
+    import ipywidgets as W
+
+    live = ch15.LayoutRun(auto_start=False)
+    top, out = live.box.children
+    assert out is live.out
+    left, right = top.children
+    grid = left.children[0]
+    assert isinstance(grid, W.GridBox) and grid.layout.grid_template_columns == "repeat(4, max-content)"
+    assert list(grid.children) == list(live.controls.values())
+    assert live.status in right.children and live.verdict in right.children
+    for control in live.controls.values():
+        assert int(control.layout.width.rstrip("px")) <= 150, control
+
+
+def test_compact_labels_fit_their_boxes():
+    held = ch15.holdings(Layout.parse("1x2x1x4"))
+    label = ch15.compact_label({**held[0], "tp": 2, "cp": 4}, chars=9, lines=8)
+    assert label.splitlines() == ["r0 L0-3", "h0-3 t0-1", "14-15", "embed", "head"]
+    assert ch15.compact_label({**held[0], "tp": 2, "cp": 4}, chars=30, lines=1) == "r0 L0-3 h0-3 t0-1 14-15 embed"
+    assert all(len(line) <= 9 for h in held for line in
+               ch15.compact_label({**h, "tp": 2, "cp": 4}, chars=9, lines=9).splitlines())
+
+
+def test_printed_sentences_break_between_words():
+    text = ("step 0: the loss differs from one process by 0.00053 (relative, tolerance 1e-10) on rank 0 (dp 0, tp 0, "
+            "pp 0, cp 0), rank 1 (dp 0, tp 1, pp 0, cp 0), rank 2 (dp 0, tp 0, pp 0, cp 1), rank 3 (dp 0, tp 1, pp 0)")
+    wrapped = ch15.wrap(text, indent="  ")
+    assert all(len(line) <= ch15.TEXT_WIDTH for line in wrapped.splitlines()) and len(wrapped.splitlines()) >= 2
+    assert " ".join(wrapped.split()) == text  # only spaces became line breaks: no word cut
+    assert all(line.count("(") == line.count(")") for line in wrapped.splitlines())  # "(dp 0, tp 1, ...)" whole
+
+
+def test_the_planner_ratio_figure_draws_every_row_from_1():
+    """planner / measured as bars from 1 on a log axis: 0.5 is a bar from 0.5 to 1 (as long as 2's, from 1 to 2), an
+    exact row a mark on the line; a planner of 0 and a missing measurement are drawn and labelled, not dropped; the
+    ratios are written beside the axes and the legend covers no bar."""
+    from matplotlib.patches import Rectangle
+
+    from course_utils import ch15_truth as truth
+
+    rows = [{"layout": "a", "dimension": "cp", "planner": 50.0, "measured": 100.0},
+            {"layout": "a", "dimension": "pp", "planner": 200.0, "measured": 100.0},
+            {"layout": "b", "dimension": "tp", "planner": 100.0, "measured": 100.0},
+            {"layout": "b", "dimension": "embedding", "planner": 0.0, "measured": 8192.0},
+            {"layout": "c", "dimension": "dp", "planner": 300.0, "measured": 0.0},
+            {"layout": "c", "dimension": "dp", "planner": 300.0, "measured": None}]
+    fig = truth.ratio_figure(rows)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a  cp", "a  pp", "b  tp", "b  embedding", "c  dp", "c  dp"]
+    bars = {round(p.get_y() + p.get_height() / 2): p for p in ax.patches if isinstance(p, Rectangle)
+            and p.get_height() < 1}
+    assert (bars[0].get_x(), bars[0].get_x() + bars[0].get_width()) == pytest.approx((0.5, 1.0))  # 0.5: from 1 down
+    assert (bars[1].get_x(), bars[1].get_x() + bars[1].get_width()) == pytest.approx((1.0, 2.0))
+    assert 2 not in bars  # exact: a mark on the line, no bar
+    assert bars[3].get_x() <= ax.get_xlim()[0] and bars[3].get_x() + bars[3].get_width() == pytest.approx(1.0)
+    assert 4 not in bars and 5 not in bars  # nothing to divide by: no bar, but a label
+    labels = {round(t.get_position()[1]): t.get_text() for t in ax.texts}
+    assert labels == {0: "0.5", 1: "2", 2: "exact", 3: "0 (not modelled)", 4: "no measurement (0 bytes measured)",
+                      5: "no measurement (0 bytes measured)"}
+    assert ax.get_xscale() == "log" and ax.get_xlim()[0] < 0.5 < 2 < ax.get_xlim()[1]
+    fig.canvas.draw()
+    assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent()), "the legend covers the rows"
+    plt.close(fig)
+    # the truth table and the figure are the same rows: a planner of 0 reads 0 in both
+    assert truth.ratio_label(0.0, 8192.0) == "0 (not modelled)" and truth.ratio_label(5.0, 5.0) == "exact"
+
+
+def _fake_step_ranks(n=4):
+    comm = {d: {"wire_bytes": 1000.0 * (i + 1)} for i, d in enumerate(ch15.COMM_DIMS)}
+    memory = {m: 2000.0 for m in ch15.MOMENTS}
+    return [{"comm": [comm], "memory": [memory]} for _ in range(n)]
+
+
+def test_the_widgets_bar_legends_sit_beside_the_bars():
+    fig = plt.figure(figsize=(9, 3))
+    grid = fig.add_gridspec(1, 4, width_ratios=[1, 0.32, 1, 0.32])
+    axes = [fig.add_subplot(grid[0, i]) for i in range(4)]
+    ch15.traffic_axes(_fake_step_ranks(), axes[0], legend_ax=axes[1])
+    ch15.memory_axes(_fake_step_ranks(), axes[2], legend_ax=axes[3])
+    fig.canvas.draw()
+    for bars, side in ((axes[0], axes[1]), (axes[2], axes[3])):
+        assert bars.get_legend() is None and side.get_legend() is not None
+        legend = side.get_legend().get_window_extent()
+        assert not legend.overlaps(bars.get_window_extent()), "a legend over the bars"
+    plt.close(fig)
 
 
 @pytest.mark.ranks
@@ -217,8 +384,13 @@ def test_the_ranks_report_holding_what_the_layout_predicts():
     assert [r["head"] for r in reported] == [None, None, "head.weight", "head.weight"]
     assert all(set(r["coords"]) == set(DIMS) for r in reported)
     fig = ch15.draw_run(res, {})
-    mesh, timeline, traffic, memory = fig.axes  # the widget's four panels
-    assert len(mesh.patches) >= 4 and timeline.get_title().startswith("EQUAL: layout 1x2x2x1 equals one process")
+    mesh, timeline, traffic, _, memory, _ = fig.axes  # the widget's four panels, and the two legends beside the bars
+    assert len(mesh.patches) >= 4 and fig._suptitle.get_text().startswith("EQUAL: layout 1x2x2x1 equals one process")
+    assert tuple(fig.get_size_inches()) == (9.0, 6.0)  # whatever the layout: the widget stays ~700 px tall
+    fig.canvas.draw()
+    small = [t.get_text() for t in fig.findobj(matplotlib.text.Text)
+             if t.get_text().strip() and t.get_visible() and t.get_fontsize() < ch15.SMALLEST_FONT]
+    assert not small, f"text under {ch15.SMALLEST_FONT} pt (under 9.7 px at the widget's 100 dpi): {small}"
     # the traffic bars stack, per rank, exactly the bytes the rank counted; the memory bars what it holds
     for i, r in enumerate(res.ranks):
         sent = sum(c["wire_bytes"] for c in r["comm"][-1].values()) / 1e3

@@ -146,3 +146,72 @@ def test_an_exact_comparison_says_so():
     with pytest.raises(Wrong) as err:
         expect_close(torch.ones(3), torch.zeros(3), "the counts", atol=0, rtol=0)
     assert "must be exact" in str(err.value) and "tolerance 0" not in str(err.value)
+
+
+def test_a_failing_verdict_names_the_world_size_and_the_rank_that_saw_it_once(monkeypatch):
+    """One sentence: "at world size 4, rank 1: ...", the rank that saw the mistake (not rank 0 relaying it as
+    "(seen on rank 1)"); "not attempted yet" with no world size or rank; a message that names its own world size
+    is not told it twice."""
+    from course_utils import exercises
+    from course_utils.exercises import Exercise, where_seen
+
+    assert where_seen(4, 1, "the sum is short") == "at world size 4, rank 1: the sum is short"
+    assert where_seen(4, 0, "at world size 4 your step raised ValueError: x") == \
+        "at world size 4, rank 0: your step raised ValueError: x"
+    assert where_seen(4, 0, "at world size 2 it was fine") == "at world size 4, rank 0: at world size 2 it was fine"
+
+    class Result:
+        def __init__(self, verdicts):
+            self.verdicts = verdicts
+
+        def gather(self, key):
+            return self.verdicts
+
+    todo = "not attempted yet: replace the `raise NotImplementedError` with your code"
+    outcomes = {  # what the ranks of each world size return, as workers/exercises/support.py makes it
+        "agreed": [{"status": "fail", "message": "the sum is short", "rank": 1}] * 4,
+        "own": [{"status": "pass", "message": "correct"}, {"status": "pass", "message": "correct"},
+                {"status": "fail", "message": "rank 2's rows are swapped"}, {"status": "pass", "message": "correct"}],
+        "todo": [{"status": "todo", "message": todo}] * 4,
+    }
+    ex = Exercise("_test_where", "99", "f", "where", worker="workers.exercises.ch01", world_sizes=(4,))
+    for case, verdicts in outcomes.items():
+        monkeypatch.setattr(exercises, "_started", lambda *a, v=verdicts: Result(v))
+        status, message = exercises._run_on_ranks(ex, lambda: None)
+        if case == "agreed":
+            assert (status, message) == (FAIL, "at world size 4, rank 1: the sum is short")
+        elif case == "own":
+            assert (status, message) == (FAIL, "at world size 4, rank 2: rank 2's rows are swapped")
+        else:
+            assert (status, message) == (TODO, todo), message
+
+
+def test_agree_shares_the_finding_naming_the_global_rank_that_saw_it(monkeypatch):
+    """Every rank raises the lowest finding's message unchanged, with ``rank`` = the global rank that found it (in a
+    sub-group, its rank in the world); ``run_exercise`` puts that rank in the verdict."""
+    from workers.exercises import support
+    from workers.exercises.support import Wrong, agree, run_exercise
+
+    def world(findings, members=None):
+        monkeypatch.setattr(support.dist, "get_world_size", lambda group=None: len(findings))
+        monkeypatch.setattr(support.dist, "all_gather_object", lambda out, mine, group=None: out.__setitem__(
+            slice(None), findings))
+        monkeypatch.setattr(support.dist, "get_process_group_ranks", lambda group: members)
+
+    world([None, "the sum is short", "also wrong", None])
+    with pytest.raises(Wrong) as err:
+        agree(lambda: None)
+    assert str(err.value) == "the sum is short" and err.value.rank == 1
+    world([None, "the sum is short"], members=[1, 3])  # a sub-group of ranks 1 and 3 of the world
+    with pytest.raises(Wrong) as err:
+        agree(lambda: None, group=object())
+    assert err.value.rank == 3
+
+    def check(ctx, answer):
+        agree(lambda: None)
+
+    world([None, "the sum is short"])
+    assert run_exercise(None, {"x": check}, "x", None) == {
+        "verdict": {"status": "fail", "message": "the sum is short", "rank": 1}}
+    assert run_exercise(None, {"x": lambda ctx, a: None}, "x", None) == {
+        "verdict": {"status": "pass", "message": "correct"}}

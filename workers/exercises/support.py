@@ -12,16 +12,24 @@ import torch.distributed as dist
 
 
 class Wrong(AssertionError):
-    """The answer ran but gave a wrong result; the message is shown to the learner."""
+    """The answer ran but gave a wrong result; the message is shown to the learner.
+
+    ``rank``: the (global) rank that saw it, when it is not the rank raising (``agree`` shares one rank's finding
+    with every rank, and the verdict then names that rank, once)."""
+
+    def __init__(self, message: str = "", rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
-def verdict(status: str, message: str) -> dict:
-    return {"verdict": {"status": status, "message": message}}
+def verdict(status: str, message: str, rank: int | None = None) -> dict:
+    """A rank's verdict; ``rank``: the rank whose finding it reports, when that is another rank (``agree``)."""
+    return {"verdict": {"status": status, "message": message, **({} if rank is None else {"rank": rank})}}
 
 
 def agree(check: Callable[[], None], group=None) -> None:
     """Run one stage of a check on every rank, then share the verdicts: if any rank found the answer wrong,
-    every rank raises (the lowest such rank's message; other ranks say which rank saw it).
+    every rank raises the lowest such rank's message, naming that rank (its global rank) as the one that saw it.
 
     Without this, a rank that found a mistake would stop while the others went on into the learner's next
     collective and waited there until the timeout, hiding the real message behind a hang.
@@ -33,10 +41,10 @@ def agree(check: Callable[[], None], group=None) -> None:
         mine = str(exc) or "wrong"
     messages = [None] * dist.get_world_size(group)
     dist.all_gather_object(messages, mine, group=group)
-    me = dist.get_rank(group)
-    for rank, message in enumerate(messages):
+    members = dist.get_process_group_ranks(group) if group is not None else range(len(messages))
+    for rank, message in zip(members, messages):
         if message is not None:
-            raise Wrong(message if rank == me else f"(seen on rank {rank}) {message}")
+            raise Wrong(message, rank=rank)
 
 
 def run_exercise(ctx, checks: dict[str, Callable], exercise: str, answer) -> dict:
@@ -47,7 +55,7 @@ def run_exercise(ctx, checks: dict[str, Callable], exercise: str, answer) -> dic
     except NotImplementedError:
         return verdict("todo", "not attempted yet: replace the `raise NotImplementedError` with your code")
     except Wrong as exc:
-        return verdict("fail", str(exc))
+        return verdict("fail", str(exc), getattr(exc, "rank", None))
     return verdict("pass", "correct")
 
 
