@@ -604,11 +604,6 @@ print("every PyTorch API run equals one process (float64, 1e-10):", all(r["equal
 
 # %% [markdown]
 # ### Before you close this chapter
-# Closing the tab leaves the kernel running, and with it this chapter's warm ranks; they would stop by themselves
-# after 10 idle minutes (`COURSE_POOL_IDLE_S`). The next cell stops them now; the next chapter starts its own.
-
-# %% [markdown]
-# ### Before you close this chapter
 # This chapter's warm ranks are still running, so the widgets above answer at once when you come back to them.
 # Closing the tab leaves the kernel running, and the ranks with it: they stop by themselves after 10 idle minutes
 # (`COURSE_POOL_IDLE_S`) and when the kernel stops. To free them now, run `cu.shutdown_pools()` in a cell; the
