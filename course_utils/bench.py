@@ -222,9 +222,12 @@ def widget_table(records: list[dict]) -> str:
         if "error" in r:
             rows.append([r["chapter"], r["worker"], "-", "-", r["error"], "-"])
             continue
+        announced, cold = r.get("cold_announced_s"), r["cold_s"]
+        ratio = f"{cold / announced:.2f}" if announced and cold else "-"
         rows.append([r["chapter"], r["worker"], r["control"], r["world_size"], _seconds(r["warm_median_s"]),
-                     _seconds(r["cold_s"])])
-    return str(Table(["chapter", "worker", "control moved", "ranks", "warm (s, median of 3)", "cold (s)"], rows,
+                     _seconds(cold), _seconds(announced), ratio])
+    return str(Table(["chapter", "worker", "control moved", "ranks", "warm (s, median of 3)", "cold (s)",
+                      "cold announced (s)", "cold / announced"], rows,
                      caption="widget: a control moved -> the new figure drawn (CPU wall time, this machine)"))
 
 
