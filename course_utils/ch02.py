@@ -171,12 +171,12 @@ def draw_bucket_timeline(res, step: int = 1, ax=None):
         colour = colours[e["bucket"] % 10]
         ax.axvline(t, color=colour, lw=2, alpha=0.8, ymax=1 - band * (n_rows - row - 1) - 0.02)
         ax.text(t, 1 - band * (n_rows - row) + 0.01, f"bucket {e['bucket']}\n{e['bytes'] / 1024:.0f} KiB",
-                transform=ax.get_xaxis_transform(), fontsize=7, ha="center", va="bottom", color=colour,
+                transform=ax.get_xaxis_transform(), fontsize=8, ha="center", va="bottom", color=colour,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.9, "pad": 0.5})
     ax.set_ylim(-1, top)
     every = 1 if n_params <= 14 else 2  # past 7 layers, every other name (the ticks between are their biases)
     ax.set_yticks(range(n_params), minor=True)
-    ax.set_yticks(range(0, n_params, every), d["param_names"][::every], fontsize=6)
+    ax.set_yticks(range(0, n_params, every), d["param_names"][::every], fontsize=7.5)
     ax.set_xlabel("order of events during backward (vertical lines: an all-reduce launched)")
     ax.set_title(f"Backward of step {step + 1}: gradients ready (dots) and all-reduces launched (lines)")
     return fig

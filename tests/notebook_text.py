@@ -29,8 +29,10 @@ ALLOWED = (
     "the test to put in CI for your own training code",  # chapter 08: the learner's own CI
     "once the issue it worked around is fixed",  # chapter 10: a bug in NCCL, not the course's tracker
 )
-# "NVIDIA/nccl issue 946": a public repository's issue, cited as a source
-CITATION = re.compile(r"[\w.-]+/[\w.-]+\s+issues?\s+#?\d+", re.I)
+# "NVIDIA/nccl issue 946", "PyTorch issue #58005", "flash-attention issue #1244": a public project's issue, cited as a
+# source (its repository, or its capitalised or hyphenated name, before the word); "the issue", "issue 29" alone
+# stay the tracker's
+CITATION = re.compile(r"(?:[\w.-]+/[\w.-]+|\b[A-Za-z][\w.]*-[\w.-]+|\b[A-Z][\w.-]*)\s+issues?\s+#?\d+")
 
 
 def cell_texts(nb: dict) -> list[tuple[int, str, str]]:
@@ -53,6 +55,7 @@ def _join(text) -> str:
 
 def builder_words(text: str) -> list[str]:
     """The builder words in ``text`` (with some context), once each, leaving out the allowed phrases."""
+    text = " ".join(text.split())  # as a page shows it: line breaks are spaces
     for phrase in ALLOWED:
         text = text.replace(phrase, " ")
     text = CITATION.sub(" ", text)

@@ -141,10 +141,13 @@ REFUSALS = {
 
 
 def figure_cells(chapter: str) -> list[int]:
-    """Indices, among the chapter's code cells, of those that save a figure (``plots.savefig`` shows it inline)."""
+    """Indices, among the chapter's code cells, of those that save a figure (``plots.savefig`` shows it inline) and
+    showed it when the chapter was executed headless: what the lab must show too (a cell that draws only with a
+    GPU's results, as chapters 06 and 07 have, draws nothing on this machine either way)."""
     nb = json.loads((ROOT / "notebooks" / chapter).read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    return [i for i, c in enumerate(code) if "savefig(" in "".join(c["source"])]
+    return [i for i, c in enumerate(code) if "savefig(" in "".join(c["source"])
+            and any("image/png" in o.get("data", {}) for o in c.get("outputs", []))]
 
 
 def answer_wrong(page, chapter: str) -> dict:
