@@ -27,7 +27,8 @@ SETTINGS = {
 # short, so that "close the tab, and the ranks are gone after the idle time" is seen within the test.
 IDLE_S = 40
 # Signs that a widget is still working on the latest move (LiveRun and the sharding widget say so while busy).
-BUSY = ("running on real ranks", "then running", "waiting for the run in flight", "drawing hidden")
+BUSY = ("running on real ranks", "then running", "waiting for the run in flight", "drawing hidden",
+        "this run's replaces it")  # chapter 15's explorer: "the figure below is still layout X's: this run's replaces it"
 
 
 def chromium_path() -> str:
