@@ -44,7 +44,8 @@ def signature(widget) -> str:
     """What a move must change: the widget's status lines and outputs (verdicts, refusals, figures), not the
     controls' own labels and read-outs, which change at once."""
     texts = widget.locator(".widget-html-content, .widget-output").all_inner_texts()
-    images = [img.get_attribute("src") or "" for img in widget.locator("img").all()]
+    # in one call: an image that a refusal takes off the page between listing and reading it must not stall us
+    images = widget.locator("img").evaluate_all("els => els.map(e => e.getAttribute('src') || '')")
     return "|".join(texts) + "|" + "|".join(str(hash(src)) for src in images)
 
 
