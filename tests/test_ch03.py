@@ -101,5 +101,5 @@ def test_invalid_parameters_are_refused_before_launch():
         cu.run("workers.ch03_row_parallel", world_size=4, mode="row", hidden=6)
     with pytest.raises(cu.InvalidParameter, match="tp=4 does not divide hidden=6"):
         cu.run("workers.ch03_scaling_trap", world_size=4, hidden=6)
-    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide world_size=4: choose 1, 2 or 4"):
+    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide the 4 ranks: choose 1, 2 or 4"):
         cu.run("workers.ch03_scaling_trap", world_size=4, tp=3)

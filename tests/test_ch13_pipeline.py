@@ -122,7 +122,7 @@ def test_invalid_interleaving_is_refused_before_launch(params, fragment):
 
 @pytest.mark.parametrize("params, fragment", [
     ({"layers": 6}, "pp=4 does not divide layers=6 into equal stages"),
-    ({"pp": 3}, "pp=3 does not divide world_size=4: choose 1, 2 or 4"),
+    ({"pp": 3}, "pp=3 does not divide the 4 ranks: choose 1, 2 or 4"),
     ({"pp": -1}, r"pp=-1 must be at least 0 \(0: the whole world\)"),
     ({"schedule": "zb"}, "schedule='zb' is not one of 'gpipe', '1f1b' or 'interleaved'"),
     ({"micro_batches": 0}, "micro_batches=0 must be"),
@@ -145,5 +145,5 @@ def test_a_saved_notebooks_old_keywords_still_run_with_a_warning_naming_the_new_
     assert [(d["pp"], d["virtual_stages"], d["actions"]) for d in old.ranks] == \
         [(d["pp"], d["virtual_stages"], d["actions"]) for d in new.ranks]
     assert [d["pp"] for d in old.ranks] == [2] * WORLD and ch13.compare_to_reference(old)["within_tol"]
-    with pytest.warns(FutureWarning), pytest.raises(InvalidParameter, match="pp=3 does not divide world_size=4"):
+    with pytest.warns(FutureWarning), pytest.raises(InvalidParameter, match="pp=3 does not divide the 4 ranks"):
         cu.run(WORKER, world_size=WORLD, stages=3, **LIMITS)  # an old name is refused in the new one's words

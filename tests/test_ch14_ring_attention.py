@@ -82,7 +82,7 @@ def test_each_rank_sends_two_kv_chunks_per_ring_step(cp):
 @pytest.mark.parametrize("params, fragment", [
     ({"seq": 36, "split": "zigzag"}, r"cp=4 cuts seq=36 into 8 chunks \(zigzag\)"),  # zigzag at cp 4: 2*4 chunks
     ({"seq": 30, "split": "contiguous"}, r"cp=4 cuts seq=30 into 4 chunks \(contiguous\)"),
-    ({"cp": 3}, "cp=3 does not divide world_size=4: choose 1, 2 or 4"),
+    ({"cp": 3}, "cp=3 does not divide the 4 ranks: choose 1, 2 or 4"),
     ({"cp": -1}, r"cp=-1 must be at least 0 \(0: the whole world\)"),
     ({"split": "striped"}, "split='striped' is not one of 'contiguous' or 'zigzag'"),
     ({"heads": 0, "dtype": "int8"}, "heads=0 must be at least 1; dtype='int8' is not one of 'float64' or 'float32'"),

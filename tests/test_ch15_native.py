@@ -113,7 +113,7 @@ def test_colwise_parallel_on_the_fused_qkv_is_the_fused_qkv_trap():
     ({"api": "zero3"}, "api='zero3' is not one of 'tp', 'fsdp', 'pipelining' or 'tp_fsdp'"),
     ({"api": "pipelining", "micro_batches": 2}, "which torch's Schedule1F1B refuses: choose micro_batches >= 4"),
     ({"api": "fsdp", "qkv": "fused"}, "use api='tp' or 'tp_fsdp'"),
-    ({"api": "tp_fsdp", "tp": 3}, "tp=3 does not divide world_size=4"),
+    ({"api": "tp_fsdp", "tp": 3}, "tp=3 does not divide the 4 ranks"),
 ])
 def test_a_bad_parameter_is_refused_before_launch(params, fragment):
     with pytest.raises(InvalidParameter, match=re.escape(fragment)):

@@ -319,7 +319,7 @@ def test_a_wrong_backward_is_caught(name, broken):
 
 @pytest.mark.ranks
 def test_bad_sizes_are_refused_in_one_sentence():
-    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide world_size=4: choose 1, 2 or 4"):
+    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide the 4 ranks: choose 1, 2 or 4"):
         cu.run(WORKER, world_size=4, tp=3, timeout=60)
     with pytest.raises(cu.InvalidParameter, match="mapping='copy_to' is not one of 'all', "):
         cu.run(WORKER, world_size=2, mapping="copy_to", timeout=60)

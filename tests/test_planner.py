@@ -301,7 +301,7 @@ def _one_sentence(message: str) -> bool:
     "model, layout, n_gpus, expected",
     [
         ("70B", Layout(tp=8, pp=4, dp=4, sequence_parallel=True), 256, "4x8x4x1 makes 128 ranks, not the world's 256"),
-        ("70B", Layout(tp=3, sequence_parallel=True), 256, "tp=3 does not divide world_size=256"),
+        ("70B", Layout(tp=3, sequence_parallel=True), 256, "tp=3 does not divide the 256 ranks"),
         (ModelShape("GQA 12/4", layers=4, hidden=768, heads=12, kv_heads=4, ffn=3072, vocab=1000), Layout(tp=6), 6,
          "tp=6 and kv_heads=4 do not divide one another"),
         ("7B", Layout(tp=64, dp=1, sequence_parallel=True), 64, "tp=64 does not divide heads=32"),

@@ -84,7 +84,7 @@ def test_broken_collectives_in_attention_are_caught(fault):
 @pytest.mark.parametrize("world_size,params,fragment", [
     (4, {"heads": 6}, "tp=4 does not divide heads=6: choose 1, 2, 3 or 6"),
     (4, {"heads": 12, "kv_heads": 6}, "tp=4 and kv_heads=6 do not divide one another"),
-    (4, {"tp": 3}, "tp=3 does not divide world_size=4: choose 1, 2 or 4"),
+    (4, {"tp": 3}, "tp=3 does not divide the 4 ranks: choose 1, 2 or 4"),
     (2, {"dtype": "float16", "split": "sideways"},
      "dtype='float16' is not one of 'float32' or 'float64'; split='sideways' is not one of 'right' or 'naive'"),
 ])
@@ -107,7 +107,7 @@ def test_a_saved_notebooks_old_keywords_still_run_with_a_warning_naming_the_new_
     assert (cfg.heads, cfg.kv_heads) == (4, 2) and old[0]["config"] == new[0]["config"]
     assert [r["tp"] for r in old.ranks] == [2, 2] and [r["kv_head_ids"] for r in old.ranks] == [[0], [1]]
     assert tp_check.compare(old, "attention", cfg, seq=SEQ, batch=BATCH).ok
-    with pytest.warns(FutureWarning), pytest.raises(cu.InvalidParameter, match="tp=3 does not divide world_size=2"):
+    with pytest.warns(FutureWarning), pytest.raises(cu.InvalidParameter, match="tp=3 does not divide the 2 ranks"):
         cu.run(WORKER, world_size=2, tp_size=3)  # an old name is refused in the new one's words
 
 

@@ -144,9 +144,9 @@ def test_a_refused_block_creates_no_process_group(activation):
 
 
 def test_the_worker_refuses_in_one_sentence_before_launching():
-    with pytest.raises(cu.InvalidParameter, match=r"tp=3 does not divide world_size=4: choose 1, 2 or 4"):
+    with pytest.raises(cu.InvalidParameter, match=r"tp=3 does not divide the 4 ranks: choose 1, 2 or 4"):
         cu.run(WORKER, world_size=4, tp=3)
     with pytest.raises(cu.InvalidParameter, match=r"tp=2 does not divide ffn=33: choose 1, 3, 11 or 33"):
         cu.run(WORKER, world_size=2, ffn=33)
-    with pytest.raises(cu.InvalidParameter, match=r"steps=-1 must be at least 0; tp=3 does not divide world_size=2"):
+    with pytest.raises(cu.InvalidParameter, match=r"steps=-1 must be at least 0; tp=3 does not divide the 2 ranks"):
         cu.run(WORKER, world_size=2, steps=-1, tp=3)

@@ -76,7 +76,7 @@ def test_bias_added_on_every_rank_shifts_the_output_by_t_minus_1_biases():
 def test_invalid_sizes_are_refused_in_one_sentence():
     with pytest.raises(cu.InvalidParameter, match="tp=4 does not divide ffn=18: choose 1, 2, 3, 6, 9 or 18"):
         cu.run(WORKER, world_size=4, module="mlp", ffn=18)
-    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide world_size=4: choose 1, 2 or 4"):
+    with pytest.raises(cu.InvalidParameter, match="tp=3 does not divide the 4 ranks: choose 1, 2 or 4"):
         cu.run(WORKER, world_size=4, tp=3)
     with pytest.raises(cu.InvalidParameter, match="module='block' is not one of 'column', 'row' or 'mlp'"):
         cu.run(WORKER, world_size=2, module="block")

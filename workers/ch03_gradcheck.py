@@ -19,12 +19,12 @@ from torch.autograd.gradcheck import GradcheckError
 
 from workers.layout.mesh import Mesh
 from workers.parallel.circuits import CIRCUITS, VARIANTS, circuits, library
-from workers.runtime import divides, entrypoint, one_of, refusal
+from workers.runtime import divides_world, entrypoint, one_of, refusal
 
 
 def check_params(world_size, variant, rows, hidden, tp, **_):
     group = tp or world_size
-    return refusal(one_of("variant", variant, list(VARIANTS)), divides("tp", group, "world_size", world_size)) or \
+    return refusal(one_of("variant", variant, list(VARIANTS)), divides_world("tp", group, world_size)) or \
         refusal(*(_multiple(name, value, group) for name, value in (("rows", rows), ("hidden", hidden))))
 
 

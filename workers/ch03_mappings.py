@@ -17,7 +17,7 @@ import torch.distributed as dist
 from workers.layout.mesh import Mesh
 from workers.parallel import mappings
 from workers.parallel.reference import MAPPING_NAMES, example, uneven_splits
-from workers.runtime import at_least, divides, entrypoint, one_of, refusal
+from workers.runtime import at_least, divides_world, entrypoint, one_of, refusal
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -25,7 +25,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 def check_params(world_size, mapping, rows, cols, dtype, tp, implementation, **_):
     return refusal(one_of("mapping", mapping, ("all",) + tuple(MAPPING_NAMES)), one_of("dtype", dtype, list(DTYPES)),
                    at_least("rows", rows), at_least("cols", cols),  # the block sizes per rank
-                   divides("tp", tp or world_size, "world_size", world_size),
+                   divides_world("tp", tp or world_size, world_size),
                    "an implementation replaces one mapping: pass mapping='<its name>' with it"
                    if implementation is not None and mapping == "all" else None)
 

@@ -18,7 +18,7 @@ import torch
 from workers.layout.mesh import Mesh
 from workers.parallel import mappings as M
 from workers.parallel.problems import row_parallel_problem
-from workers.runtime import divides, entrypoint, one_of, refusal
+from workers.runtime import divides, divides_world, entrypoint, one_of, refusal
 
 MODES = ("row", "mlp")
 
@@ -26,7 +26,7 @@ MODES = ("row", "mlp")
 def check_params(world_size, mode, hidden, ffn, tp, **_):
     group = tp or world_size
     split, name = (hidden, "hidden") if mode == "row" else (ffn, "ffn")  # what the row-parallel layer cuts
-    return refusal(one_of("mode", mode, MODES), divides("tp", group, "world_size", world_size)) or \
+    return refusal(one_of("mode", mode, MODES), divides_world("tp", group, world_size)) or \
         divides("tp", group, name, split)
 
 

@@ -22,7 +22,7 @@ from workers.parallel import mappings as M
 from workers.layout.mesh import Mesh
 from workers.parallel.faults import all_reduce_both_ways
 from workers.parallel.problems import scaling_trap_problem
-from workers.runtime import divides, entrypoint
+from workers.runtime import divides, divides_world, entrypoint
 
 
 def _torch_distributed_nn(x, group):
@@ -50,7 +50,7 @@ REDUCTIONS = {
 
 def check_params(world_size, hidden, tp, **_):
     group = tp or world_size
-    return divides("tp", group, "world_size", world_size) or divides("tp", group, "hidden", hidden)
+    return divides_world("tp", group, world_size) or divides("tp", group, "hidden", hidden)
 
 
 def main(ctx, batch: int = 4, hidden: int = 8, out: int = 4, seed: int = 0, tp: int = 0):

@@ -11,14 +11,14 @@ parameter gradient with the indices of the dense entries it holds, and the colle
 from workers.layout.mesh import Mesh
 from workers.model.dense import BlockConfig
 from workers.parallel.harness import DTYPES, forward_backward, problem
-from workers.runtime import divides, entrypoint, one_of, refusal
+from workers.runtime import divides_world, entrypoint, one_of, refusal
 
 
 def check_params(world_size, tp=0, module="mlp", hidden=16, ffn=0, activation="gelu", seq=4, batch=2,
                  gather_output=False, input_is_parallel=True, fault="", dtype="float32", split="right", **_):
     bad = refusal(one_of("dtype", dtype, list(DTYPES)), one_of("split", split, ("right", "naive")),
                   one_of("module", module, ("column", "row", "mlp")),  # chapter 04's modules
-                  divides("tp", tp or world_size, "world_size", world_size))
+                  divides_world("tp", tp or world_size, world_size))
     if bad:
         return bad
     cfg = BlockConfig(hidden=hidden, heads=1, ffn=ffn, activation=activation)

@@ -11,13 +11,13 @@ from workers.layout.mesh import Mesh
 from workers.model.dense import BlockConfig
 from workers.parallel.attention import kv_heads_for_rank
 from workers.parallel.harness import DTYPES, forward_backward, problem
-from workers.runtime import divides, entrypoint, one_of, refusal
+from workers.runtime import divides_world, entrypoint, one_of, refusal
 
 
 def check_params(world_size, tp=0, hidden=32, heads=4, kv_heads=0, seq=8, batch=2, sequence_parallel=False,
                  split="right", fault="", dtype="float32", **_):
     bad = refusal(one_of("dtype", dtype, list(DTYPES)), one_of("split", split, ("right", "naive")),
-                  divides("tp", tp or world_size, "world_size", world_size))
+                  divides_world("tp", tp or world_size, world_size))
     if bad:
         return bad
     tp = tp or world_size  # the rules below are about the tensor-parallel group

@@ -13,14 +13,14 @@ random tokens (cross-entropy over the valid next tokens, ``harness.train_paralle
 from workers.layout.mesh import Mesh
 from workers.model.dense import BlockConfig
 from workers.parallel.harness import DTYPES, forward_backward, problem, train_parallel
-from workers.runtime import at_least, divides, entrypoint, one_of, refusal
+from workers.runtime import at_least, divides_world, entrypoint, one_of, refusal
 
 
 def check_params(world_size, tp=0, hidden=32, heads=4, kv_heads=0, ffn=0, activation="gelu", seq=8, batch=2,
                  sequence_parallel=False, hidden_dropout=0.0, fault="", dtype="float32", steps=0, lr=1e-3, **_):
     bad = refusal(one_of("dtype", dtype, list(DTYPES)), at_least("steps", steps, 0),
                   None if isinstance(lr, (int, float)) and lr > 0 else f"lr={lr!r} must be positive",
-                  divides("tp", tp or world_size, "world_size", world_size))
+                  divides_world("tp", tp or world_size, world_size))
     if bad:
         return bad
     cfg = BlockConfig(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, activation=activation,

@@ -29,7 +29,7 @@ from workers.parallel.attention import destroy_owned_groups
 from workers.parallel.block import ParallelBlock
 from workers.parallel.comm_stats import CommLedger, name_scopes
 from workers.parallel.harness import problem
-from workers.runtime import at_least, divides, entrypoint, one_of, refusal
+from workers.runtime import at_least, divides_world, entrypoint, one_of, refusal
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAGES = ("ln1", "attention", "residual1", "ln2", "mlp", "residual2")
@@ -38,7 +38,7 @@ STAGES = ("ln1", "attention", "residual1", "ln2", "mlp", "residual2")
 def check_params(world_size, tp=0, hidden=128, heads=8, seq=128, seqs=(), batch=2, sequence_parallel=False,
                  repeats=5, warmup=2, dtype="float32", **_):
     bad = refusal(one_of("dtype", dtype, list(DTYPES)), at_least("repeats", repeats), at_least("warmup", warmup, 0),
-                  divides("tp", tp or world_size, "world_size", world_size))
+                  divides_world("tp", tp or world_size, world_size))
     if bad:
         return bad
     cfg = BlockConfig(hidden=hidden, heads=heads)

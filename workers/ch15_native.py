@@ -64,7 +64,7 @@ from workers.model.batch import make_batch, token_losses
 from workers.composed.native import NativeStage, dense_names, full
 from workers.layout import DIMS, Mesh, RankGrid
 from workers.composed.train import BETAS, EPS, WEIGHT_DECAY
-from workers.runtime import at_least, batch_over_world, divides, entrypoint, one_of, refusal
+from workers.runtime import at_least, batch_over_world, divides, divides_world, entrypoint, one_of, refusal
 
 APIS = ("tp", "fsdp", "pipelining", "tp_fsdp")
 SCHEDULES = ("1f1b", "gpipe")
@@ -87,7 +87,7 @@ def check_params(world_size, api="tp", steps=3, global_batch=8, lr=0.01, micro_b
     if api == "fsdp":  # every rank is a DP rank: it takes global_batch / world_size samples
         return batch_over_world(global_batch, world_size)
     if api == "tp_fsdp":
-        return refusal(divides("tp", tp, "world_size", world_size), divides("tp", tp, "heads", cfg.heads)) or \
+        return refusal(divides_world("tp", tp, world_size), divides("tp", tp, "heads", cfg.heads)) or \
             batch_over_world(global_batch, world_size // tp, per="dp")  # dp = world_size / tp ranks share the batch
     # pipelining: one stage of equal layers per rank
     return refusal(one_of("schedule", schedule, SCHEDULES),

@@ -309,6 +309,15 @@ def divides(name: str, value, of: str, total: int) -> str | None:
     return f"{name}={value} does not divide {of}={total}: {choose_divisor(total)}"
 
 
+def divides_world(name: str, value, world: int) -> str | None:
+    """``tp=3 does not divide the 4 ranks: choose 1, 2 or 4``, or None when it does. The ranks, not
+    ``world_size=4``: in a chapter's widget the world is the chapter's, and the learner changes the degree."""
+    if not isinstance(world, int) or world < 1:
+        return at_least("world_size", world)
+    why = divides(name, value, "world_size", world)
+    return why and f"{name}={value} does not divide the {world} ranks: {choose_divisor(world)}"
+
+
 def one_of(name: str, value, choices) -> str | None:
     """``fault='x' is not one of 'none' or 'a'``, or None."""
     if value in choices:

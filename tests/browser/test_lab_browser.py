@@ -99,6 +99,9 @@ def test_chapter_05_in_jupyterlab(lab, browser, tmp_path):
         marker = status_text(box)
         page.keyboard.press("ArrowLeft")  # TP 4 -> 3: 8 heads do not split over 3 ranks
         wait_status(page, box, "t.includes('tp=3')", 30)
+        # the widget's world is the chapter's: the refusal names the ranks, not a world_size the learner never set
+        assert "tp=3 does not divide the 4 ranks: choose 1, 2 or 4" in status_text(box), status_text(box)
+        assert "world_size" not in status_text(box), status_text(box)
         page.keyboard.press("ArrowLeft")  # TP 2: valid, a different sharding and a different figure, on new ranks
         wait_status(page, box, "t.includes('had stopped after') && t.includes('starting 4 ranks (a cold start: about ')",
                     30)

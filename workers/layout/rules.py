@@ -127,7 +127,7 @@ def problem(layout: Layout, world: int, model=None, *, global_batch: int | None 
     has layers and no heads), and None checks the degrees alone. ``global_batch``: sequences
     per optimizer step, which dp x micro_batches x micro_batch must divide.
     """
-    from workers.runtime import divides, one_of, refusal
+    from workers.runtime import divides_world, one_of, refusal
 
     lay = layout
     names = ("tp", "pp", "cp", "ep", "virtual_stages", "micro_batch") + (("dp",) if lay.dp is not None else ()) \
@@ -145,7 +145,7 @@ def problem(layout: Layout, world: int, model=None, *, global_batch: int | None 
     if lay.dp is None:
         split = [d for d in ("tp", "pp", "cp") if getattr(lay, d) != 1]
         if world % rest and len(split) == 1:
-            reasons.append(divides(split[0], rest, "world_size", world))
+            reasons.append(divides_world(split[0], rest, world))
         elif world % rest:
             reasons.append(f"tp x pp x cp = {tp} x {pp} x {cp} = {rest} does not divide the world's {world} ranks")
         dp = world // rest if world % rest == 0 else None

@@ -23,7 +23,7 @@ class MoEConfig:
 
     def problem(self, ep: int = 1, world: int | None = None, tokens: int | None = None) -> str | None:
         """One sentence naming what to change, or None. ``tokens``: the tokens of the whole batch."""
-        from workers.runtime import at_least, batch_over_world, divides, refusal
+        from workers.runtime import at_least, batch_over_world, divides, divides_world, refusal
 
         shape = refusal(at_least("hidden", self.hidden), at_least("ffn", self.ffn), at_least("experts", self.experts))
         if shape:
@@ -37,7 +37,7 @@ class MoEConfig:
             at_least("aux_coeff", self.aux_coeff, 0), at_least("z_coeff", self.z_coeff, 0),
             at_least("shared_experts", self.shared_experts, 0),
             experts and f"{experts} (every expert-parallel rank holds the same number of experts)",
-            None if world is None else divides("ep", ep, "world_size", world),
+            None if world is None else divides_world("ep", ep, world),
             None if world is None or tokens is None else batch_over_world(tokens, world, "tokens"))
 
     def capacity(self, tokens: int) -> int | None:
