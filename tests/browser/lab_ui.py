@@ -107,6 +107,22 @@ def run_all(page, timeout_s: float = 900) -> float:
     return time.perf_counter() - t0
 
 
+def run_new_cell(page, code: str, timeout_s: float = 120) -> None:
+    """Add a code cell at the end of the open notebook and run it, as a learner would type one; wait until it ran.
+    (The copy under ``lab/`` is the learner's: the cell goes into it, never into ``notebooks/``.)"""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    cells.last.locator(".jp-InputPrompt").first.click()  # select the last cell, in command mode
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")  # a new cell below it, selected
+    page.keyboard.press("Enter")  # edit it
+    page.keyboard.insert_text(code)
+    page.keyboard.press("Control+Enter")  # run it in place (Shift+Enter on the last cell would add another below)
+    page.wait_for_function(
+        """() => { const p = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')];
+                   const last = p[p.length - 1]; return last && /^\\[\\d+\\]:$/.test(last.innerText.trim()); }""",
+        timeout=timeout_s * 1000)
+
+
 def save(page) -> None:
     menu(page, "File", "Save Notebook")
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import time
 
@@ -39,8 +40,8 @@ from course_utils.exercises import exercises
 from tests.browser import checks
 from tests.browser.checks import (BROKEN, WIDGET, figures_shown, refusal_shown, settled, signature, wait_until,
                                   widget_text)
-from tests.browser.lab_ui import (BUSY, IDLE_S, kernel_pids, lab_ranks, open_page, run_all, save, shut_down_kernels,
-                                  tracked_changes)
+from tests.browser.lab_ui import (BUSY, IDLE_S, kernel_pids, lab_ranks, open_page, run_all, run_new_cell, save,
+                                  shut_down_kernels, tracked_changes)
 from tests.exercise_sources import wrong_answers
 from tests.lab_server import ROOT, get, request
 
@@ -48,6 +49,12 @@ pytestmark = pytest.mark.browser
 CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 OUT = ROOT / "build" / "browser"
 REPORT: dict[str, dict] = {}
+# COURSE_BROWSER_COLD=1: after its widgets' (warm) moves, each chapter's ranks are stopped and its first widget that
+# ran on ranks is moved again, cold (``cold_move``): about a cold start per chapter (2-3 minutes in all), a
+# measurement of announced against waited cold starts rather than a check CI needs on every run (chapter 05's lab
+# test and chapters 01, 14 and 15, whose first moves change the world, check a cold wait every time).
+COLD = os.environ.get("COURSE_BROWSER_COLD", "") not in ("", "0")
+RAN_ON_RANKS = re.compile(r"\b(gloo|nccl)\b")  # a LiveRun's status line names the backend its ranks ran on
 CLOSED: list[tuple[str, int, float]] = []  # (chapter, kernel pid, when its tab closed)
 # What makes a control in a chapter's source, and what makes a widget that draws a figure: ``LiveRun`` (its draw
 # returns a figure) and every subclass of it in course_utils, the sharding, tile-walk and planner widgets, and an
@@ -178,6 +185,30 @@ def answer_wrong(page, chapter: str) -> dict:
     raise AssertionError(f"{chapter}: the check of {name} did not show {fragment!r} for {fn.__name__}: {shown[-800:]!r}")
 
 
+def cold_move(page, lab, kernel: int, widgets, ranked: list[int], chapter: str) -> dict | None:
+    """The chapter's first widget that ran on ranks, moved again after its ranks were stopped as a learner can stop
+    them (``cu.shutdown_pools()``, what every chapter's last cell says; the idle time does the same later): the move
+    must announce its cold start, and answer within 1.5 times what it announced. None for a chapter whose widgets
+    run no ranks."""
+    if not ranked:
+        return None
+    run_new_cell(page, "import course_utils as cu; cu.shutdown_pools()")
+    wait_until(lambda: not lab_ranks(lab.proc.pid, kernel), f"{chapter}: its ranks stopped by cu.shutdown_pools()")
+    widget = widgets.nth(ranked[0])
+    what = f"{chapter} widget {ranked[0]}, cold"
+    widget.scroll_into_view_if_needed()
+    for _ in range(3):  # a move that lands on a refused setting answers at once, on no ranks: move on from it
+        before = signature(widget)
+        moved = move_first_control(widget)
+        seconds, announced = settled(widget, before)
+        if not refusal_shown(widget):
+            break
+    widget.screenshot(path=str(OUT / f"{chapter[:-6]}_widget{ranked[0]}_cold.png"))
+    assert announced is not None, f"{what}: a move on stopped ranks did not announce its wait: {widget_text(widget)!r}"
+    checks.wait_as_announced(seconds, announced, f"{what} after {moved}")
+    return {"widget": ranked[0], "moved": moved, "seconds": round(seconds, 2), "announced_s": announced}
+
+
 def shut_down_kernel_of(lab, path: str) -> None:
     for session in json.loads(get(lab.url("api/sessions"))[1]):
         if session["path"] == path:
@@ -217,6 +248,7 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
 
         widgets = page.locator(WIDGET)
         promised = FIGURES[chapter]
+        ranked = []  # the widgets whose Run All answer came from ranks
         assert widgets.count() == len(promised), (
             f"{chapter}: {widgets.count()} widgets on the page, {len(promised)} in its source ({promised})")
         for i in range(widgets.count()):
@@ -226,6 +258,8 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
             before = signature(widget)
             assert not any(b in before for b in BUSY), f"{what} still busy after Run All: {before[:300]!r}"
             assert not any(b in before for b in BROKEN), f"{what} broken after Run All: {before[:400]!r}"
+            if RAN_ON_RANKS.search(widget_text(widget)):  # Run All's answer came from ranks
+                ranked.append(i)
             moved = move_first_control(widget)
             seconds, announced = settled(widget, before)
             widget.screenshot(path=str(OUT / f"{chapter[:-6]}_widget{i}.png"))
@@ -242,11 +276,14 @@ def test_chapter_in_jupyterlab(lab, browser, session_start, chapter):
                 widget.screenshot(path=str(OUT / f"{chapter[:-6]}_widget{i}_after_refusal.png"))
             report["widgets"].append(entry)
 
+        kernel = next(iter(kernel_pids(lab.proc.pid) - kernels_before), None)
+        assert kernel is not None, f"{chapter}: no kernel of its own"
+        if COLD:
+            report["cold"] = cold_move(page, lab, kernel, widgets, ranked, chapter)
+
         if wrong_answers(chapter[:2]):
             report["exercise"] = answer_wrong(page, chapter)
         save(page)
-        kernel = next(iter(kernel_pids(lab.proc.pid) - kernels_before), None)
-        assert kernel is not None, f"{chapter}: no kernel of its own"
     except Exception:
         page.screenshot(path=str(OUT / f"{chapter[:-6]}_failure.png"))
         print(f"screenshot: {OUT / (chapter[:-6] + '_failure.png')}\nlab log:\n{lab.log_tail()}")
