@@ -14,7 +14,7 @@ NB_OUT := build/executed
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: setup lab lab-update test test-other-cpu test-browser mutants test-unit test-notebooks nbval notebooks grade bench doctor clean
+.PHONY: setup lab lab-update test test-other-cpu test-browser mutants test-unit test-notebooks nbval nbval-executed notebooks grade bench doctor clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml tools/setup_env.sh
@@ -37,26 +37,30 @@ doctor: $(STAMP)
 	$(PY) -m course_utils.doctor
 
 # The linter (ruff, configured in pyproject.toml); unit tests, rank tests under torchrun, grading self-test; then every
-# notebook headless (papermill) and nbval,
-# side by side: a chapter's execution leaves a core idle about a third of the time (ranks starting, a kernel
-# drawing), and each has its own figures and scratch folders. Both print as they go (no output sync: make's
-# --output-sync holds a command's whole output until it ends), so their lines interleave.
+# notebook headless once (papermill, as `make notebooks` runs them) and that execution held to the committed outputs
+# by nbval's rules (tests/nbval_executed.py). One execution serves both: nbval executing every chapter again beside
+# papermill took about 750 s of make test's 1630 on 2 cores.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PYTEST) -q
 	$(PY) -m course_utils.notebooks check
-	$(MAKE) --no-print-directory -j2 test-notebooks nbval
+	$(MAKE) --no-print-directory test-notebooks
+	$(MAKE) --no-print-directory nbval-executed
 
 # Every chapter headless into build/executed (papermill), the run a learner's `make notebooks` does in place.
 test-notebooks: $(STAMP)
 	$(PY) -m course_utils.notebooks execute --out $(NB_OUT) --timeout 600
 
-# Every chapter re-executed and its outputs compared with the committed ones (nbval). A cell may take 600 s
-# (cold-starting ranks on a loaded machine); pytest-timeout backs it up at 660.
+# Those executed chapters' outputs compared with the committed ones, cell by cell, with nbval's rules and sanitizers.
+NBVAL := $(PYTEST) -q -p no:cacheprovider -p tests.nbval_executed --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
+nbval-executed: $(STAMP)
+	$(NBVAL) --nbval-executed $(NB_OUT) notebooks/*.ipynb
+
+# nbval on its own: every chapter re-executed in a kernel of nbval's and compared with the committed outputs. A cell
+# may take 600 s (cold-starting ranks on a loaded machine); pytest-timeout backs it up at 660.
 nbval: $(STAMP)
 	COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-figures COURSE_SCRATCH_DIR=$(CURDIR)/$(NB_OUT)/nbval-scratch \
-		$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
+		$(NBVAL) -o timeout=660 --nbval-current-env --nbval-cell-timeout=600 notebooks/*.ipynb
 
 # The same tests and nbval comparisons once more under another CPU's kernels: AVX2 on an AVX-512 machine, the
 # plain ones on any other (course_utils.cpu_spread.second_variant). A learner's laptop rounds differently from
@@ -66,10 +70,9 @@ nbval: $(STAMP)
 test-other-cpu: $(STAMP)
 	@echo "other CPU kernels: $$($(PY) -m course_utils.cpu_spread --second-variant-env)"
 	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) $(PYTEST) -q -p no:cacheprovider -m "not browser and not load and not once"
-	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) COURSE_FIGURES_DIR=$(CURDIR)/$(NB_OUT)/nbval-other-cpu \
-		COURSE_SCRATCH_DIR=$(CURDIR)/$(NB_OUT)/nbval-other-cpu-scratch \
-		$(PYTEST) -q -p no:cacheprovider -o timeout=660 --nbval --nbval-current-env --nbval-cell-timeout=600 \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/*.ipynb
+	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) \
+		$(PY) -m course_utils.notebooks execute --out $(NB_OUT)/other-cpu --timeout 600
+	$(NBVAL) --nbval-executed $(NB_OUT)/other-cpu notebooks/*.ipynb
 
 # A learner's session in a real browser, in one make lab: chapter 05 in depth (its widget, a refusal, a kernel
 # restart; Cancel, interrupt and a crashed rank), then every chapter: Run All, every widget moved, one exercise

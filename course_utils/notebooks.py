@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{nb.name}: executed headless in {seconds:.1f} s (CPU)", flush=True)
         except Exception as exc:  # noqa: BLE001 - report every notebook, then fail
             failed += 1
-            print(f"{nb.name}: FAILED: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}", flush=True)
+            lines = str(exc).strip().splitlines() or [repr(exc)]
+            # the failing cell's traceback (papermill's message carries it): CI shows it without the notebook
+            print(f"{nb.name}: FAILED: {lines[-1]}\n" + "\n".join("    " + line for line in lines[-40:]), flush=True)
     return 1 if failed else 0
 
 
