@@ -38,8 +38,8 @@ doctor: $(STAMP)
 
 # The linter (ruff, configured in pyproject.toml); unit tests, rank tests under torchrun, grading self-test; then every
 # notebook headless once (papermill, as `make notebooks` runs them) and that execution held to the committed outputs
-# by nbval's rules (tests/nbval_executed.py). One execution serves both: nbval executing every chapter again beside
-# papermill took about 750 s of make test's 1630 on 2 cores.
+# by nbval's rules (tests/nbval_executed.py). One execution serves both (before, nbval executed every chapter a
+# second time beside papermill: the two side by side took about 750 s of make test's 1630 on 2 cores).
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PYTEST) -q
