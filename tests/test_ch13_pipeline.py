@@ -147,3 +147,22 @@ def test_a_saved_notebooks_old_keywords_still_run_with_a_warning_naming_the_new_
     assert [d["pp"] for d in old.ranks] == [2] * WORLD and ch13.compare_to_reference(old)["within_tol"]
     with pytest.warns(FutureWarning), pytest.raises(InvalidParameter, match="pp=3 does not divide the 4 ranks"):
         cu.run(WORKER, world_size=WORLD, stages=3, **LIMITS)  # an old name is refused in the new one's words
+
+
+def test_float64_runs_every_schedule_to_one_process_within_rounding():
+    # dtype="float64" (added with the zero-bubble schedules) reaches the old schedules too: the same comparison as
+    # above to 1e-12 instead of fp32's 1e-6, so a stage that summed its micro-batches in the wrong order would still
+    # pass, but one that lost a micro-batch's gradient could not hide in fp32 rounding.
+    import torch
+
+    from workers.pipeline.model import PipelineConfig
+    from workers.pipeline.reference import reference_step_in
+
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        res = cu.run(WORKER, world_size=WORLD, pp=2, schedule=schedule, virtual_stages=v, micro_batches=4, steps=2,
+                     dtype="float64", **LIMITS)
+        ref = reference_step_in(PipelineConfig(**res[0]["config"]), torch.float64, steps=2)
+        for key in ("grads", "weights"):
+            got = ch13.merged(res, key)
+            assert sorted(got) == sorted(ref[key]) and all(got[n].dtype == torch.float64 for n in got)
+            assert all(torch.allclose(got[n], ref[key][n], rtol=0, atol=1e-12) for n in ref[key]), (schedule, key)

@@ -1,8 +1,11 @@
-"""A pipeline-parallel training step on real ranks: GPipe, 1F1B or interleaved 1F1B over real send/recv.
+"""A pipeline-parallel training step on real ranks: GPipe, 1F1B, interleaved 1F1B, or a zero-bubble schedule
+(ZB-H1, ZB-H2, ZB-V, DualPipeV) over real send/recv.
 
     torchrun --nproc-per-node 4 workers/ch13_pipeline.py --schedule 1f1b --micro-batches 8
     torchrun --nproc-per-node 4 workers/ch13_pipeline.py --pp 2 --forward-ms 5 --backward-ms 10
     torchrun --nproc-per-node 4 workers/ch13_pipeline.py --schedule interleaved --virtual-stages 2
+    torchrun --nproc-per-node 4 workers/ch13_pipeline.py --schedule zb-h1 --dtype float64
+    torchrun --nproc-per-node 4 workers/ch13_pipeline.py --schedule dualpipev --virtual-stages 2 --layers 16
 
 The degrees are the course's one layout's (``workers/layout/rules.py``): ``pp`` p stages (0: the whole world)
 split ``layers`` into p contiguous stages; a world larger than p runs world / p identical pipelines side by side
@@ -11,6 +14,13 @@ one set of 4 warm ranks. ``virtual_stages`` v > 1 (interleaved only) cuts the mo
 chunk c of stage s holding virtual stage c * p + s. Each rank returns its stage's timeline, peak stashed
 activations, p2p counts, losses (last stage), gradients of the last step and weights after ``steps`` SGD steps,
 under the whole model's parameter names (``workers/pipeline/reference.py`` is the single-process ground truth).
+
+The zero-bubble schedules (``workers/pipeline/zero_bubble.py``) split each backward into B (the input gradient) and
+W (the weight gradient), computed by hand (``split_backward.py``); ``backward_ms`` pads B and W to half of it each,
+so the chapter's 20 / 40 ms give the paper's T_F = T_B = T_W. ZB-V and DualPipeV hold two chunks per rank in a V
+(``virtual_stages=2``): rank s holds virtual stages s and 2p-1-s, so rank p-1 hands its chunk 0's output to its
+chunk 1 without a message, and the loss, the last virtual stage, is on rank 0: its losses come back from stage 0
+(``loss_stage``). ``dtype="float64"`` runs every stage in double precision, for comparisons to 1e-12.
 """
 import time
 
@@ -18,11 +28,16 @@ import torch
 
 from workers.layout.grid import RankGrid
 from workers.layout.rules import Layout, equal_stages_problem, problem
-from workers.pipeline.executor import run_schedule
+from workers.pipeline.executor import run_schedule, run_split_schedule
 from workers.pipeline.model import PipelineConfig, global_names, make_batch, micro_batches as split, stage_module
 from workers.pipeline.p2p import P2P
-from workers.pipeline.schedules import peak_stash, schedule as make_schedule, virtual_stage
-from workers.runtime import at_least, entrypoint, refusal
+from workers.pipeline.schedules import SCHEDULES, peak_stash, schedule as make_schedule
+from workers.pipeline.validity import peak_stashes
+from workers.pipeline.zero_bubble import (SPLIT_SCHEDULES, chunks_of, placed_stage, placement_of, rank_of,
+                                          split_stages)
+from workers.runtime import at_least, entrypoint, one_of, refusal
+
+DTYPES = ("float32", "float64")
 
 
 def layout_of(world_size: int, pp: int = 0, virtual_stages: int = 1, micro_batches: int = 8,
@@ -31,12 +46,35 @@ def layout_of(world_size: int, pp: int = 0, virtual_stages: int = 1, micro_batch
     return Layout(pp=pp or world_size, virtual_stages=virtual_stages, micro_batches=micro_batches, schedule=schedule)
 
 
+def split_problem(world_size, schedule, micro_batches, pp, virtual_stages, layers) -> str | None:
+    """What a zero-bubble schedule adds to the layout's rules: its chunks per rank, equal chunks, DualPipeV's m."""
+    p, v = pp or world_size, chunks_of(schedule)
+    if virtual_stages != v:
+        return (f"schedule={schedule!r} holds two chunks per rank in a V: set virtual_stages=2, not {virtual_stages}"
+                if v == 2 else f"schedule={schedule!r} holds one chunk per rank, not virtual_stages={virtual_stages}: "
+                "for two per rank choose 'zb-v' or 'dualpipev'")
+    layers_clause = None
+    if isinstance(layers, int) and layers >= 1 and isinstance(p, int) and p >= 1 and layers % (p * v):
+        what = f"pp={p}" if v == 1 else f"pp x 2 chunks = {2 * p}"
+        layers_clause = (f"{what} is more than layers={layers}" if p * v > layers
+                         else f"{what} does not divide layers={layers} into equal {'stages' if v == 1 else 'chunks'}")
+    short = (f"micro_batches={micro_batches} is fewer than the 2 x pp = {2 * p} virtual stages DualPipeV fills: "
+             f"choose micro_batches >= {2 * p}"
+             if schedule == "dualpipev" and isinstance(micro_batches, int) and 1 <= micro_batches < 2 * p else None)
+    return refusal(layers_clause, short)
+
+
 def check_params(world_size, schedule="1f1b", micro_batches=8, pp=0, virtual_stages=1, layers=8, hidden=16,
-                 micro_batch_size=4, forward_ms=0.0, backward_ms=0.0, steps=1, lr=0.1, **_):
+                 micro_batch_size=4, forward_ms=0.0, backward_ms=0.0, steps=1, lr=0.1, dtype="float32", **_):
     # The layout's rules (the one rule set: degrees against the world, the schedule, micro-batches, layers per
-    # chunk), then what this chapter adds: equal stages, and its own parameters.
+    # chunk), then what this chapter adds: equal stages, the zero-bubble schedules, and its own parameters.
+    zero_bubble = schedule in SPLIT_SCHEDULES
     if pp < 0:
         degrees = f"pp={pp} must be at least 0 (0: the whole world)"
+    elif zero_bubble:  # the layout knows 1F1B's degrees; the split schedule's own rules follow
+        layout = layout_of(world_size, pp, 1, micro_batches, "1f1b")
+        degrees = refusal(problem(layout, world_size), split_problem(world_size, schedule, micro_batches, pp,
+                                                                    virtual_stages, layers))
     else:
         layout = layout_of(world_size, pp, virtual_stages, micro_batches, schedule)
         # the rule set names layers itself when chunks cannot be equal or outnumber them; equal stages otherwise
@@ -44,43 +82,71 @@ def check_params(world_size, schedule="1f1b", micro_batches=8, pp=0, virtual_sta
                  if 1 <= layout.pp * max(virtual_stages, 1) <= layers and virtual_stages >= 1 else None)
         plain = ("virtual_stages=1 would make it plain 1F1B: choose schedule='1f1b', or virtual_stages=2 or more"
                  if schedule == "interleaved" and virtual_stages == 1 else None)
+        others = (None if schedule in SCHEDULES else "chapter 13 also runs the split-backward schedules "
+                  + ", ".join(repr(n) for n in SPLIT_SCHEDULES[:-1]) + f" and {SPLIT_SCHEDULES[-1]!r}")
         degrees = refusal(problem(layout, world_size, PipelineConfig(layers=layers) if layers >= 1 else None),
-                          plain, equal)
-    return refusal(degrees, at_least("layers", layers), at_least("hidden", hidden),
+                          plain, equal, others)
+    return refusal(degrees, one_of("dtype", dtype, DTYPES), at_least("layers", layers), at_least("hidden", hidden),
                    at_least("micro_batch_size", micro_batch_size),
                    None if 0 <= forward_ms <= 200 and 0 <= backward_ms <= 400 else
                    f"forward_ms={forward_ms} and backward_ms={backward_ms} must be between 0 and 200 / 400 ms",
                    at_least("steps", steps), None if lr > 0 else f"lr={lr} must be positive")
 
 
+def links_of(pipeline: list[int], stage: int, p: int, v: int, placement: str) -> list[tuple]:
+    """Per chunk, (previous, next) rank of its virtual stage's neighbours; None where the neighbour does not exist or
+    is on this same rank (a hand-off in memory). Round the ranks ("loop"), or down and back up the V ("v")."""
+    last = (2 * p if placement == "v" else p * v) - 1
+    links = []
+    for c in range(v):
+        vs = placed_stage(stage, c, p, placement)
+        ends = [rank_of(n, p, placement)[0] if 0 <= n <= last else None for n in (vs - 1, vs + 1)]
+        links.append(tuple(None if r is None or r == stage else pipeline[r] for r in ends))
+    return links
+
+
 def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtual_stages: int = 1, layers: int = 8,
          hidden: int = 16, micro_batch_size: int = 4, forward_ms: float = 0.0, backward_ms: float = 0.0, steps: int = 1,
-         lr: float = 0.1, seed: int = 0):
+         lr: float = 0.1, seed: int = 0, dtype: str = "float32"):
     """``steps`` SGD steps of the pipelined MLP with ``schedule`` over ``micro_batches`` micro-batches."""
     layout = layout_of(ctx.world_size, pp, virtual_stages, micro_batches, schedule)
     p, v = layout.pp, layout.virtual_stages
+    zero_bubble, placement = schedule in SPLIT_SCHEDULES, placement_of(schedule)
     pipeline = RankGrid.for_world(ctx.world_size, pp=p).group("pp", ctx.rank)  # this rank's pipeline, stage order
     stage = pipeline.index(ctx.rank)
     cfg = PipelineConfig(layers=layers, hidden=hidden, micro_batch_size=micro_batch_size,
                          micro_batches=micro_batches, seed=seed)
-    # chunk c of this stage is virtual stage c * p + stage of a model cut in p * v
-    modules = [stage_module(cfg, virtual_stage(stage, c, p), p * v).to(ctx.device) for c in range(v)]
-    params = {n: q for c, mod in enumerate(modules) for n, q in global_names(cfg, virtual_stage(stage, c, p), p * v, mod).items()}
+    torch_dtype = getattr(torch, dtype)
+    # chunk c of this stage is virtual stage c * p + stage of a model cut in p * v (in a V: stage, then 2p-1-stage)
+    held = [placed_stage(stage, c, p, placement) for c in range(v)]
+    modules = [stage_module(cfg, vs, p * v).to(ctx.device, torch_dtype) for vs in held]
+    params = {n: q for vs, mod in zip(held, modules) for n, q in global_names(cfg, vs, p * v, mod).items()}
     opt = torch.optim.SGD([q for mod in modules for q in mod.parameters()], lr=lr)
-    actions = make_schedule(schedule, p, micro_batches, stage, v)
-    wrap = v > 1  # with virtual stages the pipeline goes round: rank p-1 feeds rank 0's next chunk
-    prev_rank = pipeline[(stage - 1) % p] if stage > 0 or wrap else None
-    next_rank = pipeline[(stage + 1) % p] if stage < p - 1 or wrap else None
+    if zero_bubble:
+        table = split_stages(schedule, p, micro_batches)  # every rank's row: the executor checks the whole table
+        actions = table[stage]
+        links = links_of(pipeline, stage, p, v, placement)
+    else:
+        actions = make_schedule(schedule, p, micro_batches, stage, v)
+        wrap = v > 1  # with virtual stages the pipeline goes round: rank p-1 feeds rank 0's next chunk
+        links = [(pipeline[(stage - 1) % p] if stage > 0 or wrap else None,
+                  pipeline[(stage + 1) % p] if stage < p - 1 or wrap else None)]
+    loss_stage = rank_of((2 * p if placement == "v" else p * v) - 1, p, placement)[0]  # where the last virtual stage is
     out = {"losses": [], "timelines": [], "step_s": []}  # step_s: wall time from the last step's end to this one's
     last = time.perf_counter()
     for step in range(steps):
-        x, y = (t.to(ctx.device) for t in make_batch(cfg, step))  # [B, h]: every rank derives the same batch
-        p2p = P2P(prev_rank=prev_rank, next_rank=next_rank, shape=(micro_batch_size, hidden), device=ctx.device,
-                  comm_device=ctx.comm_device("send"))
+        x, y = (t.to(ctx.device, torch_dtype) for t in make_batch(cfg, step))  # [B, h]: every rank derives the same batch
+        p2p = [P2P(prev_rank=prev, next_rank=nxt, shape=(micro_batch_size, hidden), device=ctx.device,
+                   comm_device=ctx.comm_device("send"), dtype=torch_dtype) for prev, nxt in links]
         opt.zero_grad(set_to_none=True)
-        ran = run_schedule(actions, modules, p2p, stage=stage, num_stages=p, inputs=split(cfg, x), targets=split(cfg, y),
-                           forward_s=forward_ms / 1e3, backward_s=backward_ms / 1e3)
-        if stage == p - 1:
+        if zero_bubble:  # B and W each padded to half of backward_ms
+            ran = run_split_schedule(table, modules, p2p, stage=stage, num_stages=p, placement=placement,
+                                     inputs=split(cfg, x), targets=split(cfg, y), forward_s=forward_ms / 1e3,
+                                     backward_s=backward_ms / 2e3, weight_s=backward_ms / 2e3)
+        else:
+            ran = run_schedule(actions, modules, p2p[0], stage=stage, num_stages=p, inputs=split(cfg, x),
+                               targets=split(cfg, y), forward_s=forward_ms / 1e3, backward_s=backward_ms / 1e3)
+        if stage == loss_stage:
             loss = sum(ran["losses"]) / micro_batches  # mean over the global batch
             out["losses"].append(loss)
             ctx.metric(step=step, loss=loss)
@@ -89,12 +155,15 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
         opt.step()
         out["step_s"].append(time.perf_counter() - last)
         last = time.perf_counter()
+    planned = peak_stashes(actions)
     return {**out, "timeline": out["timelines"][-1], "grads": grads,
             "weights": {n: q.detach().cpu().clone() for n, q in params.items()},
-            "peak_stash": ran["peak_stash"], "planned_peak_stash": peak_stash(actions),
-            "peak_saved_bytes": ran["peak_saved_bytes"], "virtual_stages": v,
+            "peak_stash": ran["peak_stash"], "planned_peak_stash": peak_stash(actions) if not zero_bubble
+            else planned["activations"], "peak_saved_bytes": ran["peak_saved_bytes"], "virtual_stages": v,
+            "peak_weight_stash": ran.get("peak_weight_stash", 0), "planned_peak_weight_stash": planned["weight"],
             "sent_bytes": ran["sent_bytes"], "messages": ran["messages"], "actions": [list(a) for a in actions],
-            "stage": stage, "pp": p, "pipeline": ctx.rank // p, "schedule": schedule,
+            "stage": stage, "pp": p, "pipeline": ctx.rank // p, "schedule": schedule, "placement": placement,
+            "loss_stage": loss_stage, "dtype": dtype,
             "config": cfg.as_dict(), "forward_ms": forward_ms, "backward_ms": backward_ms}
 
 

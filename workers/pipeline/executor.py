@@ -6,6 +6,11 @@ measured, in bytes (``saved_tensors_hooks``; parameters excluded): the memory it
 accumulate in ``.grad`` over the m micro-batches, each loss scaled by 1/m, so one optimizer step afterwards
 is the step on the whole global batch.
 
+``run_split_schedule`` runs the zero-bubble tables (``zero_bubble.py``): B and W as separate actions, computed by
+hand (``split_backward.py``) instead of by autograd, and the V placement, where a neighbouring virtual stage on the
+same rank is handed its input (or its gradient) in memory, without a message. It checks the whole table first
+(``validity.check_schedule``): a table that would deadlock or break a dependency is refused before any message.
+
 Timing. Every rank times against ``t0``, taken right after a barrier (so the clocks are aligned to the
 barrier's exit, within its skew). Only compute is inside an action's box: time spent blocked in a receive
 is idle, which is what the bubble is. ``forward_s`` / ``backward_s`` > 0 pad each action to that wall
@@ -21,9 +26,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from workers.pipeline import split_backward
 from workers.pipeline.model import loss_fn
 from workers.pipeline.p2p import P2P
 from workers.pipeline.schedules import split_action, virtual_stage, with_p2p
+from workers.pipeline.validity import check_schedule, with_messages
+from workers.pipeline.zero_bubble import placed_stage, rank_of
 
 
 def pad_to(start: float, seconds: float) -> None:
@@ -121,3 +129,106 @@ def run_schedule(actions, modules, p2p: P2P, *, stage: int, num_stages: int, inp
         raise RuntimeError(f"stage {stage} still holds micro-batches {sorted(stash)} after its schedule")
     return {"timeline": timeline, "losses": [losses[i] for i in sorted(losses)], "peak_stash": peak,
             "peak_saved_bytes": peak_bytes, **p2p.stats()}
+
+
+def run_split_schedule(table, modules, links, *, stage: int, num_stages: int, placement: str, inputs, targets,
+                       forward_s: float = 0.0, backward_s: float = 0.0, weight_s: float = 0.0) -> dict:
+    """Run row ``stage`` of ``table`` (every rank's actions, F / B / W) after checking the whole table.
+
+    ``modules``: this rank's chunks (``model.py`` Layer stacks), chunk c holding virtual stage
+    ``placed_stage(stage, c, num_stages, placement)``; ``links[c]`` the ``P2P`` of chunk c (its previous and next
+    virtual stage's ranks, None where that stage is on this rank or does not exist). B is the input gradient and W
+    the weight gradient when the table has W actions; without them B does both. ``forward_s`` / ``backward_s`` /
+    ``weight_s`` pad an F / B / W of the whole rank's share (a chunk's action: 1/v of it).
+
+    Returns the timeline (kinds F, B and W), the micro-batch losses (on the rank with the last virtual stage), the
+    peak number of micro-batch-chunks between F and B (``peak_stash``) and between B and W (``peak_weight_stash``),
+    the peak bytes both stashes hold together (``peak_saved_bytes``) and the messages of all links."""
+    m = len(inputs)
+    check_schedule(table, m, placement)  # raises ValueError, on every rank alike, before any message is posted
+    modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    layers = [split_backward.stage_layers(mod) for mod in modules]
+    v, actions = len(modules), table[stage]
+    split = any(a[0] == "W" for row in table for a in row)
+    last_virtual = (2 * num_stages if placement == "v" else num_stages * v) - 1
+
+    def here(virtual: int) -> bool:  # a neighbouring virtual stage on this rank: hand over in memory
+        return 0 <= virtual <= last_virtual and rank_of(virtual, num_stages, placement)[0] == stage
+
+    stash: dict[tuple, tuple] = {}  # (chunk, micro) -> (forward's stash, output): F -> B
+    for_w: dict[tuple, list] = {}  # (chunk, micro) -> [(x, dz)] per layer: B -> W
+    held_bytes: dict[tuple, int] = {}  # (kind of stash, chunk, micro) -> bytes
+    received: dict[tuple, torch.Tensor] = {}
+    handed: dict[tuple, torch.Tensor] = {}  # ("x" | "g", virtual stage, micro): from this rank's other chunk
+    to_send: dict[tuple, torch.Tensor] = {}  # (chunk, micro) -> input gradient, until its send_backward
+    losses, timeline = {}, []
+    peak = {"stash": 0, "weight": 0, "bytes": 0}
+    dist.barrier()
+    t0 = time.perf_counter()
+    for action in with_messages(actions, num_stages, stage, v, placement):
+        kind, i, c = split_action(action)
+        vs = placed_stage(stage, c, num_stages, placement)
+        # the message's name on its link: the boundary's lower virtual stage and the micro-batch, as in run_schedule
+        key = (vs - 1 if kind in ("recv_forward", "send_backward") else vs) * m + i
+        if kind == "recv_forward":
+            received[("x", c, i)] = links[c].recv_forward(key)  # [micro_batch, hidden]
+        elif kind == "recv_backward":
+            received[("g", c, i)] = links[c].recv_backward(key)  # [micro_batch, hidden]
+        elif kind == "send_forward":
+            links[c].send_forward(stash[(c, i)][1], key)
+        elif kind == "send_backward":
+            links[c].send_backward(to_send.pop((c, i)), key)
+        elif kind == "F":
+            start = time.perf_counter()
+            x = inputs[i] if vs == 0 else received.pop(("x", c, i)) if ("x", c, i) in received else handed.pop(("x", vs, i))
+            y, saved = split_backward.forward(layers[c], x)  # [micro_batch, hidden]
+            if vs == last_virtual:
+                losses[i] = loss_fn(y, targets[i]).item()
+            elif here(vs + 1):  # the V's turn: chunk 0's output is chunk 1's input, on this rank
+                handed[("x", vs + 1, i)] = y
+            stash[(c, i)] = (saved, y)
+            held_bytes[("F", c, i)] = split_backward.stash_bytes(saved, [(y,)])
+            pad_to(start, forward_s / v)
+            timeline.append({"kind": "F", "micro": i, "chunk": c, "start": start - t0, "end": time.perf_counter() - t0})
+        elif kind == "B":
+            start = time.perf_counter()
+            saved, y = stash.pop((c, i))
+            if vs == last_virtual:  # the loss's own gradient, by autograd: each micro-batch's loss scaled by 1/m
+                with torch.enable_grad():
+                    out = y.detach().requires_grad_()
+                    dy, = torch.autograd.grad(loss_fn(out, targets[i]) / m, out)
+            else:
+                dy = received.pop(("g", c, i)) if ("g", c, i) in received else handed.pop(("g", vs, i))
+            dx, w_stash = split_backward.backward_input(layers[c], saved, dy, need_input_grad=vs > 0)
+            if vs > 0:
+                if here(vs - 1):
+                    handed[("g", vs - 1, i)] = dx
+                else:
+                    to_send[(c, i)] = dx
+            del held_bytes[("F", c, i)]
+            if split:
+                for_w[(c, i)] = w_stash
+                held_bytes[("W", c, i)] = split_backward.stash_bytes(w_stash)
+            else:
+                split_backward.backward_weight(layers[c], w_stash)
+            pad_to(start, (backward_s if split else backward_s + weight_s) / v)
+            timeline.append({"kind": "B", "micro": i, "chunk": c, "start": start - t0, "end": time.perf_counter() - t0})
+        elif kind == "W":
+            start = time.perf_counter()
+            split_backward.backward_weight(layers[c], for_w.pop((c, i)))
+            del held_bytes[("W", c, i)]
+            pad_to(start, weight_s / v)
+            timeline.append({"kind": "W", "micro": i, "chunk": c, "start": start - t0, "end": time.perf_counter() - t0})
+        peak = {"stash": max(peak["stash"], len(stash)), "weight": max(peak["weight"], len(for_w)),
+                "bytes": max(peak["bytes"], sum(held_bytes.values()))}
+    for link in links:
+        link.finish()
+    left = [name for name, d in (("activations", stash), ("weight stashes", for_w), ("received tensors", received),
+                                 ("hand-offs", handed), ("unsent gradients", to_send)) if d]
+    if left:  # a checked table frees everything: anything left means the executor and the checker disagree
+        raise RuntimeError(f"stage {stage} still holds {', '.join(left)} after its schedule")
+    stats = [link.stats() for link in links]
+    return {"timeline": timeline, "losses": [losses[i] for i in sorted(losses)], "peak_stash": peak["stash"],
+            "peak_weight_stash": peak["weight"], "peak_saved_bytes": peak["bytes"],
+            **{key: {d: sum(s[key][d] for s in stats) for d in ("forward", "backward")}
+               for key in ("sent_bytes", "messages")}}

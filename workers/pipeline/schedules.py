@@ -7,6 +7,9 @@ stage first (``recv_forward``) and sends its output on (``send_forward``); a B r
 gradient from the next stage (``recv_backward``) and sends the input's gradient back (``send_backward``).
 ``with_p2p`` spells those out, and the executor runs exactly that list.
 
+A third kind, ``("W", i)``, is the weight gradient alone (``zero_bubble.py``: ZB-H1, ZB-H2, ZB-V, DualPipeV): in a
+table that has W actions, B is the input gradient only; in the tables here B stays the whole backward.
+
 * GPipe (Huang et al. 2019): all m forwards, then all m backwards. Every stage holds m micro-batches'
   activations at the turn.
 * 1F1B, PipeDream-Flush (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
@@ -21,7 +24,7 @@ gradient from the next stage (``recv_backward``) and sends the input's gradient 
 """
 from __future__ import annotations
 
-Action = tuple  # ("F", micro) | ("B", micro) | ("F", micro, chunk) ..., or a p2p action from with_p2p
+Action = tuple  # ("F", micro) | ("B", micro) | ("W", micro) | ("F", micro, chunk) ..., or a p2p action from with_p2p
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
