@@ -11,8 +11,12 @@ import torch
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def make_inputs(batch: int, heads: int, seq: int, head_dim: int, seed: int = 0, dtype: str = "float64"):
-    """``(q, k, v, dout)``, each ``[b, h, seq, d]``, on the CPU: the whole sequence (each rank then takes its rows)."""
+def make_inputs(batch: int, heads: int, seq: int, head_dim: int, seed: int = 0, dtype: str = "float64",
+                kv_heads: int = 0):
+    """``(q, k, v, dout)`` on the CPU: the whole sequence (each rank then takes its rows). q and dout are
+    ``[b, heads, seq, d]``, k and v ``[b, kv_heads, seq, d]`` (``kv_heads`` 0: as many as ``heads``, the same draws
+    as before grouped-query attention was added, so a seed gives the ring chapter's tensors unchanged)."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (batch, heads, seq, head_dim)
-    return tuple(torch.randn(shape, generator=gen, dtype=torch.float64).to(DTYPES[dtype]) for _ in range(4))
+    heads_of = (heads, kv_heads or heads, kv_heads or heads, heads)  # q, k, v, dout: drawn in this order
+    return tuple(torch.randn((batch, h, seq, head_dim), generator=gen, dtype=torch.float64).to(DTYPES[dtype])
+                 for h in heads_of)
