@@ -18,9 +18,11 @@ sets the pace and returns a ``StepTime`` whose ``terms`` add up to the step:
 - **kernel overhead**: a kernel (an eager op) takes at least ``kernel_overhead_s``; on a GPU that only bounds a
   layer's time from below, on a CPU rank it adds to it (``GPU.overhead_serial``);
 - **bubble** and **pp**: the pipeline's idle time, from simulating the very schedule tables chapter 13 executes
-  (``workers/pipeline/schedules.py``) with each virtual stage's own forward and backward times (the first and last
-  carry the embedding and the head; layers not dividing evenly go to the middle stages, as Llama 3 did), and the
-  time its point-to-point messages add on the critical path;
+  (``workers/pipeline/schedules.py``; the zero-bubble ones, whose backward is split into an input gradient B and a
+  weight gradient W that fills the gaps, from ``zero_bubble.py``, with W ``Practice.w_share`` of each backward)
+  with each virtual stage's own forward and backward times (the first and last carry the embedding and the head;
+  layers not dividing evenly go to the middle stages, as Llama 3 did), and the time its point-to-point messages
+  add on the critical path;
 - **tp**, **cp**, **dp**: communication left exposed. TP collectives wait inside every layer (no overlap); the CP
   exchange hides behind the attention it feeds, chapter 14's rule; data-parallel and ZeRO traffic hides behind
   backward (gradients) and forward (weights) up to what those windows hold, a bucket at a time (chapters 02 and
@@ -43,6 +45,8 @@ from dataclasses import dataclass, field, replace
 
 from workers.layout.rules import Layout
 from workers.pipeline.schedules import all_stages, simulate
+from workers.pipeline.validity import simulate_split
+from workers.pipeline.zero_bubble import SPLIT_SCHEDULES, placed_stage, placement_of, split_stages
 
 from .device_rates import GemmRow, GemmTable, gemm_table
 from .hardware import GPU, Cluster, Link
@@ -100,6 +104,10 @@ class Practice:
     #                           overlap_moe_expert_parallel_comm); DualPipe implies it
     fused: bool = True  # elementwise work fused (Megatron's kernels, torch.compile); False: eager PyTorch passes
     recompute_matmuls: float = 0.0  # under "selective": the share of forward matmul time recomputed too
+    # the weight gradient's share of a backward, for the schedules that split it (zero bubble): per linear layer dX
+    # and dW are one GEMM each of the same FLOPs (Qi et al. 2023 take T_B = T_W); attention's core and the
+    # elementwise backward belong to B, which this share leaves to the GEMMs' even split
+    w_share: float = 0.5
     pp_outermost: bool = False  # rank order tp-cp-dp-pp (Megatron, torchtitan, DeepSpeed) instead of Llama 3's [TP, CP, PP, DP]
 
 
@@ -326,23 +334,37 @@ def exposed(traffic: float, window: float, tail: float) -> float:
 # -- stages ---------------------------------------------------------------------------------------------------------
 
 def pipeline_makespan(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[float],
-                      message: float) -> float:
+                      message: float, w_share: float = 0.5) -> float:
     """Seconds from the first forward to the last backward of one step: chapter 13's action lists for ``schedule``
-    simulated with each virtual stage's own times (``workers/pipeline/schedules.simulate``).
+    simulated with each virtual stage's own times (``workers/pipeline/schedules.simulate``; a schedule that splits
+    the backward, ``validity.simulate_split`` with B and W ``1 - w_share`` and ``w_share`` of it).
 
     Past the warm-up every further group of p micro-batches adds about the same time (the pipeline is in its steady
     state), so a step of more than 8pv micro-batches is simulated at 4pv and 8pv and extended along that line: within
     0.1% of the full simulation on stages of random, unequal times (tests/test_step_time.py), and it keeps a long
     step's pricing to a fraction of a second."""
-    chunks = v if schedule == "interleaved" else 1
+    chunks = v if schedule in ("interleaved", *SPLIT_SCHEDULES) else 1
     if p == 1:
         return m * (fwd[0] + bwd[0])
+
+    def makespan(micro: int) -> float:
+        if schedule in SPLIT_SCHEDULES:
+            return simulate_split(split_stages(schedule, p, micro), list(fwd), [b * (1 - w_share) for b in bwd],
+                                  [b * w_share for b in bwd], message, placement_of(schedule))["makespan"]
+        return simulate(all_stages(schedule, p, micro, chunks), fwd, bwd, message)["makespan"]
+
     low, high = 4 * p * chunks, 8 * p * chunks  # the interleaved warm-up grows with the chunks
     if m <= high:
-        return simulate(all_stages(schedule, p, m, chunks), fwd, bwd, message)["makespan"]
-    t_low = simulate(all_stages(schedule, p, low, chunks), fwd, bwd, message)["makespan"]
-    t_high = simulate(all_stages(schedule, p, high, chunks), fwd, bwd, message)["makespan"]
+        return makespan(m)
+    t_low, t_high = makespan(low), makespan(high)
     return t_low + (m - low) * (t_high - t_low) / (high - low)
+
+
+def held_stages(schedule: str, rank: int, p: int, v: int) -> list[int]:
+    """The virtual stages pipeline rank ``rank`` holds: round the ranks (chunk c is virtual stage c p + rank), or in a
+    V for ZB-V and DualPipeV (``rank`` and 2p - 1 - rank: the first rank holds the embedding and the head)."""
+    placement = placement_of(schedule) if p > 1 else "loop"
+    return [placed_stage(rank, c, p, placement) for c in range(v)]
 
 
 def stage_layers(layers: int, virtual_stages: int) -> list[int]:
@@ -549,12 +571,12 @@ def step_time(model: ModelShape, layout: Layout, n_gpus: int, cluster: Cluster,
     if pp > 1:
         msg = layout.micro_batch * layout.seq / cp * model.hidden * practice.activation_bytes / tp
         message = group_time("send_recv", msg, 2, tp * cp * (dp if practice.pp_outermost else 1), cluster)
-    flat = pipeline_makespan(schedule, pp, m, v, fwd, bwd, 0.0)
-    timed = pipeline_makespan(schedule, pp, m, v, fwd, bwd, message) if message else flat
-    busy = [m * sum(fwd[vs] + bwd[vs] for vs in range(r, chunks, pp)) for r in range(pp)]
+    flat = pipeline_makespan(schedule, pp, m, v, fwd, bwd, 0.0, practice.w_share)
+    timed = pipeline_makespan(schedule, pp, m, v, fwd, bwd, message, practice.w_share) if message else flat
+    busy = [m * sum(fwd[vs] + bwd[vs] for vs in held_stages(schedule, r, pp, v)) for r in range(pp)]
     critical = max(range(pp), key=lambda r: busy[r])
     terms = dict.fromkeys(TERMS, 0.0)
-    for r_vs in range(critical, chunks, pp):  # the virtual stages the critical rank holds
+    for r_vs in held_stages(schedule, critical, pp, v):  # the virtual stages the critical rank holds
         f, bk = parts[r_vs]
         for k, x in _add(f, bk).items():
             terms[k] += m * x
@@ -562,8 +584,9 @@ def step_time(model: ModelShape, layout: Layout, n_gpus: int, cluster: Cluster,
     if practice.dualpipe and pp > 1:
         # DeepSeek-V3 report, Table 2: DualPipe's bubble is (PP/2 - 1)(F&B + B - 3W) for chunks of F, B and W (the
         # weight-gradient part of B); with W = B/2 (dW is half of a backward's GEMMs) and F&B, a forward and a
-        # backward chunk overlapped, taken as F + B: (PP/2 - 1)(F + B/2) per stage's micro-batch (chapter 13 has no
-        # DualPipe table to simulate yet)
+        # backward chunk overlapped, taken as F + B: (PP/2 - 1)(F + B/2) per stage's micro-batch. Chapter 13 runs
+        # DualPipeV, DualPipe cut in half into a V on the same ranks (schedule "dualpipev", simulated from its table
+        # like the others); DeepSeek-V3's bidirectional DualPipe, two copies of the stages, is priced by its formula
         f_stage, b_stage = max(fwd), max(bwd)
         terms["bubble"] = max(0.0, (pp / 2 - 1) * (f_stage + b_stage / 2))
     terms["pp"] = max(0.0, timed - flat)
@@ -572,7 +595,7 @@ def step_time(model: ModelShape, layout: Layout, n_gpus: int, cluster: Cluster,
     zero = layout.zero
     grad_bytes = practice.grad_bytes or (2.0 if practice.dtype == "fp16" else 4.0)
     weight_bytes = practice.activation_bytes
-    first_layers = sum(counts[vs] for vs in range(0, chunks, pp))
+    first_layers = sum(counts[vs] for vs in held_stages(layout.schedule, 0, pp, v))
     params = stage_params(model, first_layers, tp, True, pp == 1, pp)
     if moe is not None:  # attention and shared parts split by TP, routed experts by EP (what one rank holds)
         from .moe_counts import _attention_params
@@ -581,7 +604,8 @@ def step_time(model: ModelShape, layout: Layout, n_gpus: int, cluster: Cluster,
         expert = _attention_params(moe) / tp + 3 * h * (moe.shared_experts * moe.expert_ffn / tp
                                                          + moe.experts / layout.ep * moe.expert_ffn)
         dense_layer = _attention_params(moe) / tp + 3 * h * model.ffn / tp
-        layers_here = [i for vs in range(0, chunks, pp) for i in range(starts[vs], starts[vs] + counts[vs])]
+        layers_here = [i for vs in held_stages(layout.schedule, 0, pp, v)
+                       for i in range(starts[vs], starts[vs] + counts[vs])]
         params = sum(dense_layer if i < dense_layers else expert for i in layers_here) \
             + model.vocab * h / tp * ((1 if pp == 1 else 0) + 1)
     stride = tp * cp * (1 if practice.pp_outermost else pp) if dp > 1 else tp
@@ -603,7 +627,7 @@ def step_time(model: ModelShape, layout: Layout, n_gpus: int, cluster: Cluster,
                 window = last_b if practice.grad_overlap else 0.0
                 rs_exposed = exposed(rs, window, rs * bucket)
             else:
-                window = m * sum(bwd[vs] for vs in range(0, chunks, pp)) if practice.grad_overlap else 0.0
+                window = m * sum(bwd[vs] for vs in held_stages(layout.schedule, 0, pp, v)) if practice.grad_overlap else 0.0
                 rs_exposed = exposed(m * rs, window, rs * bucket)
                 rs = m * rs
             ag_exposed = exposed(ag, first_f if practice.param_gather_overlap else 0.0, ag * bucket)

@@ -124,7 +124,7 @@ def test_invalid_interleaving_is_refused_before_launch(params, fragment):
     ({"layers": 6}, "pp=4 does not divide layers=6 into equal stages"),
     ({"pp": 3}, "pp=3 does not divide the 4 ranks: choose 1, 2 or 4"),
     ({"pp": -1}, r"pp=-1 must be at least 0 \(0: the whole world\)"),
-    ({"schedule": "zb"}, "schedule='zb' is not one of 'gpipe', '1f1b' or 'interleaved'"),
+    ({"schedule": "zb"}, "schedule='zb' is not one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-h2', 'zb-v' or 'dualpipev'"),
     ({"micro_batches": 0}, "micro_batches=0 must be"),
     ({"layers": 0}, "layers=0 must be at least 1"),
     ({"hidden": 0, "steps": 0}, "hidden=0 must be at least 1; steps=0 must be at least 1"),

@@ -303,11 +303,13 @@ def test_zb_h1_measured_bubble_is_below_1f1bs():
 @pytest.mark.parametrize("params, fragment", [
     ({"schedule": "zb-v"}, "schedule='zb-v' holds two chunks per rank in a V: set virtual_stages=2, not 1"),
     ({"schedule": "zb-h1", "virtual_stages": 2}, "schedule='zb-h1' holds one chunk per rank, not virtual_stages=2"),
+    ({"schedule": "zb-h1", "w_share": 1.5}, r"w_share=1.5 must be between 0 and 1 \(the weight gradient's share"),
     ({"schedule": "dualpipev", "virtual_stages": 2, "micro_batches": 6},
      r"micro_batches=6 is fewer than the 2 x pp = 8 virtual stages DualPipeV fills: choose micro_batches >= 8"),
-    ({"schedule": "zb-v", "virtual_stages": 2, "layers": 12}, "pp x 2 chunks = 8 does not divide layers=12"),
-    ({"schedule": "zb-v", "virtual_stages": 2, "layers": 4}, "pp x 2 chunks = 8 is more than layers=4"),
-    ({"schedule": "zb"}, "chapter 13 also runs the split-backward schedules 'zb-h1', 'zb-h2', 'zb-v' and 'dualpipev'"),
+    ({"schedule": "zb-v", "virtual_stages": 2, "layers": 12}, "pp x virtual_stages = 8 does not divide layers=12"),
+    ({"schedule": "zb-v", "virtual_stages": 2, "layers": 4}, "pp x virtual_stages = 8 is more than layers=4"),
+    ({"schedule": "zb"}, "schedule='zb' is not one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-h2', 'zb-v' or "
+                         "'dualpipev'"),
     ({"schedule": "zb-h1", "dtype": "float16"}, "dtype='float16' is not one of 'float32' or 'float64'"),
 ])
 def test_invalid_zero_bubble_runs_are_refused_before_launch(params, fragment):

@@ -17,12 +17,15 @@ from course_utils.step_time import (
     Practice,
     exposed,
     group_time,
+    held_stages,
     memory_bound_bytes,
     pipeline_makespan,
     stage_layers,
     step_time,
 )
 from workers.pipeline.schedules import all_stages, simulate
+from workers.pipeline.validity import simulate_split
+from workers.pipeline.zero_bubble import placement_of, split_stages
 
 H100 = CLUSTERS["h100-ib"]
 # a model whose head and embedding are negligible next to a layer (vocab 64), so equal stages are equal in time
@@ -78,6 +81,28 @@ def test_a_long_pipeline_is_its_simulation_extended_along_the_steady_state(sched
         for message in (0.0, 0.3):
             full = simulate(all_stages(schedule, p, m, v if schedule == "interleaved" else 1), f, b, message)
             assert pipeline_makespan(schedule, p, m, v, f, b, message) == pytest.approx(full["makespan"], rel=1e-3)
+
+
+@pytest.mark.parametrize("schedule, p, m", [("zb-h1", 4, 8), ("zb-h2", 4, 8), ("zb-v", 4, 8), ("dualpipev", 4, 8),
+                                            ("zb-v", 2, 5)])
+def test_zero_bubble_schedules_are_priced_from_the_tables_the_ranks_execute(schedule, p, m):
+    # One source of truth: the planner's bubble is chapter 13's own split-backward table replayed with the step's
+    # per-stage times and W = Practice.w_share of each backward; ZB-V and DualPipeV place chunks in a V (rank 0
+    # holds the first and the last virtual stage, the embedding and the head).
+    v = 2 if schedule in ("zb-v", "dualpipev") else 1
+    lay, st = _timed(NARROW_VOCAB, Layout(pp=p, dp=1, micro_batches=m, virtual_stages=v, schedule=schedule), p)
+    _, one_f = _timed(NARROW_VOCAB, Layout(pp=p, dp=1, micro_batches=m, schedule="1f1b"), p)
+    f = [1.0 + 0.1 * vs for vs in range(p * v)]  # unequal stages: each virtual stage its own times
+    b = [2 * x for x in f]
+    table = split_stages(schedule, p, m)
+    replay = simulate_split(table, f, [x / 2 for x in b], [x / 2 for x in b], placement=placement_of(schedule))
+    assert pipeline_makespan(schedule, p, m, v, f, b, 0.0) == replay["makespan"]
+    assert st.terms["bubble"] < one_f.terms["bubble"] / 2  # W fills most of 1F1B's bubble (T_F = T_B = T_W here)
+    busy = max(st.stage_busy)
+    if schedule == "zb-h1":  # Qi et al. 2023, sec 2: (p-1)(T_F + T_B - T_W) with T_B = T_W: (p-1) T_F per step
+        assert st.terms["bubble"] == pytest.approx((p - 1) * busy / m / 3, rel=0.02)
+    assert held_stages(schedule, 0, p, v) == ([0, 2 * p - 1] if v == 2 else [0])
+    assert held_stages("interleaved", 1, 4, 2) == [1, 5]
 
 
 def test_uneven_stages_follow_llama_3_and_are_priced():

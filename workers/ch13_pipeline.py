@@ -16,8 +16,8 @@ activations, p2p counts, losses (last stage), gradients of the last step and wei
 under the whole model's parameter names (``workers/pipeline/reference.py`` is the single-process ground truth).
 
 The zero-bubble schedules (``workers/pipeline/zero_bubble.py``) split each backward into B (the input gradient) and
-W (the weight gradient), computed by hand (``split_backward.py``); ``backward_ms`` pads B and W to half of it each,
-so the chapter's 20 / 40 ms give the paper's T_F = T_B = T_W. ZB-V and DualPipeV hold two chunks per rank in a V
+W (the weight gradient), computed by hand (``split_backward.py``); ``backward_ms`` pads B to (1 - ``w_share``) of it
+and W to ``w_share`` of it, so the chapter's 20 / 40 ms at the default 0.5 give the paper's T_F = T_B = T_W. ZB-V and DualPipeV hold two chunks per rank in a V
 (``virtual_stages=2``): rank s holds virtual stages s and 2p-1-s, so rank p-1 hands its chunk 0's output to its
 chunk 1 without a message, and the loss, the last virtual stage, is on rank 0: its losses come back from stage 0
 (``loss_stage``). ``dtype="float64"`` runs every stage in double precision, for comparisons to 1e-12.
@@ -31,9 +31,9 @@ from workers.layout.rules import Layout, equal_stages_problem, problem
 from workers.pipeline.executor import run_schedule, run_split_schedule
 from workers.pipeline.model import PipelineConfig, global_names, make_batch, micro_batches as split, stage_module
 from workers.pipeline.p2p import P2P
-from workers.pipeline.schedules import SCHEDULES, peak_stash, schedule as make_schedule
+from workers.pipeline.schedules import peak_stash, schedule as make_schedule
 from workers.pipeline.validity import peak_stashes
-from workers.pipeline.zero_bubble import (SPLIT_SCHEDULES, chunks_of, placed_stage, placement_of, rank_of,
+from workers.pipeline.zero_bubble import (SPLIT_SCHEDULES, placed_stage, placement_of, rank_of,
                                           split_stages)
 from workers.runtime import at_least, entrypoint, one_of, refusal
 
@@ -46,35 +46,13 @@ def layout_of(world_size: int, pp: int = 0, virtual_stages: int = 1, micro_batch
     return Layout(pp=pp or world_size, virtual_stages=virtual_stages, micro_batches=micro_batches, schedule=schedule)
 
 
-def split_problem(world_size, schedule, micro_batches, pp, virtual_stages, layers) -> str | None:
-    """What a zero-bubble schedule adds to the layout's rules: its chunks per rank, equal chunks, DualPipeV's m."""
-    p, v = pp or world_size, chunks_of(schedule)
-    if virtual_stages != v:
-        return (f"schedule={schedule!r} holds two chunks per rank in a V: set virtual_stages=2, not {virtual_stages}"
-                if v == 2 else f"schedule={schedule!r} holds one chunk per rank, not virtual_stages={virtual_stages}: "
-                "for two per rank choose 'zb-v' or 'dualpipev'")
-    layers_clause = None
-    if isinstance(layers, int) and layers >= 1 and isinstance(p, int) and p >= 1 and layers % (p * v):
-        what = f"pp={p}" if v == 1 else f"pp x 2 chunks = {2 * p}"
-        layers_clause = (f"{what} is more than layers={layers}" if p * v > layers
-                         else f"{what} does not divide layers={layers} into equal {'stages' if v == 1 else 'chunks'}")
-    short = (f"micro_batches={micro_batches} is fewer than the 2 x pp = {2 * p} virtual stages DualPipeV fills: "
-             f"choose micro_batches >= {2 * p}"
-             if schedule == "dualpipev" and isinstance(micro_batches, int) and 1 <= micro_batches < 2 * p else None)
-    return refusal(layers_clause, short)
-
-
 def check_params(world_size, schedule="1f1b", micro_batches=8, pp=0, virtual_stages=1, layers=8, hidden=16,
-                 micro_batch_size=4, forward_ms=0.0, backward_ms=0.0, steps=1, lr=0.1, dtype="float32", **_):
-    # The layout's rules (the one rule set: degrees against the world, the schedule, micro-batches, layers per
-    # chunk), then what this chapter adds: equal stages, the zero-bubble schedules, and its own parameters.
-    zero_bubble = schedule in SPLIT_SCHEDULES
+                 micro_batch_size=4, forward_ms=0.0, backward_ms=0.0, w_share=0.5, steps=1, lr=0.1, dtype="float32",
+                 **_):
+    # The layout's rules (the one rule set: degrees against the world, the schedule and its chunks per rank,
+    # micro-batches, layers per chunk), then what this chapter adds: equal stages, and its own parameters.
     if pp < 0:
         degrees = f"pp={pp} must be at least 0 (0: the whole world)"
-    elif zero_bubble:  # the layout knows 1F1B's degrees; the split schedule's own rules follow
-        layout = layout_of(world_size, pp, 1, micro_batches, "1f1b")
-        degrees = refusal(problem(layout, world_size), split_problem(world_size, schedule, micro_batches, pp,
-                                                                    virtual_stages, layers))
     else:
         layout = layout_of(world_size, pp, virtual_stages, micro_batches, schedule)
         # the rule set names layers itself when chunks cannot be equal or outnumber them; equal stages otherwise
@@ -82,14 +60,14 @@ def check_params(world_size, schedule="1f1b", micro_batches=8, pp=0, virtual_sta
                  if 1 <= layout.pp * max(virtual_stages, 1) <= layers and virtual_stages >= 1 else None)
         plain = ("virtual_stages=1 would make it plain 1F1B: choose schedule='1f1b', or virtual_stages=2 or more"
                  if schedule == "interleaved" and virtual_stages == 1 else None)
-        others = (None if schedule in SCHEDULES else "chapter 13 also runs the split-backward schedules "
-                  + ", ".join(repr(n) for n in SPLIT_SCHEDULES[:-1]) + f" and {SPLIT_SCHEDULES[-1]!r}")
         degrees = refusal(problem(layout, world_size, PipelineConfig(layers=layers) if layers >= 1 else None),
-                          plain, equal, others)
+                          plain, equal)
     return refusal(degrees, one_of("dtype", dtype, DTYPES), at_least("layers", layers), at_least("hidden", hidden),
                    at_least("micro_batch_size", micro_batch_size),
                    None if 0 <= forward_ms <= 200 and 0 <= backward_ms <= 400 else
                    f"forward_ms={forward_ms} and backward_ms={backward_ms} must be between 0 and 200 / 400 ms",
+                   None if isinstance(w_share, (int, float)) and 0 <= w_share <= 1 else
+                   f"w_share={w_share!r} must be between 0 and 1 (the weight gradient's share of a backward)",
                    at_least("steps", steps), None if lr > 0 else f"lr={lr} must be positive")
 
 
@@ -107,7 +85,7 @@ def links_of(pipeline: list[int], stage: int, p: int, v: int, placement: str) ->
 
 def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtual_stages: int = 1, layers: int = 8,
          hidden: int = 16, micro_batch_size: int = 4, forward_ms: float = 0.0, backward_ms: float = 0.0, steps: int = 1,
-         lr: float = 0.1, seed: int = 0, dtype: str = "float32"):
+         lr: float = 0.1, seed: int = 0, dtype: str = "float32", w_share: float = 0.5):
     """``steps`` SGD steps of the pipelined MLP with ``schedule`` over ``micro_batches`` micro-batches."""
     layout = layout_of(ctx.world_size, pp, virtual_stages, micro_batches, schedule)
     p, v = layout.pp, layout.virtual_stages
@@ -139,10 +117,11 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
         p2p = [P2P(prev_rank=prev, next_rank=nxt, shape=(micro_batch_size, hidden), device=ctx.device,
                    comm_device=ctx.comm_device("send"), dtype=torch_dtype) for prev, nxt in links]
         opt.zero_grad(set_to_none=True)
-        if zero_bubble:  # B and W each padded to half of backward_ms
+        if zero_bubble:  # B padded to (1 - w_share) of backward_ms, W to w_share of it
             ran = run_split_schedule(table, modules, p2p, stage=stage, num_stages=p, placement=placement,
                                      inputs=split(cfg, x), targets=split(cfg, y), forward_s=forward_ms / 1e3,
-                                     backward_s=backward_ms / 2e3, weight_s=backward_ms / 2e3)
+                                     backward_s=backward_ms * (1 - w_share) / 1e3,
+                                     weight_s=backward_ms * w_share / 1e3)
         else:
             ran = run_schedule(actions, modules, p2p[0], stage=stage, num_stages=p, inputs=split(cfg, x),
                                targets=split(cfg, y), forward_s=forward_ms / 1e3, backward_s=backward_ms / 1e3)
@@ -164,7 +143,7 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
             "sent_bytes": ran["sent_bytes"], "messages": ran["messages"], "actions": [list(a) for a in actions],
             "stage": stage, "pp": p, "pipeline": ctx.rank // p, "schedule": schedule, "placement": placement,
             "loss_stage": loss_stage, "dtype": dtype,
-            "config": cfg.as_dict(), "forward_ms": forward_ms, "backward_ms": backward_ms}
+            "config": cfg.as_dict(), "forward_ms": forward_ms, "backward_ms": backward_ms, "w_share": w_share}
 
 
 if __name__ == "__main__":

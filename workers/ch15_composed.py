@@ -25,6 +25,7 @@ from workers.composed.model import model_config
 from workers.composed.faults import fault_problem, inject
 from workers.composed.train import ComposedTrainer, layout_problem, record
 from workers.layout import DIMS, Layout
+from workers.pipeline.zero_bubble import SPLIT_SCHEDULES
 from workers.runtime import at_least, entrypoint, one_of, refusal
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -43,7 +44,11 @@ def check_params(world_size, dp=0, tp=1, pp=1, cp=1, zero=0, sequence_parallel=F
                   f"forward_ms={forward_ms} and backward_ms={backward_ms} must be between 0 and 200 / 400 ms",
                   at_least("steps", steps), at_least("global_batch", global_batch),
                   None if lr > 0 else f"lr={lr} must be positive", one_of("dtype", dtype, DTYPES),
-                  None if dp >= 0 else f"dp={dp} must be >= 0 (0 takes what the other degrees leave)")
+                  None if dp >= 0 else f"dp={dp} must be >= 0 (0 takes what the other degrees leave)",
+                  # the layout knows the split-backward schedules too; this trainer's stages run whole backwards
+                  None if schedule not in SPLIT_SCHEDULES else
+                  f"schedule={schedule!r} splits the backward, which chapter 13's pipeline runs: here choose "
+                  "'gpipe', '1f1b' or 'interleaved'")
     cfg = model_config(vocab, seq, hidden, heads, layers, dropout)
     layout = _layout(dp, tp, pp, cp, zero, sequence_parallel, micro_batches, schedule, virtual_stages, split)
     return (run or cfg.problem() or layout_problem(layout, world_size, cfg, global_batch)

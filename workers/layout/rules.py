@@ -11,7 +11,9 @@ A layout names every way a step is split, for the runnable chapters and the plan
     micro_batches          m, per data-parallel rank and optimizer step (gradient accumulation; the pipeline's m);
                            None: 1, or 4p when pipelining (GPipe's rule of thumb), unless a global batch sets it
     virtual_stages         v, model chunks per pipeline rank (interleaved 1F1B, Narayanan et al. 2021, sec 2.2)
-    schedule               the pipeline schedule: "gpipe", "1f1b" or "interleaved" (1F1B with v > 1)
+    schedule               the pipeline schedule: "gpipe", "1f1b" or "interleaved" (1F1B with v > 1), or one that
+                           splits the backward (chapter 13, ``workers/pipeline/zero_bubble.py``): "zb-h1", "zb-h2",
+                           and "zb-v" or "dualpipev" (two chunks per rank in a V: virtual_stages 2)
     split                  which tokens each context-parallel rank holds ("zigzag" balances causal work)
     micro_batch, seq       the step's shape for the planner: sequences per micro-batch, tokens per sequence
                            (None: the model's own ``seq``)
@@ -36,7 +38,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
-from workers.pipeline.schedules import SCHEDULES
+from workers.pipeline.schedules import SCHEDULES as LOOP_SCHEDULES
+from workers.pipeline.zero_bubble import SPLIT_SCHEDULES, V_SCHEDULES
+
+SCHEDULES = LOOP_SCHEDULES + SPLIT_SCHEDULES  # every pipeline schedule the course builds as a table
 
 DEGREES = ("dp", "tp", "pp", "cp")  # the order a layout's name is written in, "DPxTPxPPxCP"
 ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020, sec 5
@@ -159,9 +164,18 @@ def problem(layout: Layout, world: int, model=None, *, global_batch: int | None 
         if v < 2 or pp < 2:
             reasons.append(f"the interleaved schedule needs pp >= 2 and virtual_stages >= 2, not pp={pp}, "
                            f"virtual_stages={v}")
+    elif lay.schedule in V_SCHEDULES:
+        if v != 2:
+            reasons.append(f"schedule={lay.schedule!r} holds two chunks per rank in a V: set virtual_stages=2, not {v}")
     elif v != 1:
-        reasons.append(f"virtual_stages={v} needs schedule='interleaved'")
+        reasons.append(f"schedule={lay.schedule!r} holds one chunk per rank, not virtual_stages={v}: for more choose "
+                       "'interleaved', for two in a V 'zb-v' or 'dualpipev'" if lay.schedule in SPLIT_SCHEDULES
+                       else f"virtual_stages={v} needs schedule='interleaved'")
     m = lay.micro_batches
+    if lay.schedule == "dualpipev" and m is not None and m < 2 * pp:
+        # DualPipeV's eight phases fill the 2p virtual stages from both ends at once (deepseek-ai/DualPipe asserts it)
+        reasons.append(f"micro_batches={m} is fewer than the 2 x pp = {2 * pp} virtual stages DualPipeV fills: "
+                       f"choose micro_batches >= {2 * pp}")
     if lay.schedule == "interleaved" and m is not None and m % pp:
         reasons.append(f"micro_batches={m} is not a multiple of pp={pp} (the interleaved schedule sends micro-batches "
                        f"round in groups of pp): choose a multiple of {pp}")

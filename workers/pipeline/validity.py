@@ -193,8 +193,15 @@ def simulate_split(schedules, forward_time: float = 1.0, backward_time: float = 
     chunks = 1 + max(split_action(a)[2] for row in schedules for a in row)
     split = any(a[0] == "W" for row in schedules for a in row)
     last = _stages(p, chunks, placement) - 1
-    took = {"F": forward_time / chunks, "W": weight_time / chunks,
-            "B": (backward_time if split else backward_time + weight_time) / chunks}
+    def took(kind: str, vs: int) -> float:
+        """An action's time: a list gives each virtual stage its own (the planner's uneven stages), a number is the
+        rank's whole share, a chunk's action 1/v of it; a B without W actions in the table is the whole backward."""
+        def at(t):
+            return t[vs] if isinstance(t, (list, tuple)) else t / chunks
+        if kind == "F":
+            return at(forward_time)
+        return at(weight_time) if kind == "W" else at(backward_time) + (0.0 if split else at(weight_time))
+
     units = []  # per rank: lists of action indices that start together
     for r, row in enumerate(schedules):
         ranges = {first: last_ for first, last_ in (calls[r] if calls else [])}
@@ -228,14 +235,14 @@ def simulate_split(schedules, forward_time: float = 1.0, backward_time: float = 
                     ready = max(ready, done[dep] + (message_time if crosses else 0.0))
                 if ready is None:
                     break
-                own = sum(took[kind] for kind, _, _ in acts)
+                own = sum(took(kind, placed_stage(r, c, p, placement)) for kind, _, c in acts)
                 overlapping = {"F", "B"} <= {kind for kind, _, _ in acts}
                 scale = overlap_time / chunks / own if overlap_time is not None and overlapping else 1.0
                 start = ready
                 for kind, i, c in acts:  # an overlapped unit's boxes side by side, scaled to its time
-                    timeline[r].append({"kind": kind, "micro": i, "chunk": c, "start": start,
-                                        "end": start + took[kind] * scale})
-                    start += took[kind] * scale
+                    took_s = took(kind, placed_stage(r, c, p, placement)) * scale
+                    timeline[r].append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": start + took_s})
+                    start += took_s
                 for kind, i, c in acts:  # its results leave together, when the whole call is done (then its sends)
                     done[(kind, placed_stage(r, c, p, placement), i)] = clock[r] = start
                 pos[r] += 1
