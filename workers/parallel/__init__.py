@@ -3,7 +3,9 @@
 ``mappings``: the collectives inside autograd (``f``/``g`` and their relatives), each a
 ``torch.autograd.Function`` plus a one-line public function. ``reference``: the single-process ground
 truth they are tested against. The layers built on them (chapters 04-06): ``ColumnParallelLinear``,
-``RowParallelLinear``, ``ParallelMLP``, ``ParallelAttention``, ``ParallelBlock``, each with ``from_dense``. And
+``RowParallelLinear``, ``ParallelMLP``, ``ParallelAttention``, ``ParallelBlock``, each with ``from_dense``; the model's
+two ends split by vocabulary (``vocab.py``): ``VocabParallelEmbedding``, ``parallel_lm_logits`` (the tied head) and
+``vocab_parallel_cross_entropy`` (the loss from logits never gathered). And
 ``RankGrid`` (``grid.py``), the one layout of the world every chapter's process groups are sliced from.
 """
 from workers.parallel.mappings import (CONJUGATE, MAPPINGS, all_to_all, copy_to_tensor_model_parallel_region,
@@ -18,8 +20,11 @@ from workers.parallel.layers import ColumnParallelLinear, RowParallelLinear  # n
 from workers.parallel.mlp import ParallelMLP  # noqa: E402
 from workers.parallel.attention import ParallelAttention  # noqa: E402
 from workers.parallel.block import ParallelBlock  # noqa: E402
+from workers.parallel.vocab import (VocabParallelEmbedding, parallel_lm_logits,  # noqa: E402
+                                    vocab_parallel_cross_entropy)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention", "ParallelBlock", "RankGrid",
+           "VocabParallelEmbedding", "parallel_lm_logits", "vocab_parallel_cross_entropy",
            "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
            "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
            "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
