@@ -13,9 +13,11 @@ import torch
 from course_utils import timelines
 from course_utils.ledger import pipeline_bubble_fraction
 from course_utils.plots import CPU_NOTE, log2_axis
+from course_utils.tables import Table
 from workers.pipeline.model import FP32_TOL, PipelineConfig
-from workers.pipeline.reference import reference_step
+from workers.pipeline.reference import reference_step_in
 from workers.pipeline.schedules import ideal_bubble
+from workers.pipeline.validity import peak_stashes, simulate_split
 
 HATCHES = ("", "//", "xx", "..", "\\\\", "++")  # model chunk 0, 1, 2, ... of a rank (interleaved schedule)
 
@@ -34,15 +36,22 @@ def merged(res, key: str, pipeline: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+F64_TOL = {"atol": 1e-12, "rtol": 1e-12}  # float64 pipeline vs one process: only the order of the additions differs
+
+
 def compare_to_reference(res, steps: int = 1, lr: float = 0.1) -> dict:
     """Every parameter's gradient (last step) and weight (after ``steps`` SGD steps), and every step's loss,
-    against the single-process reference on the same global batch; every pipeline copy checked."""
+    against the single-process reference on the same global batch, in the run's dtype (float32 within 1e-6,
+    float64 within 1e-12); every pipeline copy checked. The losses come from the rank holding the last virtual
+    stage (the last stage, or stage 0 when the chunks sit in a V)."""
     first = res[0]
     cfg = PipelineConfig(**first["config"])
-    ref = reference_step(cfg, steps=steps, lr=lr)
+    dtype = first.get("dtype", "float32")
+    ref = reference_step_in(cfg, getattr(torch, dtype), steps=steps, lr=lr)
+    tol = F64_TOL if dtype == "float64" else FP32_TOL
     n_pipes = len(res.ranks) // first["pp"]
     report = {"grad_max_abs": 0.0, "weight_max_abs": 0.0, "loss_max_abs": 0.0, "within_tol": True,
-              "parameters": len(ref["grads"])}
+              "parameters": len(ref["grads"]), "dtype": dtype, "tolerance": tol["atol"]}
     for pipe in range(n_pipes):
         for key, what in (("grads", "grad_max_abs"), ("weights", "weight_max_abs")):
             got = merged(res, key, pipe)
@@ -51,10 +60,11 @@ def compare_to_reference(res, steps: int = 1, lr: float = 0.1) -> dict:
                 continue
             for name, want in ref[key].items():
                 report[what] = max(report[what], (got[name] - want).abs().max().item())
-                report["within_tol"] &= torch.allclose(got[name].double(), want.double(), **FP32_TOL)
-        losses = pipeline_ranks(res, pipe)[-1]["losses"]
+                report["within_tol"] &= torch.allclose(got[name].double(), want.double(), **tol)
+        rows = pipeline_ranks(res, pipe)
+        losses = rows[first.get("loss_stage", len(rows) - 1)]["losses"]
         report["loss_max_abs"] = max(report["loss_max_abs"], float(np.max(np.abs(np.subtract(losses, ref["losses"])))))
-    report["within_tol"] &= report["loss_max_abs"] < FP32_TOL["atol"]
+    report["within_tol"] &= report["loss_max_abs"] < tol["atol"]
     report["reference_losses"] = ref["losses"]
     return report
 
@@ -106,7 +116,8 @@ def fit_message_time(runs: list, grid_ms=np.arange(0.0, 10.0001, 0.05)) -> dict:
 
 def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
     """One row per stage; F boxes (light) and B boxes (dark) coloured by micro-batch, hatched by model chunk
-    (interleaved schedule); white is idle."""
+    (interleaved schedule, and chunk 1 of a V); a schedule that splits the backward draws its W boxes (the weight
+    gradient) half as tall; white is idle."""
     rows = pipeline_ranks(res, pipeline)
     m, v = rows[0]["config"]["micro_batches"], rows[0].get("virtual_stages", 1)
     cmap = plt.get_cmap("tab10" if m <= 10 else "tab20")
@@ -120,13 +131,16 @@ def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
             colour = cmap(e["micro"] % cmap.N)
             light = e["kind"] == "F"
             hatch = HATCHES[e.get("chunk", 0) % len(HATCHES)]
-            bars = ax.barh(y, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, height=0.8, color=colour,
-                           alpha=0.45 if light else 1.0, edgecolor="k", lw=0.4, hatch=hatch)
+            weight = e["kind"] == "W"  # a weight gradient: nobody waits for it, so a schedule moves it into gaps
+            bars = ax.barh(y + (0.2 if weight else 0.0), (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3,
+                           height=0.4 if weight else 0.8, color=colour, alpha=0.45 if light else 1.0,
+                           edgecolor="k", lw=0.4, hatch=hatch)
             if hatch:  # thin grey hatching: it marks the chunk without drowning the box's label
                 for bar in bars:
                     bar.set_hatchcolor("0.3"), bar.set_hatch_linewidth(0.6)
             if (e["end"] - e["start"]) > 0.025 * span:  # label only boxes wide enough to hold it
-                ax.text((e["start"] + e["end"]) / 2 * 1e3, y, f"{e['kind']}{e['micro']}", ha="center", va="center",
+                ax.text((e["start"] + e["end"]) / 2 * 1e3, y + (0.2 if weight else 0.0), f"{e['kind']}{e['micro']}",
+                        ha="center", va="center",
                         fontsize=7, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 0.8}
                         if hatch else None)
     ax.set_yticks([d["stage"] for d in rows], [f"stage {d['stage']}\n(rank {i + pipeline * len(rows)})"
@@ -135,10 +149,82 @@ def gantt_figure(res, title: str = "", pipeline: int = 0, ax=None):
     ax.set_xlabel(f"time since the barrier (ms); {CPU_NOTE}")
     idle = idle_fractions(res, pipeline)
     chunks = f", v={v} (chunk 1+ hatched)" if v > 1 else ""
+    split = any(e["kind"] == "W" for d in rows for e in d["timeline"])
+    ideal = (f"free messages {replayed(res, pipeline)['step_idle']:.0%}" if split
+             else f"formula {formula_bubble(res, pipeline):.0%}")
     ax.set_title(title or f"{rows[0]['schedule']}, p={len(rows)}, m={m}{chunks}: measured idle {np.mean(idle):.0%} "
-                          f"(formula {formula_bubble(res, pipeline):.0%}); F light, B dark, white = idle", fontsize=9)
+                          f"({ideal}); F light, B dark{', W half height' if split else ''}, white = idle",
+                 fontsize=9)
     ax.grid(axis="y", visible=False)
     return fig if fig is not None else ax.figure
+
+
+def padded_times(row: dict) -> tuple[float, float, float]:
+    """A run's padded F, B and W times per micro-batch through a rank's share (ms): without a split backward B is
+    the whole of it and W is 0 (``workers/ch13_pipeline.py``: B is padded to (1 - w_share), W to w_share of it)."""
+    split = any(a[0] == "W" for a in row["actions"])
+    w = row.get("w_share", 0.5) if split else 0.0
+    return row["forward_ms"], row["backward_ms"] * (1 - w), row["backward_ms"] * w
+
+
+def replayed(res, pipeline: int = 0, message_ms: float = 0.0) -> dict:
+    """The ranks' own action tables replayed in ideal time at their padded F, B and W times, ``message_ms`` per
+    message (``validity.simulate_split``): ``step_idle``, idle / total over the step as the Gantt chart measures it
+    (every rank waits for the last before the optimizer step), and ``span_idle``, each rank's idle between its own
+    first and last action over the step, the bubble the zero-bubble paper counts (a rank that starts the next step
+    as soon as it is free)."""
+    rows = pipeline_ranks(res, pipeline)
+    table = [[tuple(a) for a in d["actions"]] for d in rows]
+    f, b, w = padded_times(rows[0])
+    sim = simulate_split(table, f, b, w, message_time=message_ms, placement=rows[0].get("placement", "loop"))
+    busy = [sum(e["end"] - e["start"] for e in line) for line in sim["timeline"]]
+    return {"step_idle": float(np.mean([1 - x / sim["makespan"] for x in busy])),
+            "span_idle": max(sim["span_idle"]) / sim["makespan"], "makespan_ms": sim["makespan"]}
+
+
+def zero_bubble_table(runs: dict) -> Table:
+    """``runs[name]`` = a timed run of each schedule: the measured idle share against the replay with free messages,
+    the paper's own-span count, the step, and what each rank holds (activations from F to B, and from B to W)."""
+    out = []
+    for name, res in runs.items():
+        rows = pipeline_ranks(res)
+        ideal = replayed(res)
+        step = np.median([max(d["step_s"][-1] for d in rows)]) * 1e3
+        out.append([name, f"{measured_bubble(res):.3f}", f"{ideal['step_idle']:.3f}", f"{ideal['span_idle']:.3f}",
+                    f"{step:.0f}", " ".join(str(d["peak_stash"]) for d in rows),
+                    " ".join(str(d.get("peak_weight_stash", 0)) for d in rows)])
+    return Table(["schedule", "idle/total measured", "free messages", "paper's count", "step ms",
+                  "F->B held per stage", "B->W held per stage"], out,
+                 caption=f"timed runs at T_F = T_B = T_W (padded); {CPU_NOTE}; held: micro-batch chunks (a V's chunk is half a stage)")
+
+
+def zero_bubble_figure(runs: dict):
+    """Per schedule: idle / total measured on the ranks against the same tables replayed with free messages, and
+    the most micro-batch-chunks each stage holds between F and its W."""
+    names = list(runs)
+    measured = [measured_bubble(runs[n]) for n in names]
+    ideal = [replayed(runs[n])["step_idle"] for n in names]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, measured, 0.4, label="measured on the ranks", color="C0")
+    ax.bar(x + 0.2, ideal, 0.4, label="the same tables, free messages", color="C1")
+    ax.set_xticks(x, names)
+    ax.set_ylabel("idle / total of the step")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_ylim(0, max(measured + ideal) * 1.35)
+    ax.set_title(f"Bubble by schedule ({CPU_NOTE})", fontsize=9)
+    for j, n in enumerate(names):
+        # from each rank's own list: micro-batches whose F ran and whose backward (B and W) is not done, at most;
+        # a chunk is 1/v of the rank's layers, so v of them are one micro-batch's worth
+        held = [peak_stashes(d["actions"])["held"] / d.get("virtual_stages", 1) for d in pipeline_ranks(runs[n])]
+        bx.plot(range(len(held)), held, "o-", label=n)
+    bx.set_xlabel("stage")
+    bx.set_xticks(range(len(held)))
+    bx.set_ylabel("micro-batches' worth held, at most")
+    bx.set_title("Memory: what each stage holds at most", fontsize=9)
+    bx.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
 
 
 def bubble_figure(sweep: dict, p: int):

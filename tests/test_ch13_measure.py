@@ -84,3 +84,39 @@ def test_fit_message_time_recovers_the_latency_of_a_replayed_timeline():
     assert fit["message_ms"] == pytest.approx(0.3)
     assert fit["simulated"] == pytest.approx(fit["measured"])
     assert all(f < got for f, got in zip(fit["formula"], fit["measured"]))
+
+
+def fake_split_result(name: str, p: int, m: int, forward_ms=20.0, backward_ms=40.0, w_share=0.5):
+    """A zero-bubble run as the ranks report it, its timeline the table replayed in ideal time (ms -> s)."""
+    from workers.pipeline.validity import simulate_split
+    from workers.pipeline.zero_bubble import placement_of, split_stages
+
+    table, placement = split_stages(name, p, m), placement_of(name)
+    sim = simulate_split(table, forward_ms, backward_ms * (1 - w_share), backward_ms * w_share, placement=placement)
+    v = 2 if placement == "v" else 1
+    ranks = [{"pipeline": 0, "stage": s, "schedule": name, "config": PipelineConfig(micro_batches=m).as_dict(),
+              "virtual_stages": v, "placement": placement, "actions": [list(a) for a in table[s]],
+              "forward_ms": forward_ms, "backward_ms": backward_ms, "w_share": w_share, "peak_stash": 0,
+              "timeline": [{**e, "start": e["start"] / 1e3, "end": e["end"] / 1e3} for e in sim["timeline"][s]]}
+             for s in range(p)]
+    return SimpleNamespace(ranks=ranks)
+
+
+@pytest.mark.parametrize("name, p, m, step_idle", [("zb-h1", 4, 8, 3 / 27), ("zb-h2", 4, 8, 3 / 27),
+                                                   ("zb-v", 4, 8, 1 - 24 / 25.5), ("zb-h1", 2, 4, 1 / 13)])
+def test_a_zero_bubble_timeline_reads_as_its_replay(name, p, m, step_idle):
+    # the measured idle share of an ideal timeline is the replay's; both are the sync-at-the-end count, (p-1)/(3m+p-1)
+    # for ZB-H1 and ZB-H2 at T_F = T_B = T_W (Qi et al. 2023 count the span inside each stage: 0 for ZB-H2 and ZB-V)
+    res = fake_split_result(name, p, m)
+    assert ch13.measured_bubble(res) == pytest.approx(step_idle)
+    assert ch13.replayed(res)["step_idle"] == pytest.approx(step_idle)
+    assert ch13.replayed(res)["span_idle"] == pytest.approx(0.0 if name in ("zb-h2", "zb-v") else step_idle)
+    assert ch13.padded_times(res.ranks[0]) == (20.0, 20.0, 20.0)
+
+
+def test_a_zero_bubble_gantt_draws_w_half_height_and_the_replay_in_its_title():
+    fig = ch13.gantt_figure(fake_split_result("zb-h1", 4, 8))
+    ax = fig.axes[0]
+    heights = sorted({round(b.get_height(), 2) for b in ax.patches})
+    assert heights == [0.4, 0.8] and len(ax.patches) == 4 * 3 * 8  # F, B and W of every micro-batch on every stage
+    assert "W half height" in ax.get_title() and "free messages 11%" in ax.get_title()

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 13 · Pipeline parallelism: GPipe and 1F1B on real send/recv
+# # 13 · Pipeline parallelism: GPipe, 1F1B and zero bubble on real send/recv
 #
 # Tensor parallelism (chapters 04-06) splits every layer across ranks and pays two all-reduces per layer in
 # each direction. **Pipeline parallelism** splits the model the other way: by *depth*. Rank s holds a
@@ -23,11 +23,12 @@
 # but at most p - s micro-batches in flight. **1F1B saves memory, not time.**
 #
 # The **interleaved** schedule (section 2.2.2) shrinks the bubble without more micro-batches: each rank
-# holds v smaller model chunks, and the bubble falls by v, for v times the messages. (Zero-bubble schedules,
-# Qi et al. 2023, [arXiv:2401.10241](https://arxiv.org/abs/2401.10241), fill it another way: by splitting each
-# backward into its input-gradient and weight-gradient halves and moving the latter into the gaps.)
+# holds v smaller model chunks, and the bubble falls by v, for v times the messages. **Zero-bubble** schedules
+# (Qi et al. 2023, [arXiv:2401.10241](https://arxiv.org/abs/2401.10241); DeepSeek-V3's DualPipe) fill it another
+# way: they split each backward into its input-gradient and weight-gradient halves and move the latter into the
+# gaps (section 8).
 #
-# We build all three as data (`workers/pipeline/schedules.py`), run them on 4 real ranks with
+# We build them all as data (`workers/pipeline/schedules.py`, `zero_bubble.py`), run them on 4 real ranks with
 # `isend`/`irecv` (`workers/pipeline/p2p.py`, `executor.py`), prove the pipeline computes the unsplit model's
 # gradients exactly, then measure the bubble, the stash and the saved activation bytes from the ranks' own
 # timelines and autograd's own bookkeeping.
@@ -278,7 +279,168 @@ for low, high in ((1, 2), (2, 4)):
 # Megatron overlaps these messages with compute (it posts the next receive before the current chunk's
 # work) to push that point back; our executor waits on each receive, so it shows the cost in full.
 #
-# ## 8. Exercises
+# ## 8. Zero bubble: the backward in two halves
+#
+# A stage's backward does two different jobs. For a linear layer $y = xW^\top + b$ it computes the **input
+# gradient** $dx = dy\,W$, which the previous stage is waiting for, and the **weight gradient**
+# $dW = dy^\top x$, $db = \sum dy$, which nobody waits for: it is needed only at the optimizer step. Qi et al.
+# 2023 (*Zero Bubble Pipeline Parallelism*, [arXiv:2401.10241](https://arxiv.org/abs/2401.10241)) call them **B**
+# and **W**, send B's result on as soon as it exists, and move the W's into the gaps where a stage would idle.
+# With equal times $T_F = T_B = T_W$ (each is one GEMM per linear layer):
+#
+# * **ZB-H1** keeps 1F1B's order of forwards and input gradients and holds each W back by p - 1 - s steps: stage s
+#   idles $(p-1)(T_F + T_B - T_W)$ instead of 1F1B's $(p-1)(T_F + T_B + T_W)$, a third, with 1F1B's activations;
+# * **ZB-H2** warms up twice as long, so every stage is busy from its first F to its last W: no idle inside a
+#   stage's own span, for about twice the activations;
+# * **ZB-V** cuts the model into 2p chunks and gives rank s chunks s and 2p - 1 - s: down the ranks and back up
+#   in a V, so the last chunk, and the loss, sit on rank 0 next to the first, and rank p - 1 hands chunk p - 1's
+#   output to chunk p in memory. Zero bubble at equal times, with 1F1B's peak activations;
+# * **DualPipeV** (DeepSeek-V3, [arXiv:2412.19437](https://arxiv.org/abs/2412.19437) section 3.2.1, cut into the
+#   V by Sea AI Lab; `deepseek-ai/DualPipe`) runs the same V in eight phases, pairing a forward of one micro-batch
+#   with a backward of another so that on GPUs one's compute hides the other's all-to-all. Here the pair runs one
+#   action after the other; it needs m >= 2p.
+#
+# B and W by hand (`workers/pipeline/split_backward.py`): B computes each layer's $dz$ (through tanh's derivative)
+# and $dx$, and keeps each layer's input $x$ and $dz$ for W, which later forms $dW$ and $db$. Together they are
+# autograd's backward, bit for bit, in float64:
+
+# %%
+import torch
+
+from workers.pipeline import split_backward
+from workers.pipeline.model import make_batch, stage_module
+from workers.pipeline.validity import check_schedule, peak_stashes
+from workers.pipeline.zero_bubble import split_stages
+
+stage = stage_module(CFG, 1, 4).double()  # stage 1 of 4: two Linear + tanh layers
+x = make_batch(CFG)[0][:CFG.micro_batch_size].double().requires_grad_()  # [micro_batch, hidden]
+dy = torch.randn(CFG.micro_batch_size, CFG.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+stage(x).backward(dy)  # autograd's whole backward
+want = [x.grad.clone()] + [q.grad.clone() for q in stage.parameters()]
+stage.zero_grad(set_to_none=True)
+layers = split_backward.stage_layers(stage)
+y, saved = split_backward.forward(layers, x.detach())
+dx, for_w = split_backward.backward_input(layers, saved, dy)  # B: what the previous stage waits for
+grads_after_b = [q.grad for q in stage.parameters()]
+split_backward.backward_weight(layers, for_w)  # W: any time later
+got = [dx] + [q.grad for q in stage.parameters()]
+print("after B alone, the weights' gradients are still", set(map(type, grads_after_b)))
+print("B then W equal to autograd's backward, bit for bit:", all(torch.equal(a, b) for a, b in zip(got, want)))
+print(f"W waits on {len(for_w)} layers' (x, dz): {split_backward.stash_bytes(for_w)} bytes per micro-batch here")
+
+# %% [markdown]
+# What W keeps alive between B and W is the cost: for this stack each layer's input and its $dz$. In a
+# transformer layer that is the inputs of its four or so GEMMs and their output gradients, a fraction of the
+# activations 1F1B already holds (the attention scores, the MLP's wide activation and the norms' statistics are
+# B's business and are freed by it).
+#
+# The schedules as data, with W actions (`workers/pipeline/zero_bubble.py`): ZB-H1 and ZB-V for p = 4, m = 8
+# (`W3` is micro-batch 3's weight gradient; in the V, `F3c1` is micro-batch 3 through the rank's second chunk):
+
+# %%
+for name in ("zb-h1", "zb-v"):
+    print(f"{name}:\n{ch13.schedule_text(split_stages(name, P, M))}\n")
+
+# %% [markdown]
+# A table is only runnable if every W comes after its B, every B after the next stage's B (or the loss), every F
+# after the previous stage's F, and the blocking receives cannot wait on each other in a circle. The executor
+# checks the whole table before it posts a single message (`validity.check_schedule`), so a broken one is refused
+# with the dependency it breaks instead of hanging four ranks. Stage 0 running micro-batch 2's W before its B:
+
+# %%
+broken = [list(row) for row in split_stages("zb-h1", P, M)]
+b2, w2 = broken[0].index(("B", 2)), broken[0].index(("W", 2))
+broken[0][b2], broken[0][w2] = broken[0][w2], broken[0][b2]
+try:
+    check_schedule(broken, M)
+except ValueError as refused:
+    print("refused:", refused)
+
+# %% [markdown]
+# On the ranks, each schedule at p = 2 and 4 computes exactly what one process computes: float64 this time, so the
+# only difference is the order of the additions (three SGD steps, every copy of the pipeline checked):
+
+# %%
+for p in (2, 4):
+    for name, m in (("zb-h1", 5), ("zb-h2", 6), ("zb-v", 4), ("dualpipev", 2 * p)):
+        res = run(schedule=name, pp=p, micro_batches=m, virtual_stages=2 if name in ("zb-v", "dualpipev") else 1,
+                  steps=STEPS, dtype="float64")
+        c = ch13.compare_to_reference(res, steps=STEPS)
+        print(f"{name:>9}, p = {p}, m = {m}: losses, all {c['parameters']} gradients and weights within 1e-12 of one "
+              f"process: {c['within_tol']}")
+
+# %% [markdown]
+# **Predict** the idle share of 1F1B, ZB-H1, ZB-H2, ZB-V and DualPipeV at p = 4, m = 8 with F, B and W each padded
+# to 20 ms (the backward's 40 ms split in two), and what each stage holds at most.
+
+# %%
+ZB = {name: run(schedule=name, micro_batches=M, virtual_stages=2 if name in ("zb-v", "dualpipev") else 1, **TIMED)
+      for name in ("1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev")}
+for name, res in ZB.items():
+    rows = ch13.pipeline_ranks(res)
+    print(f"{name:>9}: the same tables replayed with free messages idle {ch13.replayed(res)['step_idle']:.3f} of the "
+          f"step; each stage holds at most {[peak_stashes(d['actions'])['held'] for d in rows]} chunks "
+          f"between a forward and its last backward action")
+
+# %% tags=["nbval-ignore-output"]
+display(ch13.zero_bubble_table(ZB))
+plots.savefig(ch13.zero_bubble_figure(ZB), "13_zero_bubble")
+plots.savefig(ch13.gantt_figure(ZB["zb-h1"]), "13_gantt_zb_h1")
+plots.savefig(ch13.gantt_figure(ZB["zb-v"]), "13_gantt_zb_v")
+
+# %% [markdown]
+# Two counts of the same bubble. The paper's ("paper's count") is the idle inside each stage's own span: a stage
+# that starts the next step's forwards as soon as it is free pays only that, and there ZB-H2 and ZB-V reach zero.
+# Our step ends in a synchronised optimizer step, as Megatron's does, so every stage also waits for the last one:
+# the start skew of $(p-1)T_F$ stays, and ZB-H1 and ZB-H2 both idle $\frac{p-1}{3m+p-1}$ of the step, ZB-V and
+# DualPipeV about half that. Either way W fills most of 1F1B's $\frac{p-1}{m+p-1}$. The measured bars sit above
+# the replay by what the messages cost, more for the V schedules, which send twice as many.
+#
+# The memory panel is the price list: ZB-H1 holds 1F1B's activations from F to B, but its held-back W's keep
+# their (x, dz) longer, so every stage ends up holding as much as stage 0; ZB-H2 holds about twice that; ZB-V and
+# DualPipeV hold as much on every stage as 1F1B's stage 0, a little more for DualPipeV.
+#
+# **When zero bubble does not pay.** W fills the gaps only if there is W to move: with W a tenth of the backward
+# (a layer whose backward is mostly attention, or a recomputed one), ZB-H1 has little to put in the bubble.
+# Predict, then run it:
+
+# %%
+SMALL_W = {name: run(schedule=name, micro_batches=M, w_share=0.1, **TIMED) for name in ("1f1b", "zb-h1")}
+for name, res in SMALL_W.items():
+    print(f"W = 10% of the backward, {name:>5}: the table replayed with free messages idles "
+          f"{ch13.replayed(res)['step_idle']:.3f} of the step")
+
+# %% tags=["nbval-ignore-output"]
+for name, res in SMALL_W.items():
+    print(f"{name:>5}: measured idle / total {ch13.measured_bubble(res):.3f} on this CPU (gloo)")
+
+# %% [markdown]
+# The other two limits are in the same replay. Few micro-batches: at m = 1 there is no steady state for W to fill
+# (ZB-H1 still saves its W's idle share, 0.67 of the step against 1F1B's 0.75). And messages: every F and B waits
+# for one, and the V schedules send twice as many, so once a message costs a sizeable part of a forward the V's
+# advantage is gone (p = 4, m = 8, idle / total with a message latency in units of $T_F$):
+
+# %%
+from workers.pipeline.validity import simulate_split  # noqa: E402
+
+
+def step_idle(table, latency, placement="loop"):
+    sim = simulate_split(table, 1.0, 1.0, 1.0, message_time=latency, placement=placement)
+    return 1 - sum(sum(e["end"] - e["start"] for e in line) for line in sim["timeline"]) / (P * sim["makespan"])
+
+
+print(f"{'latency':>8} {'1f1b':>6} {'zb-h1':>6} {'zb-v':>6} {'dualpipev':>9}")
+for latency in (0.0, 0.25, 0.5, 1.0):
+    print(f"{latency:>8} {step_idle(all_stages('1f1b', P, M), latency):>6.3f} "
+          f"{step_idle(split_stages('zb-h1', P, M), latency):>6.3f} "
+          f"{step_idle(split_stages('zb-v', P, M), latency, 'v'):>6.3f} "
+          f"{step_idle(split_stages('dualpipev', P, M), latency, 'v'):>9.3f}")
+
+# %% [markdown]
+# Chapter 00's planner prices these schedules from the same tables (`step_time` replays them with each stage's
+# own times and W half of each backward), so the bubble it charges a run on ZB-V is the one these ranks execute.
+#
+# ## 9. Exercises
 #
 # **Exercise 1: the 1F1B schedule.** Return stage `stage`'s action list, `[("F", 0), ("F", 1), ..., ("B", 0), ...]`,
 # for p stages and m micro-batches: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
@@ -308,12 +470,14 @@ def stage_step(stage, comm):
 cu.check("stage_step", stage_step)
 
 # %% [markdown]
-# ## 9. Explore on real ranks
+# ## 10. Explore on real ranks
 #
-# Schedule, micro-batches, stages (`pp`) and chunks per stage (`virtual_stages`): each change reruns the step on
-# the warm ranks and redraws the Gantt chart from their timelines (padded actions as above; fewer stages run as
-# copies; a 16-layer model, so every p x v up to 16 splits). A combination the interleaved schedule cannot run is
-# refused before launching, in the layout's words, with what to change.
+# Schedule, micro-batches, stages (`pp`), chunks per stage (`virtual_stages`, the interleaved schedule's; ZB-V and
+# DualPipeV always hold two in a V) and W's share of the backward (the zero-bubble schedules'): each change reruns
+# the step on the warm ranks and redraws the Gantt chart from their timelines (padded actions as above; fewer stages
+# run as copies; a 16-layer model, so every p x v up to 16 splits). A combination a schedule cannot run (DualPipeV
+# with fewer than 2p micro-batches, the interleaved schedule with m not a multiple of p) is refused before
+# launching, in the layout's words, with what to change.
 
 # %% tags=["nbval-ignore-output"]
 import ipywidgets as W
@@ -325,15 +489,22 @@ def draw_gantt(res, params):
     return ch13.gantt_figure(res)
 
 
-gantt_live = LiveRun(WORKER, {"schedule": W.ToggleButtons(options=["1f1b", "gpipe", "interleaved"], value="1f1b"),
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V, always
+gantt_live = LiveRun(WORKER, {"schedule": W.ToggleButtons(options=["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v",
+                                                                   "dualpipev"], value="1f1b"),
                               "micro_batches": slider("micro-batches m", 8, 1, 16),
                               "pp": W.Dropdown(options=[1, 2, 4], value=4, description="stages pp"),
                               # model chunks per stage: an interleaved schedule's setting (greyed for the others)
                               "virtual_stages": W.Dropdown(options=[2, 4], value=2, description="chunks v",
-                                                           style={"description_width": "initial"})},
+                                                           style={"description_width": "initial"}),
+                              # the weight gradient's share of a backward: what a zero-bubble schedule can move
+                              "w_share": W.FloatSlider(value=0.5, min=0.0, max=0.9, step=0.1, description="W share",
+                                                       style={"description_width": "initial"})},
                      draw_gantt, params={"world_size": WORLD, "layers": 16, **TIMED}, timeout=60,
-                     derive=lambda s: {"virtual_stages": s["virtual_stages"] if s["schedule"] == "interleaved" else 1},
-                     applies={"virtual_stages": lambda s: s["schedule"] == "interleaved"})
+                     derive=lambda s: {"virtual_stages": s["virtual_stages"] if s["schedule"] == "interleaved"
+                                       else 2 if s["schedule"] in V_SHAPED else 1},
+                     applies={"virtual_stages": lambda s: s["schedule"] == "interleaved",
+                              "w_share": lambda s: s["schedule"].startswith("zb") or s["schedule"] == "dualpipev"})
 gantt_live.wait(60)
 gantt_live
 
@@ -349,6 +520,11 @@ gantt_live
 # * 1F1B keeps at most p - s micro-batches' activations on stage s, GPipe m: 1F1B saves memory, not time.
 # * Interleaving v chunks per rank cuts the bubble to $(p-1)/(vm+p-1)$ for v times the messages and a
 #   little more memory; it pays while a message's latency is small against a chunk's compute.
+# * Splitting the backward into B (the input gradient, which the previous stage waits for) and W (the weight
+#   gradient, which nobody waits for) lets a schedule fill the bubble with W: ZB-H1 idles $(p-1)(T_F+T_B-T_W)$ per
+#   stage, a third of 1F1B's, at 1F1B's activations plus W's stash; ZB-H2, ZB-V and DualPipeV reach zero inside a
+#   stage's own span, for more memory (ZB-H2) or twice the messages (the V). It pays while there is W to move,
+#   enough micro-batches, and messages cheap against a forward.
 
 # %% [markdown]
 # ### Before you close this chapter
