@@ -43,6 +43,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from workers.layout.rules import DEFAULT_SEQ, Layout, problem
+from workers.pipeline.validity import peak_stashes
+from workers.pipeline.zero_bubble import SPLIT_SCHEDULES, split_stages
 
 from .hardware import (
     CLUSTERS,
@@ -321,6 +323,12 @@ def plan(
     per_layer = layer_activations(layout.recompute)
     in_flight = min(pp, m)  # 1F1B: the first stage holds p micro-batches (Korthikanti 4.2.3)
     interleave = 1 + (pp - 1) / (pp * v) if v > 1 else 1.0  # Korthikanti 4.2.3
+    if layout.schedule in SPLIT_SCHEDULES and pp > 1:
+        # a zero-bubble schedule's own table (chapter 13's): the most micro-batches' worth a rank holds from a
+        # forward until its W, counting what W waits for (each linear layer's input and output gradient) as a whole
+        # layer's activations: an upper bound
+        table = split_stages(layout.schedule, pp, min(m, 8 * pp))  # past 8p micro-batches the peak no longer grows
+        in_flight, interleave = max(peak_stashes(row)["held"] for row in table) / v, 1.0
     activations = per_layer * layers_per_stage * in_flight * interleave
     if layout.recompute == "full":  # the layer being recomputed holds its full set again
         activations += layer_activations("none")

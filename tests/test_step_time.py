@@ -24,7 +24,7 @@ from course_utils.step_time import (
     step_time,
 )
 from workers.pipeline.schedules import all_stages, simulate
-from workers.pipeline.validity import simulate_split
+from workers.pipeline.validity import peak_stashes, simulate_split
 from workers.pipeline.zero_bubble import placement_of, split_stages
 
 H100 = CLUSTERS["h100-ib"]
@@ -103,6 +103,12 @@ def test_zero_bubble_schedules_are_priced_from_the_tables_the_ranks_execute(sche
         assert st.terms["bubble"] == pytest.approx((p - 1) * busy / m / 3, rel=0.02)
     assert held_stages(schedule, 0, p, v) == ([0, 2 * p - 1] if v == 2 else [0])
     assert held_stages("interleaved", 1, 4, 2) == [1, 5]
+    # memory from the same table: what a rank holds from a forward until its W, in micro-batches' worth
+    mem = plan(NARROW_VOCAB, lay, p, cluster_name=H100, timed=False).memory["activations"]
+    one = plan(NARROW_VOCAB, resolve_layout(NARROW_VOCAB, Layout(pp=p, dp=1, micro_batches=m, schedule="1f1b"), p),
+               p, cluster_name=H100, timed=False).memory["activations"]
+    held = max(peak_stashes(row)["held"] for row in table) / v
+    assert mem == pytest.approx(one * held / min(p, m)) and mem >= one
 
 
 def test_uneven_stages_follow_llama_3_and_are_priced():
