@@ -227,6 +227,26 @@ def zero_bubble_figure(runs: dict):
     return fig
 
 
+# Exercise 4's table: ZB-H1 for p = 4, m = 6, with two actions out of place (the check in course_utils/catalogue)
+FIX_STAGES, FIX_MICRO_BATCHES = 4, 6
+
+
+def broken_schedule() -> list[list[tuple]]:
+    """Exercise 4's table: ZB-H1 for p = 4 stages and m = 6 micro-batches as written by hand, with two actions out of
+    place (the W's after each rank's last B run newest first, which costs nothing)."""
+    from workers.pipeline.zero_bubble import zb_h1_schedule
+
+    table = []
+    for stage in range(FIX_STAGES):
+        row = zb_h1_schedule(FIX_STAGES, FIX_MICRO_BATCHES, stage)
+        last_b = max(n for n, a in enumerate(row) if a[0] == "B")
+        table.append(row[:last_b + 1] + row[last_b + 1:][::-1])
+    for rank, action, before in ((2, ("W", 1), ("B", 1)), (1, ("B", 2), ("F", 3))):
+        table[rank].remove(action)
+        table[rank].insert(table[rank].index(before), action)
+    return table
+
+
 def bubble_figure(sweep: dict, p: int):
     """``sweep[schedule] = [(m, measured idle/total)]``: points on the two formula curves."""
     fig, ax = plt.subplots()

@@ -470,6 +470,63 @@ def stage_step(stage, comm):
 cu.check("stage_step", stage_step)
 
 # %% [markdown]
+# **Exercise 3: B now, W later.** A Linear layer computes $y = x W^T + b$. Its backward has two halves that a
+# zero-bubble schedule runs at different times: **B**, the input gradient $dx = dy\,W$, which the previous stage is
+# waiting for, and **W**, the weight gradients $dW = dy^T x$ and $db$ (the rows of $dy$ summed), which nobody waits
+# for. Given `x` `[n, in]`, `weight` `[out, in]` and `dy` `[n, out]`, return `(dx, w)`: `dx` computed now, and `w`,
+# a function of no arguments that computes and returns `(dW, db)` when the schedule calls it, later. B computes
+# nothing for W: it only keeps what W will need. The check compares with autograd in float64 at five shapes (one
+# with n = 1, some with in != out), watches which tensors your B computes, runs the next micro-batch's B before this
+# one's W (as ZB-H1 does), and checks that the caller's tensors are left as they were.
+
+# %% tags=["exercise"]
+def split_linear_backward(x, weight, dy):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("split_linear_backward", split_linear_backward)
+
+# %% [markdown]
+# **Exercise 4: repair a schedule.** `broken` is a ZB-H1 table for p = 4 stages and m = 6 micro-batches, written by
+# hand: per rank a list of `("F", i)`, `("B", i)` and `("W", i)`. Two of its actions are out of place, and the table
+# cannot run. `check_schedule(table, 6)` (`workers/pipeline/validity.py`) raises a `ValueError` that names the first
+# dependency a table breaks; start with `return broken`, and the check tells you the same. Return the repaired table:
+# move the two actions that break a dependency, and nothing else, so that every action runs exactly once, no rank
+# waits for ever, and the bubble is no worse than ZB-H1's (`simulate_split(table)` at $t_F = t_B = t_W = 1$, the
+# largest `span_idle`). Where a moved action lands matters: some places that satisfy every dependency still make a
+# rank wait.
+
+# %%
+broken = ch13.broken_schedule()
+print(ch13.schedule_text(broken))
+
+# %% tags=["exercise"]
+def fix_schedule(broken):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("fix_schedule", fix_schedule)
+
+# %% [markdown]
+# **Exercise 5: predict the bubble.** Count the bubble as the zero-bubble paper does: for each rank, the idle time
+# between the start of its own first action and the end of its own last, in ideal time (messages cost nothing,
+# every action of a kind takes the same time); the bubble is the largest over the ranks. `t_f`, `t_b` and `t_w` are
+# the times of one F, B and W action of the table (in ZB-V an action is one chunk, half of a rank's layers); 1F1B's
+# table has no W actions, so its B is the whole backward and takes $t_B + t_W$. Return the bubble of `schedule`
+# (`"1f1b"`, `"zb-h1"` or `"zb-v"`: the tables `all_stages("1f1b", p, m)` and `split_stages(schedule, p, m)`) from
+# how its table is built, as a formula in p, m and the times: your function may not replay the table. Draw a few
+# timelines first (rank 0's, then the last rank's). The check compares your formula with the replay in 18 cases:
+# 1F1B at any m, ZB-H1 at m >= p with $t_W$ below, at and above $t_F$, and ZB-V at $t_F = t_B = t_W$ (the times it
+# was built for) with fewer micro-batches than the $2p - 1$ that fill its V, and more.
+
+# %% tags=["exercise"]
+def predict_bubble(schedule, p, m, t_f, t_b, t_w):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("predict_bubble", predict_bubble)
+
+# %% [markdown]
 # ## 10. Explore on real ranks
 #
 # Schedule, micro-batches, stages (`pp`), chunks per stage (`virtual_stages`, the interleaved schedule's; ZB-V and
