@@ -139,7 +139,7 @@ def test_bubbles_in_ideal_time_are_the_papers(p):
     # 1F1B's B is the whole backward, B + W: (p-1)(F + B + W) idle on stage 0 (Qi et al. 2023, section 2)
     one_f_one_b = simulate_split(all_stages("1f1b", p, m), 1.0, 1.0, 1.0)
     assert max(one_f_one_b["span_idle"]) == pytest.approx(3 * (p - 1))
-    # ZB-H1: (p-1)(F + B - W), a third of 1F1B's at F = B = W; it holds while W <= F (at W > F it is (p-1) F)
+    # ZB-H1: (p-1)(F + B - W), a third of 1F1B's at F = B = W; it holds while W <= F (at W > F it is (p-1) B)
     for f, b, w in ((1, 1, 1), (1, 1, 0.5), (1, 1.5, 0.5), (2, 1, 1), (1, 2, 1)):
         assert span_bubble("zb-h1", p, m, f, b, w) == pytest.approx((p - 1) * (f + b - w)), (f, b, w)
     # ZB-H2: (p-1)(F + B - 2W), zero at equal times: every stage busy from its first F to its last W

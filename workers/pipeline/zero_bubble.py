@@ -12,7 +12,7 @@ into the gaps where a stage would otherwise idle.
   (p-1-s forwards), then s steps of F and B without a W, then F B W, then B W, then s trailing W's, and at most
   p - s micro-batches between their F and their B, as 1F1B: the same activation memory. Its bubble is
   (p-1)(T_F + T_B - T_W): a third of 1F1B's (p-1)(T_F + T_B + T_W) when the three times are equal (the replay in
-  ``validity.simulate_split`` gives exactly that while T_W <= T_F; at T_W > T_F the tail leaves (p-1) T_F).
+  ``validity.simulate_split`` gives exactly that while T_W <= T_F; at T_W > T_F it is (p-1) T_B, the W no longer fitting the gap).
 * ZB-H2 (the same paper, section 2, Figure 3 bottom): the same diagonal with twice the warm-up, the F of x, the B
   of x - 2(p-1-s) and the W of x - 2(p-1). Stage 0 holds up to 2p - 1 micro-batches' activations, and every
   stage runs without a gap from its first forward to its last W: the step is a parallelogram, not a trapezoid.
