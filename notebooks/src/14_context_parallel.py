@@ -23,15 +23,20 @@
 # the **zigzag** split fixes that. And the ring **sends** the whole sequence's K/V through every rank at every
 # layer; it pays off because the transfer of one chunk overlaps the compute on another.
 #
+# The ring is one of two ways to split attention's sequence. The other, **DeepSpeed-Ulysses**, moves the
+# *heads* instead of the keys: two all-to-alls turn sequence shards into head shards and back (section 6).
+#
 # Built here: `workers/context_parallel/` (the split, the block rule, the ring's `isend`/`irecv` links, the
-# forward and a hand-written ring backward), the worker `workers/ch14_ring_attention.py`, and checks
-# against the float64 single-process attention of `workers/attention/reference.py`.
+# forward and a hand-written ring backward, Ulysses' all-to-alls), the workers `workers/ch14_ring_attention.py`
+# and `workers/ch14_ulysses.py`, and checks against the float64 single-process attention of
+# `workers/attention/reference.py`.
 
 # %%
 import torch
 
 import course_utils as cu
 from course_utils import ch14 as cpx
+from course_utils import ch14_ulysses as uly
 from course_utils import plots
 from workers.attention import attention_reference, online_softmax_merge
 from workers.attention.reference import RELATIVE_TOLERANCE, relative_error
@@ -251,7 +256,146 @@ for tier in ("nvlink4", "roce400"):
 # balances causal work with the zigzag-like split this chapter uses. The ring's advantage is memory
 # (one chunk of K/V in flight instead of all of it) and overlap; the all-gather's is simplicity.
 #
-# ## 6. Exercises
+# ## 6. The other way: DeepSpeed-Ulysses
+#
+# The ring keeps every head on every rank and moves the keys. **DeepSpeed-Ulysses** (Jacobs et al. 2023,
+# [arXiv:2309.14509](https://arxiv.org/abs/2309.14509)) moves the heads instead. Each rank still starts with
+# seq/cp positions of every head. One **all-to-all** of q, k and v gives each rank *every* position of heads/cp
+# heads (it scatters the heads and gathers the sequence); attention then runs locally, with no merge, because a
+# head's attention needs no other head; a second all-to-all sends the output back to seq/cp positions of every
+# head. The two all-to-alls are a conjugate pair, like Megatron's `all_to_all_sp2hp` and `all_to_all_hp2sp`: the
+# backward of each is the other, so autograd runs the reverse all-to-all on the gradients
+# (`workers/context_parallel/ulysses.py`). The worker `workers/ch14_ulysses.py` runs it on the same 4 ranks
+# (smaller cp as copies side by side), float64 like the reference, and reports every rank's rows of out, dq, dk
+# and dv.
+#
+# **Predict**: is Ulysses at cp = 4 closer to full attention than the ring was?
+
+# %%
+ULY_LIMITS = {"timeout": 60}
+
+
+def run_ulysses(**params):
+    return cu.run(uly.WORKER, world_size=WORLD, **ULY_LIMITS, **{"seq": SEQ, "heads": 8, **params})
+
+
+for cp in (2, 4):
+    print(uly.verdict(run_ulysses(cp=cp)))
+print(uly.verdict(run_ulysses(cp=4, causal=False)))
+
+# %% [markdown]
+# The errors themselves (they can differ by machine in their last float64 digits; here each head's attention is
+# the reference's own arithmetic on whole heads, so they are often exactly 0):
+
+# %% tags=["nbval-ignore-output"]
+for cp in (2, 4):
+    c = uly.check(run_ulysses(cp=cp))
+    print(f"cp = {cp}: " + ", ".join(f"{name} {err:.1e}" for name, err in c["errors"].items()))
+
+# %% [markdown]
+# Where each (position, head) of q, k, v and out lives before and after each all-to-all, drawn from a run with 8
+# query heads and 2 KV heads at cp = 4 (the ranks' own rows and the shapes of their tensors):
+
+# %%
+gqa_run = run_ulysses(cp=4, kv_heads=2)
+print(uly.verdict(gqa_run))
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(uly.all_to_all_figure(gqa_run), "14_ulysses_all_to_all")
+
+# %% [markdown]
+# Two limits show in it. **Each rank holds whole heads**, so cp must divide the heads: the worker refuses any
+# other layout before a rank starts, naming what works. **KV heads** cannot be cut either: with 2 KV heads at
+# cp = 4, each is copied onto the 2 ranks whose query heads read it (`repeat_interleave`; autograd sums the
+# copies' gradients back into the one head), and the copies travel.
+
+# %%
+try:
+    run_ulysses(cp=4, heads=6)
+except cu.InvalidParameter as refusal:
+    print("refused:", refusal)
+
+# %%
+for kv_heads in (8, 4, 2, 1):
+    extra = uly.kv_copy_bytes(SEQ, 8, kv_heads, 4)
+    print(f"kv_heads {kv_heads}: K and V travel as {extra['kv_sent']} heads; forward bytes per rank "
+          f"{extra['forward']}, of which {extra['extra']} are copies")
+
+# %% [markdown]
+# With 2 KV heads or with 1, K and V cost what 4 would: a model with fewer KV heads than the degree pays for the
+# copies (grouped-query attention saves nothing in Ulysses' traffic below cp KV heads).
+#
+# Ulysses and the ring compose: **USP** (Fang and Zhao 2024, [arXiv:2405.07719](https://arxiv.org/abs/2405.07719))
+# makes cp = ulysses x ring, all-to-alls inside groups of consecutive ranks (the closest links) and a ring across
+# the groups, which lifts Ulysses' bound of cp at most the heads. At cp = 4 = 2 x 2, zigzag, on the same 4 ranks:
+
+# %%
+print(uly.verdict(run_ulysses(cp=4, ring=2, split="zigzag")))
+print(uly.verdict(run_ulysses(cp=4, ring=2, split="zigzag", kv_heads=2)))
+
+# %% [markdown]
+# ### What crosses the wire: Ulysses against the ring
+#
+# Per attention layer each rank sends, in elements, with one head's rows on one rank $H = b\,(s/\mathrm{cp})\,d$
+# (`workers/context_parallel/ulysses.py`):
+#
+# * **Ulysses**: $\frac{\mathrm{cp}-1}{\mathrm{cp}}(2 h + 2 h_{kv}') H$ in forward (q, k, v, out; each
+#   all-to-all keeps 1/cp at home), and the same in backward (their gradients, the other way), with
+#   $h_{kv}' = \max(h_{kv}, \mathrm{cp})$ the KV heads that travel;
+# * **the ring**: $2(\mathrm{cp}-1)\,h_{kv} H$ in forward (K and V passed on cp - 1 times), and
+#   $(2(\mathrm{cp}-1) + 2\mathrm{cp})\,h_{kv} H$ in backward (K and V again, and the dK/dV accumulators).
+#
+# **Predict** which sends fewer bytes at cp = 4 with 8 heads, and whether the sequence length changes the answer.
+# Every rank counts what it sends; each run below is compared with the formula (the ring measured where the
+# ring worker runs it, with as many KV heads as heads):
+
+# %%
+points = [uly.bytes_point(setting, run_ulysses(**uly.run_params(setting))) for setting in uly.measured_settings()]
+print(f"{len(points)} runs; every rank sent exactly the formula's bytes: {all(p['equal'] for p in points)}")
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(uly.bytes_figure(points), "14_ulysses_vs_ring_bytes")
+
+# %% [markdown]
+# Ulysses' backward moves the same tensors' gradients, so its two lines coincide. The sequence length scales
+# both methods alike (left): it never decides. The degree does (right): the ring's bytes per rank grow towards
+# the whole sequence's K and V, Ulysses' fall as 1/cp (the paper's point: grow seq and cp together and its bytes
+# per link stay constant). The KV heads decide too (middle): the ring carries only K and V, Ulysses carries q
+# and out as well. The crossover, from the formulas:
+
+# %%
+rows = uly.crossover_rows(heads=8, cp=4, seq=SEQ, head_dim=16, kv_options=(1, 2, 4, 8))
+for r in rows:
+    print(f"kv_heads {r['kv_heads']}: Ulysses {r['ulysses']['forward']:>6} + {r['ulysses']['backward']:>6} bytes, "
+          f"ring {r['ring']['forward']:>6} + {r['ring']['backward']:>6} (forward + backward); fewer in forward: "
+          f"{r['fewer_forward']}, over the step: {r['fewer_step']}")
+print(uly.crossover_sentence(rows, heads=8, cp=4))
+
+# %% [markdown]
+# And for Llama 3 405B's attention (128 query heads, 8 KV heads of 128, section 5) at 131,072 tokens, bf16:
+
+# %%
+for cp in (8, 16):
+    rows = uly.crossover_rows(L405.heads, cp, LONG_SEQ, HEAD_DIM, kv_options=(L405.kv_heads,), element_size=2)
+    r = rows[0]
+    print(f"cp = {cp:>2}: Ulysses sends {r['ulysses']['forward'] / 2**20:>4.0f} MiB forward and "
+          f"{r['ulysses']['backward'] / 2**20:>4.0f} MiB backward per rank and layer, the ring "
+          f"{r['ring']['forward'] / 2**20:>4.0f} and {r['ring']['backward'] / 2**20:>4.0f} MiB "
+          f"(fewer in forward: {r['fewer_forward']}, over the step: {r['fewer_step']})")
+
+# %% [markdown]
+# With many KV heads Ulysses sends less, and less the larger cp. With grouped-query attention and few KV heads the
+# ring carries less, in forward at least: at 8 KV heads against 128 query heads it sends about half of Ulysses'
+# forward bytes at cp = 8; at cp = 16 the ring's heavier backward (K and V again, and the dK/dV accumulators) tips
+# the whole step to Ulysses, though its KV heads are now copied. And bytes are not time. The ring's transfers **overlap** its compute (a step computes on
+# one chunk while the next travels, section 5); Ulysses **cannot**: attention needs the whole all-to-all's
+# result before it starts, and the output's all-to-all waits for attention to finish, so every byte is on the
+# critical path. What Ulysses buys is simplicity: any attention kernel runs unchanged on whole heads, with no
+# merge and no causal balancing (every rank sees every position of its heads). Its price: cp at most the heads,
+# and KV heads copied below cp. Hence USP's mix: Ulysses inside a node, where the all-to-all is fast, the ring
+# across nodes, where overlap pays.
+#
+# ## 7. Exercises
 #
 # **Exercise 1: the zigzag split.** Return rank `rank`'s two token ranges `[(start, stop), (start, stop)]`:
 # the sequence is cut into 2cp equal chunks, and the rank holds chunk `rank` and its mirror from the end.
@@ -276,7 +420,23 @@ def block_kind(q_chunk, k_chunk):
 cu.check("block_kind", block_kind)
 
 # %% [markdown]
-# ## 7. Explore on real ranks
+# **Exercise 3: Ulysses' first all-to-all.** One rank holds `x`, its rows of every head, `[seq/cp, heads, d]`;
+# the ranks' rows, in rank order, make the whole sequence. Return this rank's `[seq, heads/cp, d]`: every
+# position of its heads (rank j's heads are j·heads/cp to (j+1)·heads/cp - 1), rank i's rows i-th. You may call
+# `all_to_all(pieces)` once: `pieces` is a list of cp tensors, piece j goes to rank j, and it returns the list of
+# cp tensors this rank received, rank i's piece i-th. If cp does not divide the heads, raise `ValueError` before
+# sending anything. The check runs your function on cp simulated ranks (threads that share one all-to-all), at
+# several shapes and dtypes.
+
+# %% tags=["exercise"]
+def seq_to_heads(x, cp, all_to_all):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("seq_to_heads", seq_to_heads)
+
+# %% [markdown]
+# ## 8. Explore on real ranks
 #
 # Ring size, split and mask: each change reruns forward and backward on the warm ranks and redraws the
 # block grid from what they computed (smaller rings run as copies on the 4 ranks).
@@ -301,6 +461,17 @@ blocks_live.wait(60)
 blocks_live
 
 # %% [markdown]
+# Ulysses against the ring: the degree, the heads, the KV heads and the sequence. Each change reruns Ulysses'
+# forward and backward on the warm ranks: the bars are what each rank sent (Ulysses) against the ring's formula
+# at the same shape (which the ring's ranks send, section 5), and the title says whether the run equals full
+# attention. A layout Ulysses cannot run is refused with the reason.
+
+# %% tags=["nbval-ignore-output"]
+ulysses_live = uly.ulysses_widget(WORLD)
+ulysses_live.wait(60)
+ulysses_live
+
+# %% [markdown]
 # ## Summary
 #
 # * Context parallelism splits the sequence: each rank holds seq/cp tokens' activations, and only attention
@@ -312,6 +483,13 @@ blocks_live
 # * Each rank sends 2(cp-1) chunks (K and V, seq/cp tokens each) per layer in forward: (cp-1)/cp of the
 #   whole sequence's K and V, nearly all of it whatever cp. It is hidden behind a step's compute while seq/cp stays
 #   above $F H_{kv} b / (2 H B)$ tokens (about 2500 for Llama 3 405B across 400 Gb/s, causal).
+# * DeepSpeed-Ulysses splits the same sequence by heads instead: one all-to-all turns seq/cp positions of every
+#   head into every position of heads/cp heads, attention runs locally on whole heads, a second all-to-all turns
+#   the output back; exactly full attention, forward and backward. cp must divide the heads, and KV heads fewer
+#   than cp are copied (and their copies sent).
+# * Ulysses sends $\frac{\mathrm{cp}-1}{\mathrm{cp}}(2h + 2h_{kv}')$ heads' rows per rank and phase, falling as
+#   1/cp; the ring $2(\mathrm{cp}-1) h_{kv}$ in forward, growing with cp. With few KV heads the ring carries less;
+#   and only the ring overlaps its traffic with compute. USP composes the two: cp = ulysses x ring.
 
 # %% [markdown]
 # ### Before you close this chapter
