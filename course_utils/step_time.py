@@ -104,6 +104,15 @@ class Practice:
     #                           overlap_moe_expert_parallel_comm); DualPipe implies it
     fused: bool = True  # elementwise work fused (Megatron's kernels, torch.compile); False: eager PyTorch passes
     recompute_matmuls: float = 0.0  # under "selective": the share of forward matmul time recomputed too
+    # context parallelism's attention: "ring" (chapter 14's ring, its K/V exchange hidden behind the blocks it feeds)
+    # or "ulysses" (DeepSpeed-Ulysses, Jacobs et al. 2023: all-to-alls of q, k, v and out that nothing hides)
+    cp_attention: str = "ring"
+    # the loss computed from each TP rank's block of the vocabulary (Megatron's vocab_parallel_cross_entropy, three
+    # [s, b] all-reduces); False: the logits all-gathered over TP first, then a replicated softmax
+    loss_parallel: bool = True
+    # TP's all-gather / reduce-scatter decomposed around the GEMMs they feed (collective matmul, Wang et al. 2023;
+    # PyTorch's async TP): hidden up to the layer's matmul time, one ring step always exposed
+    tp_overlap: bool = False
     # the weight gradient's share of a backward, for the schedules that split it (zero bubble): per linear layer dX
     # and dW are one GEMM each of the same FLOPs (Qi et al. 2023 take T_B = T_W); attention's core and the
     # elementwise backward belong to B, which this share leaves to the GEMMs' even split
@@ -429,10 +438,26 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
         tp_one = group_time("all_gather", msg, tp, 1, cluster) + group_time("reduce_scatter", msg, tp, 1, cluster)
     else:
         tp_one = 2 * group_time("all_reduce", msg, tp, 1, cluster)
+    tp_f = tp_b = tp_one
+    tp_hidden = 0.0
+    if practice.tp_overlap and tp > 1:  # each shard's transfer runs under the previous shard's GEMM chunk
+        tp_f, tp_b = exposed(tp_one, mm_f, tp_one / tp), exposed(tp_one, mm_b, tp_one / tp)
+        tp_hidden = 2 * tp_one - tp_f - tp_b
     # CP: K and V of the whole sequence gathered forward, their gradients reduce-scattered backward; the exchange
     # hides behind the attention it feeds, one ring step's transfer always exposed (chapter 14)
     cp_f = cp_b = cp_hidden = 0.0
-    if cp > 1:
+    if cp > 1 and practice.cp_attention == "ulysses":
+        # each rank's [s/cp] rows of q, k, v sent as heads/cp heads of every row, out back (chapter 14's counts):
+        # KV heads fewer than cp travel as cp copies; nothing overlaps an all-to-all that attention waits for
+        heads, kv_heads = model.heads / tp, max(1.0, model.kv_heads / tp)
+        if heads % cp:
+            raise ValueError(f"cp={cp} does not divide the {heads:g} query heads a TP rank holds: Ulysses gives each "
+                             "rank whole heads")
+        kv_sent = kv_heads if kv_heads % cp == 0 else cp
+        rows = b * layout.seq / cp * model.head_dim * practice.activation_bytes
+        cp_f = cp_b = group_time("all_to_all", (heads + 2 * kv_sent) * rows, cp, tp, cluster) \
+            + group_time("all_to_all", heads * rows, cp, tp, cluster)
+    elif cp > 1:
         kv = 2.0 * b * layout.seq * model.held_by_tp(tp).kv_dim / tp * practice.activation_bytes
         gather = group_time("all_gather", kv, cp, tp, cluster)
         scatter = group_time("reduce_scatter", kv, cp, tp, cluster)
@@ -454,10 +479,10 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
             ep_f = exposed(a2a, mm_f + at_f, a2a / layout.ep)
             ep_b = exposed(a2a, mm_b + at_b, a2a / layout.ep)
             ep_hidden = 2 * a2a - ep_f - ep_b
-    forward = {"matmul": mm_f, "attention": at_f, "memory-bound": mem_f, "tp": tp_one, "cp": cp_f, "ep": ep_f}
+    forward = {"matmul": mm_f, "attention": at_f, "memory-bound": mem_f, "tp": tp_f, "cp": cp_f, "ep": ep_f}
     work_f = mm_f + at_f + mem_f
     _, forward["kernel overhead"] = with_overhead(work_f, ops_f)
-    backward = {"matmul": mm_b, "attention": at_b, "memory-bound": mem_b, "tp": tp_one, "cp": cp_b, "ep": ep_b}
+    backward = {"matmul": mm_b, "attention": at_b, "memory-bound": mem_b, "tp": tp_b, "cp": cp_b, "ep": ep_b}
     _, backward["kernel overhead"] = with_overhead(mm_b + at_b + mem_b, ops_b)
     recompute = 0.0
     if layout.recompute == "full":
@@ -470,7 +495,7 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
         # work around them (torchtitan, activation_checkpoint.py: _save_list, "every other mm")
         recompute += practice.recompute_matmuls * (mm_f + mem_f)
     backward["recompute"] = recompute
-    return _Piece(forward, backward), {"cp": cp_hidden, "ep": ep_hidden}
+    return _Piece(forward, backward), {"cp": cp_hidden, "ep": ep_hidden, "tp": tp_hidden}
 
 
 def layer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, practice: Practice = Practice(), *,
@@ -492,8 +517,14 @@ def _head_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: P
     f = gemm_seconds(table, tokens, n, model.hidden) * contention
     bkw = gemm_seconds(table, tokens, n, model.hidden, backward=True) * contention
     bw = cluster.gpu.memory_bandwidth * cluster.gpu.stream_efficiency
-    logits = tokens * n * (practice.activation_bytes + 4 + 4)  # logits written, read and softmaxed in fp32
-    return _Piece({"matmul": f, "memory-bound": logits / bw * contention},
+    if practice.loss_parallel or layout.tp == 1:
+        logits = tokens * n * (practice.activation_bytes + 4 + 4)  # logits written, read and softmaxed in fp32
+        return _Piece({"matmul": f, "memory-bound": logits / bw * contention},
+                      {"matmul": bkw, "memory-bound": 2 * logits / bw * contention})
+    # without loss parallelism every TP rank gathers the whole [s, b, V] logits and softmaxes all of them
+    gather = group_time("all_gather", tokens * model.vocab * practice.activation_bytes, layout.tp, 1, cluster)
+    logits = tokens * model.vocab * (practice.activation_bytes + 4 + 4)
+    return _Piece({"matmul": f, "memory-bound": logits / bw * contention, "tp": gather},
                   {"matmul": bkw, "memory-bound": 2 * logits / bw * contention})
 
 

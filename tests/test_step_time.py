@@ -188,3 +188,30 @@ def test_a_measured_link_prices_a_collective_it_did_not_measure_from_its_nearest
     assert link_time("all_reduce", 1000, 2, link) == pytest.approx(1e-4 + 1e-6)
     assert link_time("all_reduce", 1000, 4, link) > link_time("all_reduce", 1000, 2, link)
     assert link_time("send_recv", 1000, 2, link) > 0  # never measured: priced from the nearest fit, not a crash
+
+
+def test_ulysses_loss_parallel_and_overlapped_tp_are_priced():
+    # Ulysses (chapter 14): four all-to-alls per layer each way, q, k, v out and back, none hidden; the ring hides its
+    # exchange behind the blocks. A Llama-3-8B-like shape at cp 4, tp 1: 32 heads, 8 KV heads
+    model = ModelShape("8B-like", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128_256)
+    lay = Layout(cp=4, dp=1, micro_batches=1, seq=32_768)
+    _, ring = _timed(model, lay, 4)
+    _, uly = _timed(model, lay, 4, Practice(cp_attention="ulysses"))
+    rows = 1 * 32_768 / 4 * model.head_dim * 2.0  # bf16 rows of one head on one rank
+    one_layer = group_time("all_to_all", (32 + 2 * 8) * rows, 4, 1, H100) + group_time("all_to_all", 32 * rows, 4, 1, H100)
+    assert uly.terms["cp"] == pytest.approx(2 * one_layer * model.layers)  # forward and backward, every layer
+    assert ring.hidden["cp"] > 0 and uly.hidden["cp"] == 0.0
+    with pytest.raises(ValueError, match="cp=3 does not divide the 32 query heads"):
+        _timed(model, Layout(cp=3, dp=1, micro_batches=1, seq=30_720), 3, Practice(cp_attention="ulysses"))
+    # without loss parallelism the last stage all-gathers [s, b, V] over TP and softmaxes all of it
+    tp_lay = Layout(tp=8, dp=1, micro_batches=1, seq=8192, sequence_parallel=True)
+    _, split = _timed(model, tp_lay, 8)
+    _, gathered = _timed(model, tp_lay, 8, Practice(loss_parallel=False))
+    logits_gather = group_time("all_gather", 8192 * model.vocab * 2.0, 8, 1, H100)
+    assert gathered.terms["tp"] - split.terms["tp"] == pytest.approx(logits_gather)
+    assert gathered.terms["memory-bound"] > split.terms["memory-bound"]
+    # collective matmul: TP's exposed time falls, by what the GEMMs hide, never below one ring step per collective
+    _, overlapped = _timed(model, tp_lay, 8, Practice(tp_overlap=True))
+    assert overlapped.terms["tp"] < split.terms["tp"] and overlapped.hidden["tp"] > 0
+    assert overlapped.terms["tp"] >= split.terms["tp"] / 8 - 1e-12
+    assert overlapped.total < split.total
