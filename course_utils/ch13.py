@@ -265,6 +265,20 @@ def bubble_figure(sweep: dict, p: int):
     return fig
 
 
+def side_by_side(rank: dict) -> str:
+    """A ``workers/ch13_native.py`` rank's view of PyTorch's table against the course's, rank by rank: PyTorch's own
+    spelling (``3I0``: virtual stage 3, input gradient of micro-batch 0; ``-`` an idle slot), the same actions as the
+    course's tuples (``B0.1``: micro-batch 0 through the rank's chunk 1), and the course's table."""
+    def label(a):
+        return f"{a[0]}{a[1]}" + (f".{a[2]}" if len(a) > 2 else "")
+    lines = []
+    for r, (raw, mine, ours) in enumerate(zip(rank["torch_table"], rank["table"], rank["course_table"])):
+        lines += [f"rank {r} PyTorch: " + " ".join("-" if a is None else a for a in raw),
+                  f"rank {r} as ours: " + " ".join(label(a) for a in mine),
+                  f"rank {r} course : " + " ".join(label(a) for a in ours)]
+    return "\n".join(lines)
+
+
 def schedule_text(actions_per_stage: list[list]) -> str:
     """The per-stage action lists as lines: ``stage 0: F0 F1 F2 B0 ...``; with chunks ``F0c1`` is micro-batch 0
     through the rank's chunk 1."""

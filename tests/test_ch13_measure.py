@@ -120,3 +120,10 @@ def test_a_zero_bubble_gantt_draws_w_half_height_and_the_replay_in_its_title():
     heights = sorted({round(b.get_height(), 2) for b in ax.patches})
     assert heights == [0.4, 0.8] and len(ax.patches) == 4 * 3 * 8  # F, B and W of every micro-batch on every stage
     assert "W half height" in ax.get_title() and "free messages 11%" in ax.get_title()
+
+
+def test_side_by_side_prints_pytorchs_table_its_tuples_and_the_courses_per_rank():
+    rank = {"torch_table": [["0F0", None, "0I0", "0W0"]], "table": [[("F", 0, 0), ("B", 0, 0), ("W", 0, 0)]],
+            "course_table": [[("F", 0), ("B", 0), ("W", 0)]]}
+    assert ch13.side_by_side(rank).splitlines() == ["rank 0 PyTorch: 0F0 - 0I0 0W0", "rank 0 as ours: F0.0 B0.0 W0.0",
+                                                    "rank 0 course : F0 B0 W0"]

@@ -370,6 +370,26 @@ for p in (2, 4):
               f"process: {c['within_tol']}")
 
 # %% [markdown]
+# PyTorch ships the same schedules in `torch.distributed.pipelining` (`ScheduleInterleavedZeroBubble`,
+# `ScheduleZBVZeroBubble`, `ScheduleDualPipeV`; torchtitan trains with them). The same model, cut the same way into
+# `PipelineStage`s and run by PyTorch's schedules on the same ranks (`workers/ch13_native.py`), computes the same
+# step, and its own action table (`pipeline_order`, `3I0` is virtual stage 3's input gradient of micro-batch 0, `-`
+# an idle slot) is the course's, action for action:
+
+# %%
+NATIVE = "workers.ch13_native"
+for name, p, m in (("zb-h1", 4, 8), ("zb-v", 2, 4), ("zb-v", 4, 8), ("dualpipev", 4, 8)):
+    res = cu.run(NATIVE, world_size=WORLD, schedule=name, pp=p, micro_batches=m, steps=STEPS, dtype="float64",
+                 virtual_stages=2 if name in ("zb-v", "dualpipev") else 1, **LIMITS)
+    c = ch13.compare_to_reference(res, steps=STEPS)
+    same = all(row["equal"] for row in res[0]["comparison"])
+    print(f"PyTorch's {name}, p = {p}, m = {m}: within 1e-12 of one process: {c['within_tol']}; its table is the "
+          f"course's on every rank: {same}")
+print()
+print(ch13.side_by_side(cu.run(NATIVE, world_size=WORLD, schedule="zb-v", pp=2, micro_batches=4, virtual_stages=2,
+                               **LIMITS)[0]))
+
+# %% [markdown]
 # **Predict** the idle share of 1F1B, ZB-H1, ZB-H2, ZB-V and DualPipeV at p = 4, m = 8 with F, B and W each padded
 # to 20 ms (the backward's 40 ms split in two), and what each stage holds at most.
 
