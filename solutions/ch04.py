@@ -28,3 +28,21 @@ def swiglu_shard(w, rank, tp):
     ffn = w.shape[0] // 2
     n = ffn // tp
     return torch.cat([w[rank * n:(rank + 1) * n], w[ffn + rank * n:ffn + (rank + 1) * n]])
+
+
+def vocab_parallel_loss(logits, target, group):
+    """Per-token cross-entropy ``[s, b]`` from this rank's ``logits [s, b, V/t]``: three all-reduces of ``[s, b]``."""
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part  # this rank holds words [start, start + part)
+    logits_max = logits.max(dim=-1).values  # [s, b], this rank's words only
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the same shift on every rank
+    z = logits - logits_max.unsqueeze(-1)  # [s, b, V/t], at most 0: exp cannot overflow; the caller's logits untouched
+    elsewhere = (target < start) | (target >= start + part)
+    local = (target - start).masked_fill(elsewhere, 0)  # an index inside the shard; its pick is zeroed below
+    predicted = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)  # [s, b]
+    dist.all_reduce(predicted, group=group)  # exactly one rank holds each target
+    sum_exp = z.exp().sum(dim=-1)  # [s, b]
+    dist.all_reduce(sum_exp, group=group)  # the denominator runs over the whole vocabulary
+    return sum_exp.log() - predicted  # log sum_j exp(z_j - max) - (z_target - max)

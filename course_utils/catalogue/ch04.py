@@ -1,4 +1,5 @@
-"""Chapter 04's graded exercises: column-parallel, row-parallel with the bias once, and SwiGLU's split (real ranks)."""
+"""Chapter 04's graded exercises: column-parallel, row-parallel with the bias once, SwiGLU's split, and the
+cross-entropy from logits split by vocabulary (real ranks)."""
 from course_utils.exercises import NOT_APPLICABLE, Exercise, register
 
 CHECKER = "workers.exercises.ch04"
@@ -50,4 +51,28 @@ register(Exercise("swiglu_shard", "04", "swiglu_shard",
                       "mutation": NOT_APPLICABLE + "the answer is handed a copy of the fused weight, so changing it "
                                                    "cannot reach the layer",
                       "output": "the shard's shape on every rank (2*ffn/t rows), the last rank's included",
+                  }))
+register(Exercise("vocab_parallel_loss", "04", "vocab_parallel_loss",
+                  "Loss parallelism: the cross-entropy from this rank's block of the vocabulary, three [s, b] "
+                  "all-reduces", worker=CHECKER, world_sizes=(4, 2), tries={
+                      "non-finite": "logits of order 1e3, where exp() of an unshifted logit overflows float32 and a "
+                                    "max summed over the ranks underflows every exponential: an infinite or NaN loss "
+                                    "is named, with the max to all-reduce (MAX)",
+                      "order": NOT_APPLICABLE + "one forward, run once: nothing arrives in an order that could vary",
+                      "sizes": NOT_APPLICABLE + "every rank holds V/t words, as Megatron requires (it pads the "
+                                                "vocabulary to a multiple of t): 24 words over groups of 2 and 4",
+                      "ragged": NOT_APPLICABLE + "the blocks of the vocabulary are equal; every rank holds targets of "
+                                                 "its own and targets of other ranks, in every case",
+                      "layouts": "the whole world as the group, then at world 4 two groups of 2, non-contiguous and "
+                                 "consecutive, each with its own logits and targets: the three all-reduces stay inside "
+                                 "the group given, and a rank's block starts at its rank in the group",
+                      "traffic": "counts what each collective is handed: more than three [s, b] tensors means the "
+                                 "logits (or their exponentials) were gathered, which is what the split avoids",
+                      "mutation": "the caller's logits and target are compared before and after: the max subtracted "
+                                  "in place (as Megatron does, to save memory) is named",
+                      "output": "the loss's shape: one loss per token, [s, b], not their mean",
+                      "memory": NOT_APPLICABLE + "what the answer keeps is not measured; gathering the logits, the "
+                                                 "memory the split saves, is caught by its traffic",
+                      "bits": NOT_APPLICABLE + "float32 logits against the float64 loss: equal to rounding, compared "
+                                               "with a tolerance of 1e-5 of the loss's size",
                   }))

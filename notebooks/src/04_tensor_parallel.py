@@ -10,7 +10,9 @@
 #
 # This chapter builds the two ways to split one matmul, the Megatron MLP that combines them with one
 # all-reduce each way, and proves on real ranks that the sharded model is the **same function with the
-# same gradients** as the dense one. Then we count exactly what crosses the wire.
+# same gradients** as the dense one. Then we count exactly what crosses the wire. Last, the model's two ends,
+# where the matrices are split by words: the embedding, the LM head, and a loss computed from logits that no
+# rank ever holds whole.
 #
 # Sources: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
 # Parallelism*, 2019 ([arXiv:1909.08053](https://arxiv.org/abs/1909.08053)), section 3 and Figure 3.
@@ -18,20 +20,21 @@
 # gather_output=...)`, `RowParallelLinear(..., input_is_parallel=...)`.
 #
 # The library you will read and extend lives in `workers/parallel/`: `layers.py` (the two layers),
-# `mlp.py`, and the communication regions `f` and `g` from chapter 03 (`mappings.py`).
+# `mlp.py`, `vocab.py` (the two ends), and the communication regions `f` and `g` from chapter 03 (`mappings.py`).
 
 # %%
 import torch
 import torch.nn.functional as F
 
 import course_utils as cu
-from course_utils import plots, tp_check, tp_figures, tp_viz
+from course_utils import plots, tp_check, tp_figures, tp_viz, tp_vocab
 from course_utils.ledger import tp_comm_bytes_per_layer
 
 plots.style()
 LIMITS = {"timeout": 60}  # per run; the ranks stay warm between runs (and the exercise checks reuse them)
 SEQ, BATCH, HIDDEN = 4, 2, 16  # small enough to print, big enough that a wrong sum cannot hide
 LAYERS = "workers.ch04_tp_layers"
+VOCAB = "workers.ch04_vocab_parallel"  # section 6: the embedding, the LM head and the loss split by vocabulary
 
 
 WORLD = 4  # one set of 4 warm ranks; TP 1, 2 and 4 run as tensor-parallel groups inside it
@@ -232,10 +235,134 @@ print("dense layer parameters:", tp_viz.layout(64, 256, 8, 8, 4)["dense_params"]
 tp_viz.sharding_widget(hidden=64, ffn=256, heads=8, kv_heads=8, tp=4)
 
 # %% [markdown]
-# ## 6. Exercises
+# ## 6. The two ends: the vocabulary
+#
+# Everything so far split the hidden dimension. The model's two ends are matrices of **words**: the embedding
+# table `[V, h]` turns token ids into vectors, and the LM head `[h, V]` turns the last hidden state into one
+# score per word of the vocabulary, the logits `[b, s, V]`, which the cross-entropy turns into the loss. V is
+# large: Llama 3 has a vocabulary of 128K tokens (Llama Team, *The Llama 3 Herd of Models*, 2024,
+# [arXiv:2407.21783](https://arxiv.org/abs/2407.21783), section 3.2 and Table 3; the released tokenizer has
+# 128,256 entries). Per token, that is 31 times the hidden state:
+
+# %%
+print(tp_vocab.largest_activations())
+
+# %% [markdown]
+# So the logits are the largest activation of a training step: 2.1 GB for one sequence of 8,192 tokens in bf16,
+# before the loss's softmax (usually computed in float32: twice that), the softmax it keeps for the backward,
+# and the logits' gradient, each as large again. Attention's scores, `[s, s]` for each of the 32 heads, would be
+# larger still, but FlashAttention (chapter 07) never stores them; the logits are stored.
+#
+# Megatron splits both ends by vocabulary: rank r of t holds the words `[r V/t, (r+1) V/t)`. The embedding
+# (`VocabParallelEmbedding`) looks up the tokens it holds, writes zeros for the others, and one all-reduce (`g`)
+# sums the ranks' rows: every token gets its row. The head is a column-parallel layer over the vocabulary: rank r
+# ends with the logits of its own words, `[s, b, V/t]`.
+#
+# And then the loss needs all V scores of every token. `gather_output=True` and `F.cross_entropy` would work, and
+# would defeat the point: the all-gather moves $(t-1)/t \cdot b\,s\,V$ elements to every rank, and afterwards
+# every rank holds the whole `[s, b, V]` again, exactly as without tensor parallelism. **Loss parallelism**
+# computes the loss from the shards instead. With $m$ the largest logit of a token,
+#
+# $$ \mathrm{loss} = \log \sum_{j=1}^{V} e^{z_j} - z_{\mathrm{target}}
+#    = \log \sum_{j=1}^{V} e^{z_j - m} - (z_{\mathrm{target}} - m), $$
+#
+# and every term is a sum or a max over the vocabulary, which the ranks can each do over their own words and then
+# combine with one all-reduce of `[s, b]` (one number per token):
+#
+# 1. **the max** (all-reduce with MAX): each rank's largest logit, then the group's. It buys numerical safety:
+#    $z_j - m \le 0$, so no exponential overflows; and because every rank subtracts the *same* m, the ranks'
+#    sums below are in the same unit and can be added.
+# 2. **the target's logit** (SUM): the target word lives on exactly one rank, which picks $z_{target} - m$;
+#    the others contribute 0. The sum hands every rank the one number.
+# 3. **the sum of exponentials** (SUM): each rank sums $e^{z_j - m}$ over its V/t words; the sum over ranks is
+#    the softmax's denominator over the whole vocabulary.
+#
+# The backward, $\mathrm{softmax} - \mathrm{onehot}(target)$, needs no communication at all: each rank writes
+# its own columns (the one-hot's 1 sits on the rank that holds the target). Megatron-LM implements this in
+# `megatron/core/tensor_parallel/cross_entropy.py`; PyTorch's `torch.distributed.tensor.parallel.loss_parallel`
+# runs the same three reductions. The course's version is `workers/parallel/vocab.py`.
+#
+# The worker `workers/ch04_vocab_parallel.py` builds the dense embedding and head (a vocabulary of 32 words,
+# h = 16, b = 4 sequences of s = 8 tokens, every word a target once), splits them at tp = 1, 2 and 4, runs forward
+# and backward, and holds every rank's loss and gradients to the dense ends computed in one process, in float64.
+# **Predict**: at tp = 4, how many bytes of logits does one rank hold (float64 is 8 bytes), and how large is each
+# of the loss's all-reduces?
+
+# %%
+vocab_runs = [tp_vocab.run(VOCAB, t) for t in (1, 2, 4)]
+for r in vocab_runs:
+    print(tp_vocab.equality_line(r))
+print(tp_vocab.bytes_table(vocab_runs))
+
+# %% [markdown]
+# Equal in float64 to within $10^{-12}$ of each tensor's size: the same sums as the dense loss, added in another
+# order. Each rank holds $1/t$ of the logits, and the loss sent three all-reduces of one number per token; the
+# ledger's records on rank 0 at tp = 4, in the order they ran:
+
+# %%
+print(tp_vocab.reductions_table(vocab_runs[-1]))
+
+# %% [markdown]
+# Three messages of $b\,s$ elements, against an all-gather whose result is $b\,s\,V$ elements on every rank: the
+# messages are $V/3$ times smaller ($V/6$ on a ring's wire, where an all-reduce sends twice its message and an
+# all-gather once). At the toy's size the difference is small; at a real model's size it is the difference
+# between fitting and not. The lines below are the formula for one sequence of Llama 3 8B; the
+# points are the runs above, measured here on the toy (float64, so 8 bytes per element), on the same formula:
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(tp_vocab.bytes_figure(vocab_runs), "04_vocab_bytes");
+
+# %% [markdown]
+# Each doubling of tp halves the logits a rank holds, and the gathered line does not move: gathering them puts
+# the whole 2.1 GB (Llama 3's vocabulary) back on every rank, whatever the tensor-parallel size.
+#
+# ### Each reduction left out
+#
+# Four drills (`workers/parallel/faults.py`, `VOCAB_FAULTS`) each remove one step of the loss: the max not
+# all-reduced (each rank subtracts its own), the target's logit not masked on the ranks that do not hold it, the
+# sum of exponentials not all-reduced, and no max subtracted at all. The comparison with the dense ends names
+# each from what the group sees together: whether the ranks' losses agree, whether the loss is finite, and what
+# each token's gradient sums to over the vocabulary (softmax minus one-hot: exactly 0). **Predict**: which drills
+# change the loss on ordinary logits (of order 1), and which only on large ones (of order $10^3$)?
+
+# %%
+vocab_drills = {(fault, scale): tp_vocab.run(VOCAB, 4, fault=fault, logit_scale=scale)
+                for scale in tp_vocab.SCALES for fault in ("",) + tp_vocab.DRILLS}
+print(tp_vocab.drill_verdicts(vocab_drills))
+
+# %% [markdown]
+# The losses themselves (their last digits vary from machine to machine):
+
+# %% tags=["nbval-ignore-output"]
+print(tp_vocab.drills_table(vocab_drills))
+plots.savefig(tp_vocab.drills_figure(vocab_drills), "04_vocab_drills");
+
+# %% [markdown]
+# On ordinary logits every drill gives a finite loss. The unreduced max is the quiet one: close to the right loss,
+# the same on every rank, its gradient still summing to 0; only the comparison with the dense loss shows it. The
+# unmasked target adds t - 1 unrelated logits; the unreduced sum leaves each rank with its own, smaller loss (on
+# large logits, minus infinity for tokens whose every word on that rank is far below the group's max: $e^{z-m}$
+# underflows to 0). Without the max at all the algebra is still right, and on ordinary logits the loss is exact;
+# only logits large enough that $e^z$ overflows (above 709 in float64, above 88.7 in float32 and in bf16, which
+# shares float32's range of exponents) make it infinite. That is what the max is for, and why it must be the
+# group's: with each rank's own max the shards' sums are in different units, and the loss is off by up to the gap
+# between the ranks' maxima, hundreds on large logits.
+#
+# Explore: the vocabulary, tp, the size of the logits and a drill. The left panel is the bytes of logits each
+# rank holds against the gathered logits; the right, each rank's loss against the dense loss, with the verdict.
+# A tp that does not divide the 4 ranks, or the vocabulary (try vocab 30 at tp 4), is refused in a sentence
+# before anything starts.
+
+# %% tags=["nbval-ignore-output"]
+vocab_live = tp_vocab.live(VOCAB)
+vocab_live.wait(60)
+vocab_live
+
+# %% [markdown]
+# ## 7. Exercises
 #
 # Each function below runs on real ranks (world sizes 2 and 4) inside the check, against the dense layer,
-# forward *and* backward. Use the regions from chapter 03:
+# forward *and* backward (exercise 4: against the dense loss, forward). Use the regions from chapter 03:
 # `from workers.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region`
 # (`group` is the process group: pass it on). Imports go inside the function: it travels to the ranks as
 # source.
@@ -279,7 +406,23 @@ def swiglu_shard(w, rank, tp):
 cu.check("swiglu_shard", swiglu_shard)
 
 # %% [markdown]
-# ## 7. Explore on real ranks
+# **Exercise 4: the loss from logits split by vocabulary.** `logits` is this rank's block `[s, b, V/t]` of the
+# logits (float32; rank r of the group holds the words `[r V/t, (r+1) V/t)`), `target` the `[s, b]` word ids,
+# over the whole vocabulary, and `group` the tensor-parallel group. Return the loss of every token, `[s, b]`,
+# equal on every rank to `F.cross_entropy(..., reduction="none")` on the whole logits, without gathering them:
+# the three all-reduces of section 6, each of an `[s, b]` tensor, with `dist.all_reduce(t, op=..., group=group)`
+# (`import torch.distributed as dist` inside the function; `dist.ReduceOp.MAX` for the max, the default is SUM). Leave `logits` as it is. Only the forward: its backward,
+# softmax minus one-hot, needs no communication. The check tries logits of order 1 and of order $10^3$.
+
+# %% tags=["exercise"]
+def vocab_parallel_loss(logits, target, group):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("vocab_parallel_loss", vocab_parallel_loss)
+
+# %% [markdown]
+# ## 8. Explore on real ranks
 #
 # Pick a module and a TP size: the widget reruns the equivalence on real ranks and draws the error of
 # every tensor. It opens on the right split, equal to the dense MLP; then try the naive SwiGLU split
@@ -322,6 +465,10 @@ live
 #   one backward**, each of $b\,s\,h$ elements, $2(t-1)/t$ of it sent per rank.
 # * The sharded MLP is the same function as the dense one, gradients included, to float32 rounding; and
 #   the same check fails loudly on a dropped, doubled or misplaced collective, or a bias added t times.
+# * The vocabulary is split too: the embedding by rows (zeros for the words elsewhere, then `g`), the head by
+#   columns, and the loss computed from the `[s, b, V/t]` shards with **three all-reduces of one number per token**
+#   (the max, the target's logit, the sum of exponentials). The logits, the largest activation of a step, never
+#   exist whole on any rank; leave out any one reduction and the loss is wrong, sometimes only on large logits.
 #
 # Next: attention, where the natural unit to split is the head (chapter 05).
 

@@ -144,6 +144,170 @@ def swiglu_leaves_a_nan(w, rank, tp):
     out.view(-1)[0] = float("nan")
     return out
 
+def loss_max_not_reduced(logits, target, group):
+    # Each rank subtracts its own largest logit: nothing overflows, but the ranks' sums are in different units.
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    z = logits - logits.max(dim=-1).values.unsqueeze(-1)
+    elsewhere = (target < start) | (target >= start + part)
+    local = (target - start).masked_fill(elsewhere, 0)
+    predicted = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+    dist.all_reduce(predicted, group=group)
+    sum_exp = z.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp, group=group)
+    return sum_exp.log() - predicted
+
+
+def loss_target_not_masked(logits, target, group):
+    # The index is clamped into the shard (no crash), but the logit it picks on the other ranks is kept.
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    logits_max = logits.max(dim=-1).values
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+    z = logits - logits_max.unsqueeze(-1)
+    local = (target - start).clamp(0, part - 1)
+    predicted = z.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+    dist.all_reduce(predicted, group=group)
+    sum_exp = z.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp, group=group)
+    return sum_exp.log() - predicted
+
+
+def loss_sum_not_reduced(logits, target, group):
+    # The max and the target's logit are reduced, the denominator is not: each rank normalises over its own words.
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    logits_max = logits.max(dim=-1).values
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+    z = logits - logits_max.unsqueeze(-1)
+    elsewhere = (target < start) | (target >= start + part)
+    local = (target - start).masked_fill(elsewhere, 0)
+    predicted = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+    dist.all_reduce(predicted, group=group)
+    return z.exp().sum(dim=-1).log() - predicted
+
+
+def loss_without_max(logits, target, group):
+    # The algebra without the max: exact on ordinary logits, infinite once exp() overflows.
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    elsewhere = (target < start) | (target >= start + part)
+    local = (target - start).masked_fill(elsewhere, 0)
+    predicted = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+    dist.all_reduce(predicted, group=group)
+    sum_exp = logits.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp, group=group)
+    return sum_exp.log() - predicted
+
+
+def loss_max_summed(logits, target, group):
+    # The max all-reduced with the default op (SUM): the same shift everywhere, right on ordinary logits, but on
+    # large ones the sum of the ranks' maxima pushes every exponential to 0.
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    logits_max = logits.max(dim=-1).values
+    dist.all_reduce(logits_max, group=group)
+    z = logits - logits_max.unsqueeze(-1)
+    elsewhere = (target < start) | (target >= start + part)
+    local = (target - start).masked_fill(elsewhere, 0)
+    predicted = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+    dist.all_reduce(predicted, group=group)
+    sum_exp = z.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp, group=group)
+    return sum_exp.log() - predicted
+
+
+def loss_gathers_logits(logits, target, group):
+    # The right number the expensive way: the whole [s, b, V] logits gathered on every rank, then the dense loss.
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, logits.contiguous(), group=group)
+    full = torch.cat(shards, dim=-1)
+    return F.cross_entropy(full.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
+
+
+def loss_subtracts_in_place(logits, target, group):
+    # Megatron's memory saving copied without its context: the max subtracted from the caller's logits in place.
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    logits_max = logits.max(dim=-1).values
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+    logits.sub_(logits_max.unsqueeze(-1))
+    elsewhere = (target < start) | (target >= start + part)
+    local = (target - start).masked_fill(elsewhere, 0)
+    predicted = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+    dist.all_reduce(predicted, group=group)
+    sum_exp = logits.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp, group=group)
+    return sum_exp.log() - predicted
+
+
+def loss_returns_mean(logits, target, group):
+    # The right per-token losses, averaged: one number where the caller expects [s, b].
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    logits_max = logits.max(dim=-1).values
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+    z = logits - logits_max.unsqueeze(-1)
+    elsewhere = (target < start) | (target >= start + part)
+    local = (target - start).masked_fill(elsewhere, 0)
+    predicted = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+    dist.all_reduce(predicted, group=group)
+    sum_exp = z.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp, group=group)
+    return (sum_exp.log() - predicted).mean()
+
+
+def loss_on_world_group(logits, target, group):
+    # The three all-reduces without group=: right when the group is the whole world, wrong inside a larger one.
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    logits_max = logits.max(dim=-1).values
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX)
+    z = logits - logits_max.unsqueeze(-1)
+    elsewhere = (target < start) | (target >= start + part)
+    local = (target - start).masked_fill(elsewhere, 0)
+    predicted = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+    dist.all_reduce(predicted)
+    sum_exp = z.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp)
+    return sum_exp.log() - predicted
+
+
+def loss_target_unchecked_index(logits, target, group):
+    # target - start used as an index without a mask: outside this rank's block it points outside the shard.
+    import torch.distributed as dist
+
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    logits_max = logits.max(dim=-1).values
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+    z = logits - logits_max.unsqueeze(-1)
+    predicted = z.gather(-1, (target - start).unsqueeze(-1)).squeeze(-1)
+    dist.all_reduce(predicted, group=group)
+    sum_exp = z.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp, group=group)
+    return sum_exp.log() - predicted
+
 # Marked after their definitions, not with a decorator: an answer travels as its source (to the ranks, and into
 # a notebook cell in the browser test), and a decorator line would travel with it.
 tries("output")(column_gathers_output)
@@ -153,6 +317,12 @@ tries("output")(swiglu_up_off_by_one)
 tries("non-finite")(column_leaves_a_nan)
 tries("non-finite")(row_leaves_a_nan)
 tries("non-finite")(swiglu_leaves_a_nan)
+tries("non-finite")(loss_without_max)
+tries("non-finite")(loss_max_summed)
+tries("traffic")(loss_gathers_logits)
+tries("mutation")(loss_subtracts_in_place)
+tries("output")(loss_returns_mean)
+tries("layouts")(loss_on_world_group)
 
 
 WRONG = [
@@ -170,4 +340,14 @@ WRONG = [
     ("swiglu_shard", swiglu_up_then_gate, "in that order"),
     ("swiglu_shard", swiglu_up_off_by_one, "silently cut short"),
     ("swiglu_shard", swiglu_leaves_a_nan, "holds NaN or inf"),
+    ("vocab_parallel_loss", loss_max_not_reduced, "each rank subtracted its own largest logit"),
+    ("vocab_parallel_loss", loss_target_not_masked, "every rank added a logit to the target's"),
+    ("vocab_parallel_loss", loss_sum_not_reduced, "over its own"),
+    ("vocab_parallel_loss", loss_without_max, "exp() overflowed"),
+    ("vocab_parallel_loss", loss_max_summed, "not SUM"),
+    ("vocab_parallel_loss", loss_gathers_logits, "the logits (or their exponentials) were gathered"),
+    ("vocab_parallel_loss", loss_subtracts_in_place, "caller's logits (or target) changed"),
+    ("vocab_parallel_loss", loss_returns_mean, "you returned one number"),
+    ("vocab_parallel_loss", loss_on_world_group, "used the default (world) group instead of the group"),
+    ("vocab_parallel_loss", loss_target_unchecked_index, "indexing this rank's logits with the target failed"),
 ]

@@ -1,5 +1,6 @@
 """Rank-side checks for chapter 04: a column-parallel forward, a row-parallel forward with the bias once,
-and the split of SwiGLU's fused [gate; up] weight. All on real ranks, against the dense layer.
+the split of SwiGLU's fused [gate; up] weight, and the cross-entropy from logits split by vocabulary. All on real
+ranks, against the dense layer (or the dense loss).
 
 Every rank builds the same dense layer from one seed, hands the learner's function its shard, runs
 forward *and* backward (the backward is where a missing ``f`` shows), and compares. A check runs in
@@ -10,11 +11,15 @@ reported as what it is on every rank, never as a hang in a collective the others
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 
 from workers.exercises.subgroups import DEFAULT_GROUP, in_sub_group, layouts, sub_group
 from workers.exercises.support import Wrong, agree, expect_close, expect_finite, run_exercise, scaled_by
 from workers.model.dense import BlockConfig, build, inputs
+from workers.parallel import mappings
 from workers.parallel.layers import contiguous_index
 from workers.parallel.mlp import ParallelMLP, naive_rows, swiglu_rows
 
@@ -247,9 +252,202 @@ def check_swiglu_shard(ctx, answer) -> None:
     agree(verdict)
 
 
+# -- exercise 4: the cross-entropy from logits split by vocabulary ----------------------------------------------
+
+LOSS_SEQ, LOSS_BATCH, LOSS_VOCAB = 8, 4, 24  # 32 tokens: every word is a target once (24) and 8 more at random
+# Logits of order 1, then of order 1e3: exp() of an unshifted logit overflows float32 above 88.7, so the second case
+# shows what the max is for; a max taken over the wrong ranks, or summed, leaves every exponential 0 or infinite there.
+LOSS_SCALES = (("logits of order 1", 1.0), ("logits of order 1e3", 1e3))
+# the tensor a collective is handed, by argument position (and keyword) in torch.distributed's signatures
+_COLLECTIVE_INPUT = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
+                     "send": (0, "tensor"), "isend": (0, "tensor"), "gather": (0, "tensor"),
+                     "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
+                     "all_gather_object": (1, "obj"), "reduce_scatter": (1, "input_list"),
+                     "reduce_scatter_tensor": (1, "input"), "all_to_all": (1, "input_tensor_list"),
+                     "all_to_all_single": (1, "input")}
+
+
+def _elements(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)):
+        return sum(_elements(v) for v in value)
+    return 0
+
+
+@contextlib.contextmanager
+def _counted_collectives():
+    """Every collective the answer calls, as ``(name, elements it handed in)``: torch.distributed's, and the
+    mappings' all-gather and reduce-scatter (bound at import time, so patched where the mappings look them up)."""
+    calls: list[tuple[str, int]] = []
+    saved = []
+
+    def counted(name, fn, position, keyword):
+        def call(*args, **kwargs):
+            handed = args[position] if len(args) > position else kwargs.get(keyword)
+            calls.append((name, _elements(handed)))
+            return fn(*args, **kwargs)
+        return call
+
+    targets = [(dist, name, *where) for name, where in _COLLECTIVE_INPUT.items() if hasattr(dist, name)]
+    targets += [(mappings, "all_gather_single", 1, "input_tensor"), (mappings, "reduce_scatter_single", 1, "input")]
+    for module, name, position, keyword in targets:
+        original = getattr(module, name)
+        saved.append((module, name, original))
+        setattr(module, name, counted(name.replace("_single", "_into_tensor"), original, position, keyword))
+    try:
+        yield calls
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+
+def _loss_inputs(seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits [s, b, V] float32, target [s, b])`` of one group: every word is a target, so every rank of any
+    group holds targets of its own and targets of other ranks."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(LOSS_SEQ, LOSS_BATCH, LOSS_VOCAB, generator=g) * scale
+    n = LOSS_SEQ * LOSS_BATCH
+    words = torch.cat([torch.randperm(LOSS_VOCAB, generator=g), torch.randint(LOSS_VOCAB, (n - LOSS_VOCAB,), generator=g)])
+    return logits, words[torch.randperm(n, generator=g)].view(LOSS_SEQ, LOSS_BATCH)
+
+
+def _picked(z: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return z.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [s, b]
+
+
+def _loss_reference(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The dense per-token loss ``log sum_j exp z_j - z_target``, float64, ``[s, b]``."""
+    return torch.logsumexp(z, -1) - _picked(z, target)
+
+
+def _loss_mistakes(z: torch.Tensor, target: torch.Tensor, t: int, r: int) -> list[tuple[torch.Tensor, str]]:
+    """What rank ``r`` of ``t`` returns with each single mistake, in float64, and the message that names it."""
+    part = z.shape[-1] // t
+    shards = z.split(part, dim=-1)  # [s, b, V/t] each
+    holder, zt, lse, m = target // part, _picked(z, target), torch.logsumexp(z, -1), z.amax(-1)
+    own_max = torch.stack([s.amax(-1) for s in shards])  # [t, s, b]
+    own_sums = torch.stack([(s - own_max[i].unsqueeze(-1)).exp().sum(-1) for i, s in enumerate(shards)])
+    out = [(own_sums.sum(0).log() - (zt - own_max.gather(0, holder.unsqueeze(0)).squeeze(0)),
+            "the loss is finite and the same on every rank, but wrong: each rank subtracted its own largest logit, so "
+            "the ranks' sums of exponentials are in different units. All-reduce the max over the group with "
+            "op=dist.ReduceOp.MAX before subtracting it"),
+           (torch.logsumexp(shards[r], -1) - zt,
+            f"rank {r}'s loss is the log of the sum of exponentials over its own {part} words only (each rank's "
+            "softmax sums to 1 on its own): the softmax's denominator runs over the whole vocabulary, so all-reduce "
+            "(SUM) the sum of exponentials over the group before the log")]
+    not_mine = "every rank added a logit to the target's: "
+    for stand_in in (lambda i: torch.zeros_like(target), lambda i: (target - i * part).clamp(0, part - 1)):
+        extra = sum(torch.where(holder == i, 0.0, _picked(shards[i], stand_in(i))) for i in range(t))
+        for shift in ((t - 1) * m, 0.0):  # the target's logit taken after subtracting the max, or before
+            out.append((lse - zt - (extra - shift), not_mine + (
+                "where another rank holds the target, this rank's index (clamped, or set to 0, to stay inside its "
+                "shard) picks a stand-in logit, and it was kept. Set the picked logit to 0 on the ranks whose block "
+                "[start, end) does not contain the target, so that the SUM all-reduce adds exactly one logit")))
+    return out
+
+
+def _world_loss(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """What the three all-reduces give over the whole world when it holds several groups, each with its own logits
+    and targets: every group's shards and targets summed in, the max over all of them (float64, ``[s, b]``)."""
+    groups = [(z.double(), target) for z, target in groups]
+    m = torch.stack([z.amax(-1) for z, _ in groups]).amax(0)
+    sums = sum((z - m.unsqueeze(-1)).exp().sum(-1) for z, _ in groups)
+    return sums.log() - sum(_picked(z, target) - m for z, target in groups)
+
+
+def check_vocab_parallel_loss(ctx, answer) -> None:
+    # The whole world as the group first, then, at world 4, two groups of 2 side by side with their own logits and
+    # targets: non-contiguous ranks (a rank's place in its group is not its rank), then consecutive ones.
+    for what, scale in LOSS_SCALES:
+        _loss_case(ctx, answer, None, ctx.world_size, ctx.rank, seeds=[7], index=0, scale=scale, what=what)
+    for dim in layouts(ctx.world_size):
+        with sub_group(ctx, dim) as sg:
+            for what, scale in LOSS_SCALES:
+                _loss_case(ctx, answer, sg.group, sg.size, sg.rank, seeds=[70 + i for i in range(sg.n_groups)],
+                           index=sg.index, scale=scale, what=what, sg=sg)
+
+
+def _loss_case(ctx, answer, group, t, r, *, seeds, index, scale, what, sg=None) -> None:
+    """The learner's loss on this rank's block of group ``index``'s logits (seed ``seeds[index]``), ``t`` ranks in
+    ``group``, this one at place ``r``; judged against the dense loss in float64 from the same float32 logits."""
+    data = [_loss_inputs(s, scale) for s in seeds]
+    logits_full, target = data[index]
+    part = LOSS_VOCAB // t
+    logits = logits_full[..., r * part:(r + 1) * part].clone().to(ctx.device)  # [s, b, V/t]
+    target_in = target.clone().to(ctx.device)
+    crashed = None
+    with _counted_collectives() as calls:
+        try:
+            got = answer(logits, target_in, group)
+        except (IndexError, RuntimeError) as exc:  # a target outside this rank's block, used as an index
+            if "out of bounds" not in str(exc) and "out of range" not in str(exc):
+                raise
+            crashed = exc
+    z = logits_full.double()
+    want = _loss_reference(z, target)
+    # float32 arithmetic against float64: the reference answer is off by at most 1e-7 of the largest loss (5.5e-7 on
+    # losses up to 5.9 at logits ~1, 2.4e-4 on losses up to 4100 at ~1e3, t = 2 and 4): a margin of 100
+    tol = 1e-5 * max(1.0, want.abs().max().item())
+    s, b = LOSS_SEQ, LOSS_BATCH
+
+    def verdict():
+        if crashed is not None:
+            raise Wrong(f"indexing this rank's logits with the target failed ({str(crashed).splitlines()[0]}): the "
+                        f"targets are words of the whole vocabulary, and rank {r} holds only words [{r * part}, "
+                        f"{(r + 1) * part}). Subtract start, and where the target lies outside [start, end) use any "
+                        "index inside the shard (0) and set the logit it picks to 0")
+        if not isinstance(got, torch.Tensor):
+            raise Wrong(f"vocab_parallel_loss should return a tensor, the loss of every token [s, b], not "
+                        f"{type(got).__name__}")
+        if got.dim() == 0:
+            raise Wrong("you returned one number: return the loss of every token, [s, b] (as F.cross_entropy(..., "
+                        "reduction='none')); the caller averages it")
+        if tuple(got.shape) != (s, b):
+            raise Wrong(f"the loss has shape {tuple(got.shape)}; it should be the target's, [s, b] = {(s, b)}: one "
+                        "loss per token (reduce over the vocabulary, the last dimension of the logits, only)")
+        if not torch.equal(logits.cpu(), logits_full[..., r * part:(r + 1) * part]) or not torch.equal(
+                target_in.cpu(), target):
+            raise Wrong("the loss is computed, but the caller's logits (or target) changed: subtracting the max in "
+                        "place (logits -= max, logits.sub_(...)) writes into the caller's tensor, which the backward "
+                        "and the rest of the step still read. Subtract out of place: z = logits - max")
+        big = [(name, n) for name, n in calls if n > 3 * s * b]
+        if big:
+            name, n = big[0]
+            raise Wrong(f"{name} was handed {n} elements, more than the three [s, b] tensors ({3 * s * b} elements) "
+                        "the loss needs: the logits (or their exponentials) were gathered. The point of the split is "
+                        "that the [s, b, V] logits never exist whole on one rank: all-reduce three [s, b] tensors "
+                        "instead, the max (MAX), the target's logit (SUM) and the sum of exponentials (SUM)")
+        if not torch.isfinite(got.detach()).all():
+            raise Wrong(f"with {what} the loss holds inf or NaN: exp() overflowed (float32 overflows above 88.7) or "
+                        "every exponential underflowed to 0. Subtract each token's largest logit, all-reduced over "
+                        "the group with op=dist.ReduceOp.MAX (not SUM: a sum of the ranks' maxima shifts every logit "
+                        "far below 0), before exp")
+        loss = got.detach().cpu().double()
+
+        def close(candidate) -> bool:
+            return bool(torch.allclose(loss, candidate, atol=tol, rtol=0))
+        if close(want):
+            return
+        if sg is not None and close(_world_loss(data)):
+            raise Wrong("the loss sums the logits and exponentials of every rank of the world, not of the ranks "
+                        "of your group: the all-reduces " + DEFAULT_GROUP)
+        for candidate, message in _loss_mistakes(z, target, t, r):
+            if close(candidate):
+                raise Wrong(f"with {what}: {message}")
+        err = (loss - want).abs().max().item()
+        raise Wrong(f"with {what} rank {r}'s loss is off by up to {err:.3g} (tolerance {tol:.2g}): the loss is "
+                    "log(sum of exp(z - max)) - (z_target - max), with the max all-reduced (MAX), the target's logit "
+                    "taken on the rank that holds it and 0 elsewhere (SUM), and the sum of exponentials (SUM), all "
+                    "over the group")
+
+    agree(_stage(sg, verdict))
+
+
 CHECKS = {"column_parallel_forward": check_column_parallel_forward,
           "row_parallel_forward": check_row_parallel_forward,
-          "swiglu_shard": check_swiglu_shard}
+          "swiglu_shard": check_swiglu_shard,
+          "vocab_parallel_loss": check_vocab_parallel_loss}
 
 
 def main(ctx, exercise: str = "", answer=None):
