@@ -13,3 +13,10 @@ def block_forward(x, parts, group):
 def attention_flop_share(seq, hidden):
     """(8bsh^2 + 4bs^2h) / (24bsh^2 + 4bs^2h): QKV 6bsh^2 + scores 2bs^2h + P.V 2bs^2h + output 2bsh^2, MLP 16bsh^2."""
     return (8 * hidden + 4 * seq) / (24 * hidden + 4 * seq)
+
+
+def collective_matmul_blocks(rank, tp, step):
+    """The ring sends to rank + 1 and receives from rank - 1. All-gather ring: at step k rank r holds (and multiplies)
+    the shard of rank r - k, passed one hop per step. Reduce-scatter ring: at step k rank r adds its addend to block
+    r - k - 1 and sends the running sum on; the last step (k = tp - 1) completes its own block, which it keeps."""
+    return (rank - step) % tp, (rank - step - 1) % tp

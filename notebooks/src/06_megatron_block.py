@@ -335,7 +335,125 @@ else:
     print(reference_data.block_baseline_table(ref))
 
 # %% [markdown]
-# ## 6. Exercises
+# ## 6. Hiding TP's communication behind the matmuls
+#
+# With sequence parallelism each sub-layer opens with an all-gather and closes with a reduce-scatter, and in
+# between each side waits for the other: the column-parallel matmul cannot start before the all-gather has brought
+# every rank's rows, and the reduce-scatter cannot start before the row-parallel matmul has finished. Section 4 found
+# that communication takes a large share of each pass; on a GPU, the SMs sit idle while those bytes move.
+#
+# Wang et al. 2023 (*Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
+# Models*, ASPLOS 2023, [doi:10.1145/3567955.3567959](https://doi.org/10.1145/3567955.3567959)) notice that the
+# dependence holds only block by block. Row block $j$ of $\mathrm{AllGather}(x)\,W$ needs only rank $j$'s shard of
+# $x$, so the all-gather can be cut into $t$ steps around a ring: at each step every rank sends the shard it holds to
+# its right neighbour, receives the next one from its left, and **meanwhile multiplies the shard it holds**. After $t$
+# steps every rank has multiplied every shard: the same product, with $t-1$ transfers running under $t$ matmul chunks.
+# The reduce-scatter after the row-parallel matmul is cut the same way: each rank computes its addend for one block
+# of rows, adds the running sum of that block that arrived from its left, and sends it on while it computes the next
+# block's addend; after $t$ steps every block has collected every rank's addend and stopped at the rank that keeps it.
+# (The paper's ring steps are CollectivePermutes, and it also runs two rings in opposite directions at once; ours
+# turns one way.)
+#
+# The two rings are conjugates, like `f` and `g`: the backward of the all-gather ring is a reduce-scatter ring of
+# the input gradient, and the backward of the reduce-scatter ring is an all-gather ring of the output gradient.
+# `workers/parallel/collective_matmul.py` has both (`all_gather_matmul`, `matmul_reduce_scatter`), and its
+# `decomposed_mlp` is the sequence-parallel MLP with both collectives cut into rings.
+# `workers/ch06_collective_matmul.py` runs one forward and backward of that MLP three ways: **blocking** (the MLP of
+# sections 1-3, whole collectives), **decomposed** (the rings, each transfer running while a chunk multiplies) and
+# **serialized** (the same rings, each transfer waited for as soon as it is posted: the decomposition without the
+# overlap).
+#
+# First: is it still the same computation? In float64, so that only the order of the sums can differ.
+
+# %%
+from course_utils import tp_overlap
+
+OVERLAP = "workers.ch06_collective_matmul"
+overlap_runs = {t: cu.run(OVERLAP, world_size=WORLD, tp=t, seq=SEQ, batch=BATCH, hidden=HIDDEN, **LIMITS)
+                for t in (2, 4)}
+for res in overlap_runs.values():
+    print("\n".join(tp_overlap.equality_lines(res)))
+
+# %% [markdown]
+# Every tensor, at TP 2 (two groups of 2 in the 4 ranks) and TP 4, equals the dense MLP and the blocking collectives
+# to within $10^{-12}$; the errors are around $10^{-15}$, float64 rounding of sums taken in another order, while a
+# block lost or counted twice would miss by about 1.
+#
+# **Predict**: at TP 4, how many transfers does one ring make, and does it send more bytes per rank than the
+# all-gather it replaces, or fewer?
+
+# %%
+print(tp_overlap.ring_table(overlap_runs[4]))
+mlp_bytes = 2 * tp_comm_bytes_per_layer(BATCH, SEQ, HIDDEN, 4, bytes_per_element=8).wire_bytes_per_all_reduce
+print(f"the four rings together: {sum(r['sent'] for r in tp_overlap.ring_rows(overlap_runs[4][0])):,} B per rank; "
+      f"section 2's count for the MLP (one all-reduce's bytes forward, one backward): {mlp_bytes:,.0f} B")
+
+# %% [markdown]
+# Each ring multiplies $t$ chunks and makes $t-1$ transfers: a rank already holds its own shard (all-gather), and
+# keeps its own block (reduce-scatter). Each transfer carries one block of $s/t$ rows, so a ring sends $(t-1)/t$ of
+# the $[s, b, h]$ activation per rank: exactly what the ring all-gather or reduce-scatter it replaces sends.
+# Decomposing changes *when* the bytes move, not how many.
+#
+# Does it pay? The same MLP in float32 at s = 512, h = 512, b = 1 on 2 ranks, three runs. In each, every mode runs
+# one step with its timeline recorded, then two timed steps (the modes take turns, so that a burst of load on the
+# shared cores falls on all three), then one more recorded step. **Predict**: on this machine, which mode has the
+# shortest step?
+
+# %% tags=["nbval-ignore-output"]
+TIMED = {"seq": 512, "batch": 1, "hidden": 512, "dtype": "float32", "repeats": 2}
+timed_runs = [cu.run(OVERLAP, world_size=2, **TIMED, **LIMITS)
+              for _ in cu.each(range(3), "timed run", lambda i: "blocking, decomposed, serialized")]
+print(tp_overlap.timing_table(timed_runs))
+print(tp_overlap.chunks_line(timed_runs))
+
+# %% tags=["nbval-ignore-output"]
+plots.savefig(tp_overlap.timeline_figure(tp_overlap.run_timelines(tp_overlap.typical_run(timed_runs)),
+                                         "one step of the sequence-parallel MLP, TP 2, s = h = 512, float32"),
+              "06_overlap_timeline");
+
+# %% [markdown]
+# In the decomposed step, every chunk but the last of each ring (outlined) multiplies while a transfer is in flight
+# (the line in its ring's colour above its row), and the waits that follow are short: its exposed wait is far below
+# the blocking and serialized steps'. **The step gains little.** Compare each step with the blocking step of the
+# same round (the `vs blocking` column): the decomposed step is at most a little shorter, by less than the spread
+# of the steps. On this machine a gloo transfer is a memory copy made by the CPU (through the loopback network
+# stack), on the same two cores that multiply: overlap can hide the time a rank spends
+# waiting for the other to arrive (each ring step and each collective is a rendezvous), not the copy itself, which
+# still takes the cores' time. The line under the table compares the chunks multiplied during a transfer with the
+# same chunks multiplied alone, in the serialized step: when the cores are busy, the copy can slow the chunks that
+# run beside it. All these numbers vary from run to run and from machine to machine.
+#
+# On a GPU the transfer runs on hardware that does not multiply: NVLink and the GPU's copy engines move a peer's
+# shard while the SMs run the GEMM, so hidden time is saved time, as long as each chunk's matmul lasts as long as its
+# transfer and the chunks stay large enough for the GEMMs to stay efficient. PyTorch's **async TP** does this:
+# `torch.ops.symm_mem.fused_all_gather_matmul` and `fused_matmul_reduce_scatter`
+# (`torch/distributed/_symmetric_memory/__init__.py`), which the Inductor pass
+# `torch/_inductor/fx_passes/micro_pipeline_tp.py` puts into a compiled graph when
+# `torch._inductor.config._micro_pipeline_tp = True`; torchtitan turns it on with
+# `--parallelism.enable_async_tensor_parallel` together with `--compile.enable`
+# (`torchtitan/distributed/tensor_parallel.py: maybe_enable_async_tp`). It is built on **symmetric memory**: a
+# buffer that every GPU of the group maps, so a rank copies a peer's shard straight out of the peer's memory (flags
+# in the same memory serve as barriers), and the copies and the matmuls alternate between two CUDA streams. Its order
+# is not a ring: inside an NVLink node every GPU reaches every other directly, so at step $k$ rank $r$ reads the shard
+# of rank $r + k$. These ops exist for CUDA only, so nothing in this chapter runs them. The PyTorch team reports up to
+# ~20% faster forward passes and ~8% faster training steps for Llama 3 70B with async TP in torchtitan
+# ([the announcement](https://discuss.pytorch.org/t/distributed-w-torchtitan-introducing-async-tensor-parallelism-in-pytorch/209487)).
+#
+# Chapter 00's planner prices this as `Practice(tp_overlap=True)`: each TP collective hides under the GEMMs of the
+# layer it belongs to, up to their time, and one ring step ($1/t$ of the collective) stays exposed. One layer of
+# Llama 3 70B's shape, TP 8 with SP inside one node of H100s, one micro-batch of 8192 tokens:
+
+# %%
+print(tp_overlap.planner_table("llama-3-70b", tp=8, seq=8192, cluster="h100-ib"))
+
+# %% [markdown]
+# The layer's collectives take a fraction of its GEMM time, so all but the last ring step of each hides: the TP time
+# per layer falls to $1/8$, and the step's TP term with it (the last two columns). That is the planner's model of the
+# step, not a measurement: the ~8% that the PyTorch team measured end to end for Llama 3 70B is the number to hold it
+# against.
+
+# %% [markdown]
+# ## 7. Exercises
 #
 # **Exercise 1: the block's two all-reduces.** `parts` holds this rank's pieces of the block, with no
 # communication inside: `parts.ln1(x)`, `parts.ln2(x)` (the LayerNorms), `parts.attention_partial(y)` and
@@ -365,7 +483,26 @@ def attention_flop_share(seq, hidden):
 cu.check("attention_flop_share", attention_flop_share)
 
 # %% [markdown]
-# ## 7. Explore on real ranks
+# **Exercise 3: the order of the rings.** In `workers/parallel/collective_matmul.py` the TP group is a ring: at
+# every step each rank sends one block to rank $r + 1$ and receives one from rank $r - 1$ (mod $t$). Write
+# `collective_matmul_blocks(rank, tp, step)`, for steps 0 to tp - 1, returning a pair:
+#
+# * the rank whose sequence shard `rank` multiplies at that step of the **all-gather** ring, and
+# * the block of rows whose partial sum `rank` computes at that step of the **reduce-scatter** ring: it adds its
+#   addend to the running sum of that block that arrived from its left and sends the sum on to its right; at the
+#   last step nothing is sent, and the block it completes is the one it keeps.
+#
+# The check tries every rank and every step at several TP sizes.
+
+# %% tags=["exercise"]
+def collective_matmul_blocks(rank, tp, step):
+    raise NotImplementedError
+
+# %% tags=["check"]
+cu.check("collective_matmul_blocks", collective_matmul_blocks)
+
+# %% [markdown]
+# ## 8. Explore on real ranks
 #
 # TP size, sequence parallelism and a fault: the widget reruns the block on real ranks and draws every
 # tensor's error against the dense block, with the collectives it counted.
@@ -399,6 +536,20 @@ block_live.wait(90)
 block_live
 
 # %% [markdown]
+# The overlap: TP size and hidden size. Each change runs the three modes again on warm ranks (float32, s = 512, one
+# timed step of each) and draws their timelines, with each mode's step time. A chunk's matmul grows with $h^2$ while
+# its transfer grows with $h$ (per row, $2 \cdot 4h/t$ FLOPs of fc1 for every element sent), so a larger $h$ gives
+# each transfer more compute to hide under, and a larger $t$ less.
+
+# %% tags=["nbval-ignore-output"]
+overlap_live = LiveRun(OVERLAP, {"tp": W.Dropdown(options=[2, 4], value=2, description="TP"),
+                                    "hidden": slider("hidden", 512, 128, 512, 128)},
+                       tp_overlap.live_figure, params={"seq": 512, "batch": 1, "dtype": "float32", "repeats": 1},
+                       derive=lambda s: {"world_size": s["tp"]}, timeout=90)
+overlap_live.wait(90)
+overlap_live
+
+# %% [markdown]
 # ## Summary
 #
 # * A Megatron layer is two parallel regions, each opened by `f` and closed by `g`: 2 all-reduces forward,
@@ -410,6 +561,10 @@ block_live
 #   is pure noise).
 # * Attention's share of the FLOPs is $(2h+s)/(6h+s)$; measured shares follow it where the kernels are
 #   equally efficient, and a profile is what tells you where they are not.
+# * Collective matmul cuts TP's all-gather and reduce-scatter into $t-1$ ring transfers of one block each (the same
+#   bytes), each running while a block multiplies: the same results to float64 rounding, and the waits shrink. It
+#   pays where the transfer runs on hardware that does not multiply (NVLink and copy engines: PyTorch's async TP); on
+#   CPU ranks, whose copies share the cores, the waits shrink but the step barely does.
 
 # %% [markdown]
 # ### Before you close this chapter

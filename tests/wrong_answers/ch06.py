@@ -128,6 +128,37 @@ def share_s_and_h_swapped(seq, hidden):
     return (8 * seq + 4 * hidden) / (24 * seq + 4 * hidden)
 
 
+def blocks_ring_turned_left(rank, tp, step):
+    # Shards taken from the right neighbour: the same as the course's ring at tp 2, where both neighbours are one rank.
+    return (rank + step) % tp, (rank + step + 1) % tp
+
+
+def blocks_bit_mask_wrap(rank, tp, step):
+    # "mod tp" written as a bit mask: right for tp 1, 2, 4, 8; wrong for tp 3.
+    return (rank - step) & (tp - 1), (rank - step - 1) & (tp - 1)
+
+
+def blocks_nothing_sent_last(rank, tp, step):
+    # "Which block does it send": at the last step nothing is sent, so nothing is returned; that step still computes
+    # the rank's own block.
+    return (rank - step) % tp, (rank - step - 1) % tp if step < tp - 1 else None
+
+
+def blocks_scatter_like_gather(rank, tp, step):
+    # The reduce-scatter ring given the all-gather ring's order: it then starts on its own block and never ends on it.
+    return (rank - step) % tp, (rank - step) % tp
+
+
+def blocks_every_rank_in_order(rank, tp, step):
+    # Every rank multiplies shard 0, then 1, ...: at step 0 two ranks would need the same shard, which only one holds.
+    return step, (rank - step - 1) % tp
+
+
+def blocks_no_wrap(rank, tp, step):
+    # The right formulas without the wrap-around: rank -1 does not exist.
+    return rank - step, rank - step - 1
+
+
 # Marked after their definitions, not with a decorator: an answer travels as its source (to the ranks, and into
 # a notebook cell in the browser test), and a decorator line would travel with it.
 tries("non-finite")(block_nan_in_output)
@@ -136,6 +167,9 @@ tries("layouts")(block_g_without_group)
 tries("output")(block_detached_off_rank_zero)
 tries("non-finite")(share_nan_at_long_sequences)
 tries("layouts")(share_s_and_h_swapped)
+tries("layouts")(blocks_ring_turned_left)
+tries("sizes")(blocks_bit_mask_wrap)
+tries("output")(blocks_nothing_sent_last)
 
 WRONG = [
     ("block_forward", block_without_f, "Pass the LayerNorm outputs through f"),
@@ -152,4 +186,10 @@ WRONG = [
     ("attention_flop_share", share_s_and_h_swapped, "s and h swapped"),
     ("block_forward", block_nan_in_output, "NaN or infinite value(s)"),
     ("block_forward", block_averages_the_residual, "your forward ran 3 all-reduces"),
+    ("collective_matmul_blocks", blocks_ring_turned_left, "Your shards travel to the left"),
+    ("collective_matmul_blocks", blocks_bit_mask_wrap, "wraps around only when tp is a power of two"),
+    ("collective_matmul_blocks", blocks_nothing_sent_last, "At the last step nothing is sent"),
+    ("collective_matmul_blocks", blocks_scatter_like_gather, "That is the all-gather ring's order"),
+    ("collective_matmul_blocks", blocks_every_rank_in_order, "At step 0 each rank multiplies its own shard"),
+    ("collective_matmul_blocks", blocks_no_wrap, "wrap around the ring with % tp"),
 ]
