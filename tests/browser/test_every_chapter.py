@@ -64,8 +64,21 @@ CONTROL = re.compile(r"\b(slider|W\.(IntSlider|FloatSlider|FloatLogSlider|Select
                      r"Checkbox))\(")
 LIVE_RUNS = {"LiveRun", *re.findall(r"^class (\w+)\(LiveRun\)", "\n".join(
     p.read_text() for p in sorted((ROOT / "course_utils").glob("*.py"))), flags=re.M)}
-FIGURE_MAKER = re.compile(r"\b(" + "|".join(sorted(LIVE_RUNS | {"ShardingWidget", "sharding_widget", "tile_walk_widget",
-                                                                "planner_widget"})) + r")\(|\bW\.Image\(")
+
+
+def live_run_factories() -> set[str]:
+    """The course_utils functions that build a ``LiveRun`` for a chapter (``tp_vocab.live``, ``ulysses_widget``): a
+    cell that calls one shows a widget that draws a figure, as a cell that builds the LiveRun itself does."""
+    names = set()
+    for path in sorted((ROOT / "course_utils").glob("*.py")):
+        for match in re.finditer(r"^def (\w+)\(.*?(?=^def |^class |\Z)", path.read_text(), flags=re.M | re.S):
+            if re.search(r"\b(" + "|".join(sorted(LIVE_RUNS)) + r")\(", match.group(0)):
+                names.add(match.group(1))
+    return names
+
+
+FIGURE_MAKER = re.compile(r"\b(" + "|".join(sorted(LIVE_RUNS | live_run_factories() | {
+    "ShardingWidget", "sharding_widget", "tile_walk_widget", "planner_widget"})) + r")\(|\bW\.Image\(")
 
 
 def widget_cells(chapter: str) -> list[str]:
