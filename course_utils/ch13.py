@@ -167,19 +167,23 @@ def padded_times(row: dict) -> tuple[float, float, float]:
     return row["forward_ms"], row["backward_ms"] * (1 - w), row["backward_ms"] * w
 
 
-def replayed(res, pipeline: int = 0, message_ms: float = 0.0) -> dict:
-    """The ranks' own action tables replayed in ideal time at their padded F, B and W times, ``message_ms`` per
-    message (``validity.simulate_split``): ``step_idle``, idle / total over the step as the Gantt chart measures it
-    (every rank waits for the last before the optimizer step), and ``span_idle``, each rank's idle between its own
-    first and last action over the step, the bubble the zero-bubble paper counts (a rank that starts the next step
-    as soon as it is free)."""
-    rows = pipeline_ranks(res, pipeline)
-    table = [[tuple(a) for a in d["actions"]] for d in rows]
-    f, b, w = padded_times(rows[0])
-    sim = simulate_split(table, f, b, w, message_time=message_ms, placement=rows[0].get("placement", "loop"))
+def replay(table, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0, message: float = 0.0,
+           placement: str = "loop") -> dict:
+    """A schedule table replayed in ideal time (``validity.simulate_split``): ``step_idle``, idle / total over the step
+    averaged over the ranks, as the Gantt chart measures it (every rank waits for the last before the optimizer
+    step), ``span_idle``, the largest idle of a rank between its own first and last action over the step, the bubble
+    the zero-bubble paper counts (a rank that starts the next step as soon as it is free), and ``makespan``."""
+    sim = simulate_split(table, forward, backward, weight, message_time=message, placement=placement)
     busy = [sum(e["end"] - e["start"] for e in line) for line in sim["timeline"]]
     return {"step_idle": float(np.mean([1 - x / sim["makespan"] for x in busy])),
-            "span_idle": max(sim["span_idle"]) / sim["makespan"], "makespan_ms": sim["makespan"]}
+            "span_idle": max(sim["span_idle"]) / sim["makespan"], "makespan": sim["makespan"]}
+
+
+def replayed(res, pipeline: int = 0, message_ms: float = 0.0) -> dict:
+    """``replay`` of the ranks' own action tables at their padded F, B and W times, ``message_ms`` per message."""
+    rows = pipeline_ranks(res, pipeline)
+    table = [[tuple(a) for a in d["actions"]] for d in rows]
+    return replay(table, *padded_times(rows[0]), message_ms, rows[0].get("placement", "loop"))
 
 
 def zero_bubble_table(runs: dict) -> Table:

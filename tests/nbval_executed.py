@@ -3,7 +3,8 @@ kernel of its own: ``pytest -p tests.nbval_executed --nbval --nbval-executed DIR
 
 CI executes every chapter once per CPU variant (``course_utils.notebooks execute --out DIR``, the run a learner's
 ``make notebooks`` does) and holds that one execution to the committed outputs, cell by cell, with nbval's own rules:
-its per-cell options (``nbval-ignore-output``, ``nbval-skip``, ``nbval-raises-exception``), the sanitize patterns of
+its per-cell options (``nbval-ignore-output``, ``nbval-raises-exception``; a cell marked ``nbval-skip`` fails, since
+every cell is checked), the sanitize patterns of
 ``--nbval-sanitize-with``, its stream coalescing and its ``compare_outputs`` (the keys it skips, images compared by
 presence). Before, nbval executed every chapter a second time beside papermill, and that second execution was
 about a third of ``make test``.
@@ -42,8 +43,9 @@ def pytest_configure(config):
         self.setup_sanitize_files()
 
     def runtest(self):
-        if self.options["skip"]:
-            pytest.skip()
+        if self.options["skip"]:  # nbval would skip it; here an unchecked cell is an error, not a pass
+            self.raise_cell_error("this cell is marked nbval-skip: the course checks every cell (mark varying "
+                                  "output nbval-ignore-output instead)")
         executed = executed_code_cells(folder / Path(str(self.parent.fspath)).name)
         if self.cell_num >= len(executed):
             self.raise_cell_error(f"the executed notebook has {len(executed)} code cells; this is cell "

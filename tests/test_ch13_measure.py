@@ -114,6 +114,15 @@ def test_a_zero_bubble_timeline_reads_as_its_replay(name, p, m, step_idle):
     assert ch13.padded_times(res.ranks[0]) == (20.0, 20.0, 20.0)
 
 
+def test_a_table_replayed_with_message_latency_idles_more_and_1f1b_is_the_formula():
+    one = all_stages("1f1b", 4, 8)  # B is the whole backward: t_B + t_W = 2 t_F
+    assert ch13.replay(one)["step_idle"] == pytest.approx(pipeline_bubble_fraction(4, 8, denominator="total"))
+    from workers.pipeline.zero_bubble import split_stages
+
+    zb = split_stages("zb-v", 4, 8)
+    assert ch13.replay(zb, placement="v")["step_idle"] < ch13.replay(zb, message=0.5, placement="v")["step_idle"]
+
+
 def test_a_zero_bubble_gantt_draws_w_half_height_and_the_replay_in_its_title():
     fig = ch13.gantt_figure(fake_split_result("zb-h1", 4, 8))
     ax = fig.axes[0]

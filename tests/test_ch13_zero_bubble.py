@@ -106,7 +106,9 @@ def test_zb_h1_by_hand():
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
 def test_memory_zb_h1_is_1f1bs_zb_h2_twice_zb_v_1f1bs_dualpipev_one_more(p, m):
-    acts = lambda name: [peak_stashes(row)["activations"] for row in split_stages(name, p, m)]  # noqa: E731
+    def acts(name):
+        return [peak_stashes(row)["activations"] for row in split_stages(name, p, m)]
+
     assert acts("zb-h1") == [min(p - s, m) for s in range(p)]  # the paper's "same peak memory as 1F1B"
     assert acts("zb-h2")[0] == 2 * p - 1  # "up to (2p-1) M_B"
     # V: a chunk is half a stage, so 2p chunk-activations on rank 0 are 1F1B's p; DualPipeV holds PP + 1 = 2p + 1

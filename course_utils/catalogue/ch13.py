@@ -2,6 +2,7 @@
 forward/backward step over real send/recv (on real ranks)."""
 import math
 
+from course_utils.ch13 import FIX_MICRO_BATCHES, FIX_STAGES, broken_schedule  # the notebook shows the table
 from course_utils.exercises import FAIL, NOT_APPLICABLE, PASS, Exercise, call_answer, register
 
 CHECKER = "workers.exercises.ch13"
@@ -293,8 +294,6 @@ register(Exercise("split_linear_backward", "13", "split_linear_backward",
 
 
 # --- fix_schedule: find and repair the broken dependencies of a zero-bubble table -----------------------------------
-
-from course_utils.ch13 import FIX_MICRO_BATCHES, FIX_STAGES, broken_schedule  # noqa: E402  (the notebook shows it)
 
 FIX_TIMES = (1.0, 1.0, 1.0)  # t_F, t_B, t_W: where ZB-H1's bubble is a third of 1F1B's, (p - 1) t_F
 MISPLACED = 2  # actions out of place in the table the learner is given

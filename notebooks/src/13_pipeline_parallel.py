@@ -441,20 +441,12 @@ for name, res in SMALL_W.items():
 # advantage is gone (p = 4, m = 8, idle / total with a message latency in units of $T_F$):
 
 # %%
-from workers.pipeline.validity import simulate_split  # noqa: E402
-
-
-def step_idle(table, latency, placement="loop"):
-    sim = simulate_split(table, 1.0, 1.0, 1.0, message_time=latency, placement=placement)
-    return 1 - sum(sum(e["end"] - e["start"] for e in line) for line in sim["timeline"]) / (P * sim["makespan"])
-
-
-print(f"{'latency':>8} {'1f1b':>6} {'zb-h1':>6} {'zb-v':>6} {'dualpipev':>9}")
+TABLES = {"1f1b": (all_stages("1f1b", P, M), "loop"), "zb-h1": (split_stages("zb-h1", P, M), "loop"),
+          "zb-v": (split_stages("zb-v", P, M), "v"), "dualpipev": (split_stages("dualpipev", P, M), "v")}
+print(f"{'latency':>8}" + "".join(f" {name:>9}" for name in TABLES))
 for latency in (0.0, 0.25, 0.5, 1.0):
-    print(f"{latency:>8} {step_idle(all_stages('1f1b', P, M), latency):>6.3f} "
-          f"{step_idle(split_stages('zb-h1', P, M), latency):>6.3f} "
-          f"{step_idle(split_stages('zb-v', P, M), latency, 'v'):>6.3f} "
-          f"{step_idle(split_stages('dualpipev', P, M), latency, 'v'):>9.3f}")
+    print(f"{latency:>8}" + "".join(f" {ch13.replay(table, message=latency, placement=where)['step_idle']:>9.3f}"
+                                    for table, where in TABLES.values()))
 
 # %% [markdown]
 # Chapter 00's planner prices these schedules from the same tables (`step_time` replays them with each stage's
