@@ -14,6 +14,10 @@ What each measurement means (all in milliseconds, medians over ``iters`` repetit
 * ``compute``: ``matmuls`` matrix products alone; ``overlapped``: the same products issued between
   ``async_op=True`` and ``wait()``; ``sequential`` = all_reduce then products.
 * ``cuda_event`` (GPU only): the all_reduce timed with CUDA events recorded on the current stream.
+
+Timings move with the machine's load; one fact does not (``pending_at_launch``): rank 0 launches an async
+all_reduce while every other rank is held back until that call has returned, so at that moment the sum cannot
+exist yet and ``work.is_completed()`` must be False. A blocking call could not return there at all.
 """
 from __future__ import annotations
 
@@ -114,7 +118,31 @@ def main(ctx, size_mb: float = 8.0, iters: int = 5, matmuls: int = 4, matmul_n: 
 
     ms = {k: statistics.median(v) * 1e3 for k, v in t.items() if v}
     return {"ms": ms, "bytes": numel * 4, "stale_at_launch": sum(stale_at_launch), "iters": iters,
-            "device": str(dev), "backend": ctx.backend}
+            "pending_at_launch": pending_at_launch(ctx, x), "device": str(dev), "backend": ctx.backend}
+
+
+def pending_at_launch(ctx, x: torch.Tensor) -> bool | None:
+    """Rank 0: was its async all_reduce still unfinished when the call returned? None on other ranks, or alone.
+
+    The other ranks join the all_reduce only after rank 0 tells them its call returned, over a group of its own
+    (a separate channel: that message cannot queue behind the pending all_reduce). Until they join, no sum exists,
+    so the answer does not depend on timing or load.
+    """
+    if ctx.world_size == 1:
+        return None
+    signal = dist.new_group(backend="gloo")
+    go = torch.zeros(1)
+    if ctx.rank == 0:
+        work = dist.all_reduce(x, async_op=True)
+        pending = not work.is_completed()
+        dist.broadcast(go, src=0, group=signal)  # "my call has returned: join now"
+        work.wait()
+    else:
+        dist.broadcast(go, src=0, group=signal)
+        dist.all_reduce(x)
+        pending = None
+    dist.destroy_process_group(signal)
+    return pending
 
 
 if __name__ == "__main__":

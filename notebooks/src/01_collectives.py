@@ -278,12 +278,19 @@ print(ch01.async_table(timing))
 if on_cpu:  # on a GPU the worker does not read x before wait(): .item() would synchronise
     print("reads of x right after launching the async all_reduce that saw the input, not the sum:",
           sum(d["stale_at_launch"] for d in timing.ranks), "of", WORLD * timing[0]["iters"])
+print("rank 0's async all_reduce unfinished when the call returned, the other ranks held back until then:",
+      timing[0]["pending_at_launch"])
 
 # %% [markdown]
 # What this shows, and what it cannot:
-# - `async_launch` is orders of magnitude shorter than `async_wait`, which holds the whole transfer: the call
-#   hands the work to gloo's background thread and returns. Reading `x` before `wait()` saw the *input* (the last
-#   line), which is exactly the race you must never write.
+# - `async_launch` is normally orders of magnitude shorter than `async_wait`, which holds the whole transfer: the
+#   call hands the work to gloo's background thread and returns. Reading `x` before `wait()` saw the *input*,
+#   which is exactly the race you must never write.
+# - Timings move with the load: on a machine whose cores are all busy, the background thread can finish the whole
+#   transfer before the calling thread is scheduled again, and the "launch" then holds it all. The last line does
+#   not depend on timing: the worker launched rank 0's async all-reduce while every other rank waited for a
+#   message that rank 0 sent only once its call had returned. No sum could exist yet, and `work.is_completed()`
+#   said so (`True` printed means "unfinished"). A blocking call could never have returned there.
 # - On the CPU, `blocking_host` equals `blocking_synced`: gloo's blocking call returns only when the data has
 #   arrived, so there is nothing to synchronise.
 # - With NCCL on GPUs we *expect* the two to part: `blocking_host` would measure only the launch and stay
