@@ -151,13 +151,16 @@ def holdings(layout: Layout, cfg: GPTConfig = CONFIG, global_batch: int = GLOBAL
         samples = global_batch // layout.dp
         ends = (["embed", "pos"] if first else []) + (["ln_f", "head (tied copy)" if not first else "head = embed"]
                                                          if last else [])
-        sharded = sorted(f"blocks.{i}.{n}" for chunk in layers for i in chunk for n in SHARDED_PER_LAYER)
+        head = "embed.weight" if first and last else ("head.weight" if last else None)
+        # the embedding and its tied copy are split by vocabulary over TP (a block of rows, whole at tp 1)
+        sharded = sorted([f"blocks.{i}.{n}" for chunk in layers for i in chunk for n in SHARDED_PER_LAYER]
+                         + (["embed.weight"] if first else []) + (["head.weight"] if head == "head.weight" else []))
         out.append({"rank": rank, "coords": c, "stage": c["pp"], "layers": layers,
                     "heads": list(range(c["tp"] * heads, (c["tp"] + 1) * heads)),
                     "ffn": (c["tp"] * ffn, (c["tp"] + 1) * ffn), "tokens": tokens,
                     "rows": len(tokens) // (layout.tp if layout.sequence_parallel else 1),
                     "samples": list(range(c["dp"] * samples, (c["dp"] + 1) * samples)),
-                    "embed": first, "head": "embed.weight" if first and last else ("head.weight" if last else None),
+                    "embed": first, "head": head,
                     "ends": ends, "sharded": sharded})
     return out
 

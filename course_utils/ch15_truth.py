@@ -76,12 +76,14 @@ def local_param_counts(layout: dict, config: dict, stage: int) -> dict[str, int]
                 layer, rest = name.split(".", 2)[1:]
                 if int(layer) in layers:
                     out[name] = numel // tp if split[rest] != REPLICATED else numel
-            elif name in ("embed.weight", "pos") and vs == 0:
+            elif name == "embed.weight" and vs == 0:
+                out[name] = numel // tp  # split by vocabulary: vocab/tp rows
+            elif name == "pos" and vs == 0:
                 out[name] = numel
             elif name.startswith("ln_f.") and vs == V - 1:
                 out[name] = numel
         if vs == V - 1 and vs != 0:
-            out["head.weight"] = cfg.vocab * cfg.hidden  # the tied embedding's copy
+            out["head.weight"] = cfg.vocab // tp * cfg.hidden  # the tied embedding's copy: the same vocab/tp rows
     return out
 
 
@@ -116,13 +118,21 @@ def implementation_bytes(layout: dict, config: dict, stage: int) -> dict[str, fl
     held = _virtual_stages(layout, stage)
     layers = len(held) * cfg.layers // V
     b = config["global_batch"] // (layout["dp"] * m)
-    msg = b * cfg.seq // cp * cfg.hidden * E  # one [s/cp, b, h] activation
+    tokens = b * cfg.seq // cp  # b s/cp: the tokens of a micro-batch on this rank
+    msg = tokens * cfg.hidden * E  # one [s/cp, b, h] activation
+    first, last = 0 in held, V - 1 in held
     out = dict.fromkeys(("tp", "tp_parameters", "cp", "pp", "dp", "embedding"), 0.0)
     if tp > 1:  # 2 all-reduces (or their SP pairs) forward and 2 backward per layer: Megatron's f and g
-        ends = sum(vs in (0, V - 1) for vs in held) if sp else 0  # SP: embedding scatter, head gather
-        out["tp"] = m * (layers * 4 * 2 * (tp - 1) / tp * msg + ends * (tp - 1) / tp * msg)
-        if sp:  # LayerNorm weights and biases, row biases: partial gradients, all-reduced after each micro-batch
-            norms = 6 * cfg.hidden * layers + (2 * cfg.hidden if V - 1 in held else 0)
+        # the ends, split by vocabulary: the embedding's sum (an all-reduce; under SP a reduce-scatter and the
+        # all-gather of its gradient) and the head's input gradient (f's all-reduce; under SP the all-gather of its
+        # input and the reduce-scatter of its gradient), 2 (tp-1)/tp msg each; the loss's three all-reduces of
+        # [s/cp, b], in the loss's precision (float32 at least)
+        ends = (first + last) * 2 * (tp - 1) / tp * msg + last * 3 * 2 * (tp - 1) / tp * tokens * max(E, 4)
+        out["tp"] = m * (layers * 4 * 2 * (tp - 1) / tp * msg + ends)
+        if sp:  # LayerNorm weights and biases, row biases: partial gradients, all-reduced after each micro-batch;
+            # the first stage's position rows too (each rank added its own rows: [s/cp, h])
+            norms = 6 * cfg.hidden * layers + (2 * cfg.hidden if last else 0) \
+                + (cfg.seq // cp * cfg.hidden if first else 0)
             out["tp_parameters"] = m * 2 * (tp - 1) / tp * norms * E
     if cp > 1:  # forward: K and V on cp-1 hops; backward: K and V again, and dK/dV on cp hops home
         out["cp"] = m * layers * (6 * cp - 4) * msg / tp
@@ -136,22 +146,25 @@ def implementation_bytes(layout: dict, config: dict, stage: int) -> dict[str, fl
             out["dp"] = sum(2 * (group - 1) / group * math.ceil(n / group) * group * E for n in sizes)
         else:
             out["dp"] = sum(2 * (group - 1) / group * n * E for n in sizes)
-    out["embedding"] = len(tied) * cfg.vocab * cfg.hidden * E  # an all-reduce over 2 ranks sends its message once
+    out["embedding"] = len(tied) * cfg.vocab // tp * cfg.hidden * E  # an all-reduce over 2 ranks sends its message once
     return out
 
 
 WHY = {
-    "tp": "exact without sequence parallelism: 4 all-reduces of b s/cp h per layer; with it, the first stage also "
-          "gathers the embedding's gradient and the last stage the head's input (the planner counts layers only)",
-    "tp_parameters": "not in the planner: under sequence parallelism the LayerNorm and row-bias gradients are "
-                     "partial sums, all-reduced after every micro-batch (small: 6h per layer)",
+    "tp": "the planner counts the layers' 4 all-reduces of b s/cp h (or their sequence-parallel pairs) exactly, not "
+          "the ends split by vocabulary: the first stage sums the embedding's rows over TP, the last stage the head's "
+          "input gradient, each as much as one all-reduce of b s/cp h, and the loss's three all-reduces of b s/cp",
+    "tp_parameters": "not in the planner: under sequence parallelism the LayerNorm and row-bias gradients (and the "
+                     "first stage's position rows) are partial sums, all-reduced after every micro-batch (small: 6h "
+                     "per layer)",
     "cp": "the planner counts an all-gather of K and V forward and a reduce-scatter backward, (cp-1)/cp each; the "
           "ring sends K and V again in backward and carries dK/dV one hop further, home: (3cp-2)/(2cp-2) times that",
     "pp": "the planner charges every GPU one send each way per micro-batch, 1/tp of the activation; the first stage "
           "sends forward only, and without sequence parallelism every TP rank sends the whole activation",
     "dp": "the planner counts weights only (no biases, no learned positions, no LayerNorm biases) and divides them "
-          "all by tp; here LayerNorms, row biases, embedding and positions are replicated over tp, and ZeRO pads",
-    "embedding": "not in the planner: the tied embedding's gradient, summed between the first and last stage",
+          "all by tp; here LayerNorms, row biases and positions are replicated over tp, and ZeRO pads",
+    "embedding": "not in the planner: the tied embedding's gradient (this TP rank's vocab/tp rows), summed between the "
+                 "first and last stage",
 }
 
 

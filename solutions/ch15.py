@@ -20,19 +20,21 @@ def micro_batch_loss(summed_ce, micro_tokens, global_tokens, micro_batches, dp, 
 
 
 def layout_and_traffic():
-    """2x2x2x1 (dp x tp x pp x cp), ZeRO-0, 2 micro-batches: a stage holds 2 layers' TP halves plus the embedding
-    and positions, 14,432 parameters, 4 x 8 x 14,432 = 461,824 bytes of state (< 600 kB). Rank 0 sends, per step:"""
+    """2x2x2x1 (dp x tp x pp x cp), ZeRO-0, 2 micro-batches: a stage holds 2 layers' TP halves plus its half of the
+    embedding (split by vocabulary) and the positions, 13,920 parameters, 4 x 8 x 13,920 = 445,440 bytes of state
+    (< 600 kB). Rank 0 sends, per step:"""
     hidden, seq, vocab, E = 32, 16, 32, 8  # float64
     dp, tp, pp, cp, m = 2, 2, 2, 1, 2
     b = 8 // (dp * m)  # samples per micro-batch
     msg = b * (seq // cp) * hidden * E  # one [s/cp, b, h] activation: 8,192 bytes
     layers = 4 // pp
     tp_bytes = m * layers * 4 * 2 * (tp - 1) / tp * msg  # 4 all-reduces per layer (f and g, forward and backward)
+    tp_bytes += m * 2 * (tp - 1) / tp * msg  # and the embedding's: each TP rank looked up its own words' rows
     pp_bytes = m * msg  # the first stage sends each activation forward, the whole tensor from each TP rank
     per_layer = 3 * hidden * hidden // tp + 3 * hidden // tp + hidden * hidden // tp + hidden  # qkv, proj
     per_layer += 4 * hidden * hidden // tp + 4 * hidden // tp + 4 * hidden * hidden // tp + hidden  # fc1, fc2
     per_layer += 4 * hidden  # two LayerNorms, replicated
-    params = layers * per_layer + vocab * hidden + seq * hidden  # + embedding and positions (stage 0)
+    params = layers * per_layer + vocab // tp * hidden + seq * hidden  # + its embedding rows and positions (stage 0)
     group = dp * cp
     dp_bytes = 2 * (group - 1) / group * params * E  # ring all-reduce of every gradient over dp x cp
     layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": 0, "micro_batches": m, "sequence_parallel": False}

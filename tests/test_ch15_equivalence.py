@@ -168,3 +168,56 @@ def test_replicated_copies_that_are_not_finite_are_named_not_overwritten(bad):
         assert problems and "not finite" in problems[0], problems
     full, problems = assemble([_record({"w": good}), _record({"w": good})], {"w": (2, 3)})
     assert not problems and torch.equal(full["w"], good)
+
+
+def run_vocab_split(ref: dict, pp: int = 1) -> list[dict]:
+    """What a correct 1x2xPPx1 run reports about the ends split by vocabulary, built from ``ref``: TP rank t holds
+    rows ``[16 t, 16 t + 16)`` of ``embed.weight`` (its gradient and value), the other parameters whole (as if
+    replicated); with pp 2 the last stage's ranks report the tied copy ``head.weight``, the same rows, and nothing
+    else. ``sharded`` names the split parameters, so that their digests are compared per TP rank."""
+    config = run_copy(ref)[0]["config"]
+
+    def split(tensors: dict, tp: int, names) -> dict:
+        rows = torch.arange(16 * tp, 16 * tp + 16)
+        out = {}
+        for name in names:
+            t = tensors["embed.weight" if name == "head.weight" else name]
+            out[name] = ({"dim": 0, "index": rows, "value": t[rows].clone()} if name in ("embed.weight", "head.weight")
+                         else {"dim": -1, "index": torch.empty(0, dtype=torch.long), "value": t.clone()})
+        return out
+
+    ranks = []
+    for stage in range(pp):
+        names = list(ref["params"]) if stage == 0 else ["head.weight"]
+        for tp in (0, 1):
+            rows = torch.arange(16 * tp, 16 * tp + 16)
+            digests = {n: digest(ref["params"]["embed.weight"][rows] if n in ("embed.weight", "head.weight")
+                                 else ref["params"][n]) for n in names}
+            ranks.append({"config": config, "layout_name": f"1x2x{pp}x1",
+                          "coords": {"dp": 0, "tp": tp, "pp": stage, "cp": 0},
+                          "losses": list(ref["losses"]) if stage == pp - 1 else [None] * STEPS,
+                          "grads": [split(g, tp, names) for g in ref["grads"]],
+                          "params": split(ref["params"], tp, names), "digests": [digests] * STEPS,
+                          "sharded": [n for n in names if n in ("embed.weight", "head.weight")]})
+    return ranks
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_an_embedding_split_by_vocabulary_is_put_back_together_and_equals_one_process(pp):
+    """Chapter 15 splits the embedding and its tied copy on the last stage by vocabulary over TP: the check assembles
+    the TP ranks' row blocks (and the head's copies, under the embedding's name) into the dense table; the two TP
+    ranks' different shards are not mistaken for diverging replicas."""
+    verdict = compare(run_vocab_split(reference(), pp), reference())
+    assert verdict["ok"], verdict["message"]
+
+
+def test_a_vocab_shard_reported_at_the_wrong_rows_fails_naming_the_embedding_and_its_rank():
+    ranks = run_vocab_split(reference(), pp=2)
+    head = ranks[3]["grads"][0]["head.weight"]  # stage 1, TP rank 1: its copy of rows 16-31 ...
+    head["index"] = torch.arange(0, 16)  # ... put back at rows 0-15, where TP rank 0's shard sits
+    verdict = compare(ranks, reference())
+    first = verdict["first"]
+    assert not verdict["ok"] and (first["step"], first["tensor"]) == (0, "embed.weight"), verdict["message"]
+    assert first["what"] == "gradient" and first["ranks"] == [3], verdict["message"]  # only its shard is off
+    # and the assembly says why: rank 3 claims rows that TP rank 0's copies (ranks 0 and 2) hold, with other values
+    assert any(f["what"] == "shards" and "rank 3 disagrees" in f["detail"] for f in verdict["findings"])

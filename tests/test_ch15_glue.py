@@ -51,7 +51,7 @@ def test_layout_for_keeps_the_options_and_the_worker_params_name_every_degree():
 def test_a_layout_that_does_not_fit_is_refused_in_one_sentence():
     assert ch15.layout_problem(Layout.parse("2x3x1x1"), world=8) == (
         "dp x tp x pp x cp = 2x3x1x1 makes 6 ranks, not the world's 8; tp=3 does not divide heads=8: choose 1, 2, 4 "
-        "or 8; tp=3 does not divide ffn=128")
+        "or 8; tp=3 does not divide ffn=128; tp=3 does not divide vocab=32: choose 1, 2, 4, 8, 16 or 32")
     assert "pp=3 does not divide layers=4" in ch15.layout_problem(Layout.parse("1x1x3x1"))
     assert "does not divide global_batch=8" in ch15.layout_problem(Layout.parse("8x1x1x1", micro_batches=2))
 
@@ -118,7 +118,7 @@ def test_holdings_of_an_interleaved_pipeline_and_of_sequence_parallelism():
     assert all(h["rows"] == 4 for h in sp)  # seq 16 / cp 2 / tp 2
     assert sp[1]["heads"] == [4, 5, 6, 7] and sp[1]["ffn"] == (64, 128)
     assert sp[0]["sharded"][:2] == ["blocks.0.attention.proj.weight", "blocks.0.attention.qkv.bias"]
-    assert len(sp[0]["sharded"]) == 6 * 4
+    assert len(sp[0]["sharded"]) == 6 * 4 + 1  # 6 per layer, and the embedding, split by vocabulary
 
 
 def test_the_mesh_figure_draws_one_box_per_rank_with_what_it_holds():

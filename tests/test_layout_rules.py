@@ -15,7 +15,9 @@ from workers.model import GPTConfig
 from workers.parallel.attention import head_problem
 
 LLAMA3_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128_256)
-SMALL_GQA = dict(layers=4, hidden=48, heads=12, kv_heads=4, ffn=192, vocab=32)
+# vocab 48: a multiple of every tp below that the heads allow, since chapter 15's trainer splits the vocabulary over
+# TP without padding it (a refusal of its own, not a rule of the layout: see the last test)
+SMALL_GQA = dict(layers=4, hidden=48, heads=12, kv_heads=4, ffn=192, vocab=48)
 
 # (model, layout, world, valid): layouts within what every side implements (ZeRO 0-1, equal pipeline stages), so
 # that the sides can only disagree about the rules themselves
@@ -95,3 +97,16 @@ def test_without_context_parallelism_any_sequence_length_is_fine_and_a_sequence_
     assert layout_problem(Layout(dp=2), 2, odd, global_batch=8) is None  # no ring: nothing to cut into chunks
     why = layout_problem(Layout(dp=1, tp=2, sequence_parallel=True), 2, model_config(seq=9), global_batch=8)
     assert why == "tp=2 does not divide seq=9 (sequence parallelism gives each TP rank its rows)"
+
+
+def test_a_vocabulary_that_tp_does_not_divide_is_refused_by_the_composed_trainer_not_by_the_layout_rules():
+    """Chapter 15 splits the embedding and the head by vocabulary over TP in equal blocks and does not pad. Megatron
+    pads the vocabulary to a multiple of 128 tp (GPT-2's 50257 to 51200 at tp 8), so the layout's rules, which the
+    planner prices published runs with, accept it; only the trainer, which does not pad, refuses."""
+    from workers.composed.model import model_config
+
+    gpt2_vocab = model_config(vocab=50257)
+    assert problem(Layout(dp=1, tp=8), 8, gpt2_vocab, global_batch=8) is None
+    assert layout_problem(Layout(dp=1, tp=8), 8, gpt2_vocab, global_batch=8) == \
+        "tp=8 does not divide vocab=50257: choose 1, 29, 1733 or 50257"
+    assert layout_problem(Layout(dp=1, tp=8), 8, model_config(), global_batch=8) is None  # the chapter's vocab 32

@@ -59,15 +59,20 @@ def test_chapter_12_post_trains_the_one_model():
 
 def test_chapter_15_cuts_the_one_model_and_every_shard_keeps_its_dense_name():
     from workers.composed.model import MODEL, make_dense
-    from workers.parallel.gpt import ParallelGPT
+    from workers.parallel.gpt import ParallelGPT, Parallelism
 
     dense = make_dense(MODEL)
     _is_the_one_model(dense)
-    stage = ParallelGPT(dense, vs=1, stages=2)  # one process: TP 1, the second of two pipeline stages
     names = dict(dense.named_parameters())
-    for name, p in stage.named_parameters():
-        assert name in names or getattr(p, "tied_to", None) == "embed.weight", name
-        assert torch.equal(p, names.get(name, dense.embed.weight)), name
+    # one process: TP 1, the two stages of a two-stage pipeline, the ends split by vocabulary as chapter 15's trainer
+    # cuts them (one TP rank: its block of the vocabulary is all of it)
+    for vs in (0, 1):
+        stage = ParallelGPT(dense, Parallelism(vocab_parallel=True), vs=vs, stages=2)
+        for name, p in stage.named_parameters():
+            assert name in names or getattr(p, "tied_to", None) == "embed.weight", name
+            assert torch.equal(p, names.get(name, dense.embed.weight)), name
+        end = stage.embed.weight if vs == 0 else stage.head.weight  # the tied pair: rows of the dense embedding
+        assert end.partition_dim == 0 and end.partition_index.tolist() == list(range(MODEL.vocab))
 
 
 def test_chapter_16_plugs_its_moe_layer_into_the_one_model_and_keeps_every_other_weight():

@@ -8,7 +8,9 @@ On a node of 8 GPUs the same command runs unchanged with NCCL (``workers/runtime
 has a GPU): ``torchrun --nproc-per-node 8 workers/ch15_composed.py --dp 2 --tp 2 --pp 2 --dtype float32``.
 
 ``dp`` 0 takes what the other degrees leave of the world. Every rank builds the same dense model from ``seed``
-and keeps its shards (``workers/composed/``); each step's batch comes from ``data_seed``. Each rank returns its
+and keeps its shards (``workers/composed/``; under TP the embedding and the tied head too, split by vocabulary, and
+the loss computed from each rank's vocab/tp logits: ``vocab`` must be divisible by ``tp``); each step's batch comes
+from ``data_seed``. Each rank returns its
 place in the mesh, the losses (last stage), the gradients of every step and the final parameters as shards
 (the ranks at dp = cp = 0), a digest of every parameter after every step, its pipeline timeline and timings.
 ``workers/composed/train.py: reference_run`` is the one-process ground truth. Per step it also reports the bytes

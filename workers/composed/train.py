@@ -10,7 +10,10 @@ One optimizer step of a layout (``Layout``), on every rank:
    collectives (chapters 04-06) and the KV ring (chapter 14) run in the TP and CP groups.
 3. **Loss normalised by tokens.** Micro-batch i on this rank contributes ``sum of its valid tokens' CE / N``,
    N the valid tokens of the *whole global batch*: summed over micro-batches, CP and DP ranks this is exactly
-   the global mean, however ragged the micro-batches are (Megatron's ``calculate_per_token_loss``).
+   the global mean, however ragged the micro-batches are (Megatron's ``calculate_per_token_loss``). The CE is
+   loss-parallel, as Megatron's: the embedding and the tied head are split by vocabulary over TP
+   (``Parallelism(vocab_parallel=True)``), each TP rank holds the logits of its V/tp words, and
+   ``vocab_parallel_cross_entropy`` computes every token's loss from them with three all-reduces of ``[s, b]``.
 4. **Gradients.** The tied embedding's two copies (first and last stage) are summed over the embedding group;
    then every gradient is *summed* (not averaged: the loss is already the global mean) over ``dp_cp``, the ranks
    that hold the same parameters with other samples or other tokens: one all-reduce of one flat bucket (ZeRO-0),
@@ -43,6 +46,7 @@ from workers.context_parallel.ring import Ring
 from workers.context_parallel.split import local_positions
 from workers.parallel.comm_stats import ACTIVATION, CommLedger, message_bytes, wire_factor
 from workers.parallel.plan import split_of
+from workers.parallel.vocab import vocab_parallel_cross_entropy
 from workers.pipeline.executor import run_schedule
 from workers.pipeline.p2p import P2P
 from workers.pipeline.schedules import schedule as make_schedule, virtual_stage
@@ -54,11 +58,24 @@ ZERO_STAGES = (0, 1)  # what the trainer implements; stages 2 and 3 are chapter 
 
 def layout_problem(layout: Layout, world: int, cfg: GPTConfig, global_batch: int) -> str | None:
     """Why this trainer cannot run ``layout`` of ``cfg`` on ``world`` ranks, or None: the course's one rule set
-    (``workers/layout/rules.py``), then what this trainer does not implement (ZeRO-2 and 3, stages of unequal size)."""
-    from workers.runtime import one_of, refusal
+    (``workers/layout/rules.py``), then what this trainer does not implement (ZeRO-2 and 3, stages of unequal size,
+    a vocabulary tp does not divide)."""
+    from workers.runtime import divides, one_of, refusal
 
+    # The vocabulary is split over TP in equal blocks. Not a rule of the layout: Megatron pads the vocabulary to a
+    # multiple of 128 tp (GPT-2's 50257 to 51200 at tp 8), so the planner's published runs keep theirs. This trainer
+    # does not pad: padded words would change the model it is held equal to.
+    vocab = divides("tp", layout.tp, "vocab", cfg.vocab) if isinstance(layout.tp, int) and layout.tp >= 1 else None
     return refusal(problem(layout, world, cfg, global_batch=global_batch), one_of("zero", layout.zero, ZERO_STAGES),
-                   equal_stages_problem(layout, cfg.layers))
+                   equal_stages_problem(layout, cfg.layers), vocab)
+
+
+def vocab_parallel_token_losses(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                                group) -> torch.Tensor:
+    """``workers/model/batch.py: token_losses`` from this rank's ``logits [s, b, V/tp]``: the valid tokens'
+    cross-entropy summed (``targets`` and ``valid [b, s]``), the same number on every rank of the TP group."""
+    ce = vocab_parallel_cross_entropy(logits, targets.t(), group)  # [s, b]
+    return (ce * valid.t().to(ce.dtype)).sum()
 
 
 def digest(t: torch.Tensor) -> str:
@@ -97,7 +114,8 @@ class ComposedTrainer:
         cp_members = self.mesh.ranks("cp")
         ring = Ring(c["cp"], cp_members, device, comm_device) if layout.cp > 1 else None
         self.par = Parallelism(tp_group=self.mesh.group("tp"), tp=layout.tp, tp_rank=c["tp"],
-                               sequence_parallel=layout.sequence_parallel, ring=ring, split=layout.split)
+                               sequence_parallel=layout.sequence_parallel, ring=ring, split=layout.split,
+                               vocab_parallel=True)
         assert tp_members.index(rank) == c["tp"]
         dense = make_dense(cfg, seed, dtype)
         V = layout.pp * layout.virtual_stages
@@ -172,7 +190,9 @@ class ComposedTrainer:
 
         def loss(logits, i):
             _, targets, valid, _, micro_tokens = micro[i]
-            summed = token_losses(logits, targets.to(self.device), valid.to(self.device))
+            # logits [s/cp, b, V/tp]: this TP rank's words; the loss comes back whole on every TP rank
+            summed = vocab_parallel_token_losses(logits, targets.to(self.device), valid.to(self.device),
+                                                 self.par.tp_group)
             if self.normalise is not None:  # the learner's rule (chapter 15's exercise)
                 return self.normalise(summed, micro_tokens, total_tokens, L.micro_batches, L.dp, L.cp)
             return self.normalise_loss(summed, micro_tokens, total_tokens)

@@ -70,8 +70,9 @@ def mask_target(target: torch.Tensor, start: int, end: int) -> tuple[torch.Tenso
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows ``[start, end)`` of the table; ``tokens [b, s]`` in, every token's row ``[b, s, h]`` out.
 
-    Megatron-LM: ``megatron/core/tensor_parallel/layers.py: VocabParallelEmbedding`` (without its option to
-    reduce-scatter the output for sequence parallelism).
+    Megatron-LM: ``megatron/core/tensor_parallel/layers.py: VocabParallelEmbedding``; its option to reduce-scatter
+    the output for sequence parallelism is ``partial_rows`` and the caller's reduce-scatter
+    (``workers/parallel/gpt.py: ParallelGPT``).
     """
 
     comm_scope = "embedding"
@@ -93,12 +94,17 @@ class VocabParallelEmbedding(nn.Module):
         return cls(embedding.num_embeddings, embedding.embedding_dim, group, _dense=embedding)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return region(self.comm_scope, mappings.reduce_from_tensor_model_parallel_region, self.partial_rows(tokens),
+                      group=self.group)  # [b, s, h], the same on every rank
+
+    def partial_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the sum, before any communication: ``tokens [b, s]`` -> ``[b, s, h]``, each token's
+        row where this rank holds its word, zeros elsewhere. ``forward`` all-reduces it; under sequence parallelism
+        a caller may reduce-scatter it instead (Megatron's ``reduce_scatter_embeddings``)."""
         local, elsewhere = in_shard(tokens, self.vocab_start_index, self.vocab_end_index)
         rows = F.embedding(local, self.weight)  # [b, s, h]; row 0 stands in for the tokens other ranks hold
         # zeroed, so they add nothing to the sum (and their stand-in row gets no gradient from them)
-        rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        return region(self.comm_scope, mappings.reduce_from_tensor_model_parallel_region, rows,
-                      group=self.group)  # [b, s, h], the same on every rank
+        return rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start_index}.."
