@@ -184,7 +184,7 @@ CLUSTERS: dict[str, Cluster] = {
 # no term names. Fitted on the published runs of that generation (course_utils.planner_runs.fit_sustained, the rows
 # that count); tests/test_planner_runs.py refits it, checks these rounded values, and prices each paper's rows with
 # a fit that left that paper out. A calibrated CPU measures its own steps' matmuls: 1.
-SUSTAINED_GEMM_SHARE = {"a100": 0.74, "h100": 0.64}
+SUSTAINED_GEMM_SHARE = {"a100": 0.76, "h100": 0.69}
 
 
 def generation(gpu: GPU) -> str:

@@ -281,18 +281,20 @@ def _loopback_ring(cp: int):
 def count_gpt_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: int = 8, layers: int = 4,
                   micro_batch: int = 4, cp: int = 1, dtype: str = "float64") -> OpCount:
     """The aten ops of one micro-batch's forward and backward of chapter 15's GPT, built as the worker builds it
-    (``workers/composed``: ``make_dense``, then ``ParallelGPT`` per stage, tp = 1, the ring under cp > 1), counted
-    with ``TorchDispatchMode`` at the run's shapes: per layer from a stage holding one middle layer, and the rest
-    (embedding, position table, final LayerNorm, tied head, the loss as the trainer normalises it and its
-    ``.item()``) as the whole model's count less ``layers`` layers. A layout with tp > 1 is counted at tp = 1 (the
+    (``workers/composed``: ``make_dense``, then ``ParallelGPT`` per stage with the vocab-parallel ends the trainer
+    uses at every tp, tp = 1, the ring under cp > 1), counted with ``TorchDispatchMode`` at the run's shapes: per
+    layer from a stage holding one middle layer, and the rest (embedding, position table, final LayerNorm, tied
+    head, the loss-parallel cross-entropy as the trainer normalises it and its ``.item()``) as the whole model's
+    count less ``layers`` layers. A layout with tp > 1 is counted at tp = 1 (the
     same ops on narrower tensors, less the mappings' clones); the executor's message buffers are not counted.
     Cached: the count is a property of the code."""
     import torch
 
     from workers.composed.model import make_dense, model_config
+    from workers.composed.train import vocab_parallel_token_losses
     from workers.context_parallel.split import local_positions
     from workers.model import Where
-    from workers.model.batch import make_batch, token_losses
+    from workers.model.batch import make_batch
     from workers.parallel.gpt import ParallelGPT, Parallelism
 
     if layers < 3:
@@ -311,7 +313,7 @@ def count_gpt_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: int =
 
         def count(vs: int, stages: int) -> tuple[int, int]:
             ring = _loopback_ring(cp) if cp > 1 else None
-            stage = ParallelGPT(dense, Parallelism(ring=ring), vs, stages)
+            stage = ParallelGPT(dense, Parallelism(ring=ring, vocab_parallel=True), vs, stages)
             if stage.first:
                 x = inputs
             else:
@@ -321,7 +323,7 @@ def count_gpt_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: int =
                 with _counter() if counting else contextlib.nullcontext() as fwd:
                     y = stage(x, where)
                     if stage.last:  # the trainer's loss: summed CE / the batch's valid tokens, and its value read
-                        y = token_losses(y, targets, mask) / max(int(mask.sum()), 1)
+                        y = vocab_parallel_token_losses(y, targets, mask, None) / max(int(mask.sum()), 1)
                         y.item()
                 with _counter() if counting else contextlib.nullcontext() as bwd:
                     if stage.last:
@@ -436,7 +438,7 @@ def count_gpt_step_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: 
     with _one_thread(torch), _one_rank_group(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         dense = make_dense(cfg, 0, dt)
-        modules = [ParallelGPT(dense, Parallelism(), virtual_stage(0, c, pp), chunks) for c in range(virtual_stages)]
+        modules = [ParallelGPT(dense, Parallelism(vocab_parallel=True), virtual_stage(0, c, pp), chunks) for c in range(virtual_stages)]
         named = {n: p for mod in modules for n, p in mod.named_parameters()}
         params = list(named.values())
         for p in params:

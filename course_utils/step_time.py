@@ -434,8 +434,8 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
 
     # TP: 2 collectives forward, 2 backward per layer (all-reduces, or all-gather + reduce-scatter under SP)
     msg = b * layout.seq / cp * model.hidden * practice.activation_bytes
-    if layout.sequence_parallel and tp > 1:
-        tp_one = group_time("all_gather", msg, tp, 1, cluster) + group_time("reduce_scatter", msg, tp, 1, cluster)
+    if layout.sequence_parallel and tp > 1:  # each all-reduce becomes its two halves: same bytes, two launches
+        tp_one = 2 * (group_time("all_gather", msg, tp, 1, cluster) + group_time("reduce_scatter", msg, tp, 1, cluster))
     else:
         tp_one = 2 * group_time("all_reduce", msg, tp, 1, cluster)
     tp_f = tp_b = tp_one

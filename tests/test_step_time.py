@@ -215,3 +215,15 @@ def test_ulysses_loss_parallel_and_overlapped_tp_are_priced():
     assert overlapped.terms["tp"] < split.terms["tp"] and overlapped.hidden["tp"] > 0
     assert overlapped.terms["tp"] >= split.terms["tp"] / 8 - 1e-12
     assert overlapped.total < split.total
+
+
+def test_sequence_parallel_turns_each_tp_all_reduce_into_an_all_gather_and_a_reduce_scatter():
+    # Korthikanti et al. 2022 sec 4.2.2: a layer's two all-reduces per pass become two all-gathers and two
+    # reduce-scatters (g and g-bar), the same bytes. 4 of each per layer per micro-batch, forward and backward.
+    lay, sp = _timed(NARROW_VOCAB, Layout(tp=8, dp=1, micro_batches=1, seq=4096, sequence_parallel=True), 8)
+    msg = lay.micro_batch * 4096 * NARROW_VOCAB.hidden * 2.0  # one bf16 [s, b, h] activation
+    one_pass = 2 * (group_time("all_gather", msg, 8, 1, H100) + group_time("reduce_scatter", msg, 8, 1, H100))
+    assert sp.terms["tp"] == pytest.approx(2 * one_pass * NARROW_VOCAB.layers)
+    _, ar = _timed(NARROW_VOCAB, Layout(tp=8, dp=1, micro_batches=1, seq=4096), 8)
+    # the same bytes as without SP: within the launch latency of the extra collectives
+    assert sp.terms["tp"] == pytest.approx(ar.terms["tp"], rel=0.25)

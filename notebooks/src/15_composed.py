@@ -84,7 +84,10 @@ print(Table.of([{"run": c.name, "GPUs": c.gpus, "TP": c.tp, "CP": c.cp, "PP": c.
 #   across a TP group, and a tracked one that differs per TP rank).
 # * **The tied embedding across the pipeline.** The first stage embeds with the matrix the last stage uses as
 #   the output head. Each holds a copy; their gradients must be summed over the two stages (Megatron's
-#   embedding group) or the copies take different steps and drift apart.
+#   embedding group) or the copies take different steps and drift apart. Under TP each copy is split by vocabulary
+#   (chapter 04's `VocabParallelEmbedding` and loss-parallel cross-entropy): a TP rank holds vocab/tp rows, computes
+#   logits for its rows only, and the loss never gathers the [s, b, V] logits; the embedding group sums each TP
+#   rank's rows with the same rows on the other stage.
 #
 # The faults, with what each breaks and the layouts where it can show (a fault that cannot show on a layout is
 # refused: it would pass and teach nothing):
@@ -384,9 +387,12 @@ plots.savefig(truth.truth_figure(zero0), "15_truth_table")
 # Where the planner is off, the error is not noise: each gap has one reason, and a test holds the planner to it
 # (`tests/test_ch15_composed.py: check_truth_table`):
 #
-# * **tp**: exact without sequence parallelism. With it, the first stage also all-gathers the embedding's
-#   gradient and the last stage the head's input, which the planner (layers only) leaves out; and the LayerNorm
-#   and row-bias gradients, partial sums under SP, are all-reduced after every micro-batch (`tp_parameters`).
+# * **tp**: the planner counts the layers' four all-reduces (or their SP pairs) per layer exactly, and nothing for
+#   the ends. Split by vocabulary, the first stage sums its embedding rows' outputs over TP and the last stage the
+#   head's input gradient, each as much as one more all-reduce of an activation, and the loss adds three small
+#   all-reduces of [s/cp, b] (the row maximum, the sum of exponentials, the target's logit). The LayerNorm and
+#   row-bias gradients, partial sums under SP (with the first stage's position rows), are all-reduced after every
+#   micro-batch (`tp_parameters`).
 # * **cp**: the planner counts Llama 3's all-gather of K and V forward and a reduce-scatter backward. The ring
 #   sends K and V round again in backward (it keeps no copy: memory) and carries dK/dV one hop further, home:
 #   (3cp-2)/(2cp-2) times the planner's bytes, 2x at cp = 2, 1.67x at cp = 4.
@@ -394,8 +400,8 @@ plots.savefig(truth.truth_figure(zero0), "15_truth_table")
 #   scatter-gather optimisation). The first stage only sends forward, and without sequence parallelism every TP
 #   rank sends the whole activation: tp/2 of the planner's figure.
 # * **dp**: the planner counts weights only and divides all of them by tp. This model has biases, learned
-#   positions and LayerNorm biases, and keeps LayerNorms, row biases, the embedding and positions whole on every
-#   TP rank; ZeRO-1 pads each bucket to a multiple of the group.
+#   positions and LayerNorm biases, and keeps LayerNorms, row biases and positions whole on every TP rank (the
+#   embedding is split by vocabulary, as the planner assumes); ZeRO-1 pads each bucket to a multiple of the group.
 #
 # Memory at the four moments, for 2x2x2x1 with and without ZeRO-1 (parameters, gradients and AdamW's two moments
 # are exact bookkeeping; activations are the peak of what autograd saved, against Korthikanti's count):
