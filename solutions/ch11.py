@@ -95,3 +95,21 @@ def zero3_unit_hooks(unit, flat, shard):
     unit.register_forward_hook(after_forward)
     for p in params:
         p.register_post_accumulate_grad_hook(grad_ready)
+
+
+def clip_grad_norm_sharded(grads, max_norm):
+    """Clip ZeRO-3's sharded gradients by the norm of the whole gradient: every rank sums the squares of its own
+    elements, one all-reduce adds them over the ranks, the square root is the norm; each shard is scaled in place by
+    the same min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping."""
+    import torch
+    import torch.distributed as dist
+
+    squares = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        squares += g.float().pow(2).sum()
+    dist.all_reduce(squares)  # SUM over the ranks: norms do not add, squares do
+    total = squares.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # scale down only
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total

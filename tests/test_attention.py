@@ -113,6 +113,23 @@ def test_tiled_saves_no_quadratic_tensor(gen):
     assert sorted(saved) == sorted([(1, 2, n, 16)] * 4 + [(1, 2, n)])
 
 
+
+@pytest.mark.parametrize("shape", [(3, 20, 16), (2, 4, 20, 16)], ids=["batch-seq-dim", "batch-heads-seq-dim"])
+def test_the_saved_log_sum_exp_is_one_batch_by_queries_tensor_per_head(gen, shape):
+    # The backward reads lse row by row; what autograd keeps is one tensor in the queries' leading shape: [B, Sq]
+    # for one head (the layout Stanford CS336's FlashAttention tests look for in ctx.saved_tensors), [B, H, Sq]
+    # with heads; the lse returned is that same tensor, equal to the float64 reference's log-sum-exp.
+    q, k, v = (randn(gen, *shape).requires_grad_(True) for _ in range(3))
+    out, lse = tiled_flash_attention(q, k, v, True, None, 8, 8)
+    saved = out.grad_fn.saved_tensors
+    lses = [t for t in saved if t.shape == shape[:-1]]
+    assert len(saved) == 5 and len(lses) == 1 and lses[0].dtype == torch.float32
+    assert lses[0].data_ptr() == lse.data_ptr()
+    _, ref_lse = attention_reference(q, k, v, causal=True)
+    assert_close_to_reference("lse", lse, ref_lse, LSE_TOLERANCE[torch.float32])
+    out.sum().backward()  # the 3-D path's backward runs on the saved [B, Sq] tensor
+    assert q.grad.shape == shape and torch.isfinite(q.grad).all()
+
 def test_online_softmax_update_over_chunks_equals_softmax(gen):
     # Feeding a row of scores in three uneven chunks gives exactly softmax(scores) @ v at the end.
     scores = randn(gen, 1, 1, 4, 23, dtype=torch.float64) * 5

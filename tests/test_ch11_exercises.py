@@ -1,13 +1,15 @@
 """Chapter 11's exercise declarations (the grading itself is in tests/test_exercises.py): the ZeRO ledger is
-checked in the notebook, the sharded optimizer step on 2 and 4 real ranks."""
+checked in the notebook; the sharded optimizer step, ZeRO-2's and ZeRO-3's hooks and gradient-norm clipping over
+ZeRO-3's shards on 2 and 4 real ranks."""
 from course_utils.exercises import exercises
 
 
-def test_chapter_11_declares_a_local_exercise_and_three_on_ranks():
+def test_chapter_11_declares_a_local_exercise_and_four_on_ranks():
     by_name = {e.name: e for e in exercises("11")}
-    assert set(by_name) == {"zero_state_bytes", "zero1_step", "zero2_grad_hooks", "zero3_unit_hooks"}
+    assert set(by_name) == {"zero_state_bytes", "zero1_step", "zero2_grad_hooks", "zero3_unit_hooks",
+                            "clip_grad_norm_sharded"}
     assert by_name["zero_state_bytes"].local is not None
-    for name in ("zero1_step", "zero2_grad_hooks", "zero3_unit_hooks"):
+    for name in ("zero1_step", "zero2_grad_hooks", "zero3_unit_hooks", "clip_grad_norm_sharded"):
         assert by_name[name].worker == "workers.exercises.ch11" and by_name[name].world_sizes == (2, 4)
 
 

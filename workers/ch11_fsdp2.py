@@ -29,58 +29,18 @@ CPU ranks (gloo), fp32. The mesh is made from the course grid's groups and destr
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 
 from workers.layout import Mesh, RankGrid
 from workers.runtime import entrypoint
 from workers.zero.model import OPTIMIZER_CLASSES, model_config, flat_params, loss_fn, make_batches, make_model, \
     run_problem, shard_rows, train_reference
+from workers.zero.fsdp2 import full_flat, fully_shard_gpt, recording
 from workers.zero.zero3 import Zero3Model
 
 
 def check_params(world_size, global_batch: int = 8, steps: int = 3, hidden: int = 32, heads: int = 4, **_):
     return run_problem(world_size, global_batch, steps, hidden, heads)
-
-
-@contextlib.contextmanager
-def recording(calls: list, on: bool = True):
-    """Every ``all_gather_single`` / ``reduce_scatter_single`` made through ``torch.distributed`` inside, as
-    (kind, bytes in, bytes out): FSDP2's collectives (the hand version calls them through ``workers.runtime``)."""
-    if not on:
-        yield
-        return
-    real = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
-
-    def wrap(kind):
-        def call(output, input, *args, **kwargs):
-            calls.append((kind, input.nbytes, output.nbytes))
-            return real[kind](output, input, *args, **kwargs)
-        return call
-
-    dist.all_gather_single, dist.reduce_scatter_single = wrap("all_gather"), wrap("reduce_scatter")
-    try:
-        yield
-    finally:
-        dist.all_gather_single, dist.reduce_scatter_single = real["all_gather"], real["reduce_scatter"]
-
-
-def _fsdp2(model, mesh, reshard_after_forward: bool) -> None:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh)  # the root with FSDP2's default (None): kept whole from forward to backward
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)  # SUM, then / N: gloo has no ReduceOp.AVG
-
-
-def _full(model) -> torch.Tensor:
-    """FSDP2's parameters, whole (DTensors gathered), flattened as ``flat_params`` does."""
-    return torch.cat([p.full_tensor().detach().reshape(-1).to("cpu", torch.float64) for p in model.parameters()])
 
 
 def main(ctx, steps: int = 3, global_batch: int = 8, reshard_after_forward: bool = True, vocab: int = 64,
@@ -97,7 +57,7 @@ def main(ctx, steps: int = 3, global_batch: int = 8, reshard_after_forward: bool
     mesh = Mesh(RankGrid.for_world(ctx.world_size), ctx.rank, ("dp",), fresh=True)
     try:
         native = make_model(cfg, seed=base)  # every rank the same weights: fully_shard keeps its slice of them
-        _fsdp2(native, mesh.device_mesh(("dp",)), reshard_after_forward)
+        fully_shard_gpt(native, mesh.device_mesh(("dp",)), reshard_after_forward)
         native_opt = cls(native.parameters(), **hyper)
         out = {"hand_loss": [], "fsdp2_loss": [], "hand_error": [], "fsdp2_error": [], "between": [],
                "fsdp2_calls": [], "hand_calls": []}
@@ -119,7 +79,7 @@ def main(ctx, steps: int = 3, global_batch: int = 8, reshard_after_forward: bool
                 loss.backward()
             native_opt.step()
             out["fsdp2_loss"].append(loss.item())
-            mine, theirs = hand.full_parameters().cpu().double(), _full(native)
+            mine, theirs = hand.full_parameters().cpu().double(), full_flat(native)
             out["hand_error"].append((mine - reference[step + 1]).abs().max().item())
             out["fsdp2_error"].append((theirs - reference[step + 1]).abs().max().item())
             out["between"].append((mine - theirs).abs().max().item())

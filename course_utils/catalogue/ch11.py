@@ -1,5 +1,6 @@
 """Chapter 11's graded exercises: the ZeRO stage formulas (in the notebook), the sharded optimizer step, ZeRO-2's
-gradient hook and ZeRO-3's gather-then-free around a unit (on ranks)."""
+gradient hook, ZeRO-3's gather-then-free around a unit and gradient-norm clipping over ZeRO-3's shards (on
+ranks)."""
 from __future__ import annotations
 
 import math
@@ -141,4 +142,28 @@ register(Exercise("zero3_unit_hooks", "11", "zero3_unit_hooks",
                       "memory": "after forward and after backward both flat's storage and the parameters' own storage "
                                 "must be freed, so a parameter rebound to a copy is caught",
                       "bits": NOT_APPLICABLE + "values are moved, not computed: compared within 1e-5",
+                  }))
+register(Exercise("clip_grad_norm_sharded", "11", "clip_grad_norm_sharded",
+                  "Gradient-norm clipping over ZeRO-3's shards: the whole gradient's norm, from every rank's squares",
+                  worker="workers.exercises.ch11", world_sizes=(2, 4), timeout_s=60.0, tries={
+                      "non-finite": "a NaN in one rank's shard: the norm returned must be NaN (or infinite) on every "
+                                    "rank, not the finite norm of what is left; every comparison fails on NaN",
+                      "order": NOT_APPLICABLE + "it runs after backward on reduced shards: no gradient arrives while "
+                                                "it runs",
+                      "sizes": NOT_APPLICABLE + "a norm is a sum over elements, whatever the cut: the shards are "
+                                                "ZeRO-3's padded ones, with parameters split across ranks and empty "
+                                                "views, in every case",
+                      "ragged": NOT_APPLICABLE + "every rank holds S elements of one padded buffer; the empty "
+                                                 "per-parameter views are in every case, not a class of their own",
+                      "layouts": NOT_APPLICABLE + "one rule at world sizes 2 and 4; the wrong reductions (per rank, "
+                                                  "sum of norms, no square root, mean) fail at both",
+                      "traffic": "every collective is logged: one all-reduce of a number per rank, never the shards "
+                                 "gathered; no collective at all is named as a norm of one rank's shard",
+                      "mutation": NOT_APPLICABLE + "the answer's job is to scale the gradients in place (checked: a "
+                                                   "clipped copy leaves them unchanged and is named)",
+                      "output": "the returned norm must be the norm before clipping, as torch.nn.utils."
+                                "clip_grad_norm_ returns, the same on every rank; a number or a 0-d tensor",
+                      "memory": NOT_APPLICABLE + "the answer allocates a scalar; nothing is freed",
+                      "bits": NOT_APPLICABLE + "sums reordered over the ranks differ in the last bits: compared "
+                                               "within 1e-5 of the norm",
                   }))

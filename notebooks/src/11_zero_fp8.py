@@ -453,6 +453,96 @@ display(Table(["collective", "by hand: bytes in -> out", "FSDP2: bytes in -> out
 # every parameter rather than each unit, and its messages grow (`tests/test_fsdp2_vs_zero3.py`).
 
 # %% [markdown]
+# ### Mixed precision, sharded: FSDP2's policy
+#
+# Every large run shards a model that computes in bf16. FSDP2 says how with four settings
+# (`MixedPrecisionPolicy`): `param_dtype`, the dtype parameters are all-gathered and computed in (bf16);
+# `reduce_dtype`, the dtype gradients are reduce-scattered in (fp32, so the mean over ranks is not rounded to
+# bf16); `output_dtype`, the model's output; and the fp32 shard that each rank keeps *is* the master copy the
+# optimizer steps. `Zero3Model(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+# reduce_dtype=torch.float32))` does the same by hand: each all-gather sends the shard cast to bf16 into a bf16
+# buffer, and backward's bf16 gradients are cast to fp32 before the reduce-scatter. It is a cast of the
+# *parameters*, not `torch.autocast` (which casts each operation's inputs and keeps some, LayerNorm among them, in
+# fp32), so the reference is one process that computes with a bf16 copy of its fp32 weights and steps the fp32
+# copy (`workers/zero/model.py: train_reference_mixed`).
+#
+# **Predict** before running: at 4 ranks, what share of fp32 ZeRO-3's bytes on the wire does this policy send?
+
+# %%
+mixed = {f"{dt}, N=4": cu.run("workers.ch11_zero3_mixed", 4, param_dtype=dt, fsdp2=dt == "bfloat16", timeout=300)[0]
+         for dt in ("float32", "bfloat16")}
+display(Table(["param dtype", "all-gathers (bytes)", "reduce-scatter (bytes)", "sent per step", "2Ψ'·param + Ψ'·reduce"],
+              ch11.mixed_wire_rows(mixed), "one step's bytes sent by rank 0 of 4, ring accounting; reduce dtype fp32"))
+bf16_run, fp32_run = mixed["bfloat16, N=4"], mixed["float32, N=4"]
+units = len(bf16_run["units"])  # FSDP2 sends one all-gather fewer: the root's second, at index `units`
+sent = {k: sum(r["hand_comm_bytes"].values()) for k, r in mixed.items()}
+print(f"bf16 all-gathers send {bf16_run['hand_comm_bytes']['all_gather'] / fp32_run['hand_comm_bytes']['all_gather']:g} "
+      f"of fp32's; the whole step {sent['bfloat16, N=4'] / sent['float32, N=4']:.4g} (the reduce-scatter stays fp32)")
+print(f"bf16 ZeRO-3 within {ch11.BF16_TOL:g} of one process (SGD, 3 steps): "
+      f"{max(bf16_run['hand_error']) <= ch11.BF16_TOL}; FSDP2 on the same policy within {ch11.BF16_TOL:g} of it: "
+      f"{max(bf16_run['between']) <= ch11.BF16_TOL}; the same messages but the root's second all-gather: "
+      f"{bf16_run['hand_calls'][:units] + bf16_run['hand_calls'][units + 1:] == bf16_run['fsdp2_calls']}")
+
+# %% tags=["nbval-ignore-output"]
+print("largest weight difference from one process after each step (bf16 rounding: varies by CPU):",
+      ", ".join(f"{e:.2e}" for e in bf16_run["hand_error"]), "| FSDP2:",
+      ", ".join(f"{e:.2e}" for e in bf16_run["fsdp2_error"]))
+
+# %% [markdown]
+# The all-gathers carry bf16 (half the bytes) and the reduce-scatter fp32, so a step sends 2·2 + 4 = 8 bytes per
+# parameter instead of 12: two thirds. The weights agree with one process to bf16 rounding, not fp32's: the ranks
+# round partial sums of their own rows inside the matmuls (tests/test_zero3_mixed.py measures the spread over seeds
+# and CPU kernels; with AdamW the gap would be ~lr, since Adam turns a gradient that is rounding noise into a full
+# step either way).
+#
+# Where does the memory go? The ledger's mixed-precision row (ZeRO, section 3.1) counts 2 bytes of bf16 weight,
+# 2 of gradient and K = 12 of fp32 master and Adam moments per parameter, over N at stage 3. Sharded with this
+# policy, the bf16 weights exist only whole and briefly, a unit at a time; what a rank *keeps* is the fp32 shard
+# (the master, 4 bytes), the fp32 gradient shard (4 bytes) and the optimizer's state: the same 16 bytes over N,
+# split otherwise. Rank 0 of 2, AdamW, at the four moments of the first two steps:
+
+# %%
+mixed_adam = cu.run("workers.ch11_zero3_mixed", 2, optimizer="adamw", fsdp2=False, timeout=300)[0]
+display(Table(["moment", "fp32 shards", "whole bf16 units", "grads", "optimizer", "held", "ledger (2 + 2 + K)/N",
+               "verdict"], ch11.mixed_moment_rows(mixed_adam, state_bytes=8),
+              f"mixed-precision ZeRO-3, rank 0 of 2, Ψ' = {mixed_adam['padded_numel']:,}: bytes from the tensors"))
+
+# %% [markdown]
+# Equal at every moment but one: after backward every unit's fp32 gradient bucket (N x S) is still on its way
+# through the reduce-scatter, waited for at the step. Whole bf16 units: zero at each of these moments, since FSDP's
+# default frees each unit after its forward and its backward.
+#
+# ### Where the gradients live, and clipping them
+#
+# The reduced gradient lands in one flat fp32 buffer per unit, but an optimizer, a gradient clip and your own code
+# think in parameters. So each parameter also has a *sharded parameter* (`Zero3Model.parameters()`), a view of
+# its elements in the unit's fp32 shard, whose `.grad` after `sync_grads()` is a view of the same elements of the
+# gradient shard: no copy, and any `torch.optim` optimizer can step them (FSDP2 makes each `.grad` a sharded
+# DTensor). A parameter may be split between two ranks, or lie wholly in another rank's shard: then this rank's
+# view of it is empty. Small parameters can also be *replicated* (`replicate=`: kept whole on every rank, their
+# gradient all-reduced), as the LayerNorms often are (`tests/test_zero3_grads.py` runs the whole sequence with a
+# standard optimizer, in fp32, bf16 and fp16).
+#
+# ### Exercise 5: clip the gradient's norm over the shards
+# Write `clip_grad_norm_sharded(grads, max_norm)`: `grads` are this rank's sharded `.grad` tensors (every element of
+# the model's gradient is in exactly one rank's shard; some of your tensors may be empty). Compute the norm of the
+# **whole** gradient, the same on every rank, scale your shards in place by min(1, max_norm / (norm + 1e-6)) and
+# return the norm before clipping, as `torch.nn.utils.clip_grad_norm_` does. The check runs on 2 and 4 ranks with a
+# norm above and below `max_norm`, logs your collectives, and puts a NaN in one rank's shard.
+
+# %% tags=["exercise"]
+def clip_grad_norm_sharded(grads, max_norm):
+    """Clip ZeRO-3's sharded gradients by the whole gradient's norm; return the norm before clipping."""
+    import torch
+    import torch.distributed as dist
+
+    raise NotImplementedError
+
+
+# %% tags=["check"]
+check("clip_grad_norm_sharded", clip_grad_norm_sharded)
+
+# %% [markdown]
 # ### All four stages, measured against the ledger and the paper
 #
 # `workers/ch11_stages.py` trains the same model with each stage by hand (stage 0: a full AdamW on every rank

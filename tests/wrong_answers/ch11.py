@@ -625,6 +625,140 @@ def zero_state_floor_division(n_params, dp, stage, tp=1, pp=1, optimizer_bytes=1
             "optimizer": optimizer_bytes * local // (dp if stage >= 1 else 1)}
 
 
+def clip_per_rank_norm(grads, max_norm):
+    # torch.nn.utils.clip_grad_norm_ on this rank's shards: the norm of a part of the gradient, a different one on
+    # every rank, so every rank clips by its own coefficient.
+    import torch
+
+    return torch.nn.utils.clip_grad_norm_(grads, max_norm)
+
+
+def clip_sum_of_norms(grads, max_norm):
+    # All-reduces each rank's norm: norms do not add (the triangle inequality), the sum overstates the whole norm.
+    import torch
+    import torch.distributed as dist
+
+    norm = torch.zeros(())
+    for g in grads:
+        norm += g.float().pow(2).sum()
+    norm = norm.sqrt()
+    dist.all_reduce(norm)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
+def clip_no_square_root(grads, max_norm):
+    # The sum of squares, all-reduced right, but never square-rooted.
+    import torch
+    import torch.distributed as dist
+
+    squares = torch.zeros(())
+    for g in grads:
+        squares += g.float().pow(2).sum()
+    dist.all_reduce(squares)
+    coef = (max_norm / (squares + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return squares
+
+
+def clip_averaged_squares(grads, max_norm):
+    # The squares averaged over the ranks (as a gradient is) instead of summed: the norm is sqrt(n) too small.
+    import torch
+    import torch.distributed as dist
+
+    squares = torch.zeros(())
+    for g in grads:
+        squares += g.float().pow(2).sum()
+    dist.all_reduce(squares)
+    total = (squares / dist.get_world_size()).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def clip_gathers_the_gradients(grads, max_norm):
+    # Right numbers, wrong traffic: every rank's whole shard sent to every rank, to compute one number (as objects:
+    # the shards' lengths differ by rank, which a tensor all-gather would refuse).
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.cat([g.reshape(-1) for g in grads])
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, mine)
+    total = torch.cat(pieces).float().norm()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def clip_returns_clipped_norm(grads, max_norm):
+    # Clips right, but returns the norm after clipping (max_norm whenever it clipped): a training log would never
+    # show the spikes clipping hides.
+    import torch
+    import torch.distributed as dist
+
+    squares = torch.zeros(())
+    for g in grads:
+        squares += g.float().pow(2).sum()
+    dist.all_reduce(squares)
+    total = squares.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total * coef
+
+
+def clip_always_rescales(grads, max_norm):
+    # Rescales to max_norm whatever the norm: small gradients are blown up.
+    import torch
+    import torch.distributed as dist
+
+    squares = torch.zeros(())
+    for g in grads:
+        squares += g.float().pow(2).sum()
+    dist.all_reduce(squares)
+    total = squares.sqrt()
+    for g in grads:
+        g.mul_(max_norm / total)
+    return total
+
+
+def clip_not_in_place(grads, max_norm):
+    # Computes clipped copies and rebinds the list: the caller's gradients never change.
+    import torch
+    import torch.distributed as dist
+
+    squares = torch.zeros(())
+    for g in grads:
+        squares += g.float().pow(2).sum()
+    dist.all_reduce(squares)
+    total = squares.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    grads = [g * coef for g in grads]
+    return total
+
+
+def clip_hides_nan(grads, max_norm):
+    # "Safe" squares: NaN and inf replaced by 0 before summing, so a diverged step reports a finite norm.
+    import torch
+    import torch.distributed as dist
+
+    squares = torch.zeros(())
+    for g in grads:
+        squares += torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0).pow(2).sum()
+    dist.all_reduce(squares)
+    total = squares.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
 # Marked after their definitions, not with a decorator: an answer travels as its source (to the ranks, and into
 # a notebook cell in the browser test), and a decorator line would travel with it.
 tries("memory")(zero1_full_step_everywhere)
@@ -642,6 +776,9 @@ tries("order")(zero3_hooks_free_at_first_parameter)
 tries("layouts")(zero_ignores_tp_pp)
 tries("non-finite")(zero_state_nan_grads)
 tries("sizes")(zero_state_floor_division)
+tries("traffic")(clip_gathers_the_gradients)
+tries("output")(clip_returns_clipped_norm)
+tries("non-finite")(clip_hides_nan)
 
 WRONG = [
     ("zero_state_bytes", zero_stage2_keeps_full_grads, "stage 2 shards the grads over the 64 data-parallel ranks"),
@@ -676,4 +813,13 @@ WRONG = [
     ("zero3_unit_hooks", zero3_hooks_copy_out_of_flat, "freeing flat freed nothing they use"),
     ("zero3_unit_hooks", zero3_hooks_free_at_first_parameter, "freed again before backward had finished with them"),
     ("zero3_unit_hooks", zero3_hooks_gather_never_waited, "nothing waited for its handle"),
+    ("clip_grad_norm_sharded", clip_per_rank_norm, "only this rank's shard"),
+    ("clip_grad_norm_sharded", clip_sum_of_norms, "norms do not add"),
+    ("clip_grad_norm_sharded", clip_no_square_root, "take the square root after the all-reduce"),
+    ("clip_grad_norm_sharded", clip_averaged_squares, "all-reduce their SUM"),
+    ("clip_grad_norm_sharded", clip_gathers_the_gradients, "gathered the gradients"),
+    ("clip_grad_norm_sharded", clip_returns_clipped_norm, "return the norm before clipping"),
+    ("clip_grad_norm_sharded", clip_always_rescales, "clipping only scales down"),
+    ("clip_grad_norm_sharded", clip_not_in_place, "scale them in place"),
+    ("clip_grad_norm_sharded", clip_hides_nan, "do not filter or replace non-finite values"),
 ]

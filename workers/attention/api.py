@@ -3,6 +3,9 @@
     out = flash_attention(q, k, v, causal=True)                 # q, k, v: [B, H, S, D] or [B, S, D]
     out, lse = flash_attention(q, k, v, return_lse=True)       # lse: [B, H, S] (or [B, S]), float32, natural log
 
+The log-sum-exp is what the forward saves for backward (one tensor per call, the queries' leading shape: one
+(batch, queries) slice per head, [B, Sq] for 3-D inputs), so ``ctx.saved_tensors`` holds it in the layout returned.
+
 ``impl``: "torch" is the tiled PyTorch version (``tiled.py``: readable, runs anywhere); "triton" the Triton
 kernels (``triton_kernels.py``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); "auto" picks
 Triton for CUDA tensors when Triton is installed and head_dim is 16..128, and the PyTorch version otherwise.
@@ -43,16 +46,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if not (q.dim() == k.dim() == v.dim()) or q.dim() not in (3, 4):
         raise ValueError(f"q, k, v must all be 4-D (batch, heads, seq, head_dim) or all 3-D (batch, seq, head_dim), "
                          f"got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    squeeze = q.dim() == 3
-    if squeeze:  # one head: [B, S, D] -> [B, 1, S, D] (a view, no copy)
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+    if k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, "
                          "heads and head_dim, and k and v in sequence length")
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal attention needs as many queries as keys, got {q.shape[-2]} and {k.shape[-2]}")
 
     chosen = _pick_impl(impl, q)
+    squeeze = chosen == "triton" and q.dim() == 3
+    if squeeze:  # one head: [B, S, D] -> [B, 1, S, D] (a view, no copy); the tiled version takes 3-D as it is
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
     if chosen == "triton":
         try:
             from workers.attention.triton_kernels import triton_flash_attention  # imports triton: only here

@@ -135,11 +135,20 @@ def tiled_attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scal
 
 
 class TiledFlashAttention(torch.autograd.Function):
-    """Tiled attention whose forward saves only (q, k, v, O, LSE): O(N) extra memory instead of O(N^2)."""
+    """Tiled attention whose forward saves only (q, k, v, O, LSE): O(N) extra memory instead of O(N^2).
+
+    The saved log-sum-exp is one tensor per call in the queries' own leading shape, the layout the backward reads
+    row by row: ``[B, Sq]`` for 3-D q [B, Sq, D] (one head), ``[B, H, Sq]`` for 4-D q (one (batch, queries) slice
+    per head), float32 (float64 for float64 inputs), natural log: lse[b, i] = log sum_j exp(scale q_i . k_j) over
+    the keys row i sees. q, k, v and O are saved as they came (no copies); the kernels below see 4-D views.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, block_q, block_k):
-        out, lse = tiled_attention_forward(q, k, v, causal, softmax_scale, block_q, block_k)
+        one_head = q.dim() == 3
+        q4, k4, v4 = (t.unsqueeze(1) for t in (q, k, v)) if one_head else (q, k, v)  # [B, H, S, D] views
+        out, lse = tiled_attention_forward(q4, k4, v4, causal, softmax_scale, block_q, block_k)
+        out, lse = out.view(q.shape), lse.view(q.shape[:-1])  # [..., Sq, D], [..., Sq]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.block_q, ctx.block_k = causal, softmax_scale, block_q, block_k
         ctx.mark_non_differentiable(lse)
@@ -148,12 +157,18 @@ class TiledFlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        one_head = q.dim() == 3
+        if one_head:  # [B, S, ...] -> [B, 1, S, ...] views for the 4-D kernels
+            q, k, v, out, lse, dout = (t.unsqueeze(1) for t in (q, k, v, out, lse, dout))
         dq, dk, dv = tiled_attention_backward(q, k, v, out, lse, dout.contiguous(), ctx.causal, ctx.softmax_scale,
                                               ctx.block_q, ctx.block_k)
+        if one_head:
+            dq, dk, dv = dq.squeeze(1), dk.squeeze(1), dv.squeeze(1)
         return dq, dk, dv, None, None, None, None
 
 
 def tiled_flash_attention(q, k, v, causal=False, softmax_scale=None,
                           block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
-    """``(out, lse)`` for 4-D q, k, v [B, H, S, D]; differentiable in q, k, v."""
+    """``(out, lse)`` for q, k, v [B, H, S, D] (lse [B, H, Sq]) or [B, S, D] (lse [B, Sq]); differentiable in q, k,
+    v. The lse returned is the one saved for backward."""
     return TiledFlashAttention.apply(q, k, v, causal, softmax_scale, block_q, block_k)

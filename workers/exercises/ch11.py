@@ -42,7 +42,7 @@ TOL = {"atol": 1e-5, "rtol": 1e-4}
 # pads by a size of its own (one element more per shard) is caught; its parameters are handed over in reverse order.
 CFG_EVEN = model_config(62, 16, 32, 4, 1)
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
-               "broadcast", "reduce", "all_to_all_single", "all_to_all", "scatter", "gather")
+               "broadcast", "reduce", "all_to_all_single", "all_to_all", "scatter", "gather", "all_gather_object")
 
 
 class _Handle:
@@ -598,8 +598,151 @@ def _zero3_case(ctx, answer, block_cls, where: str) -> None:
     agree(right)
 
 
+# The whole gradient the clipping check shards: parameters of uneven sizes, so that a rank's shard holds some whole,
+# some in part and some not at all (empty views), as ZeRO-3's sharded .grad do.
+CLIP_SIZES = (37, 64, 5, 128, 3, 90)
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (total + 1e-6), at most 1
+
+
+def _clip_case(n: int, rank: int, seed: int):
+    """The whole gradient (the same on every rank, from ``seed``) and this rank's sharded views of it: ZeRO-3's
+    layout, one flat buffer padded to n equal shards, each parameter's elements in this rank's shard."""
+    g = torch.Generator().manual_seed(seed)
+    whole = [torch.randn(k, generator=g) * (0.1 + torch.rand((), generator=g)) for k in CLIP_SIZES]
+    flat = _padded_flat(whole, n)  # [n S]
+    S = flat.numel() // n
+    shard = flat[rank * S:(rank + 1) * S].clone()  # [S]
+    views, offset = [], 0
+    for t in whole:
+        a, b = (min(max(offset + d - rank * S, 0), S) for d in (0, t.numel()))
+        views.append(shard[a:b])
+        offset += t.numel()
+    return whole, shard, views
+
+
+def check_clip_grad_norm_sharded(ctx, answer) -> None:
+    """Gradient-norm clipping over ZeRO-3's shards: the norm of the whole gradient (the squares summed over every
+    rank's elements, one all-reduce, then the square root), the same on every rank; the shards scaled in place by
+    min(1, max_norm / (norm + 1e-6)); clipped when the norm is above max_norm, untouched below; a NaN reported."""
+    for seed, factor in ((11, 0.5), (12, 2.0)):
+        _clip_one(ctx, answer, seed, factor)
+    _clip_nan(ctx, answer)
+
+
+def _clip_one(ctx, answer, seed: int, factor: float) -> None:
+    n, rank = ctx.world_size, ctx.rank
+    whole, shard, views = _clip_case(n, rank, seed)
+    total = torch.cat(whole).double().norm().item()
+    max_norm = factor * total
+    coef = min(1.0, max_norm / (total + CLIP_EPS))
+    want = shard * coef
+    before = shard.clone()
+    local = before.double().norm().item()
+    norms = [None] * n
+    dist.all_gather_object(norms, local)
+    clipping = coef < 1.0
+    case = (f"max_norm = {max_norm:.4g} {'below' if clipping else 'above'} the whole gradient's norm {total:.4g} "
+            f"(seed {seed}, {len(CLIP_SIZES)} parameters sharded over {n} ranks)")
+    got, raised = None, None
+    with CollectiveLog() as log:
+        try:
+            got = answer(views, max_norm)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the answer raised: said in a sentence
+            raised = exc
+
+    def ran():
+        if raised is not None:
+            raise Wrong(f"with {case}, your function raised {type(raised).__name__}: {raised}")
+        try:
+            float(torch.as_tensor(got))
+        except (TypeError, ValueError, RuntimeError):
+            raise Wrong(f"return the total norm (a number or a 0-d tensor), as torch.nn.utils.clip_grad_norm_ does; "
+                        f"got {type(got).__name__}") from None
+    agree(ran)
+    value = float(torch.as_tensor(got).double())
+
+    def traffic():
+        gathered = sorted({c["name"] for c in log.calls if "gather" in c["name"]})
+        if gathered:
+            moved = sum(c["bytes"] for c in log.calls if c["name"] in gathered)
+            raise Wrong(f"your function gathered the gradients ({', '.join(gathered)}, {moved:,} bytes on rank "
+                        f"{rank}) to compute the norm on every rank: the norm needs one number per rank, the sum of "
+                        "its squares; all-reduce that (a few bytes), not the shards")
+        if not log.calls and n > 1:
+            raise Wrong(f"your function ran no collective, so the norm it used is the norm of only this rank's shard "
+                        f"({local:.4g} on rank {rank}; the whole gradient's is {total:.4g}): each rank holds a part of "
+                        "the gradient. Sum the squares of your elements, all-reduce the sum over the ranks, then take "
+                        "the square root")
+    agree(traffic)
+
+    def norm_returned():
+        if abs(value - total) <= 1e-5 * total:
+            return
+        if not math.isfinite(value):
+            raise Wrong(f"with {case}, the norm you returned is {value} from finite gradients")
+        if n > 1 and abs(value - local) <= 1e-5 * total:
+            raise Wrong(f"the norm you returned is only this rank's shard's ({local:.4g} on rank {rank}; the whole "
+                        f"gradient's is {total:.4g}): all-reduce the sum of squares over the ranks")
+        if abs(value - sum(norms)) <= 1e-5 * total:
+            raise Wrong(f"the norm you returned, {value:.4g}, is the sum of the ranks' norms: norms do not add "
+                        f"(the whole gradient's is {total:.4g}). All-reduce the sum of squares, then take the square "
+                        "root")
+        if abs(value - total ** 2) <= 1e-5 * total ** 2:
+            raise Wrong(f"the norm you returned, {value:.4g}, is the sum of squares ({total:.4g} squared): take the "
+                        "square root after the all-reduce")
+        if abs(value - total / math.sqrt(n)) <= 1e-5 * total:
+            raise Wrong(f"the norm you returned is the whole gradient's divided by sqrt({n}): the squares were "
+                        "averaged over the ranks; all-reduce their SUM")
+        if clipping and abs(value - max_norm) <= 1e-4 * max_norm:
+            raise Wrong(f"you returned the norm after clipping ({value:.4g} = max_norm): return the norm before "
+                        "clipping, as torch.nn.utils.clip_grad_norm_ does (it is what a training log records)")
+        raise Wrong(f"with {case}, the norm you returned is {value:.6g} on rank {rank}; the whole gradient's is "
+                    f"{total:.6g}")
+    agree(norm_returned)
+
+    def scaled():
+        if torch.allclose(shard, want, rtol=1e-5, atol=1e-7):
+            return
+        if clipping and torch.equal(shard, before):
+            raise Wrong(f"with {case}, the gradients are unchanged: scale them in place (g.mul_(coef)); a new list "
+                        "or a rebound name does not change the tensors the optimizer reads")
+        if not clipping and torch.allclose(shard, before * (max_norm / total), rtol=1e-5, atol=1e-7):
+            raise Wrong(f"with {case}, your function scaled the gradients up to max_norm: clipping only scales down, "
+                        "coef = min(1, max_norm / (norm + 1e-6))")
+        err = (shard - want).abs().max().item()
+        raise Wrong(f"with {case}, the clipped gradient differs from the expected by up to {err:.3g} on rank {rank}: "
+                    "every rank must scale its shard by the same coef = min(1, max_norm / (norm + 1e-6)), the norm "
+                    "that of the whole gradient")
+    agree(scaled)
+
+
+def _clip_nan(ctx, answer) -> None:
+    """A NaN in one rank's shard: the whole gradient's norm is NaN, and every rank must say so (a diverged step is
+    skipped or stopped by the caller that sees it); a norm that hides it lets the NaN reach the weights."""
+    n, rank = ctx.world_size, ctx.rank
+    _, shard, views = _clip_case(n, rank, 13)
+    if rank == 0:
+        shard[0] = float("nan")
+    try:
+        value = float(torch.as_tensor(answer(views, 1.0)).double())
+    except NotImplementedError:
+        raise
+    except Exception:  # noqa: BLE001 - raising on a non-finite norm (error_if_nonfinite=True) reports it too
+        value = math.nan
+
+    def reported():
+        if math.isfinite(value):
+            raise Wrong(f"rank 0's shard holds a NaN, yet the norm you returned on rank {rank} is {value:.4g}: a NaN "
+                        "or infinite gradient must make the norm NaN (or infinite) on every rank, as "
+                        "torch.nn.utils.clip_grad_norm_ does, so that the caller sees the step went wrong; do not "
+                        "filter or replace non-finite values")
+    agree(reported)
+
+
 CHECKS = {"zero1_step": check_zero1_step, "zero2_grad_hooks": check_zero2_grad_hooks,
-          "zero3_unit_hooks": check_zero3_unit_hooks}
+          "zero3_unit_hooks": check_zero3_unit_hooks, "clip_grad_norm_sharded": check_clip_grad_norm_sharded}
 
 
 def main(ctx, exercise: str = "", answer=None):

@@ -115,3 +115,34 @@ def train_reference(cfg: GPTConfig, optimizer: str, batches, seed: int = 0, dtyp
                     p.copy_(m)
         weights.append(flat_params(model))
     return weights
+
+
+def train_reference_mixed(cfg: GPTConfig, optimizer: str, batches, seed: int = 0, param_dtype=torch.bfloat16,
+                          keep=None) -> tuple[list[torch.Tensor], list[float]]:
+    """Single process, FSDP2's mixed precision without the sharding: fp32 master weights, the optimizer steps
+    them; every step computes forward and backward with a copy of them cast to ``param_dtype`` (the parameters
+    ``keep(name)`` picks stay fp32, as replicated ones do), on the whole batch, and the copy's gradients cast to
+    fp32 are the masters' gradients. Weights after each step (index 0 = start, fp32 masters) and the losses.
+
+    A cast of the parameters, not ``torch.autocast``: autocast casts each op's inputs and runs some ops
+    (LayerNorm, softmax) in fp32, so its numbers differ from FSDP's by bf16 rounding.
+    """
+    master = make_model(cfg, seed=seed)
+    compute = make_model(cfg, seed=seed)  # the same modules (the tie included); weights set from the masters
+    named = list(master.named_parameters())
+    opt = make_optimizer(optimizer, [p for _, p in named])
+    weights, losses = [flat_params(master)], []
+    for batch in batches:
+        with torch.no_grad():
+            for (name, p), q in zip(named, compute.parameters()):
+                q.data = p.detach().to(torch.float32 if keep is not None and keep(name) else param_dtype)
+                q.grad = None
+        loss = loss_fn(compute, batch)
+        loss.backward()
+        for (_, p), q in zip(named, compute.parameters()):
+            p.grad = q.grad.float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        weights.append(flat_params(master))
+        losses.append(loss.item())
+    return weights, losses
