@@ -342,9 +342,10 @@ class RankJob:
                 continue
             if self._stale(kind, payload):
                 continue
+            raised = kind == "frame" and payload["kind"] == "error"
+            said = (str(payload["data"]["message"]).splitlines() or [""])[0] if raised else ""  # a message may be empty
             failure = (f"rank {rank} exited" if kind == "eof" and rank not in done else
-                       f"rank {rank} raised {payload['data']['type']}: {str(payload['data']['message']).splitlines()[0]}"
-                       if kind == "frame" and payload["kind"] == "error" else None)
+                       f"rank {rank} raised {payload['data']['type']}: {said}" if raised else None)
             if failure and rank is not None and self.attempt < self.max_restarts:
                 # torchrun's agent stops the other ranks and starts new ones: wait for them, give them the task again
                 logs.append(f"[torchrun] attempt {self.attempt} of {worker} ended after "

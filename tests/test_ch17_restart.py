@@ -23,7 +23,9 @@ import course_utils as cu
 from workers.resilience import state
 from workers.resilience.journal import Journal, ledger, read_events
 
-pytestmark = [pytest.mark.ranks]
+# once: processes, restarts, ports and exact equalities within one machine's kernels; the chapter's execution under
+# the other kernels (test-other-cpu) runs the same runs and compares their verdicts
+pytestmark = [pytest.mark.ranks, pytest.mark.once]
 
 STEPS, EVERY = 12, 4  # the worker's defaults: checkpoints after steps 4, 8 and 12
 COLLECTIVE_TIMEOUT = 3.0
