@@ -5,6 +5,11 @@ results-protocol connection per rank, and routes every frame into a single queue
 task to all ranks and turns the frames that come back into a ``RunResult``, or into an exception that
 names the failing rank (with its traceback), the dead rank (with its exit output), or, on a timeout,
 where each rank was stuck.
+
+``max_restarts`` > 0 is torchrun's ``--max-restarts``: when a rank of the task dies or raises, the agent stops the
+others and starts every rank again (an *attempt*; the ranks' ``TORCHELASTIC_RESTART_COUNT``), and ``run_task`` sends
+the same task to the new ranks, as torchrun re-runs a script from its top. Frames carry the attempt of the
+process that sent them, so a dead attempt's late frames are dropped; the job fails only once restarts are used up.
 """
 from __future__ import annotations
 
@@ -61,12 +66,14 @@ class RankJob:
 
     def __init__(self, world_size: int, *, nnodes: int = 1, env: dict | None = None,
                  collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, startup_timeout_s: float | None = None,
-                 label: str = ""):
+                 label: str = "", max_restarts: int = 0):
         if world_size % nnodes:
             raise ValueError("world_size must be a multiple of nnodes")
         self.world_size, self.nnodes = world_size, nnodes
         self.nproc_per_node = world_size // nnodes
         self.label = label
+        self.max_restarts = max_restarts  # torchrun's --max-restarts: 0 for every pooled job
+        self.attempt = 0  # the attempt whose ranks this job talks to (frames of older ones are stale)
         self.id = f"{os.getpid()}-{next(_job_counter)}-{uuid.uuid4().hex[:6]}"
         self.log_dir = scratch.job_log_dir(self.id)  # torchrun's per-rank log files, removed by close()
         self.collective_timeout_s = collective_timeout_s
@@ -105,6 +112,11 @@ class RankJob:
             "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
             "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
         })
+        if self.max_restarts:
+            # torchrun keeps one TCP store for every restart of the job and the ranks' process group keys in it carry
+            # no attempt: a restarted rank can read a dead rank's gloo address (connectFullMesh: "Connection
+            # refused"). Without the shared store, each attempt's rank 0 hosts a new one.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.update({k: str(v) for k, v in self._env.items()})
         # --tee=3 makes torchrun write each rank's stdout/stderr to files under --log-dir and tail them to its own
         # stdout (read by _read_agent); given no --log-dir it makes a torchelastic_* folder in the system temp
@@ -112,7 +124,7 @@ class RankJob:
         self._register()  # on record (for the reaper, should this notebook die) before the folder exists
         self.log_dir.mkdir(parents=True, exist_ok=True)
         common = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc_per_node}",
-                  "--max-restarts=0", "--monitor-interval=0.1", "--tee=3", f"--log-dir={self.log_dir}"]
+                  f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1", "--tee=3", f"--log-dir={self.log_dir}"]
         if self.nnodes == 1:
             commands = [common + ["--standalone", "-m", "workers.pool"]]
         else:
@@ -157,19 +169,26 @@ class RankJob:
             threading.Thread(target=self._read_rank, args=(conn,), daemon=True).start()
 
     def _read_rank(self, conn: socket.socket) -> None:
-        rank = None
+        rank, attempt = None, self.attempt
         try:
             while True:
                 frame = protocol.recv_frame(conn)
                 rank = frame["rank"]
                 if frame["kind"] == "hello":
+                    attempt = frame["data"].get("attempt", 0)
                     self._register(hello=(rank, conn, frame["data"]))
+                frame["attempt"] = attempt
                 self.frames.put(("frame", rank, frame))
         except (protocol.ConnectionClosed, OSError):
-            self.frames.put(("eof", rank, None))
+            self.frames.put(("eof", rank, attempt))
         except Exception as exc:  # a frame we cannot read: report it as that rank's failure
-            self.frames.put(("frame", rank, {"kind": "error", "task": None, "data": {
+            self.frames.put(("frame", rank, {"kind": "error", "task": None, "attempt": attempt, "data": {
                 "type": type(exc).__name__, "message": f"unreadable results frame: {exc}", "traceback": ""}}))
+
+    def _stale(self, kind: str, payload) -> bool:
+        """An event from the ranks of an attempt torchrun has already replaced (its last frames, its closed sockets)."""
+        sent_by = payload if kind == "eof" else payload.get("attempt", 0) if kind == "frame" else self.attempt
+        return (sent_by or 0) < self.attempt
 
     def _register(self, hello: tuple | None = None) -> None:
         """Note a rank's hello and update the reaper's entry for this job. Ranks say hello at the same moment,
@@ -200,6 +219,8 @@ class RankJob:
                     self._fail_startup(self._startup_diagnosis(), errors)
                 continue
             kind, rank, payload = event
+            if self._stale(kind, payload):
+                continue
             if kind == "frame" and payload["kind"] == "ready":
                 self.ready[rank] = payload["data"]
             elif kind == "frame" and payload["kind"] == "error":
@@ -209,7 +230,8 @@ class RankJob:
                 self._fail_startup(f"torchrun (node {rank}) exited with code {payload} while starting", errors)
             elif kind == "eof" and rank is not None and rank not in self.ready:
                 self._fail_startup(f"rank {rank} closed its connection while starting", errors)
-        self.startup_seconds = time.perf_counter() - self._t0
+        if self.attempt == 0:  # a restart's wait is part of the run, not of the ranks' start
+            self.startup_seconds = time.perf_counter() - self._t0
 
     def _startup_diagnosis(self) -> str:
         """Why the ranks are not ready: never connected (torchrun or ``import torch`` still running), or
@@ -297,7 +319,9 @@ class RankJob:
         start = time.perf_counter()
         # Until every rank has imported the worker, only the (generous) startup limit applies.
         deadline = time.monotonic() + self.startup_timeout_s
-        self.send_all("task", {"id": task_id, "worker": worker, "params": params, "seed": seed}, task=task_id)
+        run_deadline = None  # the run's own limit, from the moment every rank first had the worker loaded
+        task = {"id": task_id, "worker": worker, "params": params, "seed": seed}
+        self.send_all("task", task, task=task_id)
         while len(done) < n:
             now = time.monotonic()
             if cancelled():
@@ -315,6 +339,23 @@ class RankJob:
             try:
                 kind, rank, payload = self.frames.get(timeout=0.05)
             except queue.Empty:
+                continue
+            if self._stale(kind, payload):
+                continue
+            raised = kind == "frame" and payload["kind"] == "error"
+            said = (str(payload["data"]["message"]).splitlines() or [""])[0] if raised else ""  # a message may be empty
+            failure = (f"rank {rank} exited" if kind == "eof" and rank not in done else
+                       f"rank {rank} raised {payload['data']['type']}: {said}" if raised else None)
+            if failure and rank is not None and self.attempt < self.max_restarts:
+                # torchrun's agent stops the other ranks and starts new ones: wait for them, give them the task again
+                logs.append(f"[torchrun] attempt {self.attempt} of {worker} ended after "
+                            f"{time.perf_counter() - start:.1f} s ({failure[:300]}); torchrun restarts every rank")
+                self.attempt += 1
+                self.ready = {}
+                self.wait_ready(cancelled)
+                ranks, done, errors, died, fail_at, loaded = [dict() for _ in range(n)], {}, {}, {}, None, set()
+                deadline = time.monotonic() + self.startup_timeout_s
+                self.send_all("task", task, task=task_id)
                 continue
             if kind == "eof" or kind == "agent_exit":
                 who = rank if kind == "eof" else f"node {rank}"
@@ -338,7 +379,9 @@ class RankJob:
             elif fk == "loaded":
                 loaded.add(rank)
                 if len(loaded) == n:
-                    deadline = time.monotonic() + timeout_s
+                    # a restarted attempt keeps the first one's limit: the timeout bounds the whole run
+                    run_deadline = run_deadline or time.monotonic() + timeout_s
+                    deadline = run_deadline
             elif fk == "task_done":
                 done[rank] = data["seconds"]
             if on_event is not None:

@@ -312,9 +312,10 @@ def _workers_version() -> float:
     return max((p.stat().st_mtime for p in (ROOT / "workers").rglob("*.py")), default=0.0)
 
 
-def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker: str = "") -> tuple[RankJob, bool]:
+def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker: str = "",
+                 max_restarts: int = 0) -> tuple[RankJob, bool]:
     """A started (maybe still starting) job for this run, and whether it is a pool to give back after."""
-    if warm:
+    if warm and not max_restarts:
         key = _pool_key(world_size, nnodes, env, collective_timeout_s)
         with _pools_lock:
             job = _pools.get(key)
@@ -337,7 +338,8 @@ def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker: st
                 _start_reaper()
                 return job, True
         # The warm ranks are busy with another run: this run gets ranks of its own.
-    job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s)
+    job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s,
+                  max_restarts=max_restarts)
     job.start_note, job.start_expected_s = _start_note(world_size, None, worker)
     return job, False
 
@@ -347,7 +349,7 @@ class Job:
 
     def __init__(self, worker: str, world_size: int, params: dict, *, timeout: float, seed: int, warm: bool,
                  nnodes: int, env: dict | None, collective_timeout_s: float,
-                 on_event: Callable[[str, int, dict], None] | None):
+                 on_event: Callable[[str, int, dict], None] | None, max_restarts: int = 0):
         self._t_launch = time.perf_counter()  # what a cold start's record measures: from here to the answer
         self.worker, self.world_size, self.params = worker, world_size, params
         self.metrics: list[list[dict]] = [[] for _ in range(world_size)]
@@ -361,7 +363,8 @@ class Job:
         self._watch = None  # (status HTML, log Output) once watch() was called
         self.waited_s: float | None = None  # a cold start that answered: seconds from the call to the answer
         # Processes are started here, in the caller's thread (their parent-death signal follows this thread).
-        self._rank_job, self._pooled = _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker)
+        self._rank_job, self._pooled = _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker,
+                                                    max_restarts)
         # Whether this run waits for new ranks, the sentence that says so and the seconds it announces (from the call
         # to the answer: the ranks' start and this worker's first run on them).
         self.cold = len(self._rank_job.ready) < world_size
@@ -430,7 +433,7 @@ class Job:
                     _record_start(job.world_size, job.startup_seconds)
                 raise
             self.status = "done"
-            if started:
+            if started and job.attempt == 0:  # a restarted run's time says nothing about a cold start
                 # Everything this cold start cost the caller: the ranks' start, then this worker's first run on them.
                 self.waited_s = time.perf_counter() - self._t_launch
                 _record_first_run(self.worker, job.world_size, max(self.waited_s - job.startup_seconds, 0.0),
@@ -485,21 +488,27 @@ class Job:
 
 def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT_S, seed: int = 0,
            warm: bool = True, nnodes: int = 1, env: dict | None = None, collective_timeout: float | None = None,
-           on_event: Callable[[str, int, dict], None] | None = None, **params: Any) -> Job:
+           on_event: Callable[[str, int, dict], None] | None = None, max_restarts: int = 0, **params: Any) -> Job:
     """Start ``worker`` on ``world_size`` ranks and return at once. Parameters are checked first.
 
     ``seed`` seeds every rank's random generators before the run, and is also the worker's own ``seed``
-    parameter when its ``main`` has one (the data or weights it draws from it): one seed, not two."""
+    parameter when its ``main`` has one (the data or weights it draws from it): one seed, not two.
+
+    ``max_restarts`` is torchrun's ``--max-restarts``: a rank that dies or raises ends the attempt, torchrun starts
+    every rank again and the worker runs again from its top, up to that many times (``timeout`` bounds them all).
+    Such a run gets ranks of its own, as ``warm=False`` does: restarted ranks are a new job, not a warm one."""
     params = current_names(worker, params)
     if takes_param(worker, "seed"):
         params = {**params, "seed": seed}
     check_params(worker, world_size, params, nnodes=nnodes)
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise InvalidParameter(f"timeout must be a positive number of seconds, not {timeout!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise InvalidParameter(f"max_restarts={max_restarts!r} must be a whole number, 0 or more")
     # A constant default, not derived from `timeout`: runs with different timeouts share the same warm ranks.
     coll_timeout = float(collective_timeout if collective_timeout is not None else DEFAULT_COLLECTIVE_TIMEOUT_S)
     return Job(worker, world_size, _wire_params(params), timeout=float(timeout), seed=seed, warm=warm,
-               nnodes=nnodes, env=env, collective_timeout_s=coll_timeout, on_event=on_event)
+               nnodes=nnodes, env=env, collective_timeout_s=coll_timeout, on_event=on_event, max_restarts=max_restarts)
 
 
 def _announced(job: "Job") -> "Job":

@@ -105,8 +105,14 @@ def run_task(ctx: runtime.Context, task: dict) -> None:
         out = module.main(ctx, **params)
         if out:
             ctx.result(**out)
-    except BaseException as exc:  # report, then wait: the notebook decides to tear the job down
+    except BaseException as exc:  # report, then wait: the notebook decides to tear the job down (unless torchrun may)
         reporter.send("error", runtime.error_payload(exc))
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+            # A job torchrun may restart: a failed run is a failed process, as under a plain torchrun, so the
+            # agent sees it, stops the other ranks and starts them all again.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return
     reporter.send("task_done", {"seconds": time.perf_counter() - start})
 
@@ -124,6 +130,7 @@ def serve() -> None:
     hello = {
         "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
         "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),  # which of torchrun's starts this is
     }
     protocol.send_frame(sock, "hello", hello, rank=rank)
     reporter = runtime.Reporter(rank, sock)

@@ -1,0 +1,36 @@
+"""The failures chapter 17 recovers from, injected the course's one way (``workers/faults``): each replaces the
+trainer's ``forward_loss`` for a run with one that, on the chosen rank and step of the *first* attempt, strikes right
+after the forward, in the middle of the step: the other ranks are about to wait in the gradient all_reduce.
+
+- ``kill``: SIGKILL to its own process: no exception, no traceback, no goodbye (the OOM killer, a lost node). The
+  other ranks' all_reduce loses its peer; torchrun's agent sees the exit code -9 and restarts every rank.
+- ``hang``: the rank stops (``hang_s`` seconds) and never calls the all_reduce; the others wait in it until the
+  collective timeout, raise, and that failure is what torchrun restarts on.
+
+Only attempt 0 (``TORCHELASTIC_RESTART_COUNT`` 0) is struck, so the restarted job runs clean. The fault is written to
+the journal *before* it strikes: the ledger times detection and restart from that moment.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+FAULTS = ("none", "kill", "hang")
+
+
+def patches(trainer, *, rank: int, attempt: int, at_step: int, at_rank: int, journal, hang_s: float) -> dict:
+    """The table ``workers.faults.injected`` picks from: ``{fault: (module, "forward_loss", faulty version)}``."""
+    original = trainer.forward_loss
+
+    def striking(kind: str, strike):
+        def forward_loss(model, batch, step):
+            loss = original(model, batch, step)
+            if attempt == 0 and rank == at_rank and step == at_step:
+                journal.write("fault", kind=kind, step=step)
+                strike()
+            return loss
+        return forward_loss
+
+    return {"kill": (trainer, "forward_loss", striking("kill", lambda: os.kill(os.getpid(), signal.SIGKILL))),
+            "hang": (trainer, "forward_loss", striking("hang", lambda: time.sleep(hang_s)))}

@@ -1,0 +1,78 @@
+"""Chapter 08's whole training state, saved and loaded with DCP (``torch.distributed.checkpoint``).
+
+One checkpoint is a folder ``step_{S:06d}`` that every rank writes into together (``dcp.save``): the model and AdamW
+as DCP state dicts (``get_state_dict``: keys without DDP's ``module.`` prefix; replicated tensors written once), the
+schedule, the data order's position and the step (the same on every rank, written once), and each rank's RNG streams
+under a key of its own (``rng_rank{R}``: ranks draw different dropout masks and noise, chapter 08). DCP writes
+``.metadata`` last, to a temporary name it then renames, after every rank's data is written: a folder without it is a
+save that was cut short, and ``latest_complete`` skips it.
+
+Loading fills a template of the same structure in place: the fresh objects' own state dicts (``get_state_dict`` also
+creates AdamW's zero moments, so DCP knows their shapes), then puts each part back, the RNG last.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from workers.checkpointing.state import rng_state, set_rng_state
+
+STEP_DIR = re.compile(r"^step_(\d{6})$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:06d}")
+
+
+def latest_complete(root: str) -> tuple[int, str] | None:
+    """The newest checkpoint whose ``.metadata`` exists (DCP writes it last): (step, folder), or None."""
+    found = sorted((int(m.group(1)), os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root)
+                   else []) if (m := STEP_DIR.match(name)) and os.path.exists(os.path.join(root, name, ".metadata")))
+    return found[-1] if found else None
+
+
+def clear(root: str) -> None:
+    """Remove this worker's checkpoints and journal from ``root`` (and nothing else a learner may keep there)."""
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if STEP_DIR.match(name) or name == "journal":
+            shutil.rmtree(os.path.join(root, name))
+
+
+def _state(model, optimizer, scheduler, sampler, rank: int, step: int, config: dict) -> dict:
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
+            f"rng_rank{rank}": rng_state(), "step": step, "config": dict(config)}
+
+
+def save(root: str, step: int, model, optimizer, scheduler, sampler, rank: int, config: dict) -> str:
+    """Every rank calls it after step ``step``; returns the folder once every rank's part and the metadata are written."""
+    path = step_dir(root, step)
+    dcp.save(_state(model, optimizer, scheduler, sampler, rank, step, config), checkpoint_id=path)
+    return path
+
+
+def find(root: str, rank: int) -> tuple[int, str] | None:
+    """Rank 0 picks the checkpoint and every rank takes its choice: ranks must never load different steps."""
+    choice = [latest_complete(root) if rank == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def load(path: str, model, optimizer, scheduler, sampler, rank: int, config: dict) -> int:
+    """Fill the fresh objects from the checkpoint at ``path``; returns the step it was written after."""
+    state = _state(model, optimizer, scheduler, sampler, rank, -1, config)
+    dcp.load(state, checkpoint_id=path)  # tensors in place; the rest (schedule, position, step) replaced
+    if state["config"] != dict(config):
+        diff = {k: (v, config.get(k)) for k, v in state["config"].items() if config.get(k) != v}
+        raise ValueError(f"the checkpoint in {path} was written with other settings {diff} (saved, now): resume with "
+                         "the same ones, or give an empty ckpt_dir")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    set_rng_state(state[f"rng_rank{rank}"])  # last: nothing after it may draw a random number before the next step
+    return int(state["step"])
