@@ -158,6 +158,23 @@ def test_triton_saves_no_quadratic_tensor(request):
     assert sorted(saved) == sorted([(1, 2, 40, 16)] * 4 + [(1, 2, 40)])
 
 
+def test_triton_saves_one_batch_by_queries_log_sum_exp_for_one_head(request):
+    # 3-D inputs (one head): the kernels run on [B, 1, S, D] views, and what autograd keeps is the [B, Sq] log-sum-exp
+    # the tiled version keeps too (the layout CS336's FlashAttention tests look for in ctx.saved_tensors)
+    q, k, v, _ = make_inputs(seed_of(request), torch.float32, 2, 1, 40, 40, 16)
+    q, k, v = (t.squeeze(1).requires_grad_(True) for t in (q, k, v))  # [2, 40, 16]
+    out, lse = tk.triton_flash_attention(q, k, v, True)
+    saved = out.grad_fn.saved_tensors
+    assert [tuple(t.shape) for t in saved] == [(2, 40, 16)] * 4 + [(2, 40)]
+    assert saved[-1].data_ptr() == lse.data_ptr() and lse.shape == (2, 40)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True)
+    out_tol, lse_tol = tolerances(torch.float32)
+    assert_close_to_reference("out", out, ref_out, out_tol)
+    assert_close_to_reference("lse", lse, ref_lse, lse_tol, relative=False)
+    out.sum().backward()
+    assert q.grad.shape == (2, 40, 16) and torch.isfinite(q.grad).all()
+
+
 @pytest.mark.parametrize("shape,dtype,causal,match", [
     ((1, 2, 8, 8), torch.float32, False, "head_dim 8"),
     ((1, 2, 8, 256), torch.float32, False, "head_dim 256"),

@@ -52,10 +52,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal attention needs as many queries as keys, got {q.shape[-2]} and {k.shape[-2]}")
 
-    chosen = _pick_impl(impl, q)
-    squeeze = chosen == "triton" and q.dim() == 3
-    if squeeze:  # one head: [B, S, D] -> [B, 1, S, D] (a view, no copy); the tiled version takes 3-D as it is
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    chosen = _pick_impl(impl, q)  # both versions take 3-D (one head) as it is and save lse as [B, Sq] then
     if chosen == "triton":
         try:
             from workers.attention.triton_kernels import triton_flash_attention  # imports triton: only here
@@ -65,8 +62,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         out, lse = triton_flash_attention(q, k, v, causal, softmax_scale, configs)
     else:
         out, lse = tiled_flash_attention(q, k, v, causal, softmax_scale, block_q, block_k)
-    if squeeze:
-        out, lse = out.squeeze(1), lse.squeeze(1)
     return (out, lse) if return_lse else out
 
 

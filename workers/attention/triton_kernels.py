@@ -513,11 +513,22 @@ def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None
 
 
 class TritonFlashAttention(torch.autograd.Function):
-    """Forward saves (q, k, v, O, LSE); backward runs the preprocess, dK/dV and dQ kernels."""
+    """Forward saves (q, k, v, O, LSE); backward runs the preprocess, dK/dV and dQ kernels.
+
+    The log-sum-exp is saved, and returned, in the queries' leading shape: [B, H, Sq] for 4-D inputs, [B, Sq] for
+    3-D ones (one head: the kernels run on a [B, 1, S, D] view, and the [B, 1, Sq] statistics are saved as [B, Sq]),
+    the layout the backward reads and the tiled version saves."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, configs):
-        out, lse, _ = attention_forward(q, k, v, causal, softmax_scale, configs)
+        one_head = q.dim() == 3
+        if one_head:  # [B, S, D] -> [B, 1, S, D]: views, no copy
+            q4, k4, v4 = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        else:
+            q4, k4, v4 = q, k, v
+        out, lse, _ = attention_forward(q4, k4, v4, causal, softmax_scale, configs)  # [B, H, Sq, D], [B, H, Sq]
+        if one_head:
+            out, lse = out.squeeze(1), lse.squeeze(1)  # [B, Sq, D], [B, Sq]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.configs = causal, softmax_scale, configs
         ctx.mark_non_differentiable(lse)
@@ -526,12 +537,16 @@ class TritonFlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        if q.dim() == 3:
+            q, k, v, out, lse, dout = (t.unsqueeze(1) for t in (q, k, v, out, lse, dout))
         dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.causal, ctx.softmax_scale, ctx.configs)
+        if ctx.saved_tensors[0].dim() == 3:
+            dq, dk, dv = dq.squeeze(1), dk.squeeze(1), dv.squeeze(1)
         return dq, dk, dv, None, None, None
 
 
 def triton_flash_attention(q, k, v, causal=False, softmax_scale=None, configs=None):
-    """``(out, lse)`` for 4-D q, k, v [B, H, S, D]; differentiable in q, k, v.
+    """``(out, lse)`` for q, k, v [B, H, S, D] (lse [B, H, S]) or [B, S, D] (lse [B, S]); differentiable in q, k, v.
 
     ``configs`` (optional) maps "fwd", "dkdv", "dq" to {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} and
     bypasses autotuning: tests use it to walk other tile shapes, benchmarks to pin a version. ``"default"``
