@@ -7,6 +7,7 @@ so plain torchrun is exercised on a few workers, and every worker's command line
 defaults run on two warm ranks (a cold torchrun per worker would cost ten seconds each on this machine).
 """
 import ast
+import contextlib
 import importlib
 import os
 import re
@@ -61,12 +62,28 @@ def test_chapter_workers_under_plain_torchrun(name):
     assert "[rank 1]" in out.stdout, out.stdout[-1500:]  # results printed by every rank
 
 
+@contextlib.contextmanager
+def _quorum_replica(tmp_path):
+    """workers/ch17_quorum.py runs one rank per replica group beside a torchft lighthouse that the notebook starts:
+    here, one replica alone (min_replicas 1) with a lighthouse of its own, as its command line in a terminal would."""
+    from course_utils.ch17_quorum import lighthouse
+
+    with lighthouse(min_replicas=1) as address:
+        yield 1, {"lighthouse": address, "replicas": 1, "min_replicas": 1, "run_dir": str(tmp_path)}
+
+
+# the world size and extra settings a worker needs beyond its defaults, from what its notebook starts beside it
+BESIDE = {"ch17_quorum.py": _quorum_replica}
+
+
 @pytest.mark.parametrize("script", WORKERS, ids=lambda p: p.name)
-def test_every_worker_parses_its_command_line_and_runs_its_defaults_at_world_2(script):
+def test_every_worker_parses_its_command_line_and_runs_its_defaults_at_world_2(script, tmp_path):
     module = importlib.import_module(f"workers.{script.stem}")
     params = _cli_params(module.main, example_args(script))  # what `torchrun script.py` would pass to main
-    res = cu.run(f"workers.{script.stem}", world_size=2, timeout=180, **params)
-    assert len(res.ranks) == 2
+    beside = BESIDE.get(script.name, lambda _: contextlib.nullcontext((2, {})))
+    with beside(tmp_path) as (world_size, extra):
+        res = cu.run(f"workers.{script.stem}", world_size=world_size, timeout=180, **{**params, **extra})
+    assert len(res.ranks) == world_size
 
 
 def test_a_failing_rank_fails_torchrun_with_its_traceback():
