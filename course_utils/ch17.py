@@ -246,8 +246,23 @@ def restart_widget(fault: str = "kill", fault_step: int = 7, ckpt_every: int = E
                                                                if params["fault"] != "none" else "")
                           + f", a checkpoint every {params['ckpt_every']} steps")
 
-    return LiveRun(WORKER, controls, draw, params=fixed, derive=derive, timeout=120,
+    return LiveRun(WORKER, controls, draw, params=fixed, derive=derive, timeout=120, announce=announce,
                    progress_total=lambda p: STEPS + (0 if p["fault"] == "none" else p["fault_step"]))
+
+
+def announce(params: dict, job) -> str:
+    """The wait of a restart run, in words: the cold start the launcher expects (its record of this worker's cold
+    starts, never of restarted runs), and after a fault the collective timeout (a hang) and torchrun starting the
+    ranks again, priced as another cold start (a restart keeps torchrun's agent, so it is usually a little less)."""
+    start = job.start_expected_s
+    if params.get("fault", "none") == "none":
+        return job.start_note
+    hang = COLLECTIVE_TIMEOUT_S if params["fault"] == "hang" else 0.0
+    total = 2 * start + hang
+    timeout = f", the {hang:g} s collective timeout" if hang else ""
+    return (f"about {total:.0f} s in all: starting {params['world_size']} ranks and running the job (a cold start, "
+            f"{start:.0f} s){timeout}, and torchrun starting them again after the {params['fault']} (another "
+            f"{start:.0f} s or so); longer while the machine is busy")
 
 
 def _cold_estimate() -> float:
@@ -294,6 +309,6 @@ def cluster_widget():
     return W.VBox([controls_row(controls.values()), out])
 
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "EVERY", "FAULTS", "STEPS", "WORKER", "cluster_figure", "cluster_ledgers",
+__all__ = ["COLLECTIVE_TIMEOUT_S", "EVERY", "FAULTS", "STEPS", "WORKER", "announce", "cluster_figure", "cluster_ledgers",
            "cluster_widget", "ledger_table", "measured_costs", "measured_seconds", "predicted", "restart_run",
            "restart_widget", "run_figure", "same_run", "structure_table"]

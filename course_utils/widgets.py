@@ -63,19 +63,21 @@ class LiveRun:
     (optional) computes parameters from the controls' values (a hidden size that follows the head count), so a
     refusal never names a fixed value the learner cannot see or change; ``applies`` maps a control's name to
     ``settings -> bool``: where it is False the control is greyed out (an op for a collective that reduces
-    nothing).
+    nothing). ``announce(params, job) -> str`` (optional) words a cold start's wait itself, for a run that waits for
+    more than starting the ranks and running the worker once (a run that torchrun restarts after a fault).
     """
 
     def __init__(self, worker: str, controls: dict[str, W.ValueWidget], draw: Callable[[RunResult, dict], object],
                  *, params: dict | None = None, timeout: float = 30.0, progress_total: Callable[[dict], int] | None = None,
                  derive: Callable[[dict], dict] | None = None, applies: dict[str, Callable[[dict], bool]] | None = None,
-                 auto_start: bool = True):
+                 auto_start: bool = True, announce: Callable[[dict, object], str] | None = None):
         self.worker, self.controls, self.draw = worker, controls, draw
         self.fixed = dict(params or {})
         self.timeout = timeout
         self.progress_total = progress_total
         self.derive = derive
         self.applies = dict(applies or {})
+        self.announce = announce
         self.out = W.Output()
         self.status = W.HTML()
         self.cancel_button = W.Button(description="Cancel", icon="stop", disabled=True)
@@ -132,7 +134,9 @@ class LiveRun:
         self.progress.layout.visibility = "visible" if total else "hidden"
         self.cancel_button.disabled = False
         # A cold start's note already counts the run itself (the worker's first run on new ranks): one number to wait.
-        self.status.value = (f"<i>{job.start_note}: running on real ranks...</i>" if job.cold
+        note = self.announce(params | {"world_size": world_size}, job) if job.cold and self.announce else \
+            job.start_note
+        self.status.value = (f"<i>{note}: running on real ranks...</i>" if job.cold
                              else "<i>running on real ranks (warm)...</i>")
         threading.Thread(target=self._finish, args=(job, settings), daemon=True).start()
 

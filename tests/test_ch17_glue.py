@@ -84,3 +84,16 @@ def test_restart_widget_runs_a_fault_and_refuses_a_step_outside_the_run():
     live.controls["fault"].value = "none"
     assert live.wait(180)
     assert live.history[-1][1][0]["attempts"] == 1
+
+
+def test_a_restart_run_announces_its_whole_wait():
+    # the browser's check reads the first "about N s" while the widget is busy: it must be the whole wait
+    import re
+    from types import SimpleNamespace
+
+    job = SimpleNamespace(start_expected_s=3.4, start_note="starting 2 ranks (a cold start: about 3 s ...)")
+    kill = ch17.announce({"fault": "kill", "world_size": 2}, job)
+    hang = ch17.announce({"fault": "hang", "world_size": 2}, job)
+    assert re.search(r"about (\d+) s", kill).group(1) == "7" and "after the kill" in kill
+    assert re.search(r"about (\d+) s", hang).group(1) == "10" and "3 s collective timeout" in hang
+    assert ch17.announce({"fault": "none", "world_size": 2}, job) == job.start_note

@@ -67,12 +67,15 @@ LIVE_RUNS = {"LiveRun", *re.findall(r"^class (\w+)\(LiveRun\)", "\n".join(
 
 
 def live_run_factories() -> set[str]:
-    """The course_utils functions that build a ``LiveRun`` for a chapter (``tp_vocab.live``, ``ulysses_widget``): a
-    cell that calls one shows a widget that draws a figure, as a cell that builds the LiveRun itself does."""
+    """The course_utils functions that build a ``LiveRun`` for a chapter (``tp_vocab.live``, ``ulysses_widget``), or a
+    widget of their own that draws each figure into its output with ``widgets.figure_png`` (``ch17.cluster_widget``):
+    a cell that calls one shows a widget that draws a figure, as a cell that builds the LiveRun itself does."""
     names = set()
     for path in sorted((ROOT / "course_utils").glob("*.py")):
+        if path.name == "widgets.py":  # figure_png's own module: LiveRun's methods, not a chapter's widget
+            continue
         for match in re.finditer(r"^def (\w+)\(.*?(?=^def |^class |\Z)", path.read_text(), flags=re.M | re.S):
-            if re.search(r"\b(" + "|".join(sorted(LIVE_RUNS)) + r")\(", match.group(0)):
+            if re.search(r"\b(" + "|".join(sorted(LIVE_RUNS | {"figure_png"})) + r")\(", match.group(0)):
                 names.add(match.group(1))
     return names
 
