@@ -21,10 +21,11 @@ WORKER = "workers.ch17_restart"
 WORLD = 2
 STEPS, EVERY = 12, 4  # the worker's defaults: checkpoints after steps 4, 8 and 12
 COLLECTIVE_TIMEOUT_S = 3.0  # a hung collective is given up after this (gloo's timeout, set for the run)
-FAULTS = ("none", "kill", "hang")
+FAULTS = ("none", "kill", "hang", "torn")  # torn: a rank killed inside the checkpoint save (workers/resilience/faults.py)
 # the ledger's shares in drawing order, with the journal's names for the measured seconds
 MEASURED = {"productive": "productive_s", "checkpoint": "checkpoint_s", "lost": "lost_s",
             "recovery": ("detect_s", "restart_s", "reload_s")}
+FAULT_NAMES = {"kill": "kill", "hang": "hang", "torn": "torn save"}
 COLORS = {"productive": "#2da44e", "checkpoint": "#0969da", "lost": "#cf222e", "recovery": "#bf8700",
           "degraded": "#8250df", "heal": "#57606a"}
 
@@ -98,7 +99,8 @@ def ledger_table(record: dict, model: dict[str, float] | None = None) -> Table:
 
 def structure_table(record: dict) -> Table:
     """What happened, in steps (the same on every machine): attempts, faults, where it resumed, what it redid."""
-    faults = ", ".join(f"{f['kind']} rank {f['rank']} in step {f['step']}" for f in record["faults"]) or "none"
+    faults = ", ".join(f"{f['kind']} rank {f['rank']} {'saving after' if f['kind'] == 'torn' else 'in'} step "
+                       f"{f['step']}" for f in record["faults"]) or "none"
     return Table.of([{"attempts": record["attempts"], "faults": faults,
                       "resumed from checkpoint of step": ", ".join(map(str, record["resumed_from"])) or "-",
                       "steps done twice": ", ".join(map(str, record["lost_steps"])) or "-"}])
@@ -254,14 +256,14 @@ def announce(params: dict, job) -> str:
     """The wait of a restart run, in words: the cold start the launcher expects (its record of this worker's cold
     starts, never of restarted runs), and after a fault the collective timeout (a hang) and torchrun starting the
     ranks again, priced as another cold start (a restart keeps torchrun's agent, so it is usually a little less)."""
-    start = job.start_expected_s
-    if params.get("fault", "none") == "none":
+    if params.get("fault", "none") == "none" or not job.expected_s:
         return job.start_note
+    start = job.expected_s
     hang = COLLECTIVE_TIMEOUT_S if params["fault"] == "hang" else 0.0
     total = 2 * start + hang
     timeout = f", the {hang:g} s collective timeout" if hang else ""
     return (f"about {total:.0f} s in all: starting {params['world_size']} ranks and running the job (a cold start, "
-            f"{start:.0f} s){timeout}, and torchrun starting them again after the {params['fault']} (another "
+            f"{start:.0f} s){timeout}, and torchrun starting them again after the {FAULT_NAMES[params['fault']]} (another "
             f"{start:.0f} s or so); longer while the machine is busy")
 
 

@@ -76,6 +76,7 @@ def test_cluster_widget_redraws_on_every_control():
 @pytest.mark.ranks
 def test_restart_widget_runs_a_fault_and_refuses_a_step_outside_the_run():
     live = ch17.restart_widget(fault="kill", fault_step=3, ckpt_every=2)
+    assert "in all" in live.status.value  # new ranks, a kill, a restart: the whole wait announced while it runs
     assert live.wait(180)
     settings, result = live.history[-1]
     assert settings == {"fault": "kill", "fault_step": 3, "ckpt_every": 2}
@@ -91,7 +92,7 @@ def test_a_restart_run_announces_its_whole_wait():
     import re
     from types import SimpleNamespace
 
-    job = SimpleNamespace(start_expected_s=3.4, start_note="starting 2 ranks (a cold start: about 3 s ...)")
+    job = SimpleNamespace(expected_s=3.4, start_note="starting 2 ranks (a cold start: about 3 s ...)")  # a Job's
     kill = ch17.announce({"fault": "kill", "world_size": 2}, job)
     hang = ch17.announce({"fault": "hang", "world_size": 2}, job)
     assert re.search(r"about (\d+) s", kill).group(1) == "7" and "after the kill" in kill

@@ -122,6 +122,17 @@ def test_a_hang_ends_at_the_collective_timeout_naming_the_collective_and_the_ran
     assert record["resumed_from"] == [8] and record["lost_steps"] == [9]
 
 
+def test_a_checkpoint_torn_mid_save_is_passed_over_and_the_run_is_still_bit_for_bit(tmp_path, uninterrupted):
+    # rank 1 dies inside the save after step 8, its own shard written, before the coordinator's .metadata: the folder
+    # step_000008 is left torn; the restart must take step 4's checkpoint and redo 5 to 8
+    res = _restarted(tmp_path, fault="torn", fault_rank=1, fault_step=8)
+    _same_run(res, uninterrupted)
+    record = res[0]
+    assert [(f["kind"], f["rank"], f["step"]) for f in record["faults"]] == [("torn", 1, 8)]
+    assert record["resumed_from"] == [4] and record["lost_steps"] == [5, 6, 7, 8]
+    assert record["skipped"] == [[8]]  # the torn folder was there, without .metadata, and passed over
+
+
 def test_without_restarts_a_killed_rank_ends_the_job_and_is_named(tmp_path):
     before = _children()
     with pytest.raises(cu.WorkerFailed) as info:
@@ -173,6 +184,7 @@ def test_refusals_name_what_to_change_before_any_rank_starts():
                              ({"fault_step": 13}, "fault_step=13 is not a step of this run: choose 1 to 12"),
                              ({"ckpt_every": 0}, "ckpt_every=0 must be at least 1"),
                              ({"fault": "oom"}, "fault='oom' is not one of"),
+                             ({"fault": "torn", "fault_step": 7}, "fault_step=7 saves no checkpoint to tear"),
                              ({"max_restarts": -1}, "max_restarts=-1 must be a whole number")]:
         with pytest.raises(cu.InvalidParameter, match=fragment):
             cu.launch("workers.ch17_restart", 2, **{**base, **change})

@@ -41,6 +41,10 @@ def check_params(world_size, steps, ckpt_every, ckpt_dir, fault, fault_step, fau
         None if ckpt_dir else "ckpt_dir is empty: give the directory the checkpoints and the journal go to",
         None if fault == "none" or (isinstance(fault_step, int) and 1 <= fault_step <= steps) else
         f"fault_step={fault_step} is not a step of this run: choose 1 to {steps}",
+        None if fault != "torn" or not isinstance(ckpt_every, int) or ckpt_every < 1
+        or (isinstance(fault_step, int) and fault_step % ckpt_every == 0) else
+        f"fault_step={fault_step} saves no checkpoint to tear: with ckpt_every={ckpt_every} choose a multiple of "
+        f"{ckpt_every}",
         None if fault == "none" or (isinstance(fault_rank, int) and 0 <= fault_rank < world_size) else
         f"fault_rank={fault_rank} is not a rank of a world of {world_size}: use 0 to {world_size - 1}")
 

@@ -104,6 +104,22 @@ print(ch17.structure_table(hung[0]))
 print("the restarted run against the uninterrupted one:", ch17.same_run(hung, straight))
 
 # %% [markdown]
+# A third failure strikes the checkpoint itself. DCP writes a checkpoint in phases: every rank writes its own files,
+# then the coordinator collects what each wrote and writes `.metadata` last, under a temporary name it renames. A
+# rank that dies in between leaves a folder that looks like a checkpoint and is not one. Here rank 1 is killed inside
+# the save after step 8, its own shard already on disk:
+
+# %%
+torn = ch17.restart_run("torn", fault_step=8, fault_rank=1, name="ch17-torn")
+print(ch17.structure_table(torn[0]))
+print("torn checkpoints passed over when the job reloaded (steps):", torn[0]["skipped"][0])
+print("the restarted run against the uninterrupted one:", ch17.same_run(torn, straight))
+
+# %% [markdown]
+# The folder of step 8 was there, without `.metadata`; the restart passed over it and took step 4's, so steps 5 to 8
+# were done twice. A job that trusted the newest folder would have tried to load half a checkpoint. (Chapter 08 kills
+# a save midway in one process; here the save is cut between its ranks, which is how it happens on a cluster.)
+#
 # The hang cost what the killed rank did, plus the wait for the timeout: detection is the timeout, by design. That
 # is the trade every large job tunes. A short timeout ends a real hang quickly but also kills a job whose collective
 # was only slow (a straggler, a congested switch). And the timeout alone says only that *someone* did not arrive:
@@ -329,7 +345,8 @@ print(f"start {diloco.initial_eval_loss:.3f}; after {diloco.steps} steps: "
 #
 # ## 7. Explore on real ranks
 #
-# Choose the fault, the step it strikes in and the checkpoint interval; each change runs the job on two new ranks
+# Choose the fault (a rank killed, hung, or killed inside a save: `torn` needs a step that saves a checkpoint, or it
+# is refused), the step it strikes in and the checkpoint interval; each change runs the job on two new ranks
 # (a job that torchrun may restart always gets ranks of its own, so every run is a cold start: the status line says
 # how long), and draws the run with the model's ledger beside the measured one.
 
@@ -347,7 +364,8 @@ explore
 #   for bit; that needs every input of the next step in the checkpoint (data position and every RNG included). It
 #   loses the work since the last checkpoint and pays a whole job's restart per failure.
 # * A **hang** ends only at the collective's timeout; naming the collective and the missing rank is what makes it
-#   debuggable.
+#   debuggable. A **save cut short** between ranks leaves a folder without `.metadata`: resume from the newest
+#   *complete* checkpoint.
 # * **Goodput** = productive share of wall time. Daly's model, split into shares, says what checkpoint stall and
 #   recovery time a published goodput allows.
 # * **Quorum and heal** (torchft): a dead replica group drops out of the next step's quorum, the others average the

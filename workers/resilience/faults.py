@@ -6,6 +6,10 @@ after the forward, in the middle of the step: the other ranks are about to wait 
   other ranks' all_reduce loses its peer; torchrun's agent sees the exit code -9 and restarts every rank.
 - ``hang``: the rank stops (``hang_s`` seconds) and never calls the all_reduce; the others wait in it until the
   collective timeout, raise, and that failure is what torchrun restarts on.
+- ``torn``: the rank dies (SIGKILL) in the middle of the checkpoint save after step ``at_step``, once its own shard
+  is on disk and before DCP's coordinator writes the ``.metadata`` that makes the folder a checkpoint: the folder
+  is left torn, and the restarted job must take the checkpoint before it. Replaces ``state.save`` instead, and
+  needs ``at_step`` to be a step that saves.
 
 Only attempt 0 (``TORCHELASTIC_RESTART_COUNT`` 0) is struck, so the restarted job runs clean. The fault is written to
 the journal *before* it strikes: the ledger times detection and restart from that moment.
@@ -16,11 +20,11 @@ import os
 import signal
 import time
 
-FAULTS = ("none", "kill", "hang")
+FAULTS = ("none", "kill", "hang", "torn")
 
 
 def patches(trainer, *, rank: int, attempt: int, at_step: int, at_rank: int, journal, hang_s: float) -> dict:
-    """The table ``workers.faults.injected`` picks from: ``{fault: (module, "forward_loss", faulty version)}``."""
+    """The table ``workers.faults.injected`` picks from: ``{fault: (module, name, faulty version)}``."""
     original = trainer.forward_loss
 
     def striking(kind: str, strike):
@@ -32,5 +36,17 @@ def patches(trainer, *, rank: int, attempt: int, at_step: int, at_rank: int, jou
             return loss
         return forward_loss
 
+    save = getattr(getattr(trainer, "state", None), "save", None)  # a trainer that checkpoints (not torchft's replicas)
+
+    def torn_save(root, step, *args):
+        if not (attempt == 0 and rank == at_rank and step == at_step):
+            return save(root, step, *args)
+
+        def strike():  # this rank's files are written; the coordinator will wait for it, and the metadata never comes
+            journal.write("fault", kind="torn", step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(root, step, *args, after_write=strike)
+
     return {"kill": (trainer, "forward_loss", striking("kill", lambda: os.kill(os.getpid(), signal.SIGKILL))),
-            "hang": (trainer, "forward_loss", striking("hang", lambda: time.sleep(hang_s)))}
+            "hang": (trainer, "forward_loss", striking("hang", lambda: time.sleep(hang_s))),
+            **({"torn": (trainer.state, "save", torn_save)} if save is not None else {})}

@@ -72,7 +72,8 @@ def ledger(events: list[dict]) -> dict:
     - ``restart_s``: from the failure (or the kill) to the new attempt starting to load its checkpoint: torchrun
       stopping the survivors, new processes, ``import torch``, rendezvous, model and DDP built again;
     - ``reload_s``: reading the checkpoint back (DCP) and putting it into model, optimizer, schedule, data, RNG;
-    - ``checkpoint_s``: every save, in every attempt (rank 0's wall time: the save's last barrier makes it the job's).
+    - ``checkpoint_s``: every save, in every attempt (rank 0's wall time: the save's last barrier makes it the job's);
+    - ``skipped``: per restart, the steps whose checkpoint folder was torn (no ``.metadata``) when it reloaded.
     """
     mine = [e for e in events if e["rank"] == 0]
     attempts = sorted({e["attempt"] for e in events})
@@ -84,7 +85,7 @@ def ledger(events: list[dict]) -> dict:
     out = {"attempts": len(attempts), "productive_s": sum(e["t1"] - e["t0"] for e in final.values()),
            "lost_s": 0.0, "detect_s": 0.0, "restart_s": 0.0, "reload_s": 0.0,
            "checkpoint_s": sum(e["t1"] - e["t0"] for e in mine if e["event"] == "checkpoint"),
-           "lost_steps": [], "faults": [], "failures": [], "resumed_from": []}
+           "lost_steps": [], "faults": [], "failures": [], "resumed_from": [], "skipped": []}
     for a, nxt in zip(attempts, attempts[1:]):
         faults = [e for e in events if e["event"] == "fault" and e["attempt"] == a]
         failures = [e for e in events if e["event"] == "failure" and e["attempt"] == a]
@@ -94,6 +95,7 @@ def ledger(events: list[dict]) -> dict:
         redone = [e for e in steps[a] if e["step"] > resumed]
         out["lost_steps"] += [e["step"] for e in redone]
         out["resumed_from"].append(resumed)
+        out["skipped"].append(reload[0].get("skipped", []) if reload else [])  # torn saves the reload passed over
         out["faults"] += faults
         out["failures"] += failures
         fault_t = min((e["t"] for e in faults), default=None)

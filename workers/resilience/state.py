@@ -49,11 +49,36 @@ def _state(model, optimizer, scheduler, sampler, rank: int, step: int, config: d
             f"rng_rank{rank}": rng_state(), "step": step, "config": dict(config)}
 
 
-def save(root: str, step: int, model, optimizer, scheduler, sampler, rank: int, config: dict) -> str:
-    """Every rank calls it after step ``step``; returns the folder once every rank's part and the metadata are written."""
+def save(root: str, step: int, model, optimizer, scheduler, sampler, rank: int, config: dict,
+         after_write=None) -> str:
+    """Every rank calls it after step ``step``; returns the folder once every rank's part and the metadata are written.
+
+    ``after_write`` (chapter 17's torn save): called on this rank once its own files are written, before DCP's last
+    phase, in which the coordinator collects every rank's write results and writes ``.metadata``."""
     path = step_dir(root, step)
-    dcp.save(_state(model, optimizer, scheduler, sampler, rank, step, config), checkpoint_id=path)
+    writer = dcp.FileSystemWriter(path) if after_write is None else _WriteThen(path, after_write)
+    dcp.save(_state(model, optimizer, scheduler, sampler, rank, step, config), storage_writer=writer)
     return path
+
+
+class _WriteThen(dcp.FileSystemWriter):
+    """A FileSystemWriter that calls ``then()`` once this rank's data is on disk."""
+
+    def __init__(self, path: str, then):
+        super().__init__(path)
+        self._then = then
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        written.wait()  # the files are closed (and fsynced: FileSystemWriter's default) before the strike
+        self._then()
+        return written
+
+
+def incomplete(root: str) -> list[int]:
+    """Steps whose folder exists without ``.metadata``: saves cut short, which ``latest_complete`` passes over."""
+    return sorted(int(m.group(1)) for name in (os.listdir(root) if os.path.isdir(root) else [])
+                  if (m := STEP_DIR.match(name)) and not os.path.exists(os.path.join(root, name, ".metadata")))
 
 
 def find(root: str, rank: int) -> tuple[int, str] | None:

@@ -85,7 +85,7 @@ def _train(ctx, cfg: RunConfig, journal: Journal, board: Board, *, steps: int, c
         t0 = time.time()
         with board.naming():
             resumed = state.load(found[1], ddp, optimizer, scheduler, sampler, ctx.rank, config)
-        journal.write("reload", step=resumed, t0=t0, t1=time.time())
+        journal.write("reload", step=resumed, t0=t0, t1=time.time(), skipped=state.incomplete(ckpt_dir))
         first = resumed + 1
 
     aim = dict(rank=ctx.rank, attempt=attempt, at_step=fault_step, at_rank=fault_rank, journal=journal, hang_s=hang_s)
