@@ -499,7 +499,8 @@ def ch16_moe_train(seed: int) -> dict[str, float]:
 
 @experiment("ch16_imbalance", {
     "busy_cpu_over_others": Criterion(">", 1.5, f"{NB16} (ch16.imbalance_verdict); tests/test_ch16_glue.py"),
-    "others_wait_over_busy": Criterion(">", 2.0, f"{NB16} (ch16.imbalance_verdict); tests/test_ch16_glue.py"),
+    "others_wait_over_busy": Criterion(">", 2.0, f"{NB16} (ch16.imbalance_waits: printed beside the timings, not "
+                                                 "judged; 0.51 once with a browser test on the same cores)"),
 })
 def ch16_imbalance(seed: int) -> dict[str, float]:
     """Chapter 16's even and skewed batch through one MoE layer on EP 4: the busiest rank's expert CPU time against

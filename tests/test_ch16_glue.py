@@ -59,11 +59,12 @@ def test_a_skewed_batch_makes_the_other_ranks_wait_for_the_busiest():
     assert sum(r["rows computed"] for r in rows if r["batch"] == "skewed") == 2048 * 2
     busy = ch16.slowest(rows, "skewed")
     assert busy["rank"] == 0 and busy["rows computed"] > 1.5 * 2048 * 2 / 4  # expert 0 lives on rank 0: 2.14x
-    # orderings within one run, bounds from IMBALANCE_SPREAD (CPU time 3.2-4.7x, waits 5.3-25x over 18 runs)
+    # CPU time within one run, bound from IMBALANCE_SPREAD (3.2-4.7x over 18 runs). The waits are wall times and are
+    # not asserted: 5.3-25x over those runs, but 0.51x once in CI with a browser test sharing the two cores.
     measures = ch16.imbalance_measures(rows)
     assert measures["busy_cpu_over_others"] > ch16.BUSY_CPU_BOUND
-    assert measures["others_wait_over_busy"] > ch16.WAIT_BOUND
     assert "NO" not in ch16.imbalance_verdict(rows)
+    assert measures["others_wait_over_busy"] > 0 and "as long as rank 0" in ch16.imbalance_waits(rows)
 
 
 def _imbalance_rank(batch, rank, rows, dispatch, expert, cpu, wait):
@@ -93,9 +94,9 @@ def test_imbalance_rows_measures_verdict_and_figure():
     assert m["others_wait_over_busy"] == pytest.approx(45.0) and m["busiest_cpu_skewed_over_even"] == pytest.approx(2.5)
     assert m["forward_skewed_over_even"] == pytest.approx(132 / 65)  # the busy rank: 10 + 120 + 2 ms; even: 10 + 50 + 5
     verdict = ch16.imbalance_verdict(rows)
-    assert verdict.count("yes") == 2 and "2.5x an even share" in verdict
-    # the busiest rank waiting as long as the others would not be the claim: the verdict says NO
-    assert "over 2x as long as rank 0: NO" in ch16.imbalance_verdict(ch16.imbalance_rows(_fake_imbalance(0.09)))
+    assert verdict.count("yes") == 1 and "2.5x an even share" in verdict
+    assert "at least 45.0x as long as rank 0" in ch16.imbalance_waits(rows)  # measured, printed, not judged
+    assert "at least 1.0x as long as rank 0" in ch16.imbalance_waits(ch16.imbalance_rows(_fake_imbalance(0.09)))
     assert "4 ranks on 2 CPU cores" in ch16.imbalance_sentence(rows, cores=2)
     fig = ch16.draw_imbalance(rows)
     even, skewed = fig.axes[:2]
