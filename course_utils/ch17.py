@@ -13,7 +13,7 @@ import statistics
 
 import course_utils as cu
 from course_utils import goodput as gp
-from course_utils.checkpoint_interval import HOUR, daly_interval
+from course_utils.checkpoint_interval import HOUR, daly_interval, job_mtbf
 from course_utils.scratch import scratch_dir
 from course_utils.tables import Table
 
@@ -60,14 +60,15 @@ def measured_seconds(record: dict) -> dict[str, float]:
     return out
 
 
-def measured_costs(straight, restart_s: float | None = None, detect_s: float = 0.0) -> gp.Costs:
-    """What a step and a checkpoint cost on this machine (an uninterrupted run's median step, its mean save) and what
-    a restart costs: ``restart_s`` if given, else the launcher's own estimate of starting these ranks and the worker
+def measured_costs(run, every: int = EVERY, restart_s: float | None = None, detect_s: float = 0.0) -> gp.Costs:
+    """What a step and a checkpoint cost in ``run`` (its median step, its mean save) and what a restart costs:
+    ``restart_s`` if given, else the launcher's own estimate of starting these ranks and the worker
     (``launcher.expected_cold_s``, from this machine's recent cold starts: measured before, not on this run)."""
     from course_utils.launcher import expected_cold_s
 
-    record = straight[0]
-    saves = max(1, len(record["steps"]) // EVERY)
+    record = run[0]
+    # every save the journal timed: the final trajectory's, and those of steps a fault made the job redo
+    saves = max(1, sum(s % every == 0 for s in record["steps"] + record["lost_steps"]))
     if restart_s is None:
         restart_s, _ = expected_cold_s(WORKER, WORLD)
     return gp.Costs(step_s=statistics.median(record["step_s"]), checkpoint_s=record["checkpoint_s"] / saves,
@@ -165,7 +166,7 @@ def cluster_ledgers(n_gpus: int = 16_384, checkpoint_s: float = 20.0, recovery_s
                     gpu_mtbf_s: float = gp.LLAMA3_GPU_MTBF_S) -> dict[str, dict[str, float]]:
     """Both recoveries' shares at one cluster size (Llama 3's failure rate by default), at ``interval_s`` (Daly's
     optimum for restarts when None; the quorum checkpoints at the same interval)."""
-    mtbf = gp.job_mtbf(n_gpus, gpu_mtbf_s)
+    mtbf = job_mtbf(gpu_mtbf_s, n_gpus)
     interval = interval_s or daly_interval(checkpoint_s, mtbf)
     costs = gp.Costs(step_s=step_s, checkpoint_s=checkpoint_s, restart_s=recovery_s, heal_s=heal_s,
                      reconfigure_s=min(step_s, 5.0))
@@ -180,7 +181,7 @@ def cluster_figure(n_gpus: int = 16_384, checkpoint_s: float = 20.0, recovery_s:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    mtbf = gp.job_mtbf(n_gpus)
+    mtbf = job_mtbf(gp.LLAMA3_GPU_MTBF_S, n_gpus)
     best = daly_interval(checkpoint_s, mtbf)
     chosen = interval_min * 60 if interval_min else best
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11.5, 3.6), gridspec_kw={"width_ratios": [1.3, 1]})
@@ -236,13 +237,9 @@ def restart_widget(fault: str = "kill", fault_step: int = 7, ckpt_every: int = E
         return {"ckpt_dir": folder, "max_restarts": 0 if settings["fault"] == "none" else 1}
 
     def draw(res, params):
-        record = res[0]
-        costs = gp.Costs(step_s=statistics.median(record["step_s"]),
-                         checkpoint_s=record["checkpoint_s"] / max(1, STEPS // params["ckpt_every"]),
-                         detect_s=COLLECTIVE_TIMEOUT_S if params["fault"] == "hang" else 0.0,
-                         restart_s=_cold_estimate(),
-                         reload_s=record["checkpoint_s"] / max(1, STEPS // params["ckpt_every"]))
-        model = predicted(costs, record, STEPS, params["ckpt_every"])
+        costs = measured_costs(res, params["ckpt_every"],
+                               detect_s=COLLECTIVE_TIMEOUT_S if params["fault"] == "hang" else 0.0)
+        model = predicted(costs, res[0], STEPS, params["ckpt_every"])
         return run_figure(res, model, every=params["ckpt_every"],
                           title=f"fault: {params['fault']}" + (f" in step {params['fault_step']}"
                                                                if params["fault"] != "none" else "")
@@ -265,12 +262,6 @@ def announce(params: dict, job) -> str:
     return (f"about {total:.0f} s in all: starting {params['world_size']} ranks and running the job (a cold start, "
             f"{start:.0f} s){timeout}, and torchrun starting them again after the {FAULT_NAMES[params['fault']]} (another "
             f"{start:.0f} s or so); longer while the machine is busy")
-
-
-def _cold_estimate() -> float:
-    from course_utils.launcher import expected_cold_s
-
-    return expected_cold_s(WORKER, WORLD)[0]
 
 
 def cluster_widget():

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from course_utils.checkpoint_interval import DAY, LLAMA3_GPUS, LLAMA3_SNAPSHOT_DAYS, LLAMA3_UNEXPECTED_INTERRUPTIONS
 
 SHARES = ("productive", "checkpoint", "lost", "recovery", "degraded", "heal")
-RECOVERIES = ("restart", "quorum")
 
 # The per-GPU mean time between the interruptions Llama 3 counted: 54 days x 16,384 GPUs / 419 (section 3.3.4).
 LLAMA3_GPU_MTBF_S = LLAMA3_SNAPSHOT_DAYS * DAY * LLAMA3_GPUS / LLAMA3_UNEXPECTED_INTERRUPTIONS
@@ -70,15 +69,6 @@ class Costs:
     def recovery_s(self) -> float:
         """A restart's whole recovery: detection, new processes, reload."""
         return self.detect_s + self.restart_s + self.reload_s
-
-
-def job_mtbf(n_gpus: int, gpu_mtbf_s: float = LLAMA3_GPU_MTBF_S) -> float:
-    """Mean seconds between failures of a job that any of its ``n_gpus`` GPUs' failures interrupts."""
-    if n_gpus < 1:
-        raise ValueError(f"n_gpus={n_gpus}: a job runs on at least one GPU")
-    if gpu_mtbf_s <= 0:
-        raise ValueError(f"gpu_mtbf_s={gpu_mtbf_s}: the mean time between failures must be positive seconds")
-    return gpu_mtbf_s / n_gpus
 
 
 def restart_ledger(costs: Costs, interval_s: float, mtbf_s: float) -> dict[str, float]:
@@ -123,15 +113,6 @@ def quorum_ledger(costs: Costs, interval_s: float, mtbf_s: float, groups: int) -
     out.update(productive=running - checkpoint, checkpoint=checkpoint, lost=lost, recovery=recovery,
                degraded=degraded, heal=heal)
     return out
-
-
-def ledger(recovery: str, costs: Costs, interval_s: float, mtbf_s: float, groups: int = 2) -> dict[str, float]:
-    """``restart_ledger`` or ``quorum_ledger`` by name."""
-    if recovery not in RECOVERIES:
-        raise ValueError(f"recovery={recovery!r} is not one of {', '.join(map(repr, RECOVERIES))}")
-    if recovery == "restart":
-        return restart_ledger(costs, interval_s, mtbf_s)
-    return quorum_ledger(costs, interval_s, mtbf_s, groups)
 
 
 def timeline_ledger(segments: list[tuple[str, float]]) -> dict[str, float]:
@@ -199,5 +180,5 @@ def _check_interval(interval_s: float, mtbf_s: float) -> None:
         raise ValueError(f"mtbf_s={mtbf_s}: the mean time between failures must be positive seconds")
 
 
-__all__ = ["Costs", "LLAMA3_GPU_MTBF_S", "RECOVERIES", "SHARES", "job_mtbf", "ledger", "predict_run",
+__all__ = ["Costs", "LLAMA3_GPU_MTBF_S", "SHARES", "predict_run",
            "quorum_ledger", "restart_ledger", "timeline_ledger"]

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 
 from course_utils import ch17  # noqa: E402
 from course_utils import goodput as gp  # noqa: E402
-from course_utils.checkpoint_interval import daly_interval  # noqa: E402
+from course_utils.checkpoint_interval import daly_interval, job_mtbf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_cluster_ledgers_and_figure():
     assert set(ledgers) == {"restart", "quorum"}
     for shares in ledgers.values():
         assert sum(shares.values()) == pytest.approx(1.0)
-    mtbf = gp.job_mtbf(16_384)
+    mtbf = job_mtbf(gp.LLAMA3_GPU_MTBF_S, 16_384)
     assert ledgers["restart"] == gp.restart_ledger(gp.Costs(6.0, 20.0, restart_s=180.0, heal_s=30.0, reconfigure_s=5.0),
                                                    daly_interval(20.0, mtbf), mtbf)
     fig = ch17.cluster_figure(interval_min=60)

@@ -12,14 +12,12 @@ holds on every CPU. The wall times are measurements; the tests ask of them only 
 hang is detected no sooner than the collective timeout, and not much later).
 """
 import json
-import socket
-import time
 
-import psutil
 import pytest
 import torch
 
 import course_utils as cu
+from tests.leftovers import children, new_children, port_free
 from workers.resilience import state
 from workers.resilience.journal import Journal, ledger, read_events
 
@@ -32,35 +30,6 @@ COLLECTIVE_TIMEOUT = 3.0
 RUN = {"world_size": 2, "warm": False, "timeout": 120, "steps": STEPS, "ckpt_every": EVERY}
 
 
-def _new_children(before: set[int], within: float = 10.0) -> list[psutil.Process]:
-    """Processes this test started (any depth) that are still alive after ``within`` seconds."""
-    deadline = time.time() + within
-    while True:
-        alive = [p for p in psutil.Process().children(recursive=True)
-                 if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if not alive or time.time() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
-def _port_free(port: int) -> bool:
-    """Nobody listens on ``port`` and a new server could take it. SO_REUSEADDR as every server sets it (TCPStore
-    does): the closed job's connections may sit in TIME_WAIT on that port for a minute, which holds no process."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0  # refused: no listener left
-
-
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     res = cu.run("workers.ch17_restart", ckpt_dir=str(tmp_path_factory.mktemp("straight")), **RUN)
@@ -69,12 +38,12 @@ def uninterrupted(tmp_path_factory):
 
 
 def _restarted(tmp_path, **fault):
-    before = _children()
+    before = children()
     res = cu.run("workers.ch17_restart", ckpt_dir=str(tmp_path / "run"), max_restarts=1,
                  collective_timeout=COLLECTIVE_TIMEOUT, **RUN, **fault)
     # nothing of the job outlives it: not the restarted ranks, not the killed attempt's, not torchrun
-    assert _new_children(before) == []
-    assert all(_port_free(r["store_port"]) for r in res.ranks)
+    assert new_children(before) == []
+    assert all(port_free(r["store_port"]) for r in res.ranks)
     return res
 
 
@@ -134,13 +103,13 @@ def test_a_checkpoint_torn_mid_save_is_passed_over_and_the_run_is_still_bit_for_
 
 
 def test_without_restarts_a_killed_rank_ends_the_job_and_is_named(tmp_path):
-    before = _children()
+    before = children()
     with pytest.raises(cu.WorkerFailed) as info:
         cu.run("workers.ch17_restart", ckpt_dir=str(tmp_path / "run"), fault="kill", fault_rank=1, fault_step=3,
                **RUN)
     assert info.value.rank == 1 and "died without a Python traceback" in str(info.value)
     assert "rank 1 never called it" in str(info.value)  # rank 0's named error follows the dead rank's
-    assert _new_children(before) == []
+    assert new_children(before) == []
 
 
 # -- the pieces, without ranks ------------------------------------------------------------------------------

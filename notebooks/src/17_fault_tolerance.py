@@ -36,7 +36,7 @@ from course_utils import ch17
 from course_utils import ch17_quorum as ft
 from course_utils import goodput as gp
 from course_utils import plots
-from course_utils.checkpoint_interval import HOUR, daly_interval
+from course_utils.checkpoint_interval import HOUR, daly_interval, job_mtbf
 from course_utils.exercises import check
 from course_utils.tables import Table
 
@@ -220,7 +220,7 @@ check("timeline_goodput", timeline_goodput)
 # detect, restart and reload (both assumed: the paper prints neither), at Daly's interval:
 
 # %%
-mtbf = gp.job_mtbf(16_384)
+mtbf = job_mtbf(gp.LLAMA3_GPU_MTBF_S, 16_384)
 print(f"a failure every {mtbf / HOUR:.2f} h; Daly's interval for a 20 s stall: {daly_interval(20.0, mtbf) / 60:.1f} min")
 Table.of([{"method": kind, **{share: f"{v:.2%}" for share, v in shares.items()}}
           for kind, shares in ch17.cluster_ledgers().items()])
