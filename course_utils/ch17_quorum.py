@@ -100,6 +100,12 @@ class QuorumRun:
     def loss_error(self) -> float:
         return (self.losses - self.reference_losses).abs().max().item()
 
+    @property
+    def replicas_identical(self) -> bool:
+        """Every process alive at the end, the healed replacement included, holds the same weights, bit for bit."""
+        first = next(iter(self.weights.values()))
+        return all(torch.equal(w, first) for w in self.weights.values())
+
 
 def _config(replicas, steps, seed, train) -> ReplicaConfig:
     fields = {k: train[k] for k in ("batch", "n_samples", "dropout", "lr", "warmup_steps") if k in train}

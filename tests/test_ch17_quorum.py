@@ -68,6 +68,7 @@ def test_the_quorum_run_equals_one_process_training_on_the_batches_that_were_the
     first = run.weights["0.0"]
     assert first.dtype == torch.float64
     assert all(torch.equal(w, first) for w in run.weights.values())  # the healed replacement too, bit for bit
+    assert run.replicas_identical
     assert run.weight_error <= 1e-12, run.weight_error
     assert run.loss_error <= 1e-12, run.loss_error
     # the reference is not trivially close: training the dead replica's batches anyway while it was away, or counting
