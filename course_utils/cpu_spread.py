@@ -511,6 +511,26 @@ def ch16_imbalance(seed: int) -> dict[str, float]:
     return {k: float(v) for k, v in m.items() if k != "busy_rank"}
 
 
+T17 = "tests/test_ch17_quorum.py::test_diloco_trains_about_as_well_as_ddp"
+
+
+@experiment("ch17_diloco", {
+    "ddp_over_initial": Criterion("<", 1.0, f"{T17}: DDP learns (its eval loss below the start)"),
+    "diloco_over_initial": Criterion("<", 1.0, f"{T17}: DiLoCo learns (its eval loss below the start)"),
+    "diloco_over_ddp_deviation": Criterion("<=", 0.2, f"{T17}: abs(DiLoCo / DDP - 1) <= 0.2"),
+})
+def ch17_diloco(seed: int) -> dict[str, float]:
+    """Chapter 17's two replica groups trained with torchft's DDP and with DiLoCo on the same batches: the final
+    eval loss of each on the whole dataset, the one they started from, and their ratio."""
+    from course_utils import ch17_quorum
+
+    out = ch17_quorum.diloco_vs_ddp(seed=seed, timeout=LIMITS["timeout"])
+    ddp, diloco, initial = out.eval_loss["ddp"], out.eval_loss["diloco"], out.initial_eval_loss
+    return {"ddp_eval_loss": ddp, "diloco_eval_loss": diloco, "initial_eval_loss": initial,
+            "diloco_over_ddp": diloco / ddp, "diloco_over_ddp_deviation": abs(diloco / ddp - 1),
+            "ddp_over_initial": ddp / initial, "diloco_over_initial": diloco / initial}
+
+
 # -- running ----------------------------------------------------------------------------------------------------
 
 def _parse_seeds(text: str) -> list[int]:

@@ -114,10 +114,13 @@ def test_diloco_sends_one_hth_of_ddps_bytes_and_ends_with_identical_replicas(dil
 @pytest.mark.timeout(240)
 def test_diloco_trains_about_as_well_as_ddp(diloco):
     out, _ = diloco
-    # Chaotic numbers: the final loss on the whole dataset. Measured on this machine's native kernels (seeds 0-3):
-    # DDP 0.457-0.472, DiLoCo 0.428-0.435, from 0.507-0.541 at the start; DiLoCo / DDP 0.907-0.943. Not yet measured
-    # across CPU kernels (course_utils/cpu_spread.py has no experiment for it), so the criterion keeps a wide
-    # margin: both learn (below the start), and DiLoCo is within 20% of DDP (measured: within 9.3%).
+    # Chaotic numbers: the final loss on the whole dataset. Their tolerances come from the spread measured across CPU
+    # kernels and seeds (`python -m course_utils.cpu_spread ch17_diloco --variants native,avx2,default --seeds 0-3`,
+    # CRITERIA["ch17_diloco"]). Seeds 0-3: DDP 0.457-0.472, DiLoCo 0.428-0.435, from 0.507-0.541 at the start;
+    # DiLoCo / DDP 0.943, 0.907, 0.934, 0.927. The same on native (AVX-512) and avx2 (bit for bit) and on default
+    # (within 1e-7 relative: the run is float64), so the spread is the seeds'. Worst margins: |DiLoCo / DDP - 1| is at
+    # most 0.093 against 0.2 (+53%); DDP ends at most 0.902 of the start, DiLoCo 0.851 (+10%, +15% under 1). The 20%
+    # band is kept: 0.2 is over twice the worst deviation, and the claim is only "about as well".
     assert out.eval_loss["ddp"] < out.initial_eval_loss and out.eval_loss["diloco"] < out.initial_eval_loss, out
     assert abs(out.eval_loss["diloco"] / out.eval_loss["ddp"] - 1) <= 0.2, out.eval_loss
 
