@@ -14,6 +14,7 @@ import statistics
 import course_utils as cu
 from course_utils import goodput as gp
 from course_utils.checkpoint_interval import HOUR, daly_interval, job_mtbf
+from course_utils.jobs import KEEP_ALIVE_MISSES, KEEP_ALIVE_S, LAST_CALL_S
 from course_utils.scratch import scratch_dir
 from course_utils.tables import Table
 
@@ -25,7 +26,7 @@ FAULTS = ("none", "kill", "hang", "torn")  # torn: a rank killed inside the chec
 # the ledger's shares in drawing order, with the journal's names for the measured seconds
 MEASURED = {"productive": "productive_s", "checkpoint": "checkpoint_s", "lost": "lost_s",
             "recovery": ("detect_s", "restart_s", "reload_s")}
-FAULT_NAMES = {"kill": "kill", "hang": "hang", "torn": "torn save"}
+FAULT_NAMES = {"kill": "kill", "hang": "hang", "torn": "torn save", "node": "lost node"}
 COLORS = {"productive": "#2da44e", "checkpoint": "#0969da", "lost": "#cf222e", "recovery": "#bf8700",
           "degraded": "#8250df", "heal": "#57606a"}
 
@@ -36,9 +37,79 @@ def restart_run(fault: str = "none", fault_step: int = 7, fault_rank: int = 1, c
     its own. With a fault, torchrun may restart it once; a hang is ended by the collective timeout."""
     folder = scratch_dir(name or f"ch17-{fault}-{fault_step}-{ckpt_every}")
     restarts = 0 if fault == "none" else 1
-    return cu.run(WORKER, world_size=WORLD, warm=False, timeout=timeout, steps=steps, ckpt_every=ckpt_every,
-                  ckpt_dir=str(folder), fault=fault, fault_step=fault_step, fault_rank=fault_rank,
-                  max_restarts=restarts, collective_timeout=COLLECTIVE_TIMEOUT_S, **train)
+    return _run_announced(world_size=WORLD, warm=False, timeout=timeout, steps=steps, ckpt_every=ckpt_every,
+                          ckpt_dir=str(folder), fault=fault, fault_step=fault_step, fault_rank=fault_rank,
+                          max_restarts=restarts, collective_timeout=COLLECTIVE_TIMEOUT_S, **train)
+
+
+def _run_announced(**params):
+    """``cu.run`` of the worker, whose cold start announces the whole wait: the start, and after a fault the
+    restart too (``announce``)."""
+    from course_utils import progress
+
+    job = cu.launch(WORKER, **params)
+    if job.cold:
+        progress.say(f"{WORKER}: {announce(params, job)}")
+    return job.wait()
+
+
+NODES, NODE_RANKS = 2, 2  # the lost-node job: two simulated nodes (torchrun agents) of two ranks each
+# how long the survivors of a lost node wait for it in the rendezvous: its missed heartbeats, then the last call
+ELASTIC_WAIT_S = KEEP_ALIVE_S * KEEP_ALIVE_MISSES + LAST_CALL_S
+
+
+def uninterrupted(world_size: int = NODES * NODE_RANKS, name: str = "ch17-four", timeout: float = 120.0, **train):
+    """The run with no fault on ``world_size`` new ranks of one node: the reference for what each step reads."""
+    return cu.run(WORKER, world_size=world_size, warm=False, timeout=timeout, ckpt_dir=str(scratch_dir(name)), **train)
+
+
+def lost_node_run(fault_step: int = 7, fault_rank: int = 2, ckpt_every: int = EVERY, steps: int = STEPS,
+                  name: str = "ch17-lost-node", timeout: float = 180.0, **train):
+    """The same run on two nodes of two ranks (two torchrun agents in a c10d rendezvous, ``--nnodes=1:2``); in step
+    ``fault_step`` the node of ``fault_rank`` is lost (its agent and both its ranks SIGKILLed). The other node's agent
+    restarts its ranks in a world of two, which reload the last checkpoint (written by four) and finish the run."""
+    if isinstance(fault_rank, bool) or not isinstance(fault_rank, int) or not NODE_RANKS <= fault_rank < NODES * NODE_RANKS:
+        raise ValueError(f"fault_rank={fault_rank!r}: lose a rank of node 1 ({NODE_RANKS} to "
+                         f"{NODES * NODE_RANKS - 1}); node 0's agent hosts the job's rendezvous")
+    folder = scratch_dir(name)
+    return _run_announced(world_size=NODES * NODE_RANKS, nnodes=NODES, min_nodes=1, max_restarts=1, warm=False,
+                          timeout=timeout, steps=steps, ckpt_every=ckpt_every, ckpt_dir=str(folder), fault="node",
+                          fault_step=fault_step, fault_rank=fault_rank, collective_timeout=COLLECTIVE_TIMEOUT_S,
+                          **train)
+
+
+def resumed_by_hand(res, name: str = "ch17-by-hand", timeout: float = 120.0, **train):
+    """The reference for a job that went on in a smaller world: a new job of that many ranks, launched by hand on a
+    copy of the checkpoint the restart loaded (and nothing else), trained to the same last step."""
+    import shutil
+
+    from workers.resilience.state import step_dir
+
+    record = res[0]
+    step = record["resumed_from"][-1]
+    folder = scratch_dir(name)
+    shutil.copytree(step_dir(record["ckpt_dir"], step), step_dir(str(folder), step))
+    return cu.run(WORKER, world_size=res.world_size, warm=False, timeout=timeout, steps=record["steps"][-1],
+                  ckpt_every=record["ckpt_every"], ckpt_dir=str(folder), fresh=False, **train)
+
+
+def same_continuation(res, reference) -> dict:
+    """Whether ``res`` (restarted in a smaller world) goes on as ``reference`` (resumed there by hand) bit for bit:
+    the steps after the checkpoint, their losses, and every rank's final weights."""
+    import torch
+
+    record, ref = res[0], reference[0]
+    after = [i for i, s in enumerate(record["steps"]) if s > record["resumed_from"][-1]]
+    steps = [record["steps"][i] for i in after] == ref["steps"]
+    losses = steps and torch.equal(record["losses"][after], ref["losses"])
+    weights = res.world_size == reference.world_size and all(
+        torch.equal(a["weights"], b["weights"]) for a, b in zip(res.ranks, reference.ranks))
+    return {"steps": steps, "losses": bool(losses), "weights": weights, "bitwise": bool(steps and losses and weights)}
+
+
+def same_rows(res, reference) -> bool:
+    """Whether every step of ``res`` read exactly the samples the same step of ``reference`` read (in any world)."""
+    return res[0]["steps"] == reference[0]["steps"] and res[0]["rows"] == reference[0]["rows"]
 
 
 def same_run(res, reference) -> dict:
@@ -256,9 +327,10 @@ def announce(params: dict, job) -> str:
     if params.get("fault", "none") == "none" or not job.expected_s:
         return job.start_note
     start = job.expected_s
-    hang = COLLECTIVE_TIMEOUT_S if params["fault"] == "hang" else 0.0
-    total = 2 * start + hang
-    timeout = f", the {hang:g} s collective timeout" if hang else ""
+    wait = {"hang": COLLECTIVE_TIMEOUT_S, "node": ELASTIC_WAIT_S}.get(params["fault"], 0.0)
+    total = 2 * start + wait
+    timeout = {"hang": f", the {wait:g} s collective timeout",
+               "node": f", {wait:g} s for the lost node to come back"}.get(params["fault"], "")
     return (f"about {total:.0f} s in all: starting {params['world_size']} ranks and running the job (a cold start, "
             f"{start:.0f} s){timeout}, and torchrun starting them again after the {FAULT_NAMES[params['fault']]} (another "
             f"{start:.0f} s or so); longer while the machine is busy")

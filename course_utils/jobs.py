@@ -10,6 +10,11 @@ where each rank was stuck.
 others and starts every rank again (an *attempt*; the ranks' ``TORCHELASTIC_RESTART_COUNT``), and ``run_task`` sends
 the same task to the new ranks, as torchrun re-runs a script from its top. Frames carry the attempt of the
 process that sent them, so a dead attempt's late frames are dropped; the job fails only once restarts are used up.
+
+``min_nodes`` (with ``nnodes`` > 1) makes the job elastic, as ``torchrun --nnodes=min:max`` on a cluster: the agents
+meet in a c10d rendezvous (node 0's agent hosts its store), and when a node is lost the survivors' agent restarts
+its ranks in a smaller world once at least ``min_nodes`` nodes are left. The ranks of the new attempt say how large
+their world is (their hello); ``run_task`` gives the task to that many ranks and returns their results.
 """
 from __future__ import annotations
 
@@ -34,6 +39,13 @@ from workers import protocol
 from workers.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, free_port
 
 ERROR_GRACE_S = 0.5  # after the first failure, how long other ranks may still report theirs
+# An elastic job's rendezvous closes this long after its smallest allowed membership has joined (torchrun's
+# last_call_timeout, 30 s by default): the agents started together join well within it, and after a lost node the
+# survivors give it this long to come back before they go on without it.
+LAST_CALL_S = 5.0
+# A node's agent sends the rendezvous a heartbeat every KEEP_ALIVE_S; after KEEP_ALIVE_MISSES missed ones the others
+# count it dead and stop waiting for it (torchrun's defaults, 5 s x 3, keep the survivors of a lost node waiting 15 s)
+KEEP_ALIVE_S, KEEP_ALIVE_MISSES = 1, 2
 _job_counter = itertools.count(1)
 
 
@@ -66,10 +78,16 @@ class RankJob:
 
     def __init__(self, world_size: int, *, nnodes: int = 1, env: dict | None = None,
                  collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, startup_timeout_s: float | None = None,
-                 label: str = "", max_restarts: int = 0):
+                 label: str = "", max_restarts: int = 0, min_nodes: int | None = None,
+                 last_call_s: float = LAST_CALL_S):
         if world_size % nnodes:
             raise ValueError("world_size must be a multiple of nnodes")
+        if min_nodes is not None and not 1 <= min_nodes <= nnodes:
+            raise ValueError(f"min_nodes={min_nodes} must be 1 to nnodes={nnodes}")
         self.world_size, self.nnodes = world_size, nnodes
+        self.min_nodes = min_nodes if min_nodes is not None and nnodes > 1 else None  # None: a fixed world
+        self.last_call_s = last_call_s
+        self.lost_nodes: dict[int, int] = {}  # node -> its agent's exit code, for an elastic job that goes on
         self.nproc_per_node = world_size // nnodes
         self.label = label
         self.max_restarts = max_restarts  # torchrun's --max-restarts: 0 for every pooled job
@@ -127,6 +145,15 @@ class RankJob:
                   f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1", "--tee=3", f"--log-dir={self.log_dir}"]
         if self.nnodes == 1:
             commands = [common + ["--standalone", "-m", "workers.pool"]]
+        elif self.min_nodes is not None:
+            # Elastic, as on a cluster: a c10d rendezvous whose store node 0's agent hosts (started first, so its
+            # lower pid also makes it group rank 0: ranks 0..k-1). A lost node other than node 0 leaves the store up.
+            endpoint = f"127.0.0.1:{free_port()}"
+            commands = [common + [f"--nnodes={self.min_nodes}:{self.nnodes}", "--rdzv-backend=c10d",
+                                  f"--rdzv-endpoint={endpoint}", f"--rdzv-id={self.id}",
+                                  f"--rdzv-conf=is_host={int(node == 0)},last_call_timeout={self.last_call_s:g},"
+                                  f"keep_alive_interval={KEEP_ALIVE_S},keep_alive_max_attempt={KEEP_ALIVE_MISSES}",
+                                  "-m", "workers.pool"] for node in range(self.nnodes)]
         else:
             # Several agents on this one machine, as on a cluster: a static rendezvous at a free port.
             master_port = free_port()
@@ -208,7 +235,7 @@ class RankJob:
     def wait_ready(self, cancelled: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         errors: dict[int, dict] = {}
-        while len(self.ready) < self.world_size:
+        while len(self.ready) < self._attempt_world():
             if cancelled():
                 self.close()
                 raise JobCancelled("cancelled while the ranks were starting")
@@ -226,12 +253,29 @@ class RankJob:
             elif kind == "frame" and payload["kind"] == "error":
                 errors[rank] = payload["data"]
                 self._fail_startup(f"rank {rank} failed while starting", errors)
-            elif kind == "agent_exit":
+            elif kind == "agent_exit" and not self._node_lost(rank, payload):
                 self._fail_startup(f"torchrun (node {rank}) exited with code {payload} while starting", errors)
             elif kind == "eof" and rank is not None and rank not in self.ready:
                 self._fail_startup(f"rank {rank} closed its connection while starting", errors)
         if self.attempt == 0:  # a restart's wait is part of the run, not of the ranks' start
             self.startup_seconds = time.perf_counter() - self._t0
+        self.world_size = self._attempt_world()
+
+    def _attempt_world(self) -> int:
+        """How many ranks this attempt has: the job's world, or, elastic, what the attempt's ranks said in hello."""
+        if self.min_nodes is None:
+            return self.world_size
+        said = [h["world_size"] for h in list(self.hello.values()) if h.get("attempt", 0) == self.attempt]
+        return max(said, default=self.world_size)
+
+    def _node_lost(self, node: int, code) -> bool:
+        """An elastic job whose agent on ``node`` exited: on record and True while enough nodes are left to go on."""
+        if self.min_nodes is None:
+            return False
+        self.lost_nodes[node] = code
+        self.output.append(f"[torchrun] node {node}'s agent exited (code {code}): the job goes on with "
+                           f"{self.nnodes - len(self.lost_nodes)} of {self.nnodes} nodes")
+        return self.nnodes - len(self.lost_nodes) >= self.min_nodes
 
     def _startup_diagnosis(self) -> str:
         """Why the ranks are not ready: never connected (torchrun or ``import torch`` still running), or
@@ -353,10 +397,13 @@ class RankJob:
                 self.attempt += 1
                 self.ready = {}
                 self.wait_ready(cancelled)
+                n = self.world_size  # an elastic job may go on in a smaller world (its metrics keep every attempt's)
                 ranks, done, errors, died, fail_at, loaded = [dict() for _ in range(n)], {}, {}, {}, None, set()
                 deadline = time.monotonic() + self.startup_timeout_s
                 self.send_all("task", task, task=task_id)
                 continue
+            if kind == "agent_exit" and self._node_lost(rank, payload):
+                continue  # its ranks' failure (or their closed connections) restarts the attempt
             if kind == "eof" or kind == "agent_exit":
                 who = rank if kind == "eof" else f"node {rank}"
                 if kind == "eof" and rank in done:
@@ -392,7 +439,7 @@ class RankJob:
         return RunResult(
             worker=worker, world_size=n, backend=first["backend"],
             devices=[self.ready[r]["device"] for r in range(n)], placement=first["why"],
-            ranks=ranks, metrics=metrics, logs=logs, seconds=seconds, launch=launch,
+            ranks=ranks, metrics=metrics[:n], logs=logs, seconds=seconds, launch=launch,
             startup_seconds=self.startup_seconds if launch == "cold" else 0.0,
             rank_seconds=[done[r] for r in range(n)],
         )

@@ -313,7 +313,7 @@ def _workers_version() -> float:
 
 
 def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker: str = "",
-                 max_restarts: int = 0) -> tuple[RankJob, bool]:
+                 max_restarts: int = 0, min_nodes: int | None = None) -> tuple[RankJob, bool]:
     """A started (maybe still starting) job for this run, and whether it is a pool to give back after."""
     if warm and not max_restarts:
         key = _pool_key(world_size, nnodes, env, collective_timeout_s)
@@ -339,7 +339,7 @@ def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker: st
                 return job, True
         # The warm ranks are busy with another run: this run gets ranks of its own.
     job = RankJob(world_size, nnodes=nnodes, env=env, collective_timeout_s=collective_timeout_s,
-                  max_restarts=max_restarts)
+                  max_restarts=max_restarts, min_nodes=min_nodes)
     job.start_note, job.start_expected_s = _start_note(world_size, None, worker)
     return job, False
 
@@ -349,7 +349,8 @@ class Job:
 
     def __init__(self, worker: str, world_size: int, params: dict, *, timeout: float, seed: int, warm: bool,
                  nnodes: int, env: dict | None, collective_timeout_s: float,
-                 on_event: Callable[[str, int, dict], None] | None, max_restarts: int = 0):
+                 on_event: Callable[[str, int, dict], None] | None, max_restarts: int = 0,
+                 min_nodes: int | None = None):
         self._t_launch = time.perf_counter()  # what a cold start's record measures: from here to the answer
         self.worker, self.world_size, self.params = worker, world_size, params
         self.metrics: list[list[dict]] = [[] for _ in range(world_size)]
@@ -364,7 +365,7 @@ class Job:
         self.waited_s: float | None = None  # a cold start that answered: seconds from the call to the answer
         # Processes are started here, in the caller's thread (their parent-death signal follows this thread).
         self._rank_job, self._pooled = _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker,
-                                                    max_restarts)
+                                                    max_restarts, min_nodes)
         # Whether this run waits for new ranks, the sentence that says so and the seconds it announces (from the call
         # to the answer: the ranks' start and this worker's first run on them).
         self.cold = len(self._rank_job.ready) < world_size
@@ -488,7 +489,8 @@ class Job:
 
 def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT_S, seed: int = 0,
            warm: bool = True, nnodes: int = 1, env: dict | None = None, collective_timeout: float | None = None,
-           on_event: Callable[[str, int, dict], None] | None = None, max_restarts: int = 0, **params: Any) -> Job:
+           on_event: Callable[[str, int, dict], None] | None = None, max_restarts: int = 0,
+           min_nodes: int | None = None, **params: Any) -> Job:
     """Start ``worker`` on ``world_size`` ranks and return at once. Parameters are checked first.
 
     ``seed`` seeds every rank's random generators before the run, and is also the worker's own ``seed``
@@ -496,7 +498,11 @@ def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT
 
     ``max_restarts`` is torchrun's ``--max-restarts``: a rank that dies or raises ends the attempt, torchrun starts
     every rank again and the worker runs again from its top, up to that many times (``timeout`` bounds them all).
-    Such a run gets ranks of its own, as ``warm=False`` does: restarted ranks are a new job, not a warm one."""
+    Such a run gets ranks of its own, as ``warm=False`` does: restarted ranks are a new job, not a warm one.
+
+    ``min_nodes`` (elastic, ``torchrun --nnodes=min_nodes:nnodes``): the ``nnodes`` agents meet in a c10d rendezvous,
+    and a restart after a node is lost goes on with the nodes left, as long as there are at least ``min_nodes``: the
+    worker runs again in a smaller world, and the result holds that world's ranks."""
     params = current_names(worker, params)
     if takes_param(worker, "seed"):
         params = {**params, "seed": seed}
@@ -505,10 +511,17 @@ def launch(worker: str, world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT
         raise InvalidParameter(f"timeout must be a positive number of seconds, not {timeout!r}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise InvalidParameter(f"max_restarts={max_restarts!r} must be a whole number, 0 or more")
+    if min_nodes is not None and (isinstance(min_nodes, bool) or not isinstance(min_nodes, int)
+                                  or not 1 <= min_nodes <= nnodes):
+        raise InvalidParameter(f"min_nodes={min_nodes!r} must be a whole number from 1 to nnodes={nnodes}")
+    if min_nodes is not None and min_nodes < nnodes and max_restarts < 1:
+        raise InvalidParameter(f"min_nodes={min_nodes} lets the job go on after losing a node only through a restart: "
+                               "give max_restarts of 1 or more")
     # A constant default, not derived from `timeout`: runs with different timeouts share the same warm ranks.
     coll_timeout = float(collective_timeout if collective_timeout is not None else DEFAULT_COLLECTIVE_TIMEOUT_S)
     return Job(worker, world_size, _wire_params(params), timeout=float(timeout), seed=seed, warm=warm,
-               nnodes=nnodes, env=env, collective_timeout_s=coll_timeout, on_event=on_event, max_restarts=max_restarts)
+               nnodes=nnodes, env=env, collective_timeout_s=coll_timeout, on_event=on_event, max_restarts=max_restarts,
+               min_nodes=min_nodes)
 
 
 def _announced(job: "Job") -> "Job":

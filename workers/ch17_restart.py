@@ -46,7 +46,9 @@ def check_params(world_size, steps, ckpt_every, ckpt_dir, fault, fault_step, fau
         f"fault_step={fault_step} saves no checkpoint to tear: with ckpt_every={ckpt_every} choose a multiple of "
         f"{ckpt_every}",
         None if fault == "none" or (isinstance(fault_rank, int) and 0 <= fault_rank < world_size) else
-        f"fault_rank={fault_rank} is not a rank of a world of {world_size}: use 0 to {world_size - 1}")
+        f"fault_rank={fault_rank} is not a rank of a world of {world_size}: use 0 to {world_size - 1}",
+        None if fault != "node" or fault_rank != 0 else
+        "fault_rank=0 is on node 0, whose agent hosts the job's rendezvous: lose a rank of another node")
 
 
 def main(ctx, steps: int = 12, ckpt_every: int = 4, ckpt_dir: str = "build/ch17/restart", fault: str = "none",
@@ -59,6 +61,9 @@ def main(ctx, steps: int = 12, ckpt_every: int = 4, ckpt_dir: str = "build/ch17/
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     # torchrun's run id is the same for every attempt of one launch; a world started without torchrun has none
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+    if fault == "node" and ctx.rank == fault_rank and attempt == 0 and int(os.environ.get("GROUP_RANK", 0)) == 0:
+        raise ValueError(f"fault_rank={fault_rank} is on node 0, whose agent hosts the job's rendezvous: lose a rank "
+                         "of another node")
     cfg = RunConfig(n_samples=n_samples, global_batch=global_batch, dropout=dropout, lr=lr,
                     warmup_steps=warmup_steps, total_steps=steps, seed=seed)
     out = trainer.run(ctx, cfg, steps=steps, ckpt_every=ckpt_every, ckpt_dir=ckpt_dir, fault=fault,
@@ -67,7 +72,8 @@ def main(ctx, steps: int = 12, ckpt_every: int = 4, ckpt_dir: str = "build/ch17/
     out["store_port"] = int(os.environ["MASTER_PORT"])  # the job's TCP store: free again once the job is over
     if ctx.rank == 0:
         record = ledger(read_events(ckpt_dir, run_id))
-        out.update(record, losses=torch.tensor(record["losses"], dtype=torch.float64))  # [steps] float64
+        out.update(record, losses=torch.tensor(record["losses"], dtype=torch.float64),  # [steps] float64
+                   ckpt_dir=ckpt_dir, ckpt_every=ckpt_every)
     return out
 
 

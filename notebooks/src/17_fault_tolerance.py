@@ -127,6 +127,56 @@ print("the restarted run against the uninterrupted one:", ch17.same_run(torn, st
 # traces) to find the stuck rank among thousands (section 3.3.4).
 
 # %% [markdown]
+# ### A node lost: going on in a smaller world
+#
+# On a cluster the unit that fails is often a whole node: a power supply, a network card or a kernel panic takes its
+# eight GPUs at once, and the node may not come back for hours. Waiting for a replacement leaves every other GPU
+# idle; an **elastic** job goes on without it. torchrun runs one agent per node, and `--nnodes=1:2` tells the
+# rendezvous where the agents meet that the job may run on one node or two: after a failure, the agents that are left
+# meet again, wait a short while for the lost one (`last_call_timeout`, here 5 s, after its heartbeats stop: 2 s)
+# and start their ranks in the world that is left.
+#
+# Here two agents on this machine play two nodes of two ranks each, meeting in a c10d rendezvous as they would on a
+# cluster. In step 7 rank 2's node is lost: its agent and both of its ranks are SIGKILLed at once. The two ranks of
+# node 0 lose their peers in the all-reduce, their agent restarts them in a world of two, and they load step 4's
+# checkpoint, which four ranks wrote. DDP's weights and AdamW's moments are replicated, so DCP wrote them once and
+# reads them into any number of ranks; the data position is global, so the next global batch is split over two ranks
+# instead of four.
+#
+# **Predict**: can the two-rank run end on the four-rank run's weights, bit for bit?
+
+# %%
+lost = ch17.lost_node_run(fault_step=7, fault_rank=2)
+four = ch17.uninterrupted(world_size=4)
+print(ch17.structure_table(lost[0]))
+print("ranks in each attempt:", lost[0]["world_sizes"])
+print("every step read the four-rank run's samples (none skipped, none twice):", ch17.same_rows(lost, four))
+print("final losses equal to the four-rank run's:", bool((lost[0]["losses"] == four[0]["losses"]).all()))
+by_hand = ch17.resumed_by_hand(lost)
+print("against a two-rank job resumed by hand from step 4's checkpoint:", ch17.same_continuation(lost, by_hand))
+
+# %% [markdown]
+# Every step read exactly the samples the uninterrupted four-rank run read, but from step 5 on the losses differ:
+# dropout masks and input noise are drawn by each rank from its own generators, and two ranks now draw for rows that
+# four drew for before. A smaller world cannot continue the same trajectory; it continues the same data. What it can
+# be held to is the job you would have run by hand: two new ranks started on a copy of step 4's checkpoint. The
+# elastic restart equals that job bit for bit. The global batch stayed 8 (4 rows per rank instead of 2), so the
+# learning rate and the schedule still fit; a job that kept the rows per rank instead would have halved its batch.
+#
+# What the survivors waited for, measured here: (CPU wall times)
+
+# %% tags=["nbval-ignore-output"]
+print(ch17.ledger_table(lost[0]))
+print(f"recovery: {lost[0]['restart_s']:.1f} s from the lost node to the reload, of which the rendezvous waited "
+      f"{ch17.ELASTIC_WAIT_S:.0f} s for the lost node (heartbeats, then the last call)")
+
+# %% [markdown]
+# The recovery is longer than the killed rank's: the survivors' agent gives the lost node time to come back before it
+# closes the rendezvous without it. Real jobs set that wait from how long a node takes to reboot or be replaced, and
+# keep spare nodes so the world does not shrink at all: the replacement joins the rendezvous and the restart is back
+# to full size. torchft (section 5) avoids the restart altogether.
+
+# %% [markdown]
 # ### Exercise 1: where to resume
 #
 # The restarted run read, in step 5, exactly the rows the uninterrupted run read there: chapter 08's sampler saves
@@ -365,6 +415,9 @@ explore
 # * A **hang** ends only at the collective's timeout; naming the collective and the missing rank is what makes it
 #   debuggable. A **save cut short** between ranks leaves a folder without `.metadata`: resume from the newest
 #   *complete* checkpoint.
+# * A **lost node** (`torchrun --nnodes=min:max`): the agents left meet again, wait a little for the lost one, and
+#   restart the ranks in the smaller world from the last checkpoint. It reads the same data, not the same trajectory
+#   (per-rank randomness); it equals a job resumed by hand in that world, bit for bit.
 # * **Goodput** = productive share of wall time. Daly's model, split into shares, says what checkpoint stall and
 #   recovery time a published goodput allows.
 # * **Quorum and heal** (torchft): a dead replica group drops out of the next step's quorum, the others average the
@@ -375,6 +428,7 @@ explore
 # | here | torchtitan / torchft | Megatron-LM |
 # |---|---|---|
 # | `ch17.restart_run(..., max_restarts=1)` | `torchrun --max-restarts`, `--checkpoint.enable` (DCP) | `--exit-signal-handler`, in-process restart (`nvidia_resiliency_ext`) |
+# | `ch17.lost_node_run` (`nnodes=2, min_nodes=1`) | `torchrun --nnodes=1:2 --rdzv-backend=c10d` | `ft_launcher` (`nvidia_resiliency_ext`, torchrun's elastic agent underneath) |
 # | the journal's ledger | torchft's metrics, goodput dashboards | straggler detection, `--log-straggler` |
 # | `ft.quorum_run` | `torchft.Manager`, `LighthouseServer`, `--fault_tolerance.enable` | - |
 # | `ft.diloco_vs_ddp` | `torchft.local_sgd.DiLoCo` | - |

@@ -6,6 +6,10 @@ after the forward, in the middle of the step: the other ranks are about to wait 
   other ranks' all_reduce loses its peer; torchrun's agent sees the exit code -9 and restarts every rank.
 - ``hang``: the rank stops (``hang_s`` seconds) and never calls the all_reduce; the others wait in it until the
   collective timeout, raise, and that failure is what torchrun restarts on.
+- ``node``: the rank's whole node is lost at once: its torchrun agent and every rank the agent started, SIGKILLed
+  (a machine that loses power, a network partition). The other nodes' ranks lose their peers in the all_reduce; an
+  elastic job (``torchrun --nnodes=min:max``) restarts them in the world that is left, from the last checkpoint.
+  Needs an agent of the node's own: the rank must not be on node 0, whose agent hosts the job's rendezvous.
 - ``torn``: the rank dies (SIGKILL) in the middle of the checkpoint save after step ``at_step``, once its own shard
   is on disk and before DCP's coordinator writes the ``.metadata`` that makes the folder a checkpoint: the folder
   is left torn, and the restarted job must take the checkpoint before it. Replaces ``state.save`` instead, and
@@ -20,18 +24,18 @@ import os
 import signal
 import time
 
-FAULTS = ("none", "kill", "hang", "torn")
+FAULTS = ("none", "kill", "hang", "torn", "node")
 
 
 def patches(trainer, *, rank: int, attempt: int, at_step: int, at_rank: int, journal, hang_s: float) -> dict:
     """The table ``workers.faults.injected`` picks from: ``{fault: (module, name, faulty version)}``."""
     original = trainer.forward_loss
 
-    def striking(kind: str, strike):
+    def striking(kind: str, strike, on_record=dict):
         def forward_loss(model, batch, step):
             loss = original(model, batch, step)
             if attempt == 0 and rank == at_rank and step == at_step:
-                journal.write("fault", kind=kind, step=step)
+                journal.write("fault", kind=kind, step=step, **on_record())
                 strike()
             return loss
         return forward_loss
@@ -48,5 +52,21 @@ def patches(trainer, *, rank: int, attempt: int, at_step: int, at_rank: int, jou
         return save(root, step, *args, after_write=strike)
 
     return {"kill": (trainer, "forward_loss", striking("kill", lambda: os.kill(os.getpid(), signal.SIGKILL))),
+            "node": (trainer, "forward_loss", striking("node", lose_node, lambda: {"pids": node_pids()})),
             "hang": (trainer, "forward_loss", striking("hang", lambda: time.sleep(hang_s))),
             **({"torn": (trainer.state, "save", torn_save)} if save is not None else {})}
+
+
+def node_pids() -> list[int]:
+    """This rank's node: its torchrun agent (the parent) and every process the agent started, this rank last."""
+    import psutil
+
+    agent = psutil.Process(os.getppid())
+    others = [p.pid for p in agent.children(recursive=True) if p.pid != os.getpid()]
+    return [*others, agent.pid, os.getpid()]  # on record before the strike: the orphans' pids, to check none is left
+
+
+def lose_node() -> None:
+    """SIGKILL this rank's node: the other ranks its torchrun agent started, the agent, then this rank."""
+    for pid in node_pids():
+        os.kill(pid, signal.SIGKILL)

@@ -73,7 +73,9 @@ def ledger(events: list[dict]) -> dict:
       stopping the survivors, new processes, ``import torch``, rendezvous, model and DDP built again;
     - ``reload_s``: reading the checkpoint back (DCP) and putting it into model, optimizer, schedule, data, RNG;
     - ``checkpoint_s``: every save, in every attempt (rank 0's wall time: the save's last barrier makes it the job's);
-    - ``skipped``: per restart, the steps whose checkpoint folder was torn (no ``.metadata``) when it reloaded.
+    - ``skipped``: per restart, the steps whose checkpoint folder was torn (no ``.metadata``) when it reloaded;
+    - ``rows``: per step of the final trajectory, the sample indices every rank of its attempt read (sorted);
+    - ``world_sizes``: the world of each attempt (an elastic job goes on in a smaller one after a lost node).
     """
     mine = [e for e in events if e["rank"] == 0]
     attempts = sorted({e["attempt"] for e in events})
@@ -111,6 +113,14 @@ def ledger(events: list[dict]) -> dict:
             out["restart_s"] += resume_t - seen_t
         out["reload_s"] += sum(e["t1"] - e["t0"] for e in reload)
     out["steps"] = sorted(final)
+    # what each step of the final trajectory read: the rows of every rank of the attempt that made it (the data order
+    # is global, so a restart in a smaller world reads the same global batch split over fewer ranks)
+    rows: dict[tuple[int, int], list[int]] = {}
+    for e in events:
+        if e["event"] == "step" and "rows" in e:
+            rows.setdefault((e["step"], e["attempt"]), []).extend(e["rows"])
+    out["rows"] = [sorted(rows.get((s, final[s]["attempt"]), [])) for s in out["steps"]]
+    out["world_sizes"] = [e.get("world_size") for e in mine if e["event"] == "start"]  # one per attempt
     out["losses"] = [final[s]["loss"] for s in out["steps"]]
     out["step_attempts"] = [final[s]["attempt"] for s in out["steps"]]
     out["step_s"] = [final[s]["t1"] - final[s]["t0"] for s in out["steps"]]

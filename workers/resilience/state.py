@@ -88,16 +88,23 @@ def find(root: str, rank: int) -> tuple[int, str] | None:
     return choice[0]
 
 
-def load(path: str, model, optimizer, scheduler, sampler, rank: int, config: dict) -> int:
-    """Fill the fresh objects from the checkpoint at ``path``; returns the step it was written after."""
+def load(path: str, model, optimizer, scheduler, sampler, rank: int, config: dict) -> tuple[int, int]:
+    """Fill the fresh objects from the checkpoint at ``path``; returns the step it was written after and the world
+    size that wrote it.
+
+    The world may have shrunk since (a lost node, chapter 17): DDP's weights and AdamW's moments are replicated, DCP
+    wrote them once and reads them back into any number of ranks; the data position is global (the next global
+    batch, split over the ranks there are now); each rank takes its own saved RNG streams, and those of ranks that
+    are gone stay in the folder unread."""
     state = _state(model, optimizer, scheduler, sampler, rank, -1, config)
     dcp.load(state, checkpoint_id=path)  # tensors in place; the rest (schedule, position, step) replaced
-    if state["config"] != dict(config):
-        diff = {k: (v, config.get(k)) for k, v in state["config"].items() if config.get(k) != v}
+    saved = dict(state["config"])
+    if {k: v for k, v in saved.items() if k != "world_size"} != {k: v for k, v in config.items() if k != "world_size"}:
+        diff = {k: (v, config.get(k)) for k, v in saved.items() if config.get(k) != v and k != "world_size"}
         raise ValueError(f"the checkpoint in {path} was written with other settings {diff} (saved, now): resume with "
                          "the same ones, or give an empty ckpt_dir")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
     set_rng_state(state[f"rng_rank{rank}"])  # last: nothing after it may draw a random number before the next step
-    return int(state["step"])
+    return int(state["step"]), int(saved.get("world_size", config.get("world_size", 0)))

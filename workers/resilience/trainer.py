@@ -84,8 +84,9 @@ def _train(ctx, cfg: RunConfig, journal: Journal, board: Board, *, steps: int, c
         board.enter(found[0], "checkpoint load (dcp.load)")
         t0 = time.time()
         with board.naming():
-            resumed = state.load(found[1], ddp, optimizer, scheduler, sampler, ctx.rank, config)
-        journal.write("reload", step=resumed, t0=t0, t1=time.time(), skipped=state.incomplete(ckpt_dir))
+            resumed, saved_world = state.load(found[1], ddp, optimizer, scheduler, sampler, ctx.rank, config)
+        journal.write("reload", step=resumed, t0=t0, t1=time.time(), skipped=state.incomplete(ckpt_dir),
+                      saved_world=saved_world, world_size=ctx.world_size)
         first = resumed + 1
 
     aim = dict(rank=ctx.rank, attempt=attempt, at_step=fault_step, at_rank=fault_rank, journal=journal, hang_s=hang_s)
@@ -107,7 +108,7 @@ def _train(ctx, cfg: RunConfig, journal: Journal, board: Board, *, steps: int, c
             with board.naming():
                 dist.all_reduce(mean)  # the global loss (equal shards): the same on every rank
             t1 = time.time()
-            journal.write("step", step=step, loss=mean.item(), t0=t0, t1=t1)
+            journal.write("step", step=step, loss=mean.item(), t0=t0, t1=t1, rows=batch["indices"].tolist())
             ctx.metric(step=step, loss=mean.item(), attempt=attempt, step_s=t1 - t0)
             if step % ckpt_every == 0:
                 board.enter(step, "checkpoint save (dcp.save)")
