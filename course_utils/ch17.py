@@ -194,7 +194,8 @@ def run_figure(res, model: dict[str, float] | None = None, every: int = EVERY, t
     bx.invert_yaxis()
     bx.set_xlabel("wall seconds (CPU, this machine)")
     bx.set_xlim(0, max(sum(v.values()) for v in bars.values()) * 1.3)
-    bx.legend(fontsize=8, loc="lower right", ncol=2)
+    bx.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(MEASURED), frameon=False,
+              handlelength=1.2, columnspacing=0.8)
     bx.set_title("where the wall time went", fontsize=10)
     fig.tight_layout()
     return fig
