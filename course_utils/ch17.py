@@ -5,7 +5,10 @@ killed (SIGKILL) or hung in a collective mid-step, torchrun restarting every ran
 uninterrupted run bit for bit. ``measured_costs`` reads what one step, one checkpoint and one recovery cost on this
 machine, ``predicted`` turns them into the run's ledger (``course_utils.goodput.predict_run``) to set beside the
 measured one, and the figures draw a run (its loss with the fault, the rollback and the checkpoints marked) and the
-same ledger at the scale of a cluster (``goodput.restart_ledger`` / ``quorum_ledger``).
+same ledger at the scale of a cluster (``goodput.restart_ledger`` / ``quorum_ledger``). A ``slow`` run has a
+straggler instead (a rank that stalls after its forward for a few steps; nothing fails, nothing restarts): the
+ledger's ``waiting`` share is what the other rank spent waiting for it, and ``straggler`` names it from the ranks'
+arrival times alone.
 """
 from __future__ import annotations
 
@@ -22,21 +25,25 @@ WORKER = "workers.ch17_restart"
 WORLD = 2
 STEPS, EVERY = 12, 4  # the worker's defaults: checkpoints after steps 4, 8 and 12
 COLLECTIVE_TIMEOUT_S = 3.0  # a hung collective is given up after this (gloo's timeout, set for the run)
-FAULTS = ("none", "kill", "hang", "torn")  # torn: a rank killed inside the checkpoint save (workers/resilience/faults.py)
+# torn: a rank killed inside the checkpoint save; slow: a straggler (workers/resilience/faults.py)
+FAULTS = ("none", "kill", "hang", "torn", "slow")
+SLOW_S, SLOW_STEPS = 0.3, 3  # the worker's defaults: the straggler's stall per step, and in how many steps
 # the ledger's shares in drawing order, with the journal's names for the measured seconds
-MEASURED = {"productive": "productive_s", "checkpoint": "checkpoint_s", "lost": "lost_s",
+MEASURED = {"productive": "productive_s", "waiting": "waiting_s", "checkpoint": "checkpoint_s", "lost": "lost_s",
             "recovery": ("detect_s", "restart_s", "reload_s")}
-FAULT_NAMES = {"kill": "kill", "hang": "hang", "torn": "torn save", "node": "lost node"}
+FAULT_NAMES = {"kill": "kill", "hang": "hang", "torn": "torn save", "slow": "straggler", "node": "lost node"}
+RESTARTS = {"none": 0, "slow": 0}  # a straggler is not a crash: nothing restarts; every other fault restarts once
 COLORS = {"productive": "#2da44e", "checkpoint": "#0969da", "lost": "#cf222e", "recovery": "#bf8700",
-          "degraded": "#8250df", "heal": "#57606a"}
+          "degraded": "#8250df", "heal": "#57606a", "waiting": "#fb8f44"}
 
 
 def restart_run(fault: str = "none", fault_step: int = 7, fault_rank: int = 1, ckpt_every: int = EVERY,
                 steps: int = STEPS, name: str | None = None, timeout: float = 120.0, **train):
     """One job of ``workers/ch17_restart.py`` on two new ranks, its checkpoints and journal in a scratch folder of
-    its own. With a fault, torchrun may restart it once; a hang is ended by the collective timeout."""
+    its own. With a fault, torchrun may restart it once (not for a straggler, which fails nothing); a hang is ended
+    by the collective timeout."""
     folder = scratch_dir(name or f"ch17-{fault}-{fault_step}-{ckpt_every}")
-    restarts = 0 if fault == "none" else 1
+    restarts = RESTARTS.get(fault, 1)
     return _run_announced(world_size=WORLD, warm=False, timeout=timeout, steps=steps, ckpt_every=ckpt_every,
                           ckpt_dir=str(folder), fault=fault, fault_step=fault_step, fault_rank=fault_rank,
                           max_restarts=restarts, collective_timeout=COLLECTIVE_TIMEOUT_S, **train)
@@ -147,9 +154,11 @@ def measured_costs(run, every: int = EVERY, restart_s: float | None = None, dete
 
 
 def predicted(costs: gp.Costs, record: dict, steps: int = STEPS, every: int = EVERY) -> dict[str, float]:
-    """The model's seconds per share for this run: the same steps, checkpoints and faults, priced with ``costs``."""
+    """The model's seconds per share for this run: the same steps, checkpoints, faults and stalls, priced with
+    ``costs``; a straggler's stalls are priced at the seconds it was told to sleep (``goodput.predict_run``)."""
     fail_at = [f["step"] - 1 for f in record["faults"]]  # the journal's steps count from 1, the model's from 0
-    out = gp.predict_run(costs, steps=steps, every=every, fail_at=fail_at)
+    stalls = {e["step"] - 1: e["seconds"] for e in record.get("stalls", [])}
+    out = gp.predict_run(costs, steps=steps, every=every, fail_at=fail_at, stalls=stalls)
     return {share: out[share] for share in MEASURED}
 
 
@@ -171,11 +180,41 @@ def ledger_table(record: dict, model: dict[str, float] | None = None) -> Table:
 
 def structure_table(record: dict) -> Table:
     """What happened, in steps (the same on every machine): attempts, faults, where it resumed, what it redid."""
-    faults = ", ".join(f"{f['kind']} rank {f['rank']} {'saving after' if f['kind'] == 'torn' else 'in'} step "
-                       f"{f['step']}" for f in record["faults"]) or "none"
+    faults = [f"{f['kind']} rank {f['rank']} {'saving after' if f['kind'] == 'torn' else 'in'} step {f['step']}"
+              for f in record["faults"]]
+    for rank in sorted({e["rank"] for e in record.get("stalls", [])}):
+        stalled = sorted({e["step"] for e in record["stalls"] if e["rank"] == rank})
+        faults.append(f"slow rank {rank} in step{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}")
+    faults = ", ".join(faults) or "none"
     return Table.of([{"attempts": record["attempts"], "faults": faults,
                       "resumed from checkpoint of step": ", ".join(map(str, record["resumed_from"])) or "-",
                       "steps done twice": ", ".join(map(str, record["lost_steps"])) or "-"}])
+
+
+def straggler(record: dict) -> dict:
+    """The straggler as the journal shows it, from the ranks' arrival times alone: the steps whose arrivals at the
+    gradient all_reduce spread over ``journal.STRAGGLER_S`` (``last_to_arrive``), the rank that arrived last in
+    them (``rank``: the one most often last; None when no step was slow) and the seconds the others waited there."""
+    from collections import Counter
+
+    slow = [(s, r, w) for s, r, w in zip(record["steps"], record["last_to_arrive"], record["wait_by_step"])
+            if r is not None]
+    counts = Counter(r for _, r, _ in slow)
+    return {"rank": counts.most_common(1)[0][0] if counts else None, "steps": [s for s, _, _ in slow],
+            "last_in_every_slow_step": len(counts) == 1, "waited_s": sum(w for _, _, w in slow)}
+
+
+def last_in(record: dict, steps: list[int]) -> int | None:
+    """The rank the journal names last to arrive in every one of ``steps`` (None if they name none, or several)."""
+    named = {record["last_to_arrive"][record["steps"].index(s)] for s in steps}
+    return named.pop() if len(named) == 1 else None
+
+
+def straggler_table(record: dict) -> Table:
+    """Per step: which rank arrived last at the gradient all_reduce, and how long the first had waited there
+    (milliseconds, this machine)."""
+    return Table.of([{"step": s, "waited ms": round(1e3 * w, 1), "last to arrive": "-" if r is None else f"rank {r}"}
+                     for s, r, w in zip(record["steps"], record["last_to_arrive"], record["wait_by_step"])])
 
 
 # -- figures ------------------------------------------------------------------------------------------------
@@ -203,6 +242,12 @@ def run_figure(res, model: dict[str, float] | None = None, every: int = EVERY, t
         ax.axvline(f["step"], color=COLORS["lost"], lw=1.5)
         ax.annotate(f"{f['kind']}: rank {f['rank']}", (f["step"], 1.0), xycoords=("data", "axes fraction"),
                     xytext=(4, -12), textcoords="offset points", color=COLORS["lost"], fontsize=8.5)
+    stalled = sorted({(e["step"], e["rank"]) for e in record.get("stalls", [])})
+    for i, (step, rank) in enumerate(stalled):
+        ax.axvspan(step - 0.4, step + 0.4, color=COLORS["waiting"], alpha=0.2, lw=0)
+        if i == 0:
+            ax.annotate(f"slow: rank {rank}", (step - 0.4, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -12),
+                        textcoords="offset points", color=COLORS["waiting"], fontsize=8.5)
     for back in record["resumed_from"]:
         ax.annotate("", xy=(back + 0.5, 0.08), xycoords=("data", "axes fraction"),
                     xytext=(record["faults"][0]["step"] if record["faults"] else back, 0.08),
@@ -226,7 +271,8 @@ def run_figure(res, model: dict[str, float] | None = None, every: int = EVERY, t
     bx.invert_yaxis()
     bx.set_xlabel("wall seconds (CPU, this machine)")
     bx.set_xlim(0, max(sum(v.values()) for v in bars.values()) * 1.3)
-    bx.legend(fontsize=8, loc="lower right", ncol=2)
+    bx.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(MEASURED), frameon=False,
+              handlelength=1.2, columnspacing=0.8)
     bx.set_title("where the wall time went", fontsize=10)
     fig.tight_layout()
     return fig
@@ -305,26 +351,28 @@ def restart_widget(fault: str = "kill", fault_step: int = 7, ckpt_every: int = E
     folder = str(scratch_dir("ch17-widget"))  # emptied once here; each job's first attempt empties it again
 
     def derive(settings: dict) -> dict:
-        return {"ckpt_dir": folder, "max_restarts": 0 if settings["fault"] == "none" else 1}
+        return {"ckpt_dir": folder, "max_restarts": RESTARTS.get(settings["fault"], 1)}
 
     def draw(res, params):
         costs = measured_costs(res, params["ckpt_every"],
                                detect_s=COLLECTIVE_TIMEOUT_S if params["fault"] == "hang" else 0.0)
         model = predicted(costs, res[0], STEPS, params["ckpt_every"])
         return run_figure(res, model, every=params["ckpt_every"],
-                          title=f"fault: {params['fault']}" + (f" in step {params['fault_step']}"
+                          title=f"fault: {params['fault']}" + (f" from step {params['fault_step']}"
+                                                               if params["fault"] == "slow" else
+                                                               f" in step {params['fault_step']}"
                                                                if params["fault"] != "none" else "")
                           + f", a checkpoint every {params['ckpt_every']} steps")
 
     return LiveRun(WORKER, controls, draw, params=fixed, derive=derive, timeout=120, announce=announce,
-                   progress_total=lambda p: STEPS + (0 if p["fault"] == "none" else p["fault_step"]))
+                   progress_total=lambda p: STEPS + (0 if p["fault"] in RESTARTS else p["fault_step"]))
 
 
 def announce(params: dict, job) -> str:
     """The wait of a restart run, in words: the cold start the launcher expects (its record of this worker's cold
     starts, never of restarted runs), and after a fault the collective timeout (a hang) and torchrun starting the
     ranks again, priced as another cold start (a restart keeps torchrun's agent, so it is usually a little less)."""
-    if params.get("fault", "none") == "none" or not job.expected_s:
+    if params.get("fault", "none") in RESTARTS or not job.expected_s:  # no restart: the cold start is the wait
         return job.start_note
     start = job.expected_s
     wait = {"hang": COLLECTIVE_TIMEOUT_S, "node": ELASTIC_WAIT_S}.get(params["fault"], 0.0)
@@ -374,6 +422,8 @@ def cluster_widget():
     return W.VBox([controls_row(controls.values()), out])
 
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "EVERY", "FAULTS", "STEPS", "WORKER", "announce", "cluster_figure", "cluster_ledgers",
-           "cluster_widget", "ledger_table", "measured_costs", "measured_seconds", "predicted", "restart_run",
-           "restart_widget", "run_figure", "same_run", "structure_table"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "ELASTIC_WAIT_S", "EVERY", "FAULTS", "NODES", "NODE_RANKS", "SLOW_S",
+           "SLOW_STEPS", "STEPS", "WORKER", "announce", "cluster_figure", "cluster_ledgers", "cluster_widget",
+           "last_in", "ledger_table", "lost_node_run", "measured_costs", "measured_seconds", "predicted",
+           "restart_run", "restart_widget", "resumed_by_hand", "run_figure", "same_continuation", "same_rows",
+           "same_run", "straggler", "straggler_table", "structure_table", "uninterrupted"]

@@ -9,7 +9,10 @@ cluster can be read side by side:
 - ``recovery``: detecting the failure, restarting processes and reloading the checkpoint (or, for a quorum, the
   surviving replicas reconfiguring);
 - ``degraded``: capacity missing while a replica group is away (a quorum goes on with fewer batches per step);
-- ``heal``: a returning replica copying the weights and optimizer state from a live peer.
+- ``heal``: a returning replica copying the weights and optimizer state from a live peer;
+- ``waiting``: ranks waiting in a step's collective for a slower rank (a straggler). Measured by the journal and
+  priced by ``predict_run`` for the laptop run; the cluster models (``restart_ledger``, ``quorum_ledger``) leave it
+  out, and ``SHARES`` lists their shares.
 
 Two recoveries are modelled, each from costs that a run measures or a paper prints:
 
@@ -120,8 +123,9 @@ def timeline_ledger(segments: list[tuple[str, float]]) -> dict[str, float]:
 
     A ``"work"`` segment is productive unless a later ``"rollback"`` segment takes it back: a rollback of ``k``
     seconds moves the last ``k`` seconds of work since the previous checkpoint to ``lost`` (it is zero-length in
-    time itself: the time it costs is the recovery around it)."""
-    out = dict.fromkeys(SHARES, 0.0)
+    time itself: the time it costs is the recovery around it). A ``"waiting"`` segment is time the ranks spent
+    waiting for a straggler (the result has a ``waiting`` share besides ``SHARES``)."""
+    out = dict.fromkeys(SHARES + ("waiting",), 0.0)
     since_checkpoint = 0.0
     for share, seconds in segments:
         if seconds < 0:
@@ -136,24 +140,32 @@ def timeline_ledger(segments: list[tuple[str, float]]) -> dict[str, float]:
             out["productive"] -= seconds
             out["lost"] += seconds
             since_checkpoint -= seconds
-        elif share in SHARES:
+        elif share in SHARES or share == "waiting":
             out[share] += seconds
             if share == "checkpoint":
                 since_checkpoint = 0.0
         else:
             raise ValueError(f"{share!r} is not a share: use 'work', 'rollback' or one of {', '.join(SHARES)}")
-    wall = sum(out[s] for s in SHARES)
+    wall = sum(out[s] for s in SHARES) + out["waiting"]
     out["goodput"] = out["productive"] / wall if wall > 0 else 0.0
     return out
 
 
-def predict_run(costs: Costs, steps: int, every: int, fail_at: list[int]) -> dict[str, float]:
+def predict_run(costs: Costs, steps: int, every: int, fail_at: list[int],
+                stalls: dict[int, float] | None = None) -> dict[str, float]:
     """Seconds per share of a short run with failures at given steps, under restart-and-roll-back: the model of the
     laptop run, to hold against its measured journal.
 
     ``steps`` steps, a checkpoint after every ``every``-th, and a fault during each step in ``fail_at`` (0-based, at
     the step's start, as the course's fault injection strikes): the job rolls back to the last checkpoint before it,
-    recovers, and redoes the steps since."""
+    recovers, and redoes the steps since.
+
+    ``stalls``: a straggler, ``{step (0-based): seconds}``: in each of those steps one rank sleeps that long after
+    its forward and every other rank waits for it in the gradient all_reduce, so the step costs ``step_s`` of work
+    and that much ``waiting`` (``slow_s x slow_steps`` in all, again in a step done twice). The model's assumption:
+    the stall dominates, so the wait is the whole sleep, less nothing (the ranks' forwards take the same time, so
+    the ones that arrive first waited exactly the stall)."""
+    stalls = stalls or {}
     if every < 1:
         raise ValueError(f"every={every}: checkpoint after at least every 1 step")
     segments: list[tuple[str, float]] = []
@@ -167,6 +179,8 @@ def predict_run(costs: Costs, steps: int, every: int, fail_at: list[int]) -> dic
             step = last
             continue
         segments.append(("work", costs.step_s))
+        if stalls.get(step, 0.0) > 0:
+            segments.append(("waiting", stalls[step]))
         step += 1
         if step % every == 0:
             segments.append(("checkpoint", costs.checkpoint_s))

@@ -90,3 +90,28 @@ def test_a_lost_node_run_announces_the_rendezvous_wait_too():
 
     said = ch17.announce({"fault": "node", "world_size": 4}, Job())
     assert said.startswith(f"about {2 * 6 + ch17.ELASTIC_WAIT_S:.0f} s in all") and "lost node" in said, said
+
+
+def test_the_ledger_reads_each_step_from_the_ranks_of_the_attempt_that_made_it(tmp_path):
+    """A hand-made journal: four ranks do steps 1-2, a node is lost in step 3, two ranks redo step 2 and do step 3."""
+    from workers.resilience.journal import Journal, ledger, read_events
+
+    for rank in range(4):
+        j = Journal(str(tmp_path), rank, 0, "r")
+        j.write("start", world_size=4, t=0.0)
+        for step, (t0, t1) in enumerate([(1.0, 2.0), (2.0, 3.0)], start=1):
+            # rank 3 arrives 0.5 s late in step 2 of the first attempt, which the restart throws away
+            j.write("step", step=step, loss=1.0, t0=t0, t1=t1, arrive=t0 + 0.1 + 0.5 * (rank == 3 and step == 2),
+                    rows=[2 * step + rank], t=t1)
+    Journal(str(tmp_path), 2, 0, "r").write("fault", kind="node", step=3, pids=[], t=3.5)
+    for rank in range(2):
+        k = Journal(str(tmp_path), rank, 1, "r")
+        k.write("start", world_size=2, t=10.0)
+        k.write("reload", step=1, t0=11.0, t1=11.5, saved_world=4, world_size=2, t=11.5)
+        for step, (t0, t1) in zip((2, 3), [(12.0, 13.0), (13.0, 14.0)]):
+            k.write("step", step=step, loss=2.0, t0=t0, t1=t1, arrive=t0 + 0.2 + 0.01 * rank, rows=[10 * step + rank],
+                    t=t1)
+    out = ledger(read_events(str(tmp_path), "r"))
+    assert out["world_sizes"] == [4, 2] and out["resumed_from"] == [1] and out["lost_steps"] == [2]
+    assert out["rows"] == [[2, 3, 4, 5], [20, 21], [30, 31]]  # step 1: four ranks' rows; 2 and 3: the two left
+    assert out["wait_by_step"] == pytest.approx([0.0, 0.01, 0.01]) and out["last_to_arrive"] == [None] * 3

@@ -50,6 +50,29 @@ def test_the_run_figure_marks_the_fault_the_rollback_and_the_lost_steps(runs):
     assert [t.get_text() for t in bx.get_yticklabels()] == ["measured", "predicted"]
 
 
+@pytest.mark.ranks
+def test_a_straggler_is_named_and_its_waiting_set_beside_the_model(runs):
+    straight, _ = runs
+    slowed = ch17.restart_run("slow", fault_step=5, fault_rank=1, name="test-ch17-slowed")
+    assert slowed[0]["attempts"] == 1  # a straggler fails nothing: no restart
+    assert ch17.same_run(slowed, straight)["bitwise"]
+    assert "slow rank 1 in steps 5, 6, 7" in str(ch17.structure_table(slowed[0]))
+    found = ch17.straggler(slowed[0])
+    # the slowed steps name rank 1 exactly; another step may, rarely on a loaded machine, be late by chance too
+    assert found["rank"] == 1 and {5, 6, 7} <= set(found["steps"]) and ch17.last_in(slowed[0], [5, 6, 7]) == 1
+    assert "rank 1" in str(ch17.straggler_table(slowed[0])).splitlines()[-6]  # step 7's row, of 12
+    model = ch17.predicted(ch17.measured_costs(straight, restart_s=1.0), slowed[0])
+    assert model["waiting"] == pytest.approx(ch17.SLOW_S * ch17.SLOW_STEPS)  # the sleep, less nothing
+    assert model["recovery"] == 0.0 and model["lost"] == 0.0
+    seen = ch17.measured_seconds(slowed[0])
+    assert seen["waiting"] >= 0.5 * ch17.SLOW_S * ch17.SLOW_STEPS and seen["recovery"] == 0.0
+    text = str(ch17.ledger_table(slowed[0], model))
+    assert any(line.startswith("waiting") for line in text.splitlines())
+    fig = ch17.run_figure(slowed, model)
+    assert "slow: rank 1" in {t.get_text() for t in fig.axes[0].texts}
+    assert "waiting" in [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+
+
 def test_cluster_ledgers_and_figure():
     ledgers = ch17.cluster_ledgers()
     assert set(ledgers) == {"restart", "quorum"}
@@ -98,3 +121,4 @@ def test_a_restart_run_announces_its_whole_wait():
     assert re.search(r"about (\d+) s", kill).group(1) == "7" and "after the kill" in kill
     assert re.search(r"about (\d+) s", hang).group(1) == "10" and "3 s collective timeout" in hang
     assert ch17.announce({"fault": "none", "world_size": 2}, job) == job.start_note
+    assert ch17.announce({"fault": "slow", "world_size": 2}, job) == job.start_note  # nothing restarts

@@ -18,7 +18,7 @@ import torch
 
 import course_utils as cu
 from tests.leftovers import children, new_children, port_free
-from workers.resilience import state
+from workers.resilience import journal, state
 from workers.resilience.journal import Journal, ledger, read_events
 
 # once: processes, restarts, ports and exact equalities within one machine's kernels; the chapter's execution under
@@ -102,6 +102,48 @@ def test_a_checkpoint_torn_mid_save_is_passed_over_and_the_run_is_still_bit_for_
     assert record["skipped"] == [[8]]  # the torn folder was there, without .metadata, and passed over
 
 
+SLOW_S, SLOW_STEPS, SLOW_FROM = 0.3, 3, 5
+# A spread of arrivals at the gradient all_reduce over this names a straggler. It holds on a loaded 2-core machine:
+# the ranks leave the previous step together (its loss all_reduce), so without a stall they reach the next all_reduce
+# within one forward pass and the scheduler's jitter (milliseconds; tens of them under load), while the straggler
+# arrives a 0.3 s sleep later, and a sleep is never shorter than asked (only longer, which widens the gap).
+STRAGGLER_S = 0.1
+
+
+def test_a_straggler_costs_time_not_arithmetic_and_the_journal_names_it(tmp_path, uninterrupted):
+    # rank 1 sleeps 0.3 s after its forward in steps 5, 6 and 7; rank 0 waits for it in the gradient all_reduce.
+    # Nothing fails, so nothing restarts (max_restarts 0, as ch17.restart_run runs it)
+    before = children()
+    res = cu.run("workers.ch17_restart", ckpt_dir=str(tmp_path / "run"), fault="slow", fault_rank=1,
+                 fault_step=SLOW_FROM, slow_steps=SLOW_STEPS, slow_s=SLOW_S, **RUN)
+    assert new_children(before) == []
+    _same_run(res, uninterrupted)  # the same float64 operations in the same order: only later
+    record = res[0]
+    assert record["attempts"] == 1 and record["lost_steps"] == [] and record["faults"] == []
+    struck = list(range(SLOW_FROM, SLOW_FROM + SLOW_STEPS))
+    assert sorted((e["rank"], e["step"]) for e in record["stalls"]) == [(1, s) for s in struck]
+    assert journal.STRAGGLER_S == STRAGGLER_S  # the threshold the ledger named the last to arrive with
+    # every slowed step names rank 1 (its 0.3 s sleep against a threshold of 0.1 s); an unslowed step is not asked
+    # for None: on a loaded 2-core machine a rank can, rarely, be descheduled past 0.1 s (the exact rule is held by
+    # the hand-made journals of test_the_ledger_*)
+    named = dict(zip(record["steps"], record["last_to_arrive"]))
+    assert [named[s] for s in struck] == [1] * SLOW_STEPS, (record["last_to_arrive"], record["wait_by_step"])
+    # a lower bound on a sleep holds under any load (no upper bound: the machine may be busy)
+    assert record["waiting_s"] >= 0.5 * SLOW_S * SLOW_STEPS, record["wait_by_step"]
+    assert len(record["wait_by_step"]) == STEPS
+
+
+def test_refusals_of_a_straggler_name_what_to_change_before_any_rank_starts():
+    base = dict(steps=12, ckpt_every=4, ckpt_dir="/tmp/never-written", fault="slow", fault_step=5, fault_rank=1)
+    for change, fragment in [({"fault_step": 11}, "slow_steps=3 from fault_step=11 runs past steps=12: choose "
+                                                  "slow_steps of at most 2, or an earlier fault_step"),
+                             ({"slow_steps": 0}, "slow_steps=0 must be at least 1"),
+                             ({"slow_s": 0.0}, "slow_s=0.0 is not a stall"),
+                             ({"slow_s": -1.0}, "slow_s=-1.0 is not a stall")]:
+        with pytest.raises(cu.InvalidParameter, match=fragment):
+            cu.launch("workers.ch17_restart", 2, **{**base, **change})
+
+
 def test_without_restarts_a_killed_rank_ends_the_job_and_is_named(tmp_path):
     before = children()
     with pytest.raises(cu.WorkerFailed) as info:
@@ -145,6 +187,27 @@ def test_the_ledger_splits_a_restarted_run(tmp_path):
     assert out["lost_s"] == 1.0 + 0.5  # step 3 done then thrown away; step 4 from the last step's end to the fault
     assert (out["detect_s"], out["restart_s"], out["reload_s"], out["checkpoint_s"]) == (3.0, 3.0, 0.25, 0.5)
     assert json.loads((tmp_path / "journal" / "rank1.jsonl").read_text().splitlines()[0])["event"] == "fault"
+
+
+def test_the_ledger_takes_the_wait_for_a_straggler_out_of_the_productive_time(tmp_path):
+    """A hand-made journal of two ranks, three steps: the spread of their arrivals at the gradient all_reduce is the
+    waiting, taken out of rank 0's step time (binary fractions: every sum below is exact)."""
+    j0, j1 = Journal(str(tmp_path), 0, 0, "r"), Journal(str(tmp_path), 1, 0, "r")
+    # step: (rank 0's t0, t1, arrive), rank 1's arrive
+    plan = {1: ((1.0, 2.0, 1.25), 1.3125),   # 0.0625 s apart: jitter, nobody named
+            2: ((2.0, 3.5, 2.25), 3.0),      # rank 1 arrives 0.75 s late: rank 0 waited that long
+            3: ((3.5, 4.5, 3.75), 2.5)}      # rank 0 is 1.25 s late, more than its step: capped at the step's 1.0 s
+    for s, ((t0, t1, arrive), other) in plan.items():
+        j0.write("step", step=s, loss=float(s), t0=t0, t1=t1, arrive=arrive, t=t1)
+        j1.write("step", step=s, loss=float(s), t0=t0, t1=t1, arrive=other, t=t1)
+    j1.write("stall", step=2, t0=2.25, t1=3.0, seconds=0.75, t=3.0)
+    out = ledger(read_events(str(tmp_path), "r"), straggler_s=0.1)
+    assert out["wait_by_step"] == [0.0625, 0.75, 1.0] and out["waiting_s"] == 1.8125
+    assert out["last_to_arrive"] == [None, 1, 0]
+    assert out["productive_s"] == (1.0 + 1.5 + 1.0) - 1.8125  # each second counted once: steps = productive + waiting
+    assert out["productive_s"] + out["waiting_s"] == sum(out["step_s"])
+    assert [(e["rank"], e["step"]) for e in out["stalls"]] == [(1, 2)]
+    assert out["lost_s"] == out["restart_s"] == 0.0 and out["attempts"] == 1
 
 
 def test_refusals_name_what_to_change_before_any_rank_starts():

@@ -97,6 +97,18 @@ def test_predict_run_rolls_back_to_the_last_checkpoint():
     assert right_after["lost"] == 0.0  # nothing since the checkpoint to lose
 
 
+def test_predict_run_prices_a_straggler_as_its_stalls():
+    # the model's assumption: the stall dominates, so every other rank waits the whole sleep, less nothing
+    costs = gp.Costs(step_s=0.5, checkpoint_s=0.25)
+    p = gp.predict_run(costs, steps=12, every=4, fail_at=[], stalls={4: 0.25, 5: 0.25, 6: 0.25})
+    assert p["waiting"] == 0.75 and p["productive"] == 6.0 and p["lost"] == 0.0 and p["recovery"] == 0.0
+    assert p["goodput"] == 6.0 / (6.0 + 0.75 + 3 * 0.25)  # waiting is wall time the steps did not train in
+    assert gp.predict_run(costs, steps=12, every=4, fail_at=[])["waiting"] == 0.0
+    # a stalled step done twice (a fault in step 7 rolls back to the checkpoint after step 4) waits twice
+    twice = gp.predict_run(costs, steps=12, every=4, fail_at=[7], stalls={5: 0.25})
+    assert twice["waiting"] == 0.5 and twice["lost"] == 3 * 0.5
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"step_s": 0.0, "checkpoint_s": 1.0}, "step_s=0.0"),
     ({"step_s": 1.0, "checkpoint_s": -1.0}, "checkpoint_s=-1.0"),

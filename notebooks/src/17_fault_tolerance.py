@@ -12,7 +12,8 @@
 # 1. **Restart and roll back.** torchrun's elastic agent notices a dead or failed rank, stops the others and starts
 #    every rank again (`--max-restarts`); the job reloads its newest complete checkpoint (chapter 08's DCP) and
 #    redoes the steps since. Everything since that checkpoint is lost work, and every restart costs the start of
-#    the whole job.
+#    the whole job. When a whole node is lost, an elastic job (`--nnodes=min:max`) restarts in the smaller world
+#    that is left.
 # 2. **Quorum and heal** (torchft): the job is several *replica groups* that agree, step by step, on who is alive
 #    (a *quorum*, kept by a *lighthouse*). A group that dies drops out of the next step's quorum and the others go on
 #    with fewer batches; its replacement copies the weights from a live peer (*heals*) and rejoins. No step is lost;
@@ -21,10 +22,11 @@
 #    coming and going) costs H times less.
 #
 # And one way to count: the **goodput ledger**, wall time split into productive steps, checkpoints, lost work,
-# recovery, degraded capacity and healing, measured on the runs here and modelled at the scale of a cluster.
+# recovery, waiting for a slow rank, degraded capacity and healing, measured on the runs here and modelled at the
+# scale of a cluster.
 #
 # Built here: `workers/resilience/` (`trainer.py`: chapter 08's run with DCP checkpoints and a journal; `faults.py`:
-# a rank killed or hung mid-step; `journal.py`: the ledger; `quorum.py`, `ft.py`, `replicas.py`: the torchft
+# a rank killed, hung or slowed mid-step, or its whole node lost; `journal.py`: the ledger; `quorum.py`, `ft.py`, `replicas.py`: the torchft
 # replicas and their one-process reference), the workers `workers/ch17_restart.py` and `workers/ch17_quorum.py`, and
 # `course_utils/goodput.py` (the ledger as a model).
 
@@ -125,6 +127,56 @@ print("the restarted run against the uninterrupted one:", ch17.same_run(torn, st
 # was only slow (a straggler, a congested switch). And the timeout alone says only that *someone* did not arrive:
 # Llama 3's team used PyTorch's NCCL flight recorder (a ring buffer of every rank's collectives and their stack
 # traces) to find the stuck rank among thousands (section 3.3.4).
+
+# %% [markdown]
+# ### A straggler: a rank that is only slow
+#
+# This fault fails nothing. A GPU that throttles when it runs hot, a node whose NIC renegotiated a slower link,
+# a host with a noisy neighbour: the rank still computes the right numbers, only later. Here rank 1 sleeps 0.3 s right
+# after its forward pass in steps 5, 6 and 7 (on every attempt: a slow node stays slow), and rank 0 reaches the
+# gradient all-reduce first and waits there. Nothing raises and nothing restarts. Each rank writes down, in every
+# step, the moment it arrived at that all-reduce.
+#
+# **Predict**: what does the straggler cost rank 0, and does the run still end on the uninterrupted run's weights?
+
+# %%
+slowed = ch17.restart_run("slow", fault_step=5, fault_rank=1, name="ch17-slowed")
+print(ch17.structure_table(slowed[0]))
+found = ch17.straggler(slowed[0])
+slowed_steps = list(range(5, 5 + ch17.SLOW_STEPS))  # found below by their arrival times alone
+print(f"last to arrive at the gradient all-reduce, later than the first by over 0.1 s, in each slowed step "
+      f"{slowed_steps}:", ch17.last_in(slowed[0], slowed_steps), "-> the straggler is rank", found["rank"])
+print("the slowed run against the uninterrupted one:", ch17.same_run(slowed, straight))
+print("rank 0 waited at least half of the 3 x 0.3 s the straggler slept:",
+      slowed[0]["waiting_s"] >= 0.5 * ch17.SLOW_S * ch17.SLOW_STEPS)
+
+# %% [markdown]
+# The same losses and weights, bit for bit: a straggler changes when the numbers arrive, never what they are. What it
+# changes is the ledger. The waiting is a share of its own, taken out of the steps it happened in (rank 0 was inside
+# step 5 all the while, but not training). The model prices it as the straggler's sleep, 0.3 s in each of three
+# steps, less nothing: it assumes the sleep dominates, so that the rank that arrived first waited all of it.
+
+# %% tags=["nbval-ignore-output"]
+slow_model = ch17.predicted(costs, slowed[0])
+print("CPU seconds, this machine:")
+print(ch17.ledger_table(slowed[0], slow_model))
+print(ch17.straggler_table(slowed[0]))
+plots.savefig(ch17.run_figure(slowed, slow_model, title="rank 1 slowed by 0.3 s in steps 5 to 7"), "17_straggler");
+
+# %% [markdown]
+# Rank 0 lost the straggler's whole delay in every slowed step, and so would every other rank of a bigger job: in
+# synchronous training every step waits for its last rank, so the job runs at the speed of its slowest one. One GPU
+# running 10% slow among 16,384 makes all 16,384 run 10% slow, and nothing in the losses or the weights shows it.
+#
+# The arrival times show it. Chapter 09 found the rank that went *wrong* by comparing every rank's checksum; a slow
+# rank is found the same way, by comparing when every rank reaches the same collective: the one that is last, step
+# after step, is the straggler (the table above, per step; Megatron-LM's straggler detector and NCCL's flight
+# recorder record the same kind of timings at scale). A straggler that falls behind by more than the collective's
+# timeout is no longer slow but hung, and ends as section 2's hang.
+#
+# What real jobs then do is **evict** the slow node: stop the job, take the node out, and start again from the last
+# checkpoint on a spare node (the same world size) or without it (a smaller world, if the job can reshard its
+# checkpoint). A straggler found is handled as a lost node, followed by a restart.
 
 # %% [markdown]
 # ### A node lost: going on in a smaller world
@@ -394,10 +446,11 @@ print(f"start {diloco.initial_eval_loss:.3f}; after {diloco.steps} steps: "
 #
 # ## 7. Explore on real ranks
 #
-# Choose the fault (a rank killed, hung, or killed inside a save: `torn` needs a step that saves a checkpoint, or it
-# is refused), the step it strikes in and the checkpoint interval; each change runs the job on two new ranks
-# (a job that torchrun may restart always gets ranks of its own, so every run is a cold start: the status line says
-# how long), and draws the run with the model's ledger beside the measured one.
+# Choose the fault (a rank killed, hung, killed inside a save, or slowed for three steps from that step on: `torn`
+# needs a step that saves a checkpoint, and `slow` a step no later than 10, or it is refused), the step it strikes in
+# and the checkpoint interval; each change runs the job on two new ranks (a job that torchrun may restart always gets
+# ranks of its own, so every run is a cold start: the status line says how long), and draws the run with the model's
+# ledger beside the measured one.
 
 # %% tags=["nbval-ignore-output"]
 explore = ch17.restart_widget()
@@ -418,6 +471,9 @@ explore
 # * A **lost node** (`torchrun --nnodes=min:max`): the agents left meet again, wait a little for the lost one, and
 #   restart the ranks in the smaller world from the last checkpoint. It reads the same data, not the same trajectory
 #   (per-rank randomness); it equals a job resumed by hand in that world, bit for bit.
+# * A **straggler** fails nothing and costs every rank its delay in every step it is late: synchronous training runs
+#   at the speed of the slowest rank. The ranks' arrival times at a collective name it; real jobs evict the slow node
+#   and restart, as after a lost one.
 # * **Goodput** = productive share of wall time. Daly's model, split into shares, says what checkpoint stall and
 #   recovery time a published goodput allows.
 # * **Quorum and heal** (torchft): a dead replica group drops out of the next step's quorum, the others average the

@@ -14,8 +14,12 @@ after the forward, in the middle of the step: the other ranks are about to wait 
   is on disk and before DCP's coordinator writes the ``.metadata`` that makes the folder a checkpoint: the folder
   is left torn, and the restarted job must take the checkpoint before it. Replaces ``state.save`` instead, and
   needs ``at_step`` to be a step that saves.
+- ``slow``: a straggler. The rank sleeps ``slow_s`` seconds right after its forward in ``slow_steps`` steps from
+  ``at_step`` on, then goes on: the other ranks wait for it in the gradient all_reduce, and nothing fails. It strikes
+  on every attempt (a slow node stays slow) and journals each stall (``stall``, with ``t0``, ``t1`` and the step)
+  after it; it changes the run's time, never its arithmetic.
 
-Only attempt 0 (``TORCHELASTIC_RESTART_COUNT`` 0) is struck, so the restarted job runs clean. The fault is written to
+Except for ``slow``, only attempt 0 (``TORCHELASTIC_RESTART_COUNT`` 0) is struck, so the restarted job runs clean. The fault is written to
 the journal *before* it strikes: the ledger times detection and restart from that moment.
 """
 from __future__ import annotations
@@ -24,10 +28,11 @@ import os
 import signal
 import time
 
-FAULTS = ("none", "kill", "hang", "torn", "node")
+FAULTS = ("none", "kill", "hang", "torn", "slow", "node")
 
 
-def patches(trainer, *, rank: int, attempt: int, at_step: int, at_rank: int, journal, hang_s: float) -> dict:
+def patches(trainer, *, rank: int, attempt: int, at_step: int, at_rank: int, journal, hang_s: float,
+            slow_s: float = 0.3, slow_steps: int = 3) -> dict:
     """The table ``workers.faults.injected`` picks from: ``{fault: (module, name, faulty version)}``."""
     original = trainer.forward_loss
 
@@ -51,7 +56,16 @@ def patches(trainer, *, rank: int, attempt: int, at_step: int, at_rank: int, jou
             os.kill(os.getpid(), signal.SIGKILL)
         return save(root, step, *args, after_write=strike)
 
-    return {"kill": (trainer, "forward_loss", striking("kill", lambda: os.kill(os.getpid(), signal.SIGKILL))),
+    def slow_forward_loss(model, batch, step):
+        loss = original(model, batch, step)
+        if rank == at_rank and at_step <= step < at_step + slow_steps:  # every attempt: a slow node stays slow
+            t0 = time.time()
+            time.sleep(slow_s)  # the other ranks are about to wait in the gradient all_reduce
+            journal.write("stall", step=step, t0=t0, t1=time.time(), seconds=slow_s)
+        return loss
+
+    return {"slow": (trainer, "forward_loss", slow_forward_loss),
+            "kill": (trainer, "forward_loss", striking("kill", lambda: os.kill(os.getpid(), signal.SIGKILL))),
             "node": (trainer, "forward_loss", striking("node", lose_node, lambda: {"pids": node_pids()})),
             "hang": (trainer, "forward_loss", striking("hang", lambda: time.sleep(hang_s))),
             **({"torn": (trainer.state, "save", torn_save)} if save is not None else {})}

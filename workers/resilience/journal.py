@@ -17,6 +17,11 @@ import os
 import time
 
 FOLDER = "journal"
+# A spread of arrivals at the gradient all_reduce above this names the last rank to arrive as a straggler. The
+# ranks leave the previous step together (its loss all_reduce), so without a stall they arrive within the jitter of
+# one forward pass and the scheduler: milliseconds, tens of them on a loaded machine; a stalled rank arrives its
+# stall later (chapter 17's is 0.3 s).
+STRAGGLER_S = 0.1
 
 
 class Journal:
@@ -61,10 +66,11 @@ def read_events(root: str, run: str) -> list[dict]:
     return sorted(events, key=lambda e: e["t"])
 
 
-def ledger(events: list[dict]) -> dict:
-    """Where the wall time of a run went, from its journal (rank 0's steps; faults and failures from any rank).
+def ledger(events: list[dict], straggler_s: float = STRAGGLER_S) -> dict:
+    """Where the wall time of a run went, from its journal (rank 0's steps; faults and failures from any rank;
+    every rank's arrivals at the gradient all_reduce).
 
-    - ``productive_s``: the steps the final weights are made of, each counted once;
+    - ``productive_s``: the steps the final weights are made of, each counted once, less their waiting (below);
     - ``lost_s``: steps finished and then thrown away by a rollback, plus the step in flight when the fault struck,
       up to the fault (``lost_steps`` lists the thrown-away ones);
     - ``detect_s``: from the fault to the failure a rank raised (a hang waits for the collective timeout here; a
@@ -75,7 +81,18 @@ def ledger(events: list[dict]) -> dict:
     - ``checkpoint_s``: every save, in every attempt (rank 0's wall time: the save's last barrier makes it the job's);
     - ``skipped``: per restart, the steps whose checkpoint folder was torn (no ``.metadata``) when it reloaded;
     - ``rows``: per step of the final trajectory, the sample indices every rank of its attempt read (sorted);
-    - ``world_sizes``: the world of each attempt (an elastic job goes on in a smaller one after a lost node).
+    - ``world_sizes``: the world of each attempt (an elastic job goes on in a smaller one after a lost node);
+    - ``waiting_s``: in each step of the final trajectory, the time the first rank to reach the gradient all_reduce
+      waited there for the last (the spread of every rank's ``arrive``), summed; ``wait_by_step`` per step, aligned
+      with ``steps``; ``last_to_arrive``: per step, the rank that arrived last where the spread is over
+      ``straggler_s``, else None; ``stalls``: the stall events (a straggler's, from any rank).
+
+    The shares add up to the wall time without counting anything twice: the waiting happens inside rank 0's step
+    (between its ``t0`` and ``t1``: it waits in the all_reduce, or it is the one the other ranks wait for), so it
+    is taken out of that step's productive time: ``productive_s`` is the final trajectory's step time minus
+    ``waiting_s``, and ``productive_s + waiting_s`` is what ``productive_s`` was before waiting was counted. A
+    step's wait is capped at rank 0's whole step (the ranks start a step a few milliseconds apart, so a spread can
+    stick out of it by as much), so no step's productive time goes below zero.
     """
     mine = [e for e in events if e["rank"] == 0]
     attempts = sorted({e["attempt"] for e in events})
@@ -84,7 +101,22 @@ def ledger(events: list[dict]) -> dict:
     for a in attempts:
         for e in steps[a]:
             final[e["step"]] = e  # a later attempt's step replaces the one it redid
-    out = {"attempts": len(attempts), "productive_s": sum(e["t1"] - e["t0"] for e in final.values()),
+    # (step, attempt) -> rank -> arrival at the gradient all_reduce; each step is read from the attempt that made it
+    # (a redone step's first try, and the ranks of a world that shrank since, are not its)
+    arrivals: dict[tuple[int, int], dict[int, float]] = {}
+    for e in events:
+        if e["event"] == "step" and "arrive" in e:
+            arrivals.setdefault((e["step"], e["attempt"]), {})[e["rank"]] = e["arrive"]
+    waits, last = [], []
+    for s in sorted(final):
+        seen = arrivals.get((s, final[s]["attempt"]), {})
+        spread = max(seen.values()) - min(seen.values()) if len(seen) > 1 else 0.0
+        waits.append(min(spread, final[s]["t1"] - final[s]["t0"]))
+        last.append(max(seen, key=seen.get) if spread > straggler_s else None)
+    out = {"attempts": len(attempts),
+           "productive_s": sum(e["t1"] - e["t0"] for e in final.values()) - sum(waits),
+           "waiting_s": sum(waits), "wait_by_step": waits, "last_to_arrive": last,
+           "stalls": [e for e in events if e["event"] == "stall"],
            "lost_s": 0.0, "detect_s": 0.0, "restart_s": 0.0, "reload_s": 0.0,
            "checkpoint_s": sum(e["t1"] - e["t0"] for e in mine if e["event"] == "checkpoint"),
            "lost_steps": [], "faults": [], "failures": [], "resumed_from": [], "skipped": []}

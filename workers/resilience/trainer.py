@@ -39,7 +39,8 @@ def flat_weights(model: nn.Module) -> torch.Tensor:
 
 
 def run(ctx, cfg: RunConfig, *, steps: int, ckpt_every: int, ckpt_dir: str, fault: str, fault_step: int,
-        fault_rank: int, hang_s: float, attempt: int, run_id: str, fresh: bool) -> dict:
+        fault_rank: int, hang_s: float, attempt: int, run_id: str, fresh: bool, slow_s: float = 0.3,
+        slow_steps: int = 3) -> dict:
     if fresh and attempt == 0:
         # A new job starts from nothing; only its restarts (attempt > 0) find and load what it saved.
         if ctx.rank == 0:
@@ -53,7 +54,8 @@ def run(ctx, cfg: RunConfig, *, steps: int, ckpt_every: int, ckpt_dir: str, faul
     board = Board(ctx.rank, ctx.world_size, run_id, attempt)
     try:
         return _train(ctx, cfg, journal, board, steps=steps, ckpt_every=ckpt_every, ckpt_dir=ckpt_dir, fault=fault,
-                      fault_step=fault_step, fault_rank=fault_rank, hang_s=hang_s, attempt=attempt)
+                      fault_step=fault_step, fault_rank=fault_rank, hang_s=hang_s, attempt=attempt, slow_s=slow_s,
+                      slow_steps=slow_steps)
     except CollectiveFailed as exc:
         # on record before the process ends: the ledger times detection from it, the notebook shows it
         journal.write("failure", step=exc.step, collective=exc.collective, missing=exc.missing, message=str(exc))
@@ -63,7 +65,8 @@ def run(ctx, cfg: RunConfig, *, steps: int, ckpt_every: int, ckpt_dir: str, faul
 
 
 def _train(ctx, cfg: RunConfig, journal: Journal, board: Board, *, steps: int, ckpt_every: int, ckpt_dir: str,
-           fault: str, fault_step: int, fault_rank: int, hang_s: float, attempt: int) -> dict:
+           fault: str, fault_step: int, fault_rank: int, hang_s: float, attempt: int, slow_s: float = 0.3,
+           slow_steps: int = 3) -> dict:
     board.enter(0, "start")
     seed_rngs(rank_seed(cfg, ctx.rank))  # a fresh process's streams; a reload replaces them with the saved ones
     data = make_dataset(cfg)
@@ -89,7 +92,8 @@ def _train(ctx, cfg: RunConfig, journal: Journal, board: Board, *, steps: int, c
                       saved_world=saved_world, world_size=ctx.world_size)
         first = resumed + 1
 
-    aim = dict(rank=ctx.rank, attempt=attempt, at_step=fault_step, at_rank=fault_rank, journal=journal, hang_s=hang_s)
+    aim = dict(rank=ctx.rank, attempt=attempt, at_step=fault_step, at_rank=fault_rank, journal=journal, hang_s=hang_s,
+               slow_s=slow_s, slow_steps=slow_steps)
     trainer = sys.modules[__name__]  # the step calls forward_loss through the module: a fault replaces it there
     with injected(fault, lambda: faults.patches(trainer, **aim)):
         for step in range(first, steps + 1):
@@ -98,6 +102,7 @@ def _train(ctx, cfg: RunConfig, journal: Journal, board: Board, *, steps: int, c
             batch["x"], batch["y"] = batch["x"].double(), batch["y"].double()  # [b/n, d_in], [b/n, d_out]
             optimizer.zero_grad(set_to_none=True)
             loss = trainer.forward_loss(ddp, batch, step)
+            arrive = time.time()  # at the gradient all_reduce: the ledger's waiting is the spread of these over ranks
             board.enter(step, "gradient all_reduce (DDP's backward)")
             with board.naming():
                 loss.backward()  # DDP averages the gradients over the ranks here
@@ -108,7 +113,8 @@ def _train(ctx, cfg: RunConfig, journal: Journal, board: Board, *, steps: int, c
             with board.naming():
                 dist.all_reduce(mean)  # the global loss (equal shards): the same on every rank
             t1 = time.time()
-            journal.write("step", step=step, loss=mean.item(), t0=t0, t1=t1, rows=batch["indices"].tolist())
+            journal.write("step", step=step, loss=mean.item(), t0=t0, t1=t1, arrive=arrive,
+                          rows=batch["indices"].tolist())
             ctx.metric(step=step, loss=mean.item(), attempt=attempt, step_s=t1 - t0)
             if step % ckpt_every == 0:
                 board.enter(step, "checkpoint save (dcp.save)")
