@@ -88,9 +88,42 @@ def sync(names: list[str] | None = None) -> list[Path]:
     return changed
 
 
+POLL_SLICE_S = 0.5
+
+
+def poll_in_slices(channel_class=None, slice_s: float = POLL_SLICE_S) -> None:
+    """Make the executor's kernel channels wait for a message in slices of ``slice_s`` seconds up to their timeout.
+
+    nbclient waits for a cell's reply with one poll as long as the cell's whole timeout, and a reply that arrives
+    after a widget's comm messages can sit unseen until that poll ends (jupyter/nbclient#312; here chapter 10's
+    widget cell once took 600 s, the cell timeout, in CI's second execution, and 0.1 s in the first). A new poll
+    looks at the socket's pending messages first, so a missed one is found within a slice."""
+    from queue import Empty
+
+    if channel_class is None:
+        from jupyter_client.channels import AsyncZMQSocketChannel as channel_class
+    original = channel_class.get_msg
+    if getattr(original, "sliced", False):
+        return
+
+    async def get_msg(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - time.monotonic()))
+            try:
+                return await original(self, timeout=left)
+            except Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    get_msg.sliced = True
+    channel_class.get_msg = get_msg
+
+
 def execute(path: Path, output: Path, *, timeout: float = 900) -> float:
     import papermill
 
+    poll_in_slices()
     start = time.perf_counter()
     papermill.execute_notebook(str(path), str(output), kernel_name="python3", cwd=str(NB_DIR),
                                execution_timeout=timeout, progress_bar=False, log_output=False)
