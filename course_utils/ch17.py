@@ -194,14 +194,13 @@ def structure_table(record: dict) -> Table:
 def straggler(record: dict) -> dict:
     """The straggler as the journal shows it, from the ranks' arrival times alone: the steps whose arrivals at the
     gradient all_reduce spread over ``journal.STRAGGLER_S`` (``last_to_arrive``), the rank that arrived last in
-    them (``rank``: the one most often last; None when no step was slow) and the seconds the others waited there."""
+    them (``rank``: the one most often last; None when no step was slow)."""
     from collections import Counter
 
     slow = [(s, r, w) for s, r, w in zip(record["steps"], record["last_to_arrive"], record["wait_by_step"])
             if r is not None]
     counts = Counter(r for _, r, _ in slow)
-    return {"rank": counts.most_common(1)[0][0] if counts else None, "steps": [s for s, _, _ in slow],
-            "last_in_every_slow_step": len(counts) == 1, "waited_s": sum(w for _, _, w in slow)}
+    return {"rank": counts.most_common(1)[0][0] if counts else None, "steps": [s for s, _, _ in slow]}
 
 
 def last_in(record: dict, steps: list[int]) -> int | None:
