@@ -38,13 +38,13 @@ COLORS = {"productive": "#2da44e", "checkpoint": "#0969da", "lost": "#cf222e", "
 
 
 def restart_run(fault: str = "none", fault_step: int = 7, fault_rank: int = 1, ckpt_every: int = EVERY,
-                steps: int = STEPS, name: str | None = None, timeout: float = 120.0, **train):
+                steps: int = STEPS, name: str | None = None, timeout: float = 120.0, world_size: int = WORLD, **train):
     """One job of ``workers/ch17_restart.py`` on two new ranks, its checkpoints and journal in a scratch folder of
     its own. With a fault, torchrun may restart it once (not for a straggler, which fails nothing); a hang is ended
     by the collective timeout."""
     folder = scratch_dir(name or f"ch17-{fault}-{fault_step}-{ckpt_every}")
     restarts = RESTARTS.get(fault, 1)
-    return _run_announced(world_size=WORLD, warm=False, timeout=timeout, steps=steps, ckpt_every=ckpt_every,
+    return _run_announced(world_size=world_size, warm=False, timeout=timeout, steps=steps, ckpt_every=ckpt_every,
                           ckpt_dir=str(folder), fault=fault, fault_step=fault_step, fault_rank=fault_rank,
                           max_restarts=restarts, collective_timeout=COLLECTIVE_TIMEOUT_S, **train)
 
@@ -63,11 +63,6 @@ def _run_announced(**params):
 NODES, NODE_RANKS = 2, 2  # the lost-node job: two simulated nodes (torchrun agents) of two ranks each
 # how long the survivors of a lost node wait for it in the rendezvous: its missed heartbeats, then the last call
 ELASTIC_WAIT_S = KEEP_ALIVE_S * KEEP_ALIVE_MISSES + LAST_CALL_S
-
-
-def uninterrupted(world_size: int = NODES * NODE_RANKS, name: str = "ch17-four", timeout: float = 120.0, **train):
-    """The run with no fault on ``world_size`` new ranks of one node: the reference for what each step reads."""
-    return cu.run(WORKER, world_size=world_size, warm=False, timeout=timeout, ckpt_dir=str(scratch_dir(name)), **train)
 
 
 def lost_node_run(fault_step: int = 7, fault_rank: int = 2, ckpt_every: int = EVERY, steps: int = STEPS,
@@ -425,4 +420,4 @@ __all__ = ["COLLECTIVE_TIMEOUT_S", "ELASTIC_WAIT_S", "EVERY", "FAULTS", "NODES",
            "SLOW_STEPS", "STEPS", "WORKER", "announce", "cluster_figure", "cluster_ledgers", "cluster_widget",
            "last_in", "ledger_table", "lost_node_run", "measured_costs", "measured_seconds", "predicted",
            "restart_run", "restart_widget", "resumed_by_hand", "run_figure", "same_continuation", "same_rows",
-           "same_run", "straggler", "straggler_table", "structure_table", "uninterrupted"]
+           "same_run", "straggler", "straggler_table", "structure_table"]

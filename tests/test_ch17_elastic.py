@@ -55,7 +55,7 @@ def test_the_smaller_world_goes_on_as_a_job_resumed_there_by_hand_bit_for_bit(lo
 
 def test_every_step_reads_the_samples_of_the_uninterrupted_run_none_twice_none_skipped(lost, tmp_path):
     res, _ = lost
-    four = ch17.uninterrupted(world_size=4, name="test-ch17-four")
+    four = ch17.restart_run("none", world_size=4, name="test-ch17-four")
     assert ch17.same_rows(res, four)
     rows = [r for step in res[0]["rows"] for r in step]
     # 12 steps of 8 over 64 samples: epoch 0 (steps 1-8) reads each sample once, epoch 1 starts over

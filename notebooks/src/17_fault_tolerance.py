@@ -199,7 +199,7 @@ plots.savefig(ch17.run_figure(slowed, slow_model, title="rank 1 slowed by 0.3 s 
 
 # %%
 lost = ch17.lost_node_run(fault_step=7, fault_rank=2)
-four = ch17.uninterrupted(world_size=4)
+four = ch17.restart_run("none", world_size=4, name="ch17-four")
 print(ch17.structure_table(lost[0]))
 print("ranks in each attempt:", lost[0]["world_sizes"])
 print("every step read the four-rank run's samples (none skipped, none twice):", ch17.same_rows(lost, four))
