@@ -22,8 +22,8 @@ from workers.pipeline import split_backward
 from workers.pipeline.executor import run_split_schedule
 from workers.pipeline.model import PipelineConfig, loss_fn, stage_module
 from workers.pipeline.reference import reference_step_in
-from workers.pipeline.schedules import all_stages, with_p2p
-from workers.pipeline.validity import (check_schedule, peak_stashes, simulate_split, step_bubble, table_problem,
+from workers.pipeline.schedules import all_stages, step_bubble, with_p2p
+from workers.pipeline.validity import (check_schedule, peak_stashes, simulate_split, table_problem,
                                        with_messages)
 from workers.pipeline.zero_bubble import (dualpipev_calls, placement_of, rank_of, split_stages, zb_h1_schedule,
                                           zb_h2_schedule)

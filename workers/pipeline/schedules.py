@@ -24,6 +24,8 @@ table that has W actions, B is the input gradient only; in the tables here B sta
 """
 from __future__ import annotations
 
+from workers.pipeline.zero_bubble import placed_stage, rank_of
+
 Action = tuple  # ("F", micro) | ("B", micro) | ("W", micro) | ("F", micro, chunk) ..., or a p2p action from with_p2p
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -179,51 +181,96 @@ def check_stage(actions, micro_batches: int, stage: int, chunks: int = 1) -> str
 
 
 def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 1.0,
-             backward_time: float | list[float] = 2.0, message_time: float = 0.0) -> dict:
-    """Run the ranks' lists in ideal time (no communication cost) respecting the dependencies across
-    (virtual) stages: F(i) on stage s after F(i) on s - 1, B(i) on s after B(i) on s + 1. Each rank runs its
-    list in order. ``forward_time`` / ``backward_time`` are one micro-batch through a rank's whole share of
-    the model; with v chunks per rank an action is one chunk, 1/v of that. ``message_time`` delays every
-    dependency that crosses ranks (a message's latency): interleaving sends v times as many. Stages of unequal
-    work (the planner's: the first carries the embedding, the last the head) pass one time per virtual stage
-    instead, ``forward_time[c * p + s]`` for chunk c of rank s, not divided by v.
+             backward_time: float | list[float] = 2.0, message_time: float = 0.0, *,
+             weight_time: float | list[float] = 0.0, placement: str = "loop", calls=None,
+             overlap_time: float | None = None) -> dict:
+    """Run the ranks' lists in ideal time respecting the dependencies across (virtual) stages: F(i) on stage k
+    after F(i) on k - 1, B(i) on k after B(i) on k + 1 (the last stage's B after its own F), W(i) after B(i). Each
+    rank runs its list in order; an action starts when the rank is free and its dependency is done, plus
+    ``message_time`` (a message's latency) when that dependency crossed ranks: interleaving sends v times as many.
+    ``forward_time`` / ``backward_time`` / ``weight_time`` are one micro-batch through a rank's whole share of the
+    model; with v chunks per rank an action is one chunk, 1/v of that. Stages of unequal work (the planner's: the
+    first carries the embedding, the last the head) pass one time per virtual stage instead, ``forward_time[k]``
+    for virtual stage k, not divided by v. A B in a table without W actions is the whole backward,
+    ``backward_time + weight_time``.
 
-    Returns ``{"timeline": [[{"kind", "micro", "chunk", "start", "end"}, ...] per rank], "makespan",
-    "deadlock"}`` (the executor's timeline format); ``deadlock`` is None or one sentence naming the ranks
-    that wait on each other.
+    ``placement``: where the chunks sit ("loop": chunk c of rank s is virtual stage c p + s; "v": the V of the
+    zero-bubble tables, ``zero_bubble.placed_stage``). ``calls[r]``: index ranges ``(first, last)`` of rank r's list
+    that run as one call (DualPipe's overlapped forward and full backward: ``zero_bubble.dualpipev_calls``). A call
+    starts once every action in it may, and what it computes is ready only when all of it is done (the call sends
+    after it returns). A call with both an F and a B takes ``overlap_time`` (a rank's whole share, divided by v like
+    the others; None: the sum of its actions, no gain from overlapping).
+
+    Returns ``{"timeline": [[{"kind", "micro", "chunk", "start", "end"}, ...] per rank], "makespan", "span_idle",
+    "deadlock"}`` (the executor's timeline format): ``span_idle[r]`` is rank r's idle time between its own first
+    start and its own last end, the bubble the zero-bubble paper counts; ``deadlock`` is None or one sentence
+    naming the ranks that wait on each other.
     """
-    p, v = len(schedules), num_chunks(schedules)
-    last = p * v - 1
-    done: dict[tuple, float] = {}  # (virtual stage, kind, i) -> end time
+    p, chunks = len(schedules), num_chunks(schedules)
+    split = any(a[0] == "W" for row in schedules for a in row)
+    last = (p * chunks if placement == "loop" else 2 * p) - 1
+
+    def took(kind: str, vs: int) -> float:
+        def at(t):
+            return t[vs] if isinstance(t, (list, tuple)) else t / chunks
+        if kind == "F":
+            return at(forward_time)
+        return at(weight_time) if kind == "W" else at(backward_time) + (0.0 if split else at(weight_time))
+
+    units = []  # per rank: lists of action indices that start together (one call)
+    for r, row in enumerate(schedules):
+        ranges = dict(calls[r]) if calls else {}
+        rank_units, n = [], 0
+        while n < len(row):
+            end = ranges.get(n, n)
+            rank_units.append(list(range(n, end + 1)))
+            n = end + 1
+        units.append(rank_units)
+    done: dict[tuple, float] = {}  # (kind, virtual stage, micro) -> end time
     pos, clock = [0] * p, [0.0] * p
     timeline = [[] for _ in range(p)]
     progressed = True
     while progressed:
         progressed = False
-        for s in range(p):
-            while pos[s] < len(schedules[s]):
-                kind, i, c = split_action(schedules[s][pos[s]])
-                vs = virtual_stage(s, c, p)
-                if kind == "F":
-                    dep = None if vs == 0 else (vs - 1, "F", i)
-                else:  # the last virtual stage's backward needs its own forward; the others the next stage's B
-                    dep = (vs, "F", i) if vs == last else (vs + 1, "B", i)
-                if dep is not None and dep not in done:
+        for r in range(p):
+            while pos[r] < len(units[r]):
+                acts = [split_action(schedules[r][n]) for n in units[r][pos[r]]]
+                inside = {(kind, placed_stage(r, c, p, placement), i) for kind, i, c in acts}
+                ready = clock[r]
+                for kind, i, c in acts:
+                    vs = placed_stage(r, c, p, placement)
+                    dep = {"F": None if vs == 0 else ("F", vs - 1, i),
+                           "B": ("F", vs, i) if vs == last else ("B", vs + 1, i), "W": ("B", vs, i)}[kind]
+                    if dep is None or dep in inside:
+                        continue
+                    if dep not in done:
+                        ready = None
+                        break
+                    crosses = rank_of(dep[1], p, placement)[0] != r
+                    ready = max(ready, done[dep] + (message_time if crosses else 0.0))
+                if ready is None:
                     break
-                crosses = dep is not None and dep[0] % p != s  # virtual stage d lives on rank d % p
-                start = max(clock[s], done[dep] + (message_time if crosses else 0.0) if dep else 0.0)
-                took = forward_time if kind == "F" else backward_time
-                end = start + (took[vs] if isinstance(took, (list, tuple)) else took / v)
-                timeline[s].append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": end})
-                done[(vs, kind, i)] = clock[s] = end
-                pos[s] += 1
+                own = sum(took(kind, placed_stage(r, c, p, placement)) for kind, _, c in acts)
+                overlapping = {"F", "B"} <= {kind for kind, _, _ in acts}
+                scale = overlap_time / chunks / own if overlap_time is not None and overlapping else 1.0
+                start = ready
+                for kind, i, c in acts:  # an overlapped call's boxes side by side, scaled to its time
+                    took_s = took(kind, placed_stage(r, c, p, placement)) * scale
+                    timeline[r].append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": start + took_s})
+                    start += took_s
+                for kind, i, c in acts:  # its results leave together, when the whole call is done (then its sends)
+                    done[(kind, placed_stage(r, c, p, placement), i)] = clock[r] = start
+                pos[r] += 1
                 progressed = True
-    stuck = [s for s in range(p) if pos[s] < len(schedules[s])]
+    stuck = [r for r in range(p) if pos[r] < len(units[r])]
     deadlock = None
     if stuck:
-        waits = ", ".join(f"stage {s} waits at {schedules[s][pos[s]]}" for s in stuck)
+        waits = ", ".join(f"stage {r} waits at {schedules[r][units[r][pos[r]][0]]}" for r in stuck)
         deadlock = f"the stages wait on each other forever: {waits}"
-    return {"timeline": timeline, "makespan": max(clock) if clock else 0.0, "deadlock": deadlock}
+    span_idle = [row[-1]["end"] - row[0]["start"] - sum(e["end"] - e["start"] for e in row) if row else 0.0
+                 for row in timeline]
+    return {"timeline": timeline, "makespan": max(clock) if clock else 0.0, "span_idle": span_idle,
+            "deadlock": deadlock}
 
 
 def validate(schedules: list[list[Action]], micro_batches: int) -> str | None:
@@ -239,12 +286,16 @@ def validate(schedules: list[list[Action]], micro_batches: int) -> str | None:
     return simulate([[(str(a[0]), *(int(x) for x in a[1:])) for a in actions] for actions in schedules])["deadlock"]
 
 
+def step_bubble(sim: dict) -> float:
+    """Idle share of the whole step on rank 0 of a ``simulate`` result: 1 - busy / makespan."""
+    busy = sum(e["end"] - e["start"] for e in sim["timeline"][0])
+    return 1 - busy / sim["makespan"]
+
+
 def ideal_bubble(schedules: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0,
                  message_time: float = 0.0) -> float:
     """Idle share of the step (idle / total) per rank in ideal time: (p-1)/(m+p-1) for GPipe and 1F1B,
     (p-1)/(v m + p-1) for the interleaved schedule (free messages; ``message_time`` > 0 adds their latency)."""
     if not schedules:
         return 0.0
-    sim = simulate(schedules, forward_time, backward_time, message_time)
-    busy = sum(e["end"] - e["start"] for e in sim["timeline"][0])
-    return 1 - busy / sim["makespan"]
+    return step_bubble(simulate(schedules, forward_time, backward_time, message_time))

@@ -1,7 +1,7 @@
 """Any action table, checked and replayed: messages (with local hand-offs), validity, ideal time, memory.
 
-``schedules.py``'s ``with_p2p``, ``validate`` and ``simulate`` know GPipe, 1F1B and interleaved 1F1B: chunks round
-the ranks, a B that is the whole backward. The zero-bubble tables (``zero_bubble.py``) add W actions and the V
+``schedules.py``'s ``with_p2p`` and ``validate`` know GPipe, 1F1B and interleaved 1F1B: chunks round the ranks, a B
+that is the whole backward (its ``simulate`` replays any table, and ``simulate_split`` checks one first). The zero-bubble tables (``zero_bubble.py``) add W actions and the V
 placement, where virtual stages p-1 and p sit on one rank (rank p-1 hands its chunk 0's output to its chunk 1
 without a message) and the last virtual stage, the loss, is on rank 0. Everything here takes ``placement``
 ("loop" or "v", ``zero_bubble.placed_stage``) and a table in which B is the input gradient if the table has W
@@ -16,7 +16,7 @@ receive for a message that another of them sends only later in its own list.
 """
 from __future__ import annotations
 
-from workers.pipeline.schedules import split_action
+from workers.pipeline.schedules import simulate, split_action
 from workers.pipeline.zero_bubble import placed_stage, rank_of
 
 KINDS = ("F", "B", "W")
@@ -174,88 +174,13 @@ def check_schedule(schedules, micro_batches: int, placement: str = "loop") -> No
 def simulate_split(schedules, forward_time: float = 1.0, backward_time: float = 1.0, weight_time: float = 1.0,
                    message_time: float = 0.0, placement: str = "loop", calls=None,
                    overlap_time: float | None = None) -> dict:
-    """Replay a valid table in ideal time, as ``schedules.simulate``: each rank runs its list in order, an action
-    starts when the rank is free and its dependency is done (plus ``message_time`` when that crossed ranks).
-    Times are one micro-batch through a rank's whole share of the model, so a chunk's action takes 1/v of them;
-    a B in a table without W actions is the whole backward, ``backward_time + weight_time``.
-
-    ``calls[r]``: index ranges ``(first, last)`` of rank r's list that run as one call (DualPipe's overlapped forward
-    and full backward, and its full backwards: ``zero_bubble.dualpipev_calls``). A call starts once every action in
-    it may, and what it computes is ready only when all of it is done (the call sends after it returns). A call
-    with both an F and a B takes ``overlap_time`` (a rank's whole share, divided by v like the others; None: the sum
-    of its actions, no gain from overlapping).
-
-    Returns ``{"timeline", "makespan", "span_idle"}``: ``span_idle[r]`` is rank r's idle time between its own first
-    start and its own last end, the bubble the zero-bubble paper counts (with no all-reduce before the optimizer
-    step, a rank starts the next step's forwards as soon as it is free)."""
+    """A valid table (``check_schedule``: raises on one that is not) replayed in ideal time by ``schedules.simulate``,
+    with a W as its own action; the times default to the zero-bubble paper's F = B = W. ``span_idle[r]``, rank r's
+    idle time between its own first start and its own last end, is the bubble that paper counts (with no all-reduce
+    before the optimizer step, a rank starts the next step's forwards as soon as it is free)."""
     check_schedule(schedules, 1 + max(a[1] for row in schedules for a in row), placement)
-    p = len(schedules)
-    chunks = 1 + max(split_action(a)[2] for row in schedules for a in row)
-    split = any(a[0] == "W" for row in schedules for a in row)
-    last = _stages(p, chunks, placement) - 1
-    def took(kind: str, vs: int) -> float:
-        """An action's time: a list gives each virtual stage its own (the planner's uneven stages), a number is the
-        rank's whole share, a chunk's action 1/v of it; a B without W actions in the table is the whole backward."""
-        def at(t):
-            return t[vs] if isinstance(t, (list, tuple)) else t / chunks
-        if kind == "F":
-            return at(forward_time)
-        return at(weight_time) if kind == "W" else at(backward_time) + (0.0 if split else at(weight_time))
-
-    units = []  # per rank: lists of action indices that start together
-    for r, row in enumerate(schedules):
-        ranges = {first: last_ for first, last_ in (calls[r] if calls else [])}
-        rank_units, n = [], 0
-        while n < len(row):
-            end = ranges.get(n, n)
-            rank_units.append(list(range(n, end + 1)))
-            n = end + 1
-        units.append(rank_units)
-    done: dict[tuple, float] = {}  # (kind, virtual stage, micro) -> end time
-    pos, clock = [0] * p, [0.0] * p
-    timeline = [[] for _ in range(p)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(units[r]):
-                acts = [split_action(schedules[r][n]) for n in units[r][pos[r]]]
-                inside = {(kind, placed_stage(r, c, p, placement), i) for kind, i, c in acts}
-                ready = clock[r]
-                for kind, i, c in acts:
-                    vs = placed_stage(r, c, p, placement)
-                    dep = {"F": None if vs == 0 else ("F", vs - 1, i),
-                           "B": ("F", vs, i) if vs == last else ("B", vs + 1, i), "W": ("B", vs, i)}[kind]
-                    if dep is None or dep in inside:
-                        continue
-                    if dep not in done:
-                        ready = None
-                        break
-                    crosses = rank_of(dep[1], p, placement)[0] != r
-                    ready = max(ready, done[dep] + (message_time if crosses else 0.0))
-                if ready is None:
-                    break
-                own = sum(took(kind, placed_stage(r, c, p, placement)) for kind, _, c in acts)
-                overlapping = {"F", "B"} <= {kind for kind, _, _ in acts}
-                scale = overlap_time / chunks / own if overlap_time is not None and overlapping else 1.0
-                start = ready
-                for kind, i, c in acts:  # an overlapped unit's boxes side by side, scaled to its time
-                    took_s = took(kind, placed_stage(r, c, p, placement)) * scale
-                    timeline[r].append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": start + took_s})
-                    start += took_s
-                for kind, i, c in acts:  # its results leave together, when the whole call is done (then its sends)
-                    done[(kind, placed_stage(r, c, p, placement), i)] = clock[r] = start
-                pos[r] += 1
-                progressed = True
-    span_idle = [row[-1]["end"] - row[0]["start"] - sum(e["end"] - e["start"] for e in row) if row else 0.0
-                 for row in timeline]
-    return {"timeline": timeline, "makespan": max(clock), "span_idle": span_idle}
-
-
-def step_bubble(sim: dict) -> float:
-    """Idle share of the whole step on rank 0, as ``schedules.ideal_bubble``: 1 - busy / makespan."""
-    busy = sum(e["end"] - e["start"] for e in sim["timeline"][0])
-    return 1 - busy / sim["makespan"]
+    return simulate(schedules, forward_time, backward_time, message_time, weight_time=weight_time,
+                    placement=placement, calls=calls, overlap_time=overlap_time)
 
 
 def peak_stashes(actions) -> dict:
