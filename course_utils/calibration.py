@@ -9,6 +9,9 @@ per rank, the ranks sharing the cores) and turns what the ranks measured into a 
   its overhead);
 * how ranks slow each other when they outnumber the cores (``contention``: time of a matmul, a tiny op and a copy
   with k ranks busy at once, over their time alone);
+* fused causal attention (SDPA) and the MLP's activation function (GELU), forward and forward + backward, timed at
+  a few sizes (``attention``, ``activation``): on a CPU a tiny attention call costs its setup per head and float64
+  erf is compute-bound, so neither is priced by FLOPs or bytes;
 * the streaming bandwidth (bytes read + written per second by a large copy);
 * per collective and world size an alpha (seconds) and a beta (seconds per byte of nccl-tests' S: the whole buffer;
   for all_gather the gathered output, for reduce_scatter the unreduced input, for all_to_all each rank's buffer),
@@ -143,6 +146,9 @@ class MachineCalibration:
     all_reduce_quiet: tuple[float, float] = (0.0, 0.0)  # the same, the other ranks idle
     world_all_reduce_busy: tuple[float, float] = (0.0, 0.0)  # every rank of contended_world computing, all-reducing
     barrier: tuple[tuple[int, float], ...] = ()  # (world, mean seconds of one barrier of the whole world)
+    # (dtype, batch x heads, seq, head_dim, forward_s, forward_backward_s): causal SDPA on [1, b x h, s, d]
+    attention: tuple[tuple[str, int, int, int, float, float], ...] = ()
+    activation: tuple[tuple[str, int, float, float], ...] = ()  # (dtype, elements, forward_s, forward_backward_s): GELU
     measured_at: str = ""  # ISO time
     seconds: float = 0.0  # wall time of the calibration
     params: dict = field(default_factory=dict)  # the worker's parameters (beyond its defaults)
@@ -203,6 +209,8 @@ class MachineCalibration:
                 d[name] = tuple(d[name])
         d["adamw_shapes"] = tuple(tuple(s) for s in d.get("adamw_shapes", ()))
         d["barrier"] = tuple((int(w), t) for w, t in d.get("barrier", ()))
+        d["attention"] = tuple(tuple(r) for r in d.get("attention", ()))  # absent from older files
+        d["activation"] = tuple(tuple(r) for r in d.get("activation", ()))
         d["raw"] = {int(w): v for w, v in d["raw"].items()}
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -222,6 +230,13 @@ class MachineCalibration:
         for dtype in sorted({r[0] for r in self.matmul}):
             rates = ", ".join(f"{m}x{n}x{k} {f * gf:.3g}" for m, n, k, f in self.matmul_rows(dtype))
             rows.append([f"matmul {dtype} (GFLOP/s)", rates])
+        for dtype in sorted({r[0] for r in self.attention}):
+            cells = ", ".join(f"{bh}x{sq}x{hd} {f * us:.0f} / {fb * us:.0f}"
+                              for d, bh, sq, hd, f, fb in self.attention if d == dtype)
+            rows.append([f"causal SDPA {dtype}, [b x h]x[seq]x[head_dim]: forward / + backward (us)", cells])
+        for dtype in sorted({r[0] for r in self.activation}):
+            cells = ", ".join(f"{n} {f * us:.0f} / {fb * us:.0f}" for d, n, f, fb in self.activation if d == dtype)
+            rows.append([f"GELU {dtype}, elements: forward / + backward (us)", cells])
         for kind in ("matmul", "op", "stream"):
             cells = ", ".join(f"{k}: {s:.2f}x" for what, k, s in self.contention if what == kind)
             if cells:
@@ -301,6 +316,7 @@ def aggregate(ranks: list[dict]) -> dict:
     r0, world = ranks[0], len(ranks)
     matmul = [{k: row[k] for k in ("dtype", "m", "n", "k", "median", "min", "max")} for row in r0["matmul"]]
     ops = {k: r0["ops"][k] for k in (*OPS, "chain", "chain_forward_s", "chain_forward_backward_s", "adamw_shapes")}
+    kernels = r0.get("kernels") or {"attention": [], "activation": []}
     stream = {k: r0["stream"][k] for k in ("bytes", "copy_bytes_per_s", "add_bytes_per_s")}
     contention = {kind: [{"active": row["active"], "calls": row["calls"],
                           "seconds": _median(r["contention"][kind][i]["seconds"] for r in ranks)}
@@ -311,7 +327,7 @@ def aggregate(ranks: list[dict]) -> dict:
     coll_mean = {name: [[row["bytes"], max(r["collectives"][name][i]["mean"] for r in ranks)]
                         for i, row in enumerate(rows)] for name, rows in r0["collectives"].items()}
     barrier = [max(r["barrier"][i] for r in ranks) for i in range(len(r0.get("barrier") or []))]
-    return {"world": world, "matmul": matmul, "ops": ops, "stream": stream, "contention": contention,
+    return {"world": world, "matmul": matmul, "ops": ops, "kernels": kernels, "stream": stream, "contention": contention,
             "contended": contended_rows(ranks), "barrier": _distribution(barrier) if barrier else [],
             "contention_shape": r0["contention_shape"], "stream_bytes": r0["stream_bytes"], "collectives": coll,
             "collectives_mean": coll_mean,
@@ -328,6 +344,13 @@ def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dic
     for i, row in enumerate(raw[worlds[0]]["matmul"]):
         t = _median(raw[w]["matmul"][i]["median"] for w in worlds)
         matmul.append((row["dtype"], row["m"], row["n"], row["k"], 2.0 * row["m"] * row["n"] * row["k"] / t))
+    kernels = [raw[w]["kernels"] for w in worlds]
+    attention = tuple((row["dtype"], row["batch_heads"], row["seq"], row["head_dim"],
+                       *(_median(k["attention"][i][t] for k in kernels) for t in ("forward_s", "forward_backward_s")))
+                      for i, row in enumerate(kernels[0]["attention"]))
+    activation = tuple((row["dtype"], row["elements"],
+                        *(_median(k["activation"][i][t] for k in kernels) for t in ("forward_s", "forward_backward_s")))
+                       for i, row in enumerate(kernels[0]["activation"]))
     top = raw[worlds[-1]]["contention"]
     contention = tuple((kind, c["active"], c["seconds"] / rows[0]["seconds"]) for kind, rows in top.items()
                        for c in rows)
@@ -341,7 +364,8 @@ def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dic
     contended = _contended_fits(raw, collectives)
     return MachineCalibration(
         cpu=r0["cpu"], capability=r0["capability"], cores=r0["cores"], threads_per_rank=r0["threads"],
-        world_sizes=worlds, torch_version=r0["torch"], **one, matmul=tuple(matmul),
+        world_sizes=worlds, torch_version=r0["torch"], **one, matmul=tuple(matmul), attention=attention,
+        activation=activation,
         stream_bandwidth=_median(raw[w]["stream"]["copy_bytes_per_s"] for w in worlds),
         contention=contention, collectives=collectives, fit_error=errors,
         p2p=collectives[("p2p", max(p2p_worlds))] if p2p_worlds else (0.0, 0.0),

@@ -49,6 +49,10 @@ class GPU:
     overhead_serial: bool = False
     cores: int = 0
     gemm_rows: tuple = ()  # measured (dtype, m, n, k, FLOP/s) rows instead of the committed table (a calibrated CPU)
+    # a calibrated CPU's fused causal attention, (dtype, batch x heads, seq, head_dim, forward_s, forward_backward_s),
+    # and activation function, (dtype, elements, forward_s, forward_backward_s), timed instead of priced by FLOPs/bytes
+    attention_rows: tuple = ()
+    activation_rows: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """This machine as a device of chapter 00's planner, and the planner held to the chapters' own runs on it.
 
 ``device_from(cal)`` turns a ``MachineCalibration`` (``course_utils/calibration.py``) into a ``Cluster`` that
-``step_time`` prices exactly as it prices an H100 node: the matmul rows measured here as its GEMM table, the copy
+``step_time`` prices exactly as it prices an H100 node: the matmul rows measured here as its GEMM table (and its
+fused attention and activation function timed at the course's shapes: ``attention_rows``, ``activation_rows``), the copy
 bandwidth as its memory bandwidth, one op's measured cost as its kernel overhead (serial: a CPU rank dispatches op
 after op), the cores its ranks share, and gloo's fitted alpha-beta per collective and world size as both network
 tiers (every rank is on this one machine, so every group is "inside the node"). Two choices of the mapping:
@@ -142,7 +143,8 @@ def device_from(cal: MachineCalibration, world: int | None = None) -> Cluster:
               memory_bytes=_memory_bytes(), peak_flops=best,
               source=f"course_utils.calibration, measured {cal.measured_at}",
               memory_bandwidth=cal.stream_bandwidth, stream_efficiency=1.0, kernel_overhead_s=op_seconds(cal),
-              overhead_serial=True, cores=cal.cores, gemm_rows=tuple(cal.matmul))
+              overhead_serial=True, cores=cal.cores, gemm_rows=tuple(cal.matmul), attention_rows=cal.attention,
+              activation_rows=cal.activation)
     alpha, beta = cal.p2p
     link = Link(name="gloo on this machine", bandwidth=1.0 / beta if beta > 0 else 0.0, latency=alpha,
                 source="course_utils.calibration: per-collective alpha-beta fits", fitted=link_fits(cal, world))

@@ -9,9 +9,11 @@ sets the pace and returns a ``StepTime`` whose ``terms`` add up to the step:
 - **attention**: the QK^T and AV work. With FlashAttention (``Practice.flash_attention``) a causal mask halves the
   work done (masked blocks are skipped) at FlashAttention's measured share of the device's best matmul rate (the
   course's H200 run, ``ATTENTION_SHARE``); without it the scores are batched GEMMs over the full square, as
-  Megatron's 2021-22 kernels computed them. MFU still counts the square whole (PaLM, Appendix B: 12 L H Q T);
+  Megatron's 2021-22 kernels computed them. MFU still counts the square whole (PaLM, Appendix B: 12 L H Q T).
+  A device that timed its fused kernel (a calibrated CPU: ``GPU.attention_rows``) is priced from those times;
 - **memory-bound**: norms, residual adds, dropout, activation functions, RoPE, the unfused softmax and the
   loss's softmax over the vocabulary, as bytes moved over the achieved memory bandwidth (``memory_bound_bytes``);
+  a device that timed its GELU (``GPU.activation_rows``: float64 erf on a CPU is compute-bound) takes that time;
 - **recompute**: selective recomputation re-runs the attention core forward (Korthikanti et al. 2022, sec 5;
   nothing extra with FlashAttention, which recomputes inside its own backward), full recomputation a whole
   forward per layer, its TP collectives included;
@@ -234,14 +236,44 @@ def attention_share(seq: float, kernel: str = "flash") -> tuple[float, float]:
     return table[keys[-1]]
 
 
+def interpolated(points, x: float) -> float:
+    """``y`` at ``x`` on the broken line through measured ``(x, y)`` points, its end segments extended past them
+    (one point: proportional to x); never below 0."""
+    pts = sorted(points)
+    if len(pts) == 1:
+        return pts[0][1] * x / pts[0][0]
+    i = min(max(sum(1 for px, _ in pts if px <= x) - 1, 0), len(pts) - 2)
+    (x0, y0), (x1, y1) = pts[i], pts[i + 1]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def timed_attention(rows, batch_heads: float, seq: float, head_dim: float) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of fused causal attention from a device's timed calls, ``rows`` of
+    ``(batch x heads, seq, head_dim, forward_s, forward_backward_s)``: along batch x heads through the rows of the
+    same sequence and head width (a call's time grows with its heads), else the row nearest in work
+    (heads x seq^2 x head_dim), scaled by the work."""
+    same = [(bh, f, fb) for bh, s, d, f, fb in rows if s == seq and d == head_dim]
+    if same:
+        return tuple(interpolated([(bh, t[i]) for bh, *t in same], batch_heads) for i in range(2))
+    work = batch_heads * seq * seq * head_dim
+    bh, s, d, f, fb = min(rows, key=lambda r: abs(math.log(work / (r[0] * r[1] * r[1] * r[2]))))
+    scale = work / (bh * s * s * d)
+    return f * scale, fb * scale
+
+
 def attention_seconds(model: ModelShape, layout: Layout, table: GemmTable, practice: Practice,
-                      head_dim: float | None = None) -> tuple[float, float]:
+                      head_dim: float | None = None, timed: tuple = ()) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's attention core for one micro-batch on one rank (``head_dim``:
-    the mean of the QK and V head widths when they differ, as in multi-head latent attention)."""
+    the mean of the QK and V head widths when they differ, as in multi-head latent attention). A fused kernel the
+    device timed (``timed``: ``timed_attention``'s rows, in the practice's dtype) is priced from those times: a
+    causal ring over cp ranks computes 1/cp of the square on each."""
     b, seq, cp, tp = layout.micro_batch, layout.seq, layout.cp, layout.tp
     heads = model.heads / tp
     sq, hd = seq / cp, head_dim or model.head_dim
     square = 4.0 * b * heads * sq * seq * hd  # QK^T and AV, every query against every key (the ring brings all)
+    if practice.flash_attention and timed:
+        forward, both = timed_attention(timed, b * heads, seq, hd)
+        return forward / cp, max(both - forward, 0.0) / cp
     if practice.flash_attention:
         fwd_share, both_share = attention_share(seq, practice.attention_kernel)
         work = square / 2  # causal: FlashAttention skips the masked blocks
@@ -417,13 +449,22 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
     head_dim = None
     if moe is not None and moe.attention == "mla":
         head_dim = (moe.qk_nope_head_dim + moe.qk_rope_head_dim + moe.v_head_dim) / 2
-    at_f, at_b = attention_seconds(model, layout, table, practice, head_dim)
+    timed = tuple(r[1:] for r in gpu.attention_rows if r[0] == practice.dtype)
+    at_f, at_b = attention_seconds(model, layout, table, practice, head_dim, timed)
     at_f, at_b = at_f * contention, at_b * contention
     bw = gpu.memory_bandwidth * gpu.stream_efficiency
-    mem = sum(memory_bound_bytes(model, layout, practice).values())
+    moved = memory_bound_bytes(model, layout, practice)
+    mem = sum(moved.values())
     if fp8:  # each GEMM's two inputs cast to FP8: read 2 bytes, write 1, forward and backward
         mem += sum(c * 3.0 * (m * k + k * n) for m, n, k, c in gemms)
-    mem_f, mem_b = mem / bw * contention, 2 * mem / bw * contention
+    act_f = act_b = 0.0
+    act_rows = [(n, f, fb) for d, n, f, fb in gpu.activation_rows if d == practice.dtype]
+    if act_rows and model.mlp == "gelu":  # the device timed its GELU: that time instead of its bytes
+        mem -= moved["activation"]
+        elements = tokens * model.ffn / tp
+        act_f = interpolated([(n, f) for n, f, _ in act_rows], elements)
+        act_b = max(interpolated([(n, fb) for n, _, fb in act_rows], elements) - act_f, 0.0)
+    mem_f, mem_b = (mem / bw + act_f) * contention, (2 * mem / bw + act_b) * contention
     ops_f, ops_b = practice.ops_per_layer
     over = gpu.kernel_overhead_s * contention
 

@@ -125,15 +125,19 @@ def test_the_new_fields_round_trip_and_an_older_file_still_loads():
 
     cal = MachineCalibration.from_json(json.dumps(old))  # written before the contended fields existed
     assert cal.contended_world == 0 and cal.p2p_busy == (0.0, 0.0) and cal.barrier == () and cal.adamw_step_s == 0
+    assert cal.attention == () and cal.activation == ()
     assert cal.barrier_seconds(4) == 0.0
     new = {**old, "contended_world": 4, "p2p_busy": [1.5e-3, 1e-9], "p2p_quiet": [1e-4, 1e-9],
            "all_reduce_busy": [2e-3, 2e-9], "all_reduce_quiet": [3e-4, 2e-9], "world_all_reduce_busy": [5e-3, 3e-9],
-           "barrier": [[2, 2e-4], [4, 1e-3]], "adamw_step_s": 3e-4, "adamw_shapes": [[32], [32, 32]]}
+           "barrier": [[2, 2e-4], [4, 1e-3]], "adamw_step_s": 3e-4, "adamw_shapes": [[32], [32, 32]],
+           "attention": [["float64", 8, 16, 4, 3e-5, 1e-4]], "activation": [["float64", 1024, 2e-5, 6e-5]]}
     cal = MachineCalibration.from_json(json.dumps(new))
     assert cal.p2p_busy == (1.5e-3, 1e-9) and cal.adamw_shapes == ((32,), (32, 32))
+    assert cal.attention == (("float64", 8, 16, 4, 3e-5, 1e-4),) and cal.activation == (("float64", 1024, 2e-5, 6e-5),)
     assert cal.barrier_seconds(4) == 1e-3 and cal.barrier_seconds(3) == 1e-3 and cal.barrier_seconds(1) == 0.0
     assert MachineCalibration.from_json(cal.to_json()) == cal
     assert "others busy" in str(cal.summary()) and "barrier, 4 ranks" in str(cal.summary())
+    assert "causal SDPA float64" in str(cal.summary()) and "GELU float64" in str(cal.summary())
 
 
 def test_the_worker_refuses_contended_settings_it_cannot_run():
@@ -203,6 +207,12 @@ def test_the_calibration_describes_this_machine(calibration):
                                                          for k in (1, 2)}
     assert all(s == 1.0 for _, k, s in c.contention if k == 1)
     assert c.adamw_step_s > 0 and len(c.adamw_shapes) == 12
+    # the kernels, in each dtype calibrated: every attention shape and activation size, forward within forward + backward
+    from workers.calibrate import ACTIVATION_SIZES, ATTENTION_SHAPES
+
+    assert [r[:4] for r in c.attention] == [("float32", *shape) for shape in ATTENTION_SHAPES]
+    assert [r[:2] for r in c.activation] == [("float32", n) for n in ACTIVATION_SIZES]
+    assert all(0 < r[-2] < r[-1] for r in c.attention + c.activation)
     assert [w for w, _ in c.barrier] == [2] and c.barrier[0][1] > 0
     assert c.contended_world == 0 and c.p2p_busy == (0.0, 0.0)  # two ranks: no other rank to be busy
 

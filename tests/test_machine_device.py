@@ -34,6 +34,8 @@ SYNTHETIC = {
     "contended_world": 4, "p2p_busy": [1.5e-3, 8e-10], "p2p_quiet": [1.2e-4, 8e-10],
     "all_reduce_busy": [2e-3, 5e-10], "all_reduce_quiet": [4e-4, 5e-10], "world_all_reduce_busy": [3e-3, 5e-10],
     "barrier": [[2, 2e-4], [4, 1.5e-3]], "adamw_step_s": 3e-4,
+    "attention": [["float64", bh, 16, 4, 3e-6 * bh, 1e-5 * bh] for bh in (8, 64, 512)],
+    "activation": [["float64", n, 2e-8 * n, 4e-8 * n] for n in (1024, 16384)],
     "adamw_shapes": [[32], [32], [96, 32], [96], [32, 32], [32], [32], [32], [128, 32], [128], [32, 128], [32]],
 }
 
@@ -75,6 +77,7 @@ def test_the_device_prices_matmuls_with_the_calibrations_own_rows(cal):
     assert gpu.gemm_rows == cal.matmul and gpu.overhead_serial and gpu.cores == cal.cores
     assert gpu.peak_flops == max(r[-1] for r in cal.matmul) and gpu.stream_efficiency == 1.0
     assert gpu.memory_bandwidth == cal.stream_bandwidth
+    assert gpu.attention_rows == cal.attention and gpu.activation_rows == cal.activation and cal.attention
     assert gpu.kernel_overhead_s == pytest.approx(cal.linear_forward_backward_s / md.linear_step_ops())
     for dtype, m, n, k, flops in cal.matmul:  # an exact shape returns its own measured row, in step_time's table too
         assert _table(gpu, dtype).rate(m, n, k) == flops

@@ -227,3 +227,40 @@ def test_sequence_parallel_turns_each_tp_all_reduce_into_an_all_gather_and_a_red
     _, ar = _timed(NARROW_VOCAB, Layout(tp=8, dp=1, micro_batches=1, seq=4096), 8)
     # the same bytes as without SP: within the launch latency of the extra collectives
     assert sp.terms["tp"] == pytest.approx(ar.terms["tp"], rel=0.25)
+
+
+def test_a_device_that_timed_its_kernels_prices_attention_and_gelu_from_those_times():
+    """A calibrated CPU's fused attention is not FlashAttention's share of its matmul rate (a tiny call costs its
+    setup per head) and its float64 GELU is not bytes over bandwidth (erf is compute-bound): the times it measured
+    replace both, interpolated along batch x heads and elements; a device without them is priced as before."""
+    import dataclasses
+
+    from course_utils.step_time import attention_seconds, interpolated, timed_attention
+
+    assert interpolated([(8, 1.0), (64, 8.0)], 8) == 1.0 and interpolated([(8, 1.0), (64, 8.0)], 36) == 4.5
+    assert interpolated([(8, 1.0), (64, 8.0)], 128) == 16.0  # past the last point: the last segment extended
+    assert interpolated([(8, 1.0), (64, 8.0)], 1) == 0.125 and interpolated([(8, 1.0), (64, 1.0 + 56)], 0) == 0.0
+    assert interpolated([(10, 2.0)], 5) == 1.0
+    rows = ((8, 16, 4, 30e-6, 110e-6), (64, 16, 4, 220e-6, 620e-6), (16, 128, 32, 2e-3, 7e-3))
+    assert timed_attention(rows, 64, 16, 4) == (220e-6, 620e-6)
+    assert timed_attention(rows, 36, 16, 4) == pytest.approx((125e-6, 365e-6))
+    assert timed_attention(rows, 32, 128, 32) == pytest.approx((4e-3, 14e-3))  # nearest row in work, scaled
+    gpt = ModelShape("gpt", layers=4, hidden=32, heads=8, kv_heads=8, ffn=128, vocab=32, mlp="gelu")
+    practice = Practice(dtype="float64", activation_bytes=8.0, grad_bytes=8.0, dropout=False)
+    gpu = dataclasses.replace(H100.gpu, overhead_serial=True, gemm_rows=(("float64", 8, 32, 32, 5e9),
+                                                                          ("float64", 256, 256, 256, 4e10)))
+    timed_gpu = dataclasses.replace(gpu, attention_rows=tuple(("float64", *r) for r in rows),
+                                    activation_rows=(("float64", 1024, 20e-6, 60e-6), ("float64", 16384, 3e-4, 7e-4)))
+    plain, timed = (dataclasses.replace(H100, gpu=g) for g in (gpu, timed_gpu))
+    lay = resolve_layout(gpt, Layout(dp=1, micro_batch=8, seq=16), 1)
+    table = gemm_table(gpu.gemm, "bf16")  # FlashAttention's share of an H100's bf16 rate, without timed rows
+    assert attention_seconds(gpt, lay, table, practice, timed=rows) == pytest.approx((220e-6, 400e-6))
+    assert attention_seconds(gpt, lay, table, practice)[0] < 1e-6  # FlashAttention's share of an H100: far less
+    a, b = step_time(gpt, lay, 1, plain, practice), step_time(gpt, lay, 1, timed, practice)
+    assert b.terms["attention"] == pytest.approx(4 * 620e-6)  # 4 layers, one micro-batch, forward + backward
+    # the GELU's bytes leave the memory-bound term and its timed forward + backward (8 x 16 x 128 elements) come in
+    act_bytes = memory_bound_bytes(gpt, lay, practice)["activation"]
+    bw = gpu.memory_bandwidth * gpu.stream_efficiency
+    assert b.terms["memory-bound"] - a.terms["memory-bound"] == pytest.approx(4 * (7e-4 - 3 * act_bytes / bw))
+    assert {k: v for k, v in a.terms.items() if k not in ("attention", "memory-bound", "kernel overhead")} == \
+        pytest.approx({k: v for k, v in b.terms.items() if k not in ("attention", "memory-bound", "kernel overhead")})

@@ -13,6 +13,12 @@ barrier (a gloo barrier waits without spinning): the median of ``repeats`` repea
   its backward (a chain of K ``y * w_i``, each ``w_i`` a leaf: the slope in K of the forward, and of the forward
   plus ``backward()``; the intercept of the latter is the fixed cost of a ``backward()`` call), and of a tiny
   ``nn.Linear``'s forward + backward;
+* **kernels**: the two kernels a small model's step spends most in beyond its matmuls, forward and forward +
+  backward, per dtype: fused causal attention (``F.scaled_dot_product_attention``, q, k, v ``[1, batch x heads, seq,
+  head_dim]`` for each of ``ATTENTION_SHAPES``: chapter 15's heads of 4 at its sequence of 16, and a larger one) and
+  the MLP's activation function (``F.gelu``, exact erf form as the course's models call it, on each of
+  ``ACTIVATION_SIZES`` elements). On a CPU neither is what its FLOPs or bytes say: a tiny attention call is its
+  setup, and erf in float64 is compute-bound;
 * **stream**: a large copy and a large add (``stream_mib`` MiB per operand): bytes read + written per second;
 * **contention**: one compute-bound matmul (``contention_shape``, float32), one tiny op and the copy, run by 1, 2,
   ... world ranks at once, each for ``windows`` windows of about ``window_ms`` (many scheduler slices: ranks that
@@ -61,6 +67,8 @@ CHAIN = (1, 2, 4, 8, 16)  # ops per autograd chain: the slope in K is one op's c
 MAX_BYTES = 64 << 20
 CONTENDED = ("p2p", "all_reduce", "world_all_reduce")
 CONTENDED_SIZES = [8, 65536]
+ATTENTION_SHAPES = ((8, 16, 4), (64, 16, 4), (512, 16, 4), (16, 128, 32))  # (batch x heads, seq, head_dim)
+ACTIVATION_SIZES = (1024, 16384, 262144)  # elements: chapter 15's MLP is [micro-batch x 16 tokens, 128 / tp]
 # one layer of chapter 15's GPT at hidden 32, ffn 128 (two LayerNorms, QKV, output projection, the MLP's two)
 ADAMW_SHAPES = ((32,), (32,), (96, 32), (96,), (32, 32), (32,), (32,), (32,), (128, 32), (128,), (32, 128), (32,))
 
@@ -181,6 +189,53 @@ def _linear_fn():
         lin(x).sum().backward()
 
     return step
+
+
+def _attention_fns(dtype, batch_heads: int, seq: int, head_dim: int):
+    """Forward (graph recorded, as in training) and forward + backward of causal SDPA on leaves q, k, v."""
+    q, k, v = (torch.randn(1, batch_heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, batch_heads, seq, head_dim, dtype=dtype)  # [1, b x h, s, d]
+
+    def forward():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward_backward():
+        q.grad = k.grad = v.grad = None
+        forward().backward(grad)
+
+    return forward, forward_backward
+
+
+def _activation_fns(dtype, elements: int):
+    """Forward (graph recorded) and forward + backward of ``F.gelu`` on ``elements`` values."""
+    x = torch.randn(elements, dtype=dtype, requires_grad=True)
+    grad = torch.randn(elements, dtype=dtype)
+
+    def forward():
+        return torch.nn.functional.gelu(x)
+
+    def forward_backward():
+        x.grad = None
+        forward().backward(grad)
+
+    return forward, forward_backward
+
+
+def measure_kernels(dtypes, repeats: int, target_s: float) -> dict:
+    """Seconds of fused causal attention and of the activation function, forward and forward + backward (each
+    includes its ``backward()`` call, as a training step's share of one)."""
+    attention, activation = [], []
+    for dtype in dtypes:
+        for bh, seq, hd in ATTENTION_SHAPES:
+            f, fb = _attention_fns(DTYPES[dtype], bh, seq, hd)
+            attention.append({"dtype": dtype, "batch_heads": bh, "seq": seq, "head_dim": hd,
+                              "forward_s": timed(f, repeats, target_s)["median"],
+                              "forward_backward_s": timed(fb, repeats, target_s)["median"]})
+        for n in ACTIVATION_SIZES:
+            f, fb = _activation_fns(DTYPES[dtype], n)
+            activation.append({"dtype": dtype, "elements": n, "forward_s": timed(f, repeats, target_s)["median"],
+                               "forward_backward_s": timed(fb, repeats, target_s)["median"]})
+    return {"attention": attention, "activation": activation}
 
 
 def _adamw_fn():
@@ -458,7 +513,7 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
          max_calls: int = 41, point_ms: float = 50.0, stream_mib: int = 32, contended_sizes: list = CONTENDED_SIZES,
          contended_ms: float = 40.0, contended_calls: int = 100, contended_work_ms: float = 1.0,
          contended_rounds: int = 6):
-    """Measure matmul rates, per-op overheads, memory bandwidth, contention, collectives and messages under
+    """Measure matmul rates, per-op overheads, attention and activation kernels, memory bandwidth, contention, collectives and messages under
     contention on these ranks."""
     start = time.perf_counter()
     target_s = target_ms / 1e3
@@ -485,6 +540,10 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
     t0 = time.perf_counter()
     ops = _alone(ctx, lambda: measure_ops(repeats, target_s))
     phase("ops", t0)
+
+    t0 = time.perf_counter()
+    kernels = _alone(ctx, lambda: measure_kernels(dtypes, repeats, target_s))
+    phase("kernels", t0)
 
     t0 = time.perf_counter()
     stream = _alone(ctx, lambda: measure_stream(stream_mib, max(3, repeats // 2)))
@@ -521,7 +580,7 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
             "torch": torch.__version__, "world_size": ctx.world_size, "backend": ctx.backend,
-            "device": str(ctx.device), "matmul": matmul if ctx.rank == 0 else None, "ops": ops, "stream": stream,
+            "device": str(ctx.device), "matmul": matmul if ctx.rank == 0 else None, "ops": ops, "kernels": kernels, "stream": stream,
             "contention": shared, "contention_shape": [cm, cn, ck], "stream_bytes": n_stream * 4,
             "collectives": coll, "contended": contended, "barrier": barrier, "phases": phases,
             "seconds": time.perf_counter() - start,
