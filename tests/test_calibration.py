@@ -208,10 +208,9 @@ def test_the_calibration_describes_this_machine(calibration):
     assert all(s == 1.0 for _, k, s in c.contention if k == 1)
     assert c.adamw_step_s > 0 and len(c.adamw_shapes) == 12
     # the kernels, in each dtype calibrated: every attention shape and activation size, forward within forward + backward
-    from workers.calibrate import ACTIVATION_SIZES, ATTENTION_SHAPES
-
-    assert [r[:4] for r in c.attention] == [("float32", *shape) for shape in ATTENTION_SHAPES]
-    assert [r[:2] for r in c.activation] == [("float32", n) for n in ACTIVATION_SIZES]
+    shapes = [(8, 16, 4), (64, 16, 4), (512, 16, 4), (16, 128, 32)]  # (batch x heads, seq, head_dim): chapter 15's
+    assert [r[:4] for r in c.attention] == [("float32", *shape) for shape in shapes]
+    assert [r[:2] for r in c.activation] == [("float32", n) for n in (1024, 16384, 262144)]
     assert all(0 < r[-2] < r[-1] for r in c.attention + c.activation)
     assert [w for w, _ in c.barrier] == [2] and c.barrier[0][1] > 0
     assert c.contended_world == 0 and c.p2p_busy == (0.0, 0.0)  # two ranks: no other rank to be busy

@@ -445,8 +445,9 @@ print(f"measured idle / total {bubble['measured']:.3f} (per stage {[round(x, 3) 
 # **The step time, on this machine.** Chapter 00's planner prices a step of Llama 3 on sixteen thousand H100s from a
 # device's measured rates. The same code prices the runs of this chapter and of chapter 13 once this machine is a
 # device: `calibration.calibrate()` measures it on 2 and 4 ranks with the course's thread settings (matmul rates by
-# shape, the fixed cost of one eager op and of one through autograd, streaming bandwidth, how ranks sharing the cores
-# slow each other, and gloo's latency and bandwidth per collective and world size; about 20 s the first time, stored
+# shape, the fixed cost of one eager op and of one through autograd, fused attention and GELU timed at this model's
+# shapes, streaming bandwidth, how ranks sharing the cores slow each other, and gloo's latency and bandwidth per
+# collective and world size; about 20 s the first time, stored
 # under build/scratch after that), `machine_device.device_from` turns that into a planner `Cluster` (the ops of one
 # layer counted on this model, not guessed), and `step_time` prices each run; `measure_runs` times the runs themselves
 # (the median step on warm ranks, the first dropped). CPU wall times: they vary by machine and by load.
@@ -465,7 +466,10 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # between a third of the measured step and about all of it, and the table's largest term says where it looks: a few
 # microseconds per eager op times the ops counted, the optimizer's hundreds of small ops, and each message's wait for
 # a core when four ranks share two (measured by the calibration with the other ranks busy: about a millisecond,
-# against a tenth of that when they are idle). What it still misses is Python the op counter cannot see (modules,
+# against a tenth of that when they are idle). Attention and GELU are priced from their timed calls, not from their
+# FLOPs or bytes: a CPU's attention call on heads of 4 costs its setup per head (hundreds of microseconds for this
+# model's layer in float64, where FlashAttention's share of the matmul rate would say a few), and float64 erf is
+# compute-bound. What it still misses is Python the op counter cannot see (modules,
 # hooks, the trainer's bookkeeping) and a context-parallel ring it prices as collectives. At the scale chapter 00
 # prices, those fixed costs vanish next to the matmuls; at this scale they are the step.
 
