@@ -447,9 +447,10 @@ class RankJob:
     def _raise_failure(self, worker: str, errors: dict, died: dict) -> None:
         time.sleep(0.3)  # let the agents print what killed a rank that died without a traceback
         self.close()
-        dead = sorted(r for r in died if r >= 0 and r not in errors)
+        dead = [r for r in died if r >= 0 and r not in errors]  # in the order their ends arrived
         if dead:
-            # A rank that vanished is the cause; errors on the others (connection closed by peer) follow from it.
+            # A rank that vanished is the cause; errors on the others (connection closed by peer) follow from it. The
+            # first to vanish: on a loaded machine torchrun may stop another rank before it saw the closed connection.
             rank = dead[0]
             then = ""
             if errors:
