@@ -327,7 +327,8 @@ def aggregate(ranks: list[dict]) -> dict:
     coll_mean = {name: [[row["bytes"], max(r["collectives"][name][i]["mean"] for r in ranks)]
                         for i, row in enumerate(rows)] for name, rows in r0["collectives"].items()}
     barrier = [max(r["barrier"][i] for r in ranks) for i in range(len(r0.get("barrier") or []))]
-    return {"world": world, "matmul": matmul, "ops": ops, "kernels": kernels, "stream": stream, "contention": contention,
+    return {"world": world, "matmul": matmul, "ops": ops, "kernels": kernels, "stream": stream,
+            "contention": contention,
             "contended": contended_rows(ranks), "barrier": _distribution(barrier) if barrier else [],
             "contention_shape": r0["contention_shape"], "stream_bytes": r0["stream_bytes"], "collectives": coll,
             "collectives_mean": coll_mean,

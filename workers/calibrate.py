@@ -191,34 +191,30 @@ def _linear_fn():
     return step
 
 
-def _attention_fns(dtype, batch_heads: int, seq: int, head_dim: int):
-    """Forward (graph recorded, as in training) and forward + backward of causal SDPA on leaves q, k, v."""
-    q, k, v = (torch.randn(1, batch_heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, batch_heads, seq, head_dim, dtype=dtype)  # [1, b x h, s, d]
-
+def _leaf_fns(op, leaves, grad):
+    """Forward (graph recorded, as in training) and forward + backward of ``op(*leaves)``."""
     def forward():
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return op(*leaves)
 
     def forward_backward():
-        q.grad = k.grad = v.grad = None
+        for x in leaves:
+            x.grad = None
         forward().backward(grad)
 
     return forward, forward_backward
+
+
+def _attention_fns(dtype, batch_heads: int, seq: int, head_dim: int):
+    """Causal SDPA on leaves q, k, v of [1, batch x heads, seq, head_dim]."""
+    q, k, v = (torch.randn(1, batch_heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    return _leaf_fns(lambda *qkv: torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True), (q, k, v),
+                     torch.randn(1, batch_heads, seq, head_dim, dtype=dtype))
 
 
 def _activation_fns(dtype, elements: int):
-    """Forward (graph recorded) and forward + backward of ``F.gelu`` on ``elements`` values."""
+    """``F.gelu`` (exact erf form, as the course's MLPs call it) on ``elements`` values."""
     x = torch.randn(elements, dtype=dtype, requires_grad=True)
-    grad = torch.randn(elements, dtype=dtype)
-
-    def forward():
-        return torch.nn.functional.gelu(x)
-
-    def forward_backward():
-        x.grad = None
-        forward().backward(grad)
-
-    return forward, forward_backward
+    return _leaf_fns(torch.nn.functional.gelu, (x,), torch.randn(elements, dtype=dtype))
 
 
 def measure_kernels(dtypes, repeats: int, target_s: float) -> dict:
@@ -513,8 +509,8 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
          max_calls: int = 41, point_ms: float = 50.0, stream_mib: int = 32, contended_sizes: list = CONTENDED_SIZES,
          contended_ms: float = 40.0, contended_calls: int = 100, contended_work_ms: float = 1.0,
          contended_rounds: int = 6):
-    """Measure matmul rates, per-op overheads, attention and activation kernels, memory bandwidth, contention, collectives and messages under
-    contention on these ranks."""
+    """Measure matmul rates, per-op overheads, attention and activation kernels, memory bandwidth, contention,
+    collectives and messages under contention on these ranks."""
     start = time.perf_counter()
     target_s = target_ms / 1e3
     phases = {}
@@ -580,7 +576,8 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
             "torch": torch.__version__, "world_size": ctx.world_size, "backend": ctx.backend,
-            "device": str(ctx.device), "matmul": matmul if ctx.rank == 0 else None, "ops": ops, "kernels": kernels, "stream": stream,
+            "device": str(ctx.device), "matmul": matmul if ctx.rank == 0 else None, "ops": ops,
+            "kernels": kernels, "stream": stream,
             "contention": shared, "contention_shape": [cm, cn, ck], "stream_bytes": n_stream * 4,
             "collectives": coll, "contended": contended, "barrier": barrier, "phases": phases,
             "seconds": time.perf_counter() - start,

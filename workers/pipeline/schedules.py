@@ -24,7 +24,7 @@ table that has W actions, B is the input gradient only; in the tables here B sta
 """
 from __future__ import annotations
 
-from workers.pipeline.zero_bubble import placed_stage, rank_of
+from workers.pipeline.zero_bubble import placed_stage, rank_of, virtual_count
 
 Action = tuple  # ("F", micro) | ("B", micro) | ("W", micro) | ("F", micro, chunk) ..., or a p2p action from with_p2p
 
@@ -208,7 +208,7 @@ def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 
     """
     p, chunks = len(schedules), num_chunks(schedules)
     split = any(a[0] == "W" for row in schedules for a in row)
-    last = (p * chunks if placement == "loop" else 2 * p) - 1
+    last = virtual_count(p, chunks, placement) - 1
 
     def took(kind: str, vs: int) -> float:
         def at(t):

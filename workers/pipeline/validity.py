@@ -1,8 +1,8 @@
 """Any action table, checked and replayed: messages (with local hand-offs), validity, ideal time, memory.
 
 ``schedules.py``'s ``with_p2p`` and ``validate`` know GPipe, 1F1B and interleaved 1F1B: chunks round the ranks, a B
-that is the whole backward (its ``simulate`` replays any table, and ``simulate_split`` checks one first). The zero-bubble tables (``zero_bubble.py``) add W actions and the V
-placement, where virtual stages p-1 and p sit on one rank (rank p-1 hands its chunk 0's output to its chunk 1
+that is the whole backward (its ``simulate`` replays any table; ``simulate_split`` checks one first). The
+zero-bubble tables (``zero_bubble.py``) add W actions and the V placement, where virtual stages p-1 and p sit on one rank (rank p-1 hands its chunk 0's output to its chunk 1
 without a message) and the last virtual stage, the loss, is on rank 0. Everything here takes ``placement``
 ("loop" or "v", ``zero_bubble.placed_stage``) and a table in which B is the input gradient if the table has W
 actions, the whole backward if not. On a loop table without W, ``with_messages`` is ``with_p2p``.
@@ -17,20 +17,16 @@ receive for a message that another of them sends only later in its own list.
 from __future__ import annotations
 
 from workers.pipeline.schedules import simulate, split_action
-from workers.pipeline.zero_bubble import placed_stage, rank_of
+from workers.pipeline.zero_bubble import placed_stage, rank_of, virtual_count
 
 KINDS = ("F", "B", "W")
-
-
-def _stages(num_stages: int, chunks: int, placement: str) -> int:
-    return num_stages * chunks if placement == "loop" else 2 * num_stages
 
 
 def with_messages(actions, num_stages: int, stage: int, chunks: int = 1, placement: str = "loop") -> list:
     """The action list with its messages spelled out, as ``with_p2p``: a receive before the compute that needs it,
     a send after. A neighbouring virtual stage on this same rank gets no message: its output (or input gradient)
     is handed over in memory. W has no message at all: nobody waits for a weight gradient."""
-    last = _stages(num_stages, chunks, placement) - 1
+    last = virtual_count(num_stages, chunks, placement) - 1
     out = []
     for action in actions:
         kind, _, c = split_action(action)
@@ -78,7 +74,7 @@ def table_problem(schedules, micro_batches: int, placement: str = "loop") -> str
         return f"a V-shaped table holds two chunks per rank (0 going down, 1 coming back up), not {chunks}"
     split = any(kind == "W" for row in triples for kind, _, _ in row)
     kinds = KINDS if split else ("F", "B")
-    last = _stages(p, chunks, placement) - 1
+    last = virtual_count(p, chunks, placement) - 1
 
     for r, row in enumerate(triples):
         position = {}

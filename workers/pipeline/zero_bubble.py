@@ -71,6 +71,11 @@ def placed_stage(stage: int, chunk: int, num_stages: int, placement: str = "loop
     return chunk * num_stages + stage
 
 
+def virtual_count(num_stages: int, chunks: int, placement: str = "loop") -> int:
+    """How many virtual stages ``num_stages`` ranks of ``chunks`` chunks make (a V always two per rank)."""
+    return num_stages * chunks if placement == "loop" else 2 * num_stages
+
+
 def rank_of(virtual: int, num_stages: int, placement: str = "loop") -> tuple[int, int]:
     """``(rank, chunk)`` holding virtual stage ``virtual``: the inverse of ``placed_stage``."""
     if placement == "v":
