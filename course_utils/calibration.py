@@ -462,7 +462,7 @@ def calibrate(world_sizes=WORLD_SIZES, *, refresh: bool = False, timeout: float 
     _CACHE[key] = cal
     if store:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two chapters may calibrate at once
         tmp.write_text(cal.to_json())
         tmp.replace(path)
     return cal

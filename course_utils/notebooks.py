@@ -4,14 +4,19 @@ Each chapter is written as a percent-format script, ``notebooks/src/NN_name.py``
 diff), and shipped as ``notebooks/NN_name.ipynb`` with its outputs and figures (what learners open and
 what readers see on GitHub). ``sync`` rebuilds the .ipynb files whose source changed; ``check`` fails
 if any .ipynb is out of step with its source; ``execute`` runs notebooks headless with papermill on a
-fresh kernel, in place (``make notebooks``) or into another folder (CI), and prints each runtime. ``map``
-writes ``docs/CHAPTERS.md``, which files make each chapter (``course_utils/chapter_map.py``).
+fresh kernel, in place (``make notebooks``) or into another folder (CI), and prints each runtime; ``--jobs 2``
+runs two chapters at once, each in a process of its own, the longest first (``make test``: one chapter's kernel and
+ranks leave about a third of two cores idle, waiting on starts and messages). ``map`` writes ``docs/CHAPTERS.md``,
+which files make each chapter (``course_utils/chapter_map.py``).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -162,12 +167,59 @@ def _relative_paths(path: Path) -> None:
     nbformat.write(nb, str(path))
 
 
+def recorded_seconds(nb: Path) -> float:
+    """How long the chapter's committed execution took (papermill's ``duration``), 0 when it has none."""
+    try:
+        return float(nbformat.read(str(nb), as_version=4).metadata.get("papermill", {}).get("duration") or 0.0)
+    except (OSError, ValueError, TypeError):
+        return 0.0
+
+
+def execute_in_parallel(names: list[str], out: Path | None, timeout: float, jobs: int) -> int:
+    """Each of ``names`` executed by ``python -m course_utils.notebooks execute NAME`` in a process of its own,
+    ``jobs`` at a time, the longest (by its committed run) first so that the last to start are the short ones. Each
+    child's report is printed as it ends; returns how many failed."""
+    names = sorted(names, key=lambda n: -recorded_seconds(NB_DIR / f"{n}.ipynb"))
+    base = [sys.executable, "-m", "course_utils.notebooks", "--timeout", str(timeout)]
+    if out:
+        base += ["--out", str(out.resolve())]
+    running: list[tuple[str, subprocess.Popen, object]] = []  # (name, its process, the file its output goes to)
+    failed = 0
+    try:
+        while names or running:
+            while names and len(running) < jobs:
+                name = names.pop(0)
+                log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a child must never block on a full one
+                running.append((name, subprocess.Popen([*base, "execute", name], cwd=ROOT, stdout=log,
+                                                       stderr=subprocess.STDOUT, text=True), log))
+            time.sleep(0.5)
+            for entry in [r for r in running if r[1].poll() is not None]:
+                running.remove(entry)
+                name, proc, log = entry
+                log.seek(0)
+                print(log.read().rstrip(), flush=True)
+                log.close()
+                if proc.returncode:
+                    failed += 1
+                    print(f"{name}: its execution exited with {proc.returncode}", flush=True)
+    finally:  # interrupted: each child gets the Ctrl-C it would have got alone (papermill then stops its kernel)
+        for _, proc, _ in running:
+            proc.send_signal(signal.SIGINT)
+        for _, proc, _ in running:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["sync", "check", "execute", "map"])
     p.add_argument("names", nargs="*", help="notebook stems (default: all)")
     p.add_argument("--out", type=Path, help="execute into this folder instead of in place")
     p.add_argument("--timeout", type=float, default=900, help="per-cell execution timeout (s)")
+    p.add_argument("--jobs", type=int, default=1, help="chapters executed at once, each in its own process")
     a = p.parse_args(argv)
     if a.command == "sync":
         for path in sync(a.names):
@@ -190,10 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["COURSE_FIGURES_DIR"] = str((a.out / "figures").resolve() if a.out else COMMITTED_FIGURES)
     if a.out:  # its own checkpoints and traces: nbval may be executing the same chapters at the same time
         os.environ["COURSE_SCRATCH_DIR"] = str((a.out / "scratch").resolve())
+    chosen = [src for src in sources() if not a.names or src.stem in a.names]
+    if a.jobs > 1 and len(chosen) > 1:
+        return 1 if execute_in_parallel([src.stem for src in chosen], a.out, a.timeout, a.jobs) else 0
     failed = 0
-    for src in sources():
-        if a.names and src.stem not in a.names:
-            continue
+    for src in chosen:
         nb = notebook_for(src)
         out = (a.out / nb.name) if a.out else nb
         if a.out:
