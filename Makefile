@@ -70,11 +70,12 @@ nbval: $(STAMP)
 # this machine, so what a test or a stored output asserts must hold there too. CI runs it after `make test`.
 # Tests marked `load` or `once` assert nothing the kernels can change (processes, the grader, the lab server, the
 # wrong answers' verdicts): `make test` runs them, this pass does not, which keeps CI under an hour on 2 cores.
+# Its chapters run two at a time as in make test (CI runs this pass beside test-browser, which mostly waits).
 test-other-cpu: $(STAMP)
 	@echo "other CPU kernels: $$($(PY) -m course_utils.cpu_spread --second-variant-env)"
 	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) $(PYTEST) -q -p no:cacheprovider -m "not browser and not load and not once"
 	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) \
-		$(PY) -m course_utils.notebooks execute --out $(NB_OUT)/other-cpu --timeout 600
+		$(PY) -m course_utils.notebooks execute --out $(NB_OUT)/other-cpu --timeout 600 --jobs $(NB_JOBS)
 	$(NBVAL) --nbval-executed $(NB_OUT)/other-cpu notebooks/*.ipynb
 
 # A learner's session in a real browser, in one make lab: chapter 05 in depth (its widget, a refusal, a kernel
