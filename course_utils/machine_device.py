@@ -782,13 +782,32 @@ def compare_runs(cal: MachineCalibration, rows: list[dict]) -> list[dict]:
     return out
 
 
+def with_repeats(compared: list[dict], repeats: list[list[dict]]) -> list[dict]:
+    """``compared`` with, per run, the measured medians of the same run measured again (``repeats``: further
+    ``measure_runs`` results, rows in the same order), ``repeat_spread`` = the largest of all its medians over the
+    smallest, less 1, and ``within_repeats``: whether the prediction is within ``TOLERANCE`` of any of them. A run
+    whose medians move by more than the band between one measurement and the next holds no model to it."""
+    out = []
+    for i, r in enumerate(compared):
+        medians = [r["measured_s"], *(rows[i]["measured_median_s"] for rows in repeats)]
+        names = {rows[i]["name"] for rows in repeats}
+        if names - {r["name"]}:
+            raise ValueError(f"run {i}: {r['name']!r} measured again as {sorted(names)}: repeat the same runs in order")
+        out.append({**r, "medians_s": medians, "repeat_spread": max(medians) / min(medians) - 1,
+                    "within_repeats": any(abs(r["predicted_s"] / m - 1) <= TOLERANCE for m in medians)})
+    return out
+
+
 def comparison_table(compared: list[dict]) -> Table:
     """Predicted, measured, ratio and the largest term per run; the caption counts those within the band."""
     ok = sum(r["within"] for r in compared)
+    again = all("medians_s" in r for r in compared) and compared
     rows = [[r["chapter"], r["name"], r["world"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
+             *([" / ".join(f"{m * 1e3:.1f}" for m in r["medians_s"][1:]), f"{r['repeat_spread']:.0%}"] if again else []),
              f"{r['ratio']:.2f}", "yes" if r["within"] else "no",
              f"{r['dominant']} {r['terms'][r['dominant']] / r['predicted_s']:.0%}"] for r in compared]
-    return Table(["chapter", "run", "ranks", "predicted ms", "measured ms", "ratio", f"within {TOLERANCE:.0%}",
+    return Table(["chapter", "run", "ranks", "predicted ms", "measured ms",
+                  *(["measured again ms", "medians moved"] if again else []), "ratio", f"within {TOLERANCE:.0%}",
                   "largest term"], rows,
                  caption=f"the planner's step_time on this machine's calibration against the measured median step: "
                          f"{ok} of {len(compared)} within {TOLERANCE:.0%}")
@@ -796,4 +815,4 @@ def comparison_table(compared: list[dict]) -> Table:
 
 __all__ = ["OpCount", "StepOps", "adamw_ops", "compare_runs", "comparison_table", "contended", "count_gpt_ops",
            "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "device_from", "link_fits", "op_seconds",
-           "optimizer_op_seconds", "outside_schedule", "predict"]
+           "optimizer_op_seconds", "outside_schedule", "predict", "with_repeats"]

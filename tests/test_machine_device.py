@@ -195,6 +195,26 @@ def test_compare_runs_gives_one_row_per_run_in_order(cal):
     assert f"of {len(names)} within" in str(md.comparison_table(compared))
 
 
+def test_a_run_measured_again_gives_its_medians_their_spread_and_the_band_against_each(cal):
+    names = ["1x1x4x1 zero 0", "1f1b pp 4 m 8 unpadded"]
+    first = [_row(n, median=0.01) for n in names]
+    compared = md.compare_runs(cal, first)
+    pred = [c["predicted_s"] for c in compared]
+    # measured again: the first run at exactly its prediction, the second at twice its first median
+    again = [_row(names[0], median=pred[0]), _row(names[1], median=0.02)]
+    out = md.with_repeats(compared, [again])
+    assert [r["medians_s"] for r in out] == [[0.01, pred[0]], [0.01, 0.02]]
+    assert out[0]["repeat_spread"] == pytest.approx(max(0.01, pred[0]) / min(0.01, pred[0]) - 1)
+    assert out[1]["repeat_spread"] == pytest.approx(1.0)
+    assert out[0]["within_repeats"]  # the prediction equals the second median
+    assert out[1]["within_repeats"] == any(abs(pred[1] / m - 1) <= md.TOLERANCE for m in (0.01, 0.02))
+    assert all(r["ratio"] == c["ratio"] for r, c in zip(out, compared))  # the ratio stays the first measurement's
+    table = str(md.comparison_table(out))
+    assert "measured again ms" in table and "100%" in table
+    with pytest.raises(ValueError, match="repeat the same runs in order"):
+        md.with_repeats(compared, [list(reversed(again))])
+
+
 @pytest.mark.ranks
 def test_a_calibration_and_one_measured_run_compare(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_SCRATCH_DIR", str(tmp_path))
