@@ -204,7 +204,7 @@ def bench_planner() -> dict:
     compared = machine_device.with_repeats(compared, [calibration.measure_runs()])
     print(machine_device.comparison_table(compared), flush=True)
     within = sum(r["within"] for r in compared)
-    moved = [r for r in compared if r["repeat_spread"] > machine_device.TOLERANCE]
+    moved = [r for r in compared if not r["repeat_spread"] <= machine_device.TOLERANCE]  # NaN counts as moved
     print(f"planner: {within} of {len(compared)} runs within {machine_device.TOLERANCE:.0%} of the measured median "
           f"(predictions in {t3 - t2:.1f} s); within {machine_device.TOLERANCE:.0%} of either measurement: "
           f"{sum(r['within_repeats'] for r in compared)}; medians that moved by more than "

@@ -793,8 +793,9 @@ def with_repeats(compared: list[dict], repeats: list[list[dict]]) -> list[dict]:
         names = {rows[i]["name"] for rows in repeats}
         if names - {r["name"]}:
             raise ValueError(f"run {i}: {r['name']!r} measured again as {sorted(names)}: repeat the same runs in order")
-        out.append({**r, "medians_s": medians, "repeat_spread": max(medians) / min(medians) - 1,
-                    "within_repeats": any(abs(r["predicted_s"] / m - 1) <= TOLERANCE for m in medians)})
+        spread = max(medians) / min(medians) - 1 if min(medians) > 0 else float("nan")  # no step: no spread
+        out.append({**r, "medians_s": medians, "repeat_spread": spread,
+                    "within_repeats": any(m > 0 and abs(r["predicted_s"] / m - 1) <= TOLERANCE for m in medians)})
     return out
 
 
