@@ -85,6 +85,11 @@ def test_interleaved_memory_and_messages_measured():
     assert rows[1]["messages"] == {"forward": v * m, "backward": v * m}
     assert rows[0]["messages"] == {"forward": v * m, "backward": (v - 1) * m}
     assert rows[-1]["messages"] == {"forward": (v - 1) * m, "backward": v * m}
+    # every message lands in a receive posted before the step (P2P.post_receives): what one rank sends round the
+    # ring, its neighbour received, and none had to be posted late (a late receive leaves gloo's thread polling)
+    for d in ("forward", "backward"):
+        assert sum(r["received"][d] for r in rows) == sum(r["messages"][d] for r in rows) > 0, d
+    assert [r["posted_ahead"] for r in rows] == [r["received"] for r in rows]
     plain = ch13.pipeline_ranks(cu.run(WORKER, world_size=WORLD, schedule="1f1b", micro_batches=m, **LIMITS))
     per_stage = (1 + 8 // p) * mb * h * 4
     assert [d["peak_saved_bytes"] for d in plain] == [min(p - s, m) * per_stage for s in range(p)]

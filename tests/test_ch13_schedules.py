@@ -135,3 +135,43 @@ def test_message_latency_costs_interleaving_more():
     assert extra_inter > 2 * extra_plain > 0
     # one stage sends nothing: latency changes nothing
     assert ideal_bubble(all_stages("1f1b", 1, 4), message_time=5.0) == 0.0
+
+
+def test_receives_are_posted_ahead_once_each_and_a_posted_receive_left_unused_is_an_error(monkeypatch):
+    # P2P.post_receives posts irecvs before the step; recv_* then waits on the posted one (no second irecv), a key
+    # posted twice is refused, and finish() refuses a receive posted for a message the schedule never waited for
+    import torch
+
+    from workers.pipeline import p2p as p2p_mod
+    from workers.pipeline.executor import receives
+    from workers.pipeline.schedules import with_p2p
+
+    posted = []
+
+    class Work:
+        def wait(self):
+            return True
+
+    def irecv(buf, src, tag):
+        posted.append((src, tag))
+        return Work()
+
+    monkeypatch.setattr(p2p_mod.dist, "irecv", irecv)
+    link = p2p_mod.P2P(0, 2, (4, 16), torch.device("cpu"), torch.device("cpu"))
+    link.post_receives([("recv_forward", 3), ("recv_backward", 3)])
+    assert posted == [(0, p2p_mod.tag(p2p_mod.FORWARD_TAG, 3)), (2, p2p_mod.tag(p2p_mod.BACKWARD_TAG, 3))]
+    with pytest.raises(ValueError, match="posted twice"):
+        link.post_receives([("recv_forward", 3)])
+    link.recv_forward(3)
+    link.recv_backward(3)
+    assert len(posted) == 2 and link.posted_ahead == link.received == {"forward": 1, "backward": 1}
+    link.recv_forward(4)  # not posted ahead: posted now, and counted as such
+    assert len(posted) == 3 and link.posted_ahead["forward"] == 1 and link.received["forward"] == 2
+    link.post_receives([("recv_backward", 5)])
+    with pytest.raises(RuntimeError, match="never waited for"):
+        link.finish()
+    # the executor's list: a middle stage of 1F1B (p = 4, m = 3) receives each micro-batch's input and gradient
+    steps = list(with_p2p([("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)], 4, 1, 1))
+    got = receives(steps, lambda c: 1, 3)
+    assert sorted(got) == sorted([(0, "recv_forward", i) for i in range(3)] + [(0, "recv_backward", 3 + i)
+                                                                            for i in range(3)])

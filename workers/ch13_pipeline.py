@@ -140,7 +140,8 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
             "peak_stash": ran["peak_stash"], "planned_peak_stash": peak_stash(actions) if not zero_bubble
             else planned["activations"], "peak_saved_bytes": ran["peak_saved_bytes"], "virtual_stages": v,
             "peak_weight_stash": ran.get("peak_weight_stash", 0), "planned_peak_weight_stash": planned["weight"],
-            "sent_bytes": ran["sent_bytes"], "messages": ran["messages"], "actions": [list(a) for a in actions],
+            "sent_bytes": ran["sent_bytes"], "messages": ran["messages"], "received": ran["received"],
+            "posted_ahead": ran["posted_ahead"], "actions": [list(a) for a in actions],
             "stage": stage, "pp": p, "pipeline": ctx.rank // p, "schedule": schedule, "placement": placement,
             "loss_stage": loss_stage, "dtype": dtype,
             "config": cfg.as_dict(), "forward_ms": forward_ms, "backward_ms": backward_ms, "w_share": w_share}

@@ -41,6 +41,20 @@ def pad_to(start: float, seconds: float) -> None:
         time.sleep(left)
 
 
+def message_key(kind: str, vs: int, micro: int, m: int) -> int:
+    """The message's name on its link: the boundary it crosses (the lower virtual stage of the two) and the
+    micro-batch, the same on both sides (rank p-1's chunk 0 talks to rank 0's chunk 1)."""
+    return (vs - 1 if kind in ("recv_forward", "send_backward") else vs) * m + micro
+
+
+def receives(steps, where, m: int) -> list[tuple[int, str, int]]:
+    """``[(chunk, kind, key)]``: every receive among ``steps`` (actions with their messages, m micro-batches),
+    ``where(chunk)`` the chunk's virtual stage. They are posted before the step (``P2P.post_receives``: a message
+    that arrives before its receive costs gloo a polling thread)."""
+    return [(c, kind, message_key(kind, where(c), i, m))
+            for kind, i, c in map(split_action, steps) if kind in ("recv_forward", "recv_backward")]
+
+
 @contextlib.contextmanager
 def saved_bytes(params, counter: list):
     """Add to ``counter[0]`` the bytes of every distinct tensor autograd saves for backward inside the
@@ -79,16 +93,15 @@ def run_schedule(actions, modules, p2p: P2P, *, stage: int, num_stages: int, inp
     saved: dict[tuple, int] = {}  # (chunk, micro) -> bytes autograd saved in its forward
     received: dict[tuple, torch.Tensor] = {}
     losses, timeline, peak, live_bytes, peak_bytes = {}, [], 0, 0, 0
-    dist.barrier()
+    steps = list(with_p2p(actions, num_stages, stage, v))
+    p2p.post_receives([(kind, key) for _, kind, key in receives(steps, lambda c: virtual_stage(stage, c, num_stages), m)])
+    dist.barrier()  # every rank has posted its receives: no message of this step arrives before its receive
     t0 = time.perf_counter()
-    for action in with_p2p(actions, num_stages, stage, v):
+    for action in steps:
         kind, i, c = split_action(action)
         vs = virtual_stage(stage, c, num_stages)
         first, last = vs == 0, vs == last_virtual
-        # the message's name on its link: the boundary it crosses (the lower virtual stage of the two) and the
-        # micro-batch, the same on both sides (rank p-1's chunk 0 talks to rank 0's chunk 1)
-        lower = vs - 1 if kind in ("recv_forward", "send_backward") else vs
-        key = lower * m + i
+        key = message_key(kind, vs, i, m)
         if kind == "recv_forward":
             received[("x", c, i)] = p2p.recv_forward(key)  # [micro_batch, hidden], requires grad
         elif kind == "recv_backward":
@@ -163,13 +176,16 @@ def run_split_schedule(table, modules, links, *, stage: int, num_stages: int, pl
     to_send: dict[tuple, torch.Tensor] = {}  # (chunk, micro) -> input gradient, until its send_backward
     losses, timeline = {}, []
     peak = {"stash": 0, "weight": 0, "bytes": 0}
-    dist.barrier()
+    steps = list(with_messages(actions, num_stages, stage, v, placement))
+    posted = receives(steps, lambda c: placed_stage(stage, c, num_stages, placement), m)
+    for c, link in enumerate(links):
+        link.post_receives([(kind, key) for chunk, kind, key in posted if chunk == c])
+    dist.barrier()  # every rank has posted its receives: no message of this step arrives before its receive
     t0 = time.perf_counter()
-    for action in with_messages(actions, num_stages, stage, v, placement):
+    for action in steps:
         kind, i, c = split_action(action)
         vs = placed_stage(stage, c, num_stages, placement)
-        # the message's name on its link: the boundary's lower virtual stage and the micro-batch, as in run_schedule
-        key = (vs - 1 if kind in ("recv_forward", "send_backward") else vs) * m + i
+        key = message_key(kind, vs, i, m)
         if kind == "recv_forward":
             received[("x", c, i)] = links[c].recv_forward(key)  # [micro_batch, hidden]
         elif kind == "recv_backward":
@@ -231,4 +247,4 @@ def run_split_schedule(table, modules, links, *, stage: int, num_stages: int, pl
     return {"timeline": timeline, "losses": [losses[i] for i in sorted(losses)], "peak_stash": peak["stash"],
             "peak_weight_stash": peak["weight"], "peak_saved_bytes": peak["bytes"],
             **{key: {d: sum(s[key][d] for s in stats) for d in ("forward", "backward")}
-               for key in ("sent_bytes", "messages")}}
+               for key in ("sent_bytes", "messages", "received", "posted_ahead")}}
