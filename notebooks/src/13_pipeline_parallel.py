@@ -276,8 +276,12 @@ for low, high in ((1, 2), (2, 4)):
           f"({a * TIMED['forward_ms']:.1f} ms at the padded {TIMED['forward_ms']:g} ms)")
 
 # %% [markdown]
-# Megatron overlaps these messages with compute (it posts the next receive before the current chunk's
-# work) to push that point back; our executor waits on each receive, so it shows the cost in full.
+# Megatron posts the next receive before the current chunk's work, so that a message lands while its rank
+# computes; our executor posts every receive of a step before the step begins. (On gloo this matters beyond
+# overlap: a message that arrives before its receive is posted waits in the socket while the receiving rank's
+# transport thread polls for it, a core lost; with four ranks on two cores, round trips took 4 ms instead of
+# 0.15.) What no posting hides is a message the next stage sits idle waiting for: that latency, once per hop on
+# the critical path, is what the replay charges, and what pushes the crossover.
 #
 # ## 8. Zero bubble: the backward in two halves
 #

@@ -463,10 +463,15 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # Where a step is padded to calibrated waits (chapter 13's schedules, and the timed run above) the planner's step is the
 # simulated schedule plus the messages, and it lands within a few percent of the measurement: the bubble the planner
 # charges Llama 3 is the one this machine shows. Where the steps are the tiny model's own work, the planner lands
-# between a third of the measured step and about all of it, and the table's largest term says where it looks: a few
-# microseconds per eager op times the ops counted, the optimizer's hundreds of small ops, and each message's wait for
-# a core when four ranks share two (measured by the calibration with the other ranks busy: about a millisecond,
-# against a tenth of that when they are idle). Attention and GELU are priced from their timed calls, not from their
+# between about half the measured step and one and a half times it, and the table's largest term says where it
+# looks: a few microseconds per eager op times the ops counted, the optimizer's hundreds of small ops, and each
+# message's wait for a core when four ranks share two (measured by the calibration with the other ranks busy: about
+# a millisecond, against a tenth of that when they are idle). One price for every message is what is still off: in
+# one pipeline of four ranks few of them compute at once, and its messages cost less; in two pipelines of two, both
+# pairs exchange at once, and theirs cost more. A message costs even that only if its receive was posted before it
+# arrived: otherwise gloo's transport thread polls the socket for it and takes the core the rank needs to post the
+# receive (round trips of 4 ms instead of 0.15 on two cores), which is why the pipeline executor posts every receive
+# of a step before the step begins. Attention and GELU are priced from their timed calls, not from their
 # FLOPs or bytes: a CPU's attention call on heads of 4 costs its setup per head (hundreds of microseconds for this
 # model's layer in float64, where FlashAttention's share of the matmul rate would say a few), and float64 erf is
 # compute-bound. What it still misses is Python the op counter cannot see (modules,
