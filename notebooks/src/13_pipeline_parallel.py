@@ -278,9 +278,9 @@ for low, high in ((1, 2), (2, 4)):
 # %% [markdown]
 # Megatron posts the next receive before the current chunk's work, so that a message lands while its rank
 # computes; our executor posts every receive of a step before the step begins. (On gloo this matters beyond
-# overlap: a message that arrives before its receive is posted waits in the socket while the receiving rank's
-# transport thread polls for it, a core lost; with four ranks on two cores, round trips took 4 ms instead of
-# 0.15.) What no posting hides is a message the next stage sits idle waiting for: that latency, once per hop on
+# overlap: a message sent before its receive is posted cannot land until it is, and meanwhile gloo's transport
+# threads poll without sleeping, a core's worth of CPU; with four ranks on two cores, round trips took 4 ms instead
+# of 0.15.) What no posting hides is a message the next stage sits idle waiting for: that latency, once per hop on
 # the critical path, is what the replay charges, and what pushes the crossover.
 #
 # ## 8. Zero bubble: the backward in two halves

@@ -469,8 +469,8 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # a millisecond, against a tenth of that when they are idle). One price for every message is what is still off: in
 # one pipeline of four ranks few of them compute at once, and its messages cost less; in two pipelines of two, both
 # pairs exchange at once, and theirs cost more. A message costs even that only if its receive was posted before it
-# arrived: otherwise gloo's transport thread polls the socket for it and takes the core the rank needs to post the
-# receive (round trips of 4 ms instead of 0.15 on two cores), which is why the pipeline executor posts every receive
+# arrived: otherwise it cannot land until the receive is posted, and gloo's transport threads poll without sleeping
+# meanwhile, taking the core the rank needs to post it (round trips of 4 ms instead of 0.15 on two cores), which is why the pipeline executor posts every receive
 # of a step before the step begins. Attention and GELU are priced from their timed calls, not from their
 # FLOPs or bytes: a CPU's attention call on heads of 4 costs its setup per head (hundreds of microseconds for this
 # model's layer in float64, where FlashAttention's share of the matmul rate would say a few), and float64 erf is
