@@ -245,6 +245,18 @@ def _adamw_fn():
     return opt.step
 
 
+def _backward_call_fn():
+    """``x.sum().backward()`` on a leaf: the fixed cost of a ``backward()`` call and the sum before it, timed. (The
+    intercept of the chain's line at no ops estimates the same cost, but on a loaded machine its noise exceeds the
+    cost and the intercept went below zero: -80 us on 2 busy cores.)"""
+    x = torch.ones(8, requires_grad=True)
+
+    def call():
+        x.grad = None
+        x.sum().backward()
+    return call
+
+
 def _fit_line(xs, ys) -> tuple[float, float]:
     """Least-squares (intercept, slope) of ys over xs."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -263,7 +275,8 @@ def measure_ops(repeats: int, target_s: float) -> dict:
     c0, c1 = _fit_line(CHAIN, fwd_bwd)
     return {"op_s": op["median"], "op": op, "chain": list(CHAIN), "chain_forward_s": fwd,
             "chain_forward_backward_s": fwd_bwd, "op_forward_s": f1, "op_forward_backward_s": c1,
-            "backward_call_s": c0, "forward_intercept_s": f0,
+            "backward_call_s": timed(_backward_call_fn(), repeats, target_s)["median"],
+            "backward_intercept_s": c0, "forward_intercept_s": f0,
             "linear_forward_backward_s": timed(_linear_fn(), repeats, target_s)["median"],
             "adamw_step_s": timed(_adamw_fn(), repeats, target_s)["median"],
             "adamw_shapes": [list(s) for s in ADAMW_SHAPES]}
