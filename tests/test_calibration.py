@@ -286,33 +286,3 @@ def test_measure_runs_gives_one_row_per_run_with_its_shapes():
     assert gpt["global_batch"] == 8 and gpt["micro_batch_size"] == 4 and gpt["train_median_s"] > 0
     assert mlp["model"] == {"kind": "mlp", "layers": 8, "hidden": 16, "dtype": "float32", "optimizer": "sgd"}
     assert mlp["global_batch"] == 16 and mlp["micro_batch_size"] == 4 and mlp["schedule_median_s"] > 0
-
-
-def test_the_backward_call_is_timed_on_its_own_not_read_off_the_chains_intercept(monkeypatch):
-    # On a loaded machine the chains' forward + backward times can fall on a line whose intercept (no ops: the sum
-    # and the backward() call) is below zero; the calibration reported -80 us once under the second CPU variant
-    # beside the browser test. The fixed cost is its own timed call, so it stays a positive time whatever the noise.
-    from workers import calibrate
-
-    seconds = {1: 1e-5, 2: 1.5e-5, 4: 4e-5, 8: 9e-5, 16: 2e-4}  # noisy: the fitted line crosses zero below 1 op
-    backward_call = calibrate._backward_call_fn()
-
-    def fake_timed(fn, repeats, target_s):
-        if getattr(fn, "__qualname__", "") == backward_call.__qualname__:
-            fn()  # the real call runs: a leaf's sum and backward()
-            return {"median": 1.5e-5, "min": 1.4e-5, "max": 1.6e-5, "inner": 1}
-        length = next((n for n, (f, fb) in chains.items() if fn in (f, fb)), None)
-        return {"median": seconds[length] if length else 1e-6, "min": 0.0, "max": 0.0, "inner": 1}
-
-    chains = {}
-    real_chain_fns = calibrate._chain_fns
-
-    def chain_fns(length):
-        chains[length] = real_chain_fns(length)
-        return chains[length]
-
-    monkeypatch.setattr(calibrate, "timed", fake_timed)
-    monkeypatch.setattr(calibrate, "_chain_fns", chain_fns)
-    got = calibrate.measure_ops(repeats=1, target_s=0.0)
-    assert got["backward_intercept_s"] < 0  # the line's intercept: what backward_call_s used to be
-    assert got["backward_call_s"] == 1.5e-5
