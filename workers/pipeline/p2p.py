@@ -15,8 +15,8 @@ and meanwhile the ranks' transport threads (``gloo_tcp_loop``) were measured pol
 ``epoll_wait`` calls in 2 s on one rank, a core's worth. When ranks outnumber cores that is worse than a lost core:
 the rank that must post the receive waits for a scheduler time slice. Measured on 2 cores, two pairs of ranks
 exchanging [4, 16] floats: a round trip took 0.15 ms or 4 ms, run to run, with the receive posted after the send;
-0.15-0.2 ms, and a tenth of the CPU time, with it posted first. (NCCL pairs a send with its receive
-the same way: Megatron posts the next receive before it computes.)
+0.15-0.2 ms, and a tenth of the CPU time, with it posted first. (Megatron, too, posts the next receive before it
+computes, so that the message lands during the compute.)
 """
 from __future__ import annotations
 
@@ -95,13 +95,13 @@ class P2P:
 
     def recv_forward(self, key: int = 0) -> torch.Tensor:
         """The previous stage's output, as a leaf that requires grad: its .grad is what we send back."""
-        return self._recv(self.prev_rank, tag(FORWARD_TAG, key), "forward").requires_grad_()  # [micro_batch, hidden]
+        return self._recv(*self._where("recv_forward", key), "forward").requires_grad_()  # [micro_batch, hidden]
 
     def send_backward(self, input_grad: torch.Tensor, key: int = 0) -> None:
         self._send(input_grad, self.prev_rank, tag(BACKWARD_TAG, key), "backward")  # [micro_batch, hidden] to stage - 1
 
     def recv_backward(self, key: int = 0) -> torch.Tensor:
-        return self._recv(self.next_rank, tag(BACKWARD_TAG, key), "backward")  # d loss / d output, [micro_batch, hidden]
+        return self._recv(*self._where("recv_backward", key), "backward")  # d loss / d output, [micro_batch, hidden]
 
     def finish(self) -> None:
         for work, _ in self.pending:
