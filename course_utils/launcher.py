@@ -21,8 +21,10 @@ wait, from the call to the answer (``expected_cold_s``): the ranks' start (torch
 and the worker's first run on new ranks (its imports, building its model, first allocations, autograd's first pass:
 seconds, where the same run on warm ranks takes one). Each cold start that answers records both, per worker and world
 size (``build/cold_starts.json``); a worker never started cold here is estimated from its record at another size, or
-from that many ranks' start and an allowance measured on a 2-core machine. ``run`` in a notebook prints the note as
-a progress line before it waits (``course_utils.progress``); a widget shows it in its status line.
+from that many ranks' start and an allowance measured on a 2-core machine. On a machine busier than it has cores
+(its 1-minute load average above the core count) that time is stretched by load / cores, and the note says so.
+``run`` in a notebook prints the note as a progress line before it waits (``course_utils.progress``); a widget shows
+it in its status line.
 """
 from __future__ import annotations
 
@@ -173,6 +175,20 @@ def _update_store(change: Callable[[dict], None]) -> None:
             pass
 
 
+def machine_load() -> tuple[float, int]:
+    """The 1-minute load average (runnable processes, averaged) and the cores this process may run on; a load of 0
+    where the system keeps none (Windows)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = 0.0
+    return load, cores
+
+
 def expected_start_s(world_size: int) -> tuple[float, str]:
     """Seconds the ranks' own start (torchrun, ``import torch``, rendezvous) of ``world_size`` ranks should take here,
     and where that number comes from. What a learner waits for is longer: see ``expected_cold_s``."""
@@ -296,7 +312,17 @@ def _start_note(world_size: int, key: tuple | None, worker: str = "") -> tuple[s
         expected = 1.5 + 0.8 * world_size + (first_run_allowance_s(world_size) if worker else 0.0)
         what = (f"to start {'them' if world_size > 1 else 'it'} and run {worker} for the first time, as on a 2-core "
                 "machine" if worker else "an idle 2-core machine")
-    note = f"starting {ranks} (a cold start: about {max(expected, 1):.0f} s {what}; longer while the machine is busy)"
+    load, cores = machine_load()
+    if load > cores:
+        # More runnable processes than cores: the ranks' start and first run get about cores/load of a core each, so
+        # the recorded (mostly idle-machine) wait is stretched by load/cores. A model, not a measurement: the 1-minute
+        # load average lags, and the records themselves may hold busy starts (their median of the last few damps them).
+        expected *= load / cores
+        busy = (f", times {load / cores:.1f} because the machine is busy now (load {load:.1f} on {cores} "
+                f"core{'s' if cores > 1 else ''})")
+    else:
+        busy = "; longer while the machine is busy"
+    note = f"starting {ranks} (a cold start: about {max(expected, 1):.0f} s {what}{busy})"
     idle = _retired.pop(key, None) if key is not None else None
     if idle is not None:
         took = f"{idle:.0f} s" if idle < 120 else f"{idle / 60:.0f} min"

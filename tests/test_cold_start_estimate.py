@@ -13,14 +13,16 @@ from course_utils import launcher
 
 pytestmark = pytest.mark.once  # what the launcher announces and records: the same on every CPU
 
+MACHINE_LOAD = launcher.machine_load  # the real one (the tests' store pins a quiet machine)
 W16 = "workers.some_model"  # any worker: the record is keyed by its name, nothing imports it
 
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    """The record, moved to a file of this test's own."""
+    """The record, moved to a file of this test's own, on a machine that is quiet whatever this one is doing."""
     path = tmp_path / "build" / "cold_starts.json"
     monkeypatch.setattr(launcher, "_cold_starts_file", lambda: path)
+    monkeypatch.setattr(launcher, "machine_load", lambda: (0.5, 2))
     return path
 
 
@@ -38,6 +40,22 @@ def test_a_seen_cold_start_announces_the_start_and_the_first_run_together(store)
                     "measured here on its last cold start; longer while the machine is busy)")
     # the start alone (what the note used to announce) is still there, for what needs it
     assert launcher.expected_start_s(4) == (3.1, "this machine's last start")
+
+
+def test_a_busy_machine_stretches_the_announced_wait_by_its_load_per_core(store, monkeypatch):
+    """Load 5 on 2 cores: the ranks get about 2/5 of a core each, so the recorded 11 s is announced as 27.5 s, and the
+    note says why; a load at or under the core count changes nothing (the record is what an idle machine did)."""
+    write(store, {"4": 3.1, "cold_runs": {f"{W16}@4": {"runs": [[4.5, 6.5]]}}})
+    monkeypatch.setattr(launcher, "machine_load", lambda: (5.0, 2))
+    note, seconds = launcher._start_note(4, None, W16)
+    assert seconds == pytest.approx(27.5)
+    assert note == (f"starting 4 ranks (a cold start: about 28 s to start them and run {W16} for the first time, "
+                    "measured here on its last cold start, times 2.5 because the machine is busy now (load 5.0 on 2 "
+                    "cores))")
+    monkeypatch.setattr(launcher, "machine_load", lambda: (2.0, 2))
+    assert launcher._start_note(4, None, W16)[1] == 11.0
+    load, cores = MACHINE_LOAD()  # this machine's own: a number of processes and at least one core
+    assert load >= 0 and isinstance(cores, int) and cores >= 1
 
 
 def test_the_estimate_is_the_median_of_the_last_cold_starts(store):
