@@ -392,7 +392,7 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, fwd: list[float], b
         if schedule in SPLIT_SCHEDULES:
             return simulate_split(split_stages(schedule, p, micro), list(fwd), [b * (1 - w_share) for b in bwd],
                                   [b * w_share for b in bwd], message, placement_of(schedule))["makespan"]
-        return simulate(all_stages(schedule, p, micro, chunks), fwd, bwd, message)["makespan"]
+        return simulate(all_stages(schedule, p, micro, chunks), fwd, bwd, message, boxes=False)["makespan"]
 
     low, high = 4 * p * chunks, 8 * p * chunks  # the interleaved warm-up grows with the chunks
     if m <= high:

@@ -83,6 +83,22 @@ def test_a_long_pipeline_is_its_simulation_extended_along_the_steady_state(sched
             assert pipeline_makespan(schedule, p, m, v, f, b, message) == pytest.approx(full["makespan"], rel=1e-3)
 
 
+def test_the_makespan_alone_is_the_same_number_as_with_the_timeline():
+    # the planner asks simulate for the makespan only (boxes=False: no timeline of a published run's hundreds of
+    # thousands of actions); the number is the very float the full simulation gives, deadlocks named the same way
+    rng = random.Random(7)
+    for schedule, p, m, v in (("1f1b", 4, 12, 1), ("gpipe", 3, 5, 1), ("interleaved", 4, 8, 3)):
+        f = [1 + rng.random() for _ in range(p * v)]
+        b = [2 * x + rng.random() for x in f]
+        for message in (0.0, 0.3):
+            rows = all_stages(schedule, p, m, v)
+            full, alone = simulate(rows, f, b, message), simulate(rows, f, b, message, boxes=False)
+            assert alone == {"timeline": None, "makespan": full["makespan"], "span_idle": None, "deadlock": None}
+            assert full["timeline"] and full["deadlock"] is None
+    stuck = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]
+    assert simulate(stuck, boxes=False)["deadlock"] == simulate(stuck)["deadlock"] is not None
+
+
 @pytest.mark.parametrize("schedule, p, m", [("zb-h1", 4, 8), ("zb-h2", 4, 8), ("zb-v", 4, 8), ("dualpipev", 4, 8),
                                             ("zb-v", 2, 5)])
 def test_zero_bubble_schedules_are_priced_from_the_tables_the_ranks_execute(schedule, p, m):

@@ -183,7 +183,7 @@ def check_stage(actions, micro_batches: int, stage: int, chunks: int = 1) -> str
 def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 1.0,
              backward_time: float | list[float] = 2.0, message_time: float = 0.0, *,
              weight_time: float | list[float] = 0.0, placement: str = "loop", calls=None,
-             overlap_time: float | None = None) -> dict:
+             overlap_time: float | None = None, boxes: bool = True) -> dict:
     """Run the ranks' lists in ideal time respecting the dependencies across (virtual) stages: F(i) on stage k
     after F(i) on k - 1, B(i) on k after B(i) on k + 1 (the last stage's B after its own F), W(i) after B(i). Each
     rank runs its list in order; an action starts when the rank is free and its dependency is done, plus
@@ -204,7 +204,8 @@ def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 
     Returns ``{"timeline": [[{"kind", "micro", "chunk", "start", "end"}, ...] per rank], "makespan", "span_idle",
     "deadlock"}`` (the executor's timeline format): ``span_idle[r]`` is rank r's idle time between its own first
     start and its own last end, the bubble the zero-bubble paper counts; ``deadlock`` is None or one sentence
-    naming the ranks that wait on each other.
+    naming the ranks that wait on each other. ``boxes=False``: no timeline (None) and no ``span_idle`` (None), for
+    a caller that needs only the makespan (a published run's step is hundreds of thousands of actions).
     """
     p, chunks = len(schedules), num_chunks(schedules)
     split = any(a[0] == "W" for row in schedules for a in row)
@@ -217,13 +218,43 @@ def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 
             return at(forward_time)
         return at(weight_time) if kind == "W" else at(backward_time) + (0.0 if split else at(weight_time))
 
-    units = []  # per rank: lists of action indices that start together (one call)
+    # Each rank's list as units (the actions that start together: one call), each read once up front: its actions
+    # (kind, micro, chunk, virtual stage, seconds), the dependencies it waits on outside itself (and whether each
+    # crossed ranks) and its time. A unit that is not ready yet is tried again on the next pass: only its
+    # dependencies are looked up again (a published run's step is hundreds of thousands of actions).
+    owner = [rank_of(vs, p, placement)[0] for vs in range(last + 1)]  # the rank that holds virtual stage vs
+    seconds = {kind: [took(kind, vs) for vs in range(last + 1)] for kind in "FBW"}
+    units = []
     for r, row in enumerate(schedules):
         ranges = dict(calls[r]) if calls else {}
+        held = [placed_stage(r, c, p, placement) for c in range(chunks)]
         rank_units, n = [], 0
         while n < len(row):
             end = ranges.get(n, n)
-            rank_units.append(list(range(n, end + 1)))
+            acts = []
+            for a in row[n:end + 1]:
+                kind, i, *rest = a
+                c = rest[0] if rest else 0
+                vs = held[c]
+                acts.append((kind, i, c, vs, seconds[kind][vs]))
+            deps = []
+            for kind, i, _, vs, _ in acts:
+                if kind == "F":
+                    dep = None if vs == 0 else ("F", vs - 1, i)
+                elif kind == "B":
+                    dep = ("F", vs, i) if vs == last else ("B", vs + 1, i)
+                else:
+                    dep = ("B", vs, i)
+                if dep is not None:  # a dependency on another rank's stage waits for the message too
+                    deps.append((dep, message_time if owner[dep[1]] != r else 0.0))
+            scale = 1.0
+            if len(acts) > 1:  # a call: what its own actions provide is no dependency, and it may overlap F and B
+                inside = {(kind, vs, i) for kind, i, _, vs, _ in acts}
+                deps = [(dep, lag) for dep, lag in deps if dep not in inside]
+                own = sum(t for *_, t in acts)
+                if overlap_time is not None and {"F", "B"} <= {kind for kind, *_ in acts}:
+                    scale = overlap_time / chunks / own
+            rank_units.append((acts, deps, scale, n))
             n = end + 1
         units.append(rank_units)
     done: dict[tuple, float] = {}  # (kind, virtual stage, micro) -> end time
@@ -233,40 +264,38 @@ def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 
     while progressed:
         progressed = False
         for r in range(p):
-            while pos[r] < len(units[r]):
-                acts = [split_action(schedules[r][n]) for n in units[r][pos[r]]]
-                inside = {(kind, placed_stage(r, c, p, placement), i) for kind, i, c in acts}
+            rank_units, line, k = units[r], timeline[r], pos[r]
+            while k < len(rank_units):
+                acts, deps, scale, _ = rank_units[k]
                 ready = clock[r]
-                for kind, i, c in acts:
-                    vs = placed_stage(r, c, p, placement)
-                    dep = {"F": None if vs == 0 else ("F", vs - 1, i),
-                           "B": ("F", vs, i) if vs == last else ("B", vs + 1, i), "W": ("B", vs, i)}[kind]
-                    if dep is None or dep in inside:
-                        continue
-                    if dep not in done:
+                for dep, lag in deps:
+                    end = done.get(dep)
+                    if end is None:
                         ready = None
                         break
-                    crosses = rank_of(dep[1], p, placement)[0] != r
-                    ready = max(ready, done[dep] + (message_time if crosses else 0.0))
+                    if end + lag > ready:
+                        ready = end + lag
                 if ready is None:
                     break
-                own = sum(took(kind, placed_stage(r, c, p, placement)) for kind, _, c in acts)
-                overlapping = {"F", "B"} <= {kind for kind, _, _ in acts}
-                scale = overlap_time / chunks / own if overlap_time is not None and overlapping else 1.0
                 start = ready
-                for kind, i, c in acts:  # an overlapped call's boxes side by side, scaled to its time
-                    took_s = took(kind, placed_stage(r, c, p, placement)) * scale
-                    timeline[r].append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": start + took_s})
+                for kind, i, c, _, t in acts:  # an overlapped call's boxes side by side, scaled to its time
+                    took_s = t * scale
+                    if boxes:
+                        line.append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": start + took_s})
                     start += took_s
-                for kind, i, c in acts:  # its results leave together, when the whole call is done (then its sends)
-                    done[(kind, placed_stage(r, c, p, placement), i)] = clock[r] = start
-                pos[r] += 1
+                for kind, i, _, vs, _ in acts:  # its results leave together, when the whole call is done (then sends)
+                    done[(kind, vs, i)] = start
+                clock[r] = start
+                k += 1
                 progressed = True
+            pos[r] = k
     stuck = [r for r in range(p) if pos[r] < len(units[r])]
     deadlock = None
     if stuck:
-        waits = ", ".join(f"stage {r} waits at {schedules[r][units[r][pos[r]][0]]}" for r in stuck)
+        waits = ", ".join(f"stage {r} waits at {schedules[r][units[r][pos[r]][3]]}" for r in stuck)
         deadlock = f"the stages wait on each other forever: {waits}"
+    if not boxes:
+        return {"timeline": None, "makespan": max(clock) if clock else 0.0, "span_idle": None, "deadlock": deadlock}
     span_idle = [row[-1]["end"] - row[0]["start"] - sum(e["end"] - e["start"] for e in row) if row else 0.0
                  for row in timeline]
     return {"timeline": timeline, "makespan": max(clock) if clock else 0.0, "span_idle": span_idle,
