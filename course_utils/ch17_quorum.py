@@ -211,7 +211,8 @@ def _summarise(cfg, events, results, fault_replica, fault_step, rejoin_step, min
         "heal_s": heals[0]["quorum_s"] if heals else float("nan"),  # the replacement's first quorum, heal included
         "heal_load_s": heals[0].get("load_s", float("nan")) if heals else float("nan"),
         "heal_bytes": heals[0].get("bytes", 0) if heals else 0,
-        # from launching the replacement to its first committed step: torchrun, imports, Manager, quorum, heal
+        # from launching the replacement to its first committed step: torchrun, imports, the wait for the survivors to
+        # reach the rejoin step (none unless they are slower than its start), Manager, quorum, heal
         "replacement_s": first_commit - t_replacement if t_replacement else float("nan"),
         "held_s": max((r["held_s"] for res in results.values() for r in res["records"]), default=0.0),
         "step_s": sorted(r["step_s"] for res in results.values() for r in res["records"] if r["committed"]),

@@ -94,7 +94,9 @@ def tensor_bytes(tree) -> int:
 
 
 class Rendezvous:
-    """``<run_dir>/up/<replica>.<incarnation>``: a file per replica process whose Manager is up and heartbeating."""
+    """``<run_dir>/up/<replica>.<incarnation>``: a file per replica process whose Manager is up and heartbeating;
+    ``at<step>.<replica>``: a survivor about to ask for step ``step``'s quorum, which its dead peer's replacement joins
+    (``mark``)."""
 
     def __init__(self, run_dir: str, wait_s: float):
         self.folder = os.path.join(run_dir, "up")
@@ -102,11 +104,15 @@ class Rendezvous:
         self.wait_s = wait_s
 
     def announce(self, replica: int, incarnation: int) -> None:
-        with open(os.path.join(self.folder, f"{replica}.{incarnation}"), "w") as f:
+        self.mark(f"{replica}.{incarnation}")
+
+    def mark(self, name: str) -> None:
+        with open(os.path.join(self.folder, name), "w") as f:
             f.write(str(time.time()))
 
     def wait_for(self, names: list[str], why: str) -> float:
-        """Wait until every named replica process has announced itself; returns the seconds waited."""
+        """Wait until every named file is there (a replica process that announced itself, or a mark); returns the
+        seconds waited."""
         t0 = time.monotonic()
         while True:
             missing = [n for n in names if not os.path.exists(os.path.join(self.folder, n))]

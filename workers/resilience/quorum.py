@@ -59,11 +59,19 @@ def run(ctx, cfg: ReplicaConfig, *, mode: str, replica: int, incarnation: int, l
         optimizer.load_state_dict(sd["optim"])
         heal.update(load_s=time.time() - t0, bytes=tensor_bytes(sd))
 
+    rendezvous = Rendezvous(run_dir, wait_s)
+    waited_s = 0.0
+    if mode == "ddp" and incarnation > 0 and rejoin_step:
+        # The experiment pins the rejoin to rejoin_step: the replacement starts its Manager (and so heartbeats and asks
+        # for quorums) only once every survivor is about to ask for that step's. Started earlier, it could join the
+        # quorum of any step before it (a loaded machine slows the survivors' retry of the broken step more than the
+        # replacement's start), and a heartbeating replica that does not ask would hold up the survivors' quorums.
+        waited_s = rendezvous.wait_for([f"at{rejoin_step}.{r}" for r in range(cfg.replicas) if r != replica],
+                                       f"the replacement waits for the survivors' step {rejoin_step}")
     manager = make_manager(replica=replica, lighthouse=lighthouse, min_replicas=min_replicas, state_dict=state_dict,
                            load_state_dict=load_state_dict, timeout_s=timeout_s, quorum_timeout_s=quorum_timeout_s)
     try:
         meter = AllreduceMeter(manager)
-        rendezvous = Rendezvous(run_dir, wait_s)
         rendezvous.announce(replica, incarnation)
         if incarnation == 0:
             # The first quorum waits for every replica of the plan (the lighthouse takes whoever has joined once
@@ -74,7 +82,7 @@ def run(ctx, cfg: ReplicaConfig, *, mode: str, replica: int, incarnation: int, l
         # a port the OS picked), on record so the notebook can check that none outlives the run
         ports = {"store_port": int(os.environ["MASTER_PORT"]),
                  "manager_port": int(manager._manager.address().rsplit(":", 1)[1].strip("/"))}
-        journal.write("up", **ports)
+        journal.write("up", waited_s=waited_s, **ports)
         if mode == "ddp":
             records, heals = _ddp(ctx, cfg, manager, model, optimizer, data, journal, heal, rendezvous,
                                   replica=replica, incarnation=incarnation, fault=fault, fault_replica=fault_replica,
@@ -130,6 +138,8 @@ def _ddp(ctx, cfg, manager, model, optimizer, data, journal, heal, rendezvous, *
             before = manager.current_step()
             rejoin = (rejoin_step and incarnation == 0 and replica != fault_replica and before + 1 == rejoin_step
                       and not any(r["step"] == rejoin_step for r in records))
+            if rejoin:
+                rendezvous.mark(f"at{rejoin_step}.{replica}")  # the replacement starts its Manager now
             held_s = rendezvous.wait_for([f"{fault_replica}.1"], f"step {rejoin_step} waits for the replacement") \
                 if rejoin else 0.0
             t0 = time.time()
