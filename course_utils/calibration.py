@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from course_utils import progress
+from course_utils.launcher import cores
 from course_utils.launcher import run as run_worker
 from course_utils.paths import ROOT
 from course_utils.scratch import SCRATCH
@@ -58,12 +59,6 @@ TIMEOUT_S = 120.0  # one calibration run: 3 s on 2 ranks, 10-11 s on 4 (4 s of c
 RUN_TIMEOUT_S = 120.0  # one measured run of a chapter
 CH13_TIMED = {"forward_ms": 20.0, "backward_ms": 40.0}  # chapter 13's TIMED padding (t_B = 2 t_F)
 FORMAT = 1  # of the JSON file; a file of another format is measured again (fields added since have defaults)
-
-
-def cores() -> int:
-    """The cores this process may run on (what the ranks share): ``len(os.sched_getaffinity(0))`` where the OS has
-    it (Linux), else ``os.cpu_count()``."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _scratch() -> Path:

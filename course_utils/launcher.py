@@ -175,18 +175,20 @@ def _update_store(change: Callable[[dict], None]) -> None:
             pass
 
 
+def cores() -> int:
+    """The cores this process may run on (what the ranks share): ``len(os.sched_getaffinity(0))`` where the OS has
+    it (Linux), else ``os.cpu_count()``."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def machine_load() -> tuple[float, int]:
-    """The 1-minute load average (runnable processes, averaged) and the cores this process may run on; a load of 0
-    where the system keeps none (Windows)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
+    """The 1-minute load average (runnable processes, averaged) and ``cores()``; a load of 0 where the system keeps
+    none (Windows)."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         load = 0.0
-    return load, cores
+    return load, cores()
 
 
 def expected_start_s(world_size: int) -> tuple[float, str]:
@@ -604,7 +606,7 @@ def cold_check(worker: str, world_size: int, *, timeout: float = 300.0, **params
     return {"worker": worker, "world_size": world_size, "announced_s": round(job.expected_s, 1),
             "waited_s": round(waited, 1), "announced/waited": round(job.expected_s / waited, 2),
             "start_s": round(res.startup_seconds, 1), "first_run_s": round(waited - res.startup_seconds, 1),
-            "load": round(os.getloadavg()[0], 1), "note": job.start_note}
+            "load": round(machine_load()[0], 1), "note": job.start_note}
 
 
 def _main(argv: list[str] | None = None) -> None:

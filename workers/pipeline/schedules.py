@@ -219,8 +219,8 @@ def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 
         return at(weight_time) if kind == "W" else at(backward_time) + (0.0 if split else at(weight_time))
 
     # Each rank's list as units (the actions that start together: one call), each read once up front: its actions
-    # (kind, micro, chunk, virtual stage, seconds), the dependencies it waits on outside itself (and whether each
-    # crossed ranks) and its time. A unit that is not ready yet is tried again on the next pass: only its
+    # (kind, micro, chunk, virtual stage, seconds), the dependencies it waits on outside itself (each with the message
+    # latency it adds when it crossed ranks) and its time scale (an overlapped call's). A unit that is not ready yet is tried again on the next pass: only its
     # dependencies are looked up again (a published run's step is hundreds of thousands of actions).
     owner = [rank_of(vs, p, placement)[0] for vs in range(last + 1)]  # the rank that holds virtual stage vs
     seconds = {kind: [took(kind, vs) for vs in range(last + 1)] for kind in "FBW"}
@@ -233,10 +233,8 @@ def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 
             end = ranges.get(n, n)
             acts = []
             for a in row[n:end + 1]:
-                kind, i, *rest = a
-                c = rest[0] if rest else 0
-                vs = held[c]
-                acts.append((kind, i, c, vs, seconds[kind][vs]))
+                kind, i, c = split_action(a)
+                acts.append((kind, i, c, held[c], seconds[kind][held[c]]))
             deps = []
             for kind, i, _, vs, _ in acts:
                 if kind == "F":
