@@ -18,7 +18,8 @@ barrier (a gloo barrier waits without spinning): the median of ``repeats`` repea
   head_dim]`` for each of ``ATTENTION_SHAPES``: chapter 15's heads of 4 at its sequence of 16, and a larger one) and
   the MLP's activation function (``F.gelu``, exact erf form as the course's models call it, on each of
   ``ACTIVATION_SIZES`` elements). On a CPU neither is what its FLOPs or bytes say: a tiny attention call is its
-  setup, and erf in float64 is compute-bound;
+  setup, and erf in float64 is compute-bound. Each is the least of its repeats (the rest: medians), so that the
+  backward the planner takes as their difference is never inverted by another program's preemption;
 * **stream**: a large copy and a large add (``stream_mib`` MiB per operand): bytes read + written per second;
 * **contention**: one compute-bound matmul (``contention_shape``, float32), one tiny op and the copy, run by 1, 2,
   ... world ranks at once, each for ``windows`` windows of about ``window_ms`` (many scheduler slices: ranks that
@@ -219,18 +220,24 @@ def _activation_fns(dtype, elements: int):
 
 def measure_kernels(dtypes, repeats: int, target_s: float) -> dict:
     """Seconds of fused causal attention and of the activation function, forward and forward + backward (each
-    includes its ``backward()`` call, as a training step's share of one)."""
+    includes its ``backward()`` call, as a training step's share of one).
+
+    Each is the least of the repeats, not their median: the planner prices backward as the difference of the two,
+    and on a busy machine (another program preempting these loops of a few milliseconds) two medians of a few
+    repeats can invert it (a CI run measured a forward longer than its forward + backward). Preemption only adds
+    time, so the least repeat is the kernel undisturbed; the planner applies the contention it measures separately."""
+    def least(fn) -> float:
+        return timed(fn, repeats, target_s)["min"]
+
     attention, activation = [], []
     for dtype in dtypes:
         for bh, seq, hd in ATTENTION_SHAPES:
             f, fb = _attention_fns(DTYPES[dtype], bh, seq, hd)
             attention.append({"dtype": dtype, "batch_heads": bh, "seq": seq, "head_dim": hd,
-                              "forward_s": timed(f, repeats, target_s)["median"],
-                              "forward_backward_s": timed(fb, repeats, target_s)["median"]})
+                              "forward_s": least(f), "forward_backward_s": least(fb)})
         for n in ACTIVATION_SIZES:
             f, fb = _activation_fns(DTYPES[dtype], n)
-            activation.append({"dtype": dtype, "elements": n, "forward_s": timed(f, repeats, target_s)["median"],
-                               "forward_backward_s": timed(fb, repeats, target_s)["median"]})
+            activation.append({"dtype": dtype, "elements": n, "forward_s": least(f), "forward_backward_s": least(fb)})
     return {"attention": attention, "activation": activation}
 
 
