@@ -44,10 +44,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from workers.layout.rules import Layout
-from workers.pipeline.schedules import all_stages, simulate
-from workers.pipeline.validity import simulate_split
+from workers.pipeline.schedules import Plan, all_stages
+from workers.pipeline.validity import check_schedule
 from workers.pipeline.zero_bubble import SPLIT_SCHEDULES, placed_stage, placement_of, split_stages
 
 from .device_rates import GemmRow, GemmTable, gemm_table
@@ -374,11 +375,25 @@ def exposed(traffic: float, window: float, tail: float) -> float:
 
 # -- stages ---------------------------------------------------------------------------------------------------------
 
+@lru_cache(maxsize=64)
+def schedule_plan(schedule: str, p: int, m: int, chunks: int) -> Plan:
+    """Chapter 13's tables for ``schedule`` compiled once (``schedules.Plan``; a table that splits the backward
+    checked first, as ``validity.simulate_split`` does): the planner prices the same table at every GEMM share and
+    layout it tries, and a compiled table prices in a twentieth of a simulation's time. A plan of a published run's
+    step is a few MB (flat arrays of its hundreds of thousands of actions)."""
+    if schedule in SPLIT_SCHEDULES:
+        rows = split_stages(schedule, p, m)
+        check_schedule(rows, m, placement_of(schedule))
+        return Plan(rows, placement_of(schedule))
+    return Plan(all_stages(schedule, p, m, chunks))
+
+
 def pipeline_makespan(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[float],
                       message: float, w_share: float = 0.5) -> float:
     """Seconds from the first forward to the last backward of one step: chapter 13's action lists for ``schedule``
-    simulated with each virtual stage's own times (``workers/pipeline/schedules.simulate``; a schedule that splits
-    the backward, ``validity.simulate_split`` with B and W ``1 - w_share`` and ``w_share`` of it).
+    simulated with each virtual stage's own times (``workers/pipeline/schedules.simulate``, through the table's
+    compiled ``schedule_plan``; a schedule that splits the backward as ``validity.simulate_split`` replays it, with
+    B and W ``1 - w_share`` and ``w_share`` of it).
 
     Past the warm-up every further group of p micro-batches adds about the same time (the pipeline is in its steady
     state), so a step of more than 8pv micro-batches is simulated at 4pv and 8pv and extended along that line: within
@@ -389,10 +404,11 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, fwd: list[float], b
         return m * (fwd[0] + bwd[0])
 
     def makespan(micro: int) -> float:
+        plan = schedule_plan(schedule, p, micro, chunks)
         if schedule in SPLIT_SCHEDULES:
-            return simulate_split(split_stages(schedule, p, micro), list(fwd), [b * (1 - w_share) for b in bwd],
-                                  [b * w_share for b in bwd], message, placement_of(schedule))["makespan"]
-        return simulate(all_stages(schedule, p, micro, chunks), fwd, bwd, message, boxes=False)["makespan"]
+            return plan.run(list(fwd), [b * (1 - w_share) for b in bwd], message,
+                            weight_time=[b * w_share for b in bwd], boxes=False)["makespan"]
+        return plan.run(fwd, bwd, message, boxes=False)["makespan"]
 
     low, high = 4 * p * chunks, 8 * p * chunks  # the interleaved warm-up grows with the chunks
     if m <= high:

@@ -4,6 +4,8 @@ A schedule is one list of ("F", i) / ("B", i) per stage. It is valid when each m
 backwarded exactly once per stage, every F before its B, and the stages can run their lists in order with
 F(i) on stage s after F(i) on s-1 and B(i) on s after B(i) on s+1 (``simulate`` finds no deadlock).
 """
+import random
+
 import pytest
 
 from course_utils.ledger import pipeline_bubble_fraction
@@ -175,3 +177,57 @@ def test_receives_are_posted_ahead_once_each_and_a_posted_receive_left_unused_is
     got = receives(steps, lambda c: 1, 3)
     assert sorted(got) == sorted([(0, "recv_forward", i) for i in range(3)] + [(0, "recv_backward", 3 + i)
                                                                             for i in range(3)])
+
+
+def _relaxed_ends(rows, f, b, w, message, placement="loop"):
+    """Every action's end by brute force, independent of ``simulate``'s order: start each action at the latest of its
+    rank's previous end and its dependency's end (plus ``message`` when it crossed ranks), sweeping every action
+    until nothing moves (a longest path)."""
+    from workers.pipeline.zero_bubble import placed_stage, rank_of, virtual_count
+
+    p, chunks = len(rows), 1 + max((a[2] if len(a) > 2 else 0) for row in rows for a in row)
+    last = virtual_count(p, chunks, placement) - 1
+    split = any(a[0] == "W" for row in rows for a in row)
+    took = {"F": f, "B": [x + (0 if split else y) for x, y in zip(b, w)], "W": w}
+    end: dict = {}
+    moved = True
+    while moved:
+        moved = False
+        for r, row in enumerate(rows):
+            prev = 0.0
+            for a in row:
+                kind, i, c = a[0], a[1], a[2] if len(a) > 2 else 0
+                vs = placed_stage(r, c, p, placement)
+                dep = {"F": ("F", vs - 1, i) if vs else None, "W": ("B", vs, i),
+                       "B": ("F", vs, i) if vs == last else ("B", vs + 1, i)}[kind]
+                start = prev
+                if dep is not None:
+                    lag = message if rank_of(dep[1], p, placement)[0] != r else 0.0
+                    start = max(start, end.get(dep, 0.0) + lag)
+                new = start + took[kind][vs]
+                if end.get((kind, vs, i)) != new:
+                    end[(kind, vs, i)], moved = new, True
+                prev = new
+    return end
+
+
+def test_one_compiled_plan_prices_any_times_as_a_brute_force_longest_path_does():
+    # The planner compiles each table once (schedules.Plan) and prices it at every GEMM share it tries: the order a
+    # plan runs its units in must not depend on the times. Held to a longest path found by sweeping to a fixed
+    # point, for 1F1B, interleaved and a split-backward V table, each plan run at three sets of uneven stage times.
+    from workers.pipeline.schedules import Plan
+    from workers.pipeline.zero_bubble import split_stages
+
+    rng = random.Random(3)
+    for rows, placement in ((all_stages("1f1b", 4, 9), "loop"), (all_stages("interleaved", 3, 6, 2), "loop"),
+                            (split_stages("zb-v", 3, 6), "v")):
+        plan = Plan(rows, placement)
+        stages = plan.last + 1
+        for message in (0.0, 0.4, 0.05):
+            f, b, w = ([rng.uniform(0.2, 2.0) for _ in range(stages)] for _ in range(3))
+            got = plan.run(f, b, message, weight_time=w)
+            ends = _relaxed_ends(rows, f, b, w, message, placement)
+            assert got["makespan"] == pytest.approx(max(ends.values()), rel=1e-12)
+            assert plan.run(f, b, message, weight_time=w, boxes=False)["makespan"] == got["makespan"]
+            assert sorted(e["end"] for line in got["timeline"] for e in line) == pytest.approx(sorted(ends.values()),
+                                                                                             rel=1e-12)

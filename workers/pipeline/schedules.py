@@ -24,6 +24,8 @@ table that has W actions, B is the input gradient only; in the tables here B sta
 """
 from __future__ import annotations
 
+from array import array
+
 from workers.pipeline.zero_bubble import placed_stage, rank_of, virtual_count
 
 Action = tuple  # ("F", micro) | ("B", micro) | ("W", micro) | ("F", micro, chunk) ..., or a p2p action from with_p2p
@@ -180,6 +182,160 @@ def check_stage(actions, micro_batches: int, stage: int, chunks: int = 1) -> str
     return None
 
 
+class Plan:
+    """A table compiled for ``simulate``: each rank's list as units (the actions that start together: one call), in
+    an order the ranks can run them. Whether a unit can run depends on the table alone (once the units it waits on
+    have), never on the times, so one plan prices its table for any times in a single pass; a caller that prices one
+    table many times (the planner, at every GEMM share it tries) builds the plan once and keeps it.
+
+    Per unit, in that order, flat arrays (a published run's step is hundreds of thousands of actions): its rank, its
+    action's key (kind and virtual stage: which seconds it takes; -1 for a call of several actions, kept in
+    ``calls``), micro-batch and chunk, and the unit it waits on (2 u + 1 when that dependency crossed ranks, so it
+    waits for the message too; -1 for none). ``deadlock``: None, or the sentence ``simulate`` returns (the units
+    that can never run are left out)."""
+
+    def __init__(self, schedules: list[list[Action]], placement: str = "loop", calls=None):
+        p, chunks = len(schedules), num_chunks(schedules)
+        self.p, self.chunks = p, chunks
+        self.split = any(a[0] == "W" for row in schedules for a in row)
+        self.last = virtual_count(p, chunks, placement) - 1
+        owner = [rank_of(vs, p, placement)[0] for vs in range(self.last + 1)]  # the rank that holds virtual stage vs
+        self.stages = stages = self.last + 1
+        kinds = {"F": 0, "B": stages, "W": 2 * stages}  # an action's key: its kind's block of stages, plus its stage
+        micros = 1 + max((a[1] for row in schedules for a in row), default=0)
+        per_rank = []  # per rank: (actions as (kind, micro, chunk, key), ids waited on and if crossed, first index)
+        for r, row in enumerate(schedules):
+            ranges = dict(calls[r]) if calls else {}
+            held = [placed_stage(r, c, p, placement) for c in range(chunks)]
+            rank_units, n = [], 0
+            while n < len(row):
+                end = ranges.get(n, n)
+                acts, deps = [], []
+                for a in row[n:end + 1]:
+                    kind, i, c = split_action(a)
+                    if kind not in kinds:
+                        raise ValueError(f"stage {r}: {a!r} is not an F, B or W action")
+                    vs = held[c]
+                    acts.append((kind, i, c, kinds[kind] + vs))
+                    if kind == "F":
+                        dep = None if vs == 0 else vs - 1
+                    elif kind == "B":
+                        dep = vs if vs == self.last else stages + vs + 1
+                    else:
+                        dep = stages + vs
+                    if dep is not None:  # an action's id: key * micros + micro
+                        deps.append((dep * micros + i, owner[dep % stages] != r))
+                if len(acts) > 1:  # a call: what its own actions provide is no dependency
+                    inside = {key * micros + i for _, i, _, key in acts}
+                    deps = [(d, crossed) for d, crossed in deps if d not in inside]
+                rank_units.append((acts, deps, n))
+                n = end + 1
+            per_rank.append(rank_units)
+        unit_of = [-1] * (3 * stages * micros)  # an action's id -> the unit that computes it (-1: none yet)
+        self.rank, self.key, self.micro, self.chunk, self.dep = (array("l") for _ in range(5))
+        self.calls = {}  # a call's unit -> (its actions, the units it waits on (2 u + crossed), overlapped)
+        pos = [0] * p
+        waiting = {}  # an action not computed yet -> the rank whose next unit waits on it
+        ready = list(range(p - 1, -1, -1))  # ranks that may go on: each runs its units in order while it can
+        while ready:
+            r = ready.pop()
+            rank_units, k = per_rank[r], pos[r]
+            while k < len(rank_units):
+                acts, deps, _ = rank_units[k]
+                waits_on = []
+                for d, crossed in deps:
+                    u = unit_of[d]
+                    if u < 0:
+                        waiting[d] = r
+                        break
+                    waits_on.append(2 * u + crossed)
+                else:
+                    u = len(self.rank)
+                    self.rank.append(r)
+                    if len(acts) == 1:
+                        _, i, c, key = acts[0]
+                        self.key.append(key)
+                        self.dep.append(waits_on[0] if waits_on else -1)
+                    else:
+                        i = c = -1
+                        self.key.append(-1)
+                        self.dep.append(-1)
+                        self.calls[u] = (acts, waits_on, {"F", "B"} <= {a[0] for a in acts})
+                    self.micro.append(i)
+                    self.chunk.append(c)
+                    for _, i, _, key in acts:
+                        done = key * micros + i
+                        unit_of[done] = u
+                        if done in waiting:
+                            ready.append(waiting.pop(done))
+                    k += 1
+                    continue
+                break
+            pos[r] = k
+        stuck = [r for r in range(p) if pos[r] < len(per_rank[r])]
+        self.deadlock = None
+        if stuck:
+            waits = ", ".join(f"stage {r} waits at {schedules[r][per_rank[r][pos[r]][2]]}" for r in stuck)
+            self.deadlock = f"the stages wait on each other forever: {waits}"
+
+    def seconds(self, forward_time, backward_time, weight_time) -> list[float]:
+        """One action's seconds, indexed by its key: F, B, W, each by virtual stage."""
+        split, chunks = self.split, self.chunks
+
+        def at(t, vs):
+            return t[vs] if isinstance(t, (list, tuple)) else t / chunks
+        stages = range(self.stages)
+        return ([at(forward_time, vs) for vs in stages]
+                + [at(backward_time, vs) + (0.0 if split else at(weight_time, vs)) for vs in stages]
+                + [at(weight_time, vs) for vs in stages])
+
+    def run(self, forward_time: float | list[float] = 1.0, backward_time: float | list[float] = 2.0,
+            message_time: float = 0.0, *, weight_time: float | list[float] = 0.0, overlap_time: float | None = None,
+            boxes: bool = True) -> dict:
+        """``simulate``'s result for these times."""
+        seconds = self.seconds(forward_time, backward_time, weight_time)
+        ranks, keys, deps, calls = self.rank, self.key, self.dep, self.calls
+        ends = [0.0] * len(ranks)
+        clock = [0.0] * self.p
+        timeline = [[] for _ in range(self.p)]
+        for u in range(len(ranks)):
+            r, key = ranks[u], keys[u]
+            ready = clock[r]
+            if key >= 0:  # one action
+                d = deps[u]
+                if d >= 0:
+                    end = ends[d >> 1] + message_time if d & 1 else ends[d >> 1]
+                    if end > ready:
+                        ready = end
+                start = ready + seconds[key]
+                if boxes:
+                    timeline[r].append({"kind": "FBW"[key // self.stages], "micro": self.micro[u],
+                                        "chunk": self.chunk[u], "start": ready, "end": start})
+            else:  # a call: it starts once every action in it may; its boxes side by side, scaled to its time
+                acts, waits_on, overlapped = calls[u]
+                for d in waits_on:
+                    end = ends[d >> 1] + message_time if d & 1 else ends[d >> 1]
+                    if end > ready:
+                        ready = end
+                scale = 1.0
+                if overlapped and overlap_time is not None:
+                    scale = overlap_time / self.chunks / sum(seconds[a[3]] for a in acts)
+                start = ready
+                for kind, i, c, key in acts:
+                    took_s = seconds[key] * scale
+                    if boxes:
+                        timeline[r].append({"kind": kind, "micro": i, "chunk": c, "start": start,
+                                            "end": start + took_s})
+                    start += took_s
+            ends[u] = clock[r] = start  # a call's results leave together, when all of it is done (then it sends)
+        makespan = max(clock) if clock else 0.0
+        if not boxes:
+            return {"timeline": None, "makespan": makespan, "span_idle": None, "deadlock": self.deadlock}
+        span_idle = [row[-1]["end"] - row[0]["start"] - sum(e["end"] - e["start"] for e in row) if row else 0.0
+                     for row in timeline]
+        return {"timeline": timeline, "makespan": makespan, "span_idle": span_idle, "deadlock": self.deadlock}
+
+
 def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 1.0,
              backward_time: float | list[float] = 2.0, message_time: float = 0.0, *,
              weight_time: float | list[float] = 0.0, placement: str = "loop", calls=None,
@@ -205,99 +361,11 @@ def simulate(schedules: list[list[Action]], forward_time: float | list[float] = 
     "deadlock"}`` (the executor's timeline format): ``span_idle[r]`` is rank r's idle time between its own first
     start and its own last end, the bubble the zero-bubble paper counts; ``deadlock`` is None or one sentence
     naming the ranks that wait on each other. ``boxes=False``: no timeline (None) and no ``span_idle`` (None), for
-    a caller that needs only the makespan (a published run's step is hundreds of thousands of actions).
+    a caller that needs only the makespan (a published run's step is hundreds of thousands of actions). The
+    table is compiled first (``Plan``); a caller pricing one table many times keeps the plan and calls its ``run``.
     """
-    p, chunks = len(schedules), num_chunks(schedules)
-    split = any(a[0] == "W" for row in schedules for a in row)
-    last = virtual_count(p, chunks, placement) - 1
-
-    def took(kind: str, vs: int) -> float:
-        def at(t):
-            return t[vs] if isinstance(t, (list, tuple)) else t / chunks
-        if kind == "F":
-            return at(forward_time)
-        return at(weight_time) if kind == "W" else at(backward_time) + (0.0 if split else at(weight_time))
-
-    # Each rank's list as units (the actions that start together: one call), each read once up front: its actions
-    # (kind, micro, chunk, virtual stage, seconds), the dependencies it waits on outside itself (each with the message
-    # latency it adds when it crossed ranks) and its time scale (an overlapped call's). A unit that is not ready yet is tried again on the next pass: only its
-    # dependencies are looked up again (a published run's step is hundreds of thousands of actions).
-    owner = [rank_of(vs, p, placement)[0] for vs in range(last + 1)]  # the rank that holds virtual stage vs
-    seconds = {kind: [took(kind, vs) for vs in range(last + 1)] for kind in "FBW"}
-    units = []
-    for r, row in enumerate(schedules):
-        ranges = dict(calls[r]) if calls else {}
-        held = [placed_stage(r, c, p, placement) for c in range(chunks)]
-        rank_units, n = [], 0
-        while n < len(row):
-            end = ranges.get(n, n)
-            acts = []
-            for a in row[n:end + 1]:
-                kind, i, c = split_action(a)
-                acts.append((kind, i, c, held[c], seconds[kind][held[c]]))
-            deps = []
-            for kind, i, _, vs, _ in acts:
-                if kind == "F":
-                    dep = None if vs == 0 else ("F", vs - 1, i)
-                elif kind == "B":
-                    dep = ("F", vs, i) if vs == last else ("B", vs + 1, i)
-                else:
-                    dep = ("B", vs, i)
-                if dep is not None:  # a dependency on another rank's stage waits for the message too
-                    deps.append((dep, message_time if owner[dep[1]] != r else 0.0))
-            scale = 1.0
-            if len(acts) > 1:  # a call: what its own actions provide is no dependency, and it may overlap F and B
-                inside = {(kind, vs, i) for kind, i, _, vs, _ in acts}
-                deps = [(dep, lag) for dep, lag in deps if dep not in inside]
-                own = sum(t for *_, t in acts)
-                if overlap_time is not None and {"F", "B"} <= {kind for kind, *_ in acts}:
-                    scale = overlap_time / chunks / own
-            rank_units.append((acts, deps, scale, n))
-            n = end + 1
-        units.append(rank_units)
-    done: dict[tuple, float] = {}  # (kind, virtual stage, micro) -> end time
-    pos, clock = [0] * p, [0.0] * p
-    timeline = [[] for _ in range(p)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            rank_units, line, k = units[r], timeline[r], pos[r]
-            while k < len(rank_units):
-                acts, deps, scale, _ = rank_units[k]
-                ready = clock[r]
-                for dep, lag in deps:
-                    end = done.get(dep)
-                    if end is None:
-                        ready = None
-                        break
-                    if end + lag > ready:
-                        ready = end + lag
-                if ready is None:
-                    break
-                start = ready
-                for kind, i, c, _, t in acts:  # an overlapped call's boxes side by side, scaled to its time
-                    took_s = t * scale
-                    if boxes:
-                        line.append({"kind": kind, "micro": i, "chunk": c, "start": start, "end": start + took_s})
-                    start += took_s
-                for kind, i, _, vs, _ in acts:  # its results leave together, when the whole call is done (then sends)
-                    done[(kind, vs, i)] = start
-                clock[r] = start
-                k += 1
-                progressed = True
-            pos[r] = k
-    stuck = [r for r in range(p) if pos[r] < len(units[r])]
-    deadlock = None
-    if stuck:
-        waits = ", ".join(f"stage {r} waits at {schedules[r][units[r][pos[r]][3]]}" for r in stuck)
-        deadlock = f"the stages wait on each other forever: {waits}"
-    if not boxes:
-        return {"timeline": None, "makespan": max(clock) if clock else 0.0, "span_idle": None, "deadlock": deadlock}
-    span_idle = [row[-1]["end"] - row[0]["start"] - sum(e["end"] - e["start"] for e in row) if row else 0.0
-                 for row in timeline]
-    return {"timeline": timeline, "makespan": max(clock) if clock else 0.0, "span_idle": span_idle,
-            "deadlock": deadlock}
+    return Plan(schedules, placement, calls).run(forward_time, backward_time, message_time, weight_time=weight_time,
+                                                 overlap_time=overlap_time, boxes=boxes)
 
 
 def validate(schedules: list[list[Action]], micro_batches: int) -> str | None:
