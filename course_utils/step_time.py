@@ -448,7 +448,7 @@ class _Piece:
 
 
 def _add(a: dict, b: dict, times: float = 1.0) -> dict:
-    return {k: a.get(k, 0.0) + times * b.get(k, 0.0) for k in set(a) | set(b)}
+    return {k: a.get(k, 0.0) + times * b.get(k, 0.0) for k in {**a, **b}}  # in a fixed order: sums of its values repeat
 
 
 def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: Practice, table: GemmTable,
