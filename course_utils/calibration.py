@@ -28,8 +28,8 @@ from one step's end to the next's, on every rank; per step the median over ranks
 the first left out as warm-up), with everything a predictor needs to rebuild the run: chapter 15's layouts
 (``workers/ch15_composed.py``, as ``course_utils/ch15.py`` runs them) and chapter 13's schedules
 (``workers/ch13_pipeline.py``, as ``notebooks/src/13_pipeline_parallel.py`` runs them), padded to the chapter's
-calibrated waits and not. These are CPU timings on a shared machine: medians of repeats (the kernels' the least repeat), and they vary by
-machine.
+calibrated waits and not. These are CPU timings on a shared machine: medians of repeats (the kernels' the least
+repeat), and they vary by machine.
 """
 from __future__ import annotations
 
@@ -410,7 +410,9 @@ _CACHE: dict[tuple, MachineCalibration] = {}
 
 
 def _worker_digest() -> str:
-    return hashlib.sha1((ROOT / "workers" / "calibrate.py").read_bytes()).hexdigest()[:12]
+    """The code that measured a stored calibration: the rank script and the timing it runs."""
+    code = b"".join((ROOT / "workers" / name).read_bytes() for name in ("calibrate.py", "timing/cpu.py"))
+    return hashlib.sha1(code).hexdigest()[:12]
 
 
 def _key(world_sizes: tuple, params: dict) -> tuple:

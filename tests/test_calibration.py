@@ -177,6 +177,35 @@ def test_chapter_15_parameters_match_the_chapters_own():
             assert ch15_params(name, **options) == {**ch15.worker_params(layout), **extra}
 
 
+def test_one_ranks_timings_run_in_the_test_process_without_ranks():
+    # workers/timing/cpu.py holds what one rank times alone (the calibration's ops and kernels): importable and
+    # runnable here, with no process group. Bounds every timing satisfies, and one that the least of the repeats
+    # keeps on any machine: a forward is less work than that forward and its backward.
+    from workers.timing import cpu
+
+    got = cpu.timed(lambda: None, repeats=3, target_s=1e-4)
+    assert got["samples"] == 3 and got["inner"] >= 1 and 0 <= got["min"] <= got["median"] <= got["max"]
+    ops = cpu.measure_ops(repeats=3, target_s=2e-4)
+    for name in ("op_s", "backward_call_s", "linear_forward_backward_s", "adamw_step_s"):
+        assert math.isfinite(ops[name]) and ops[name] > 0, name
+    assert ops["chain"] == list(cpu.CHAIN) and len(ops["chain_forward_backward_s"]) == len(cpu.CHAIN)
+    kernels = cpu.measure_kernels(["float32"], repeats=3, target_s=2e-4)
+    rows = kernels["attention"] + kernels["activation"]
+    assert len(rows) == len(cpu.ATTENTION_SHAPES) + len(cpu.ACTIVATION_SIZES)
+    assert all(0 < r["forward_s"] < r["forward_backward_s"] for r in rows)
+
+
+def test_a_stored_calibration_is_tied_to_the_timing_code_as_well_as_the_rank_script(tmp_path, monkeypatch):
+    # The cache key hashes workers/calibrate.py and workers/timing/cpu.py: a change to either measures anew.
+    for name in ("calibrate.py", "timing/cpu.py"):
+        (tmp_path / "workers" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "workers" / name).write_bytes((cal_mod.ROOT / "workers" / name).read_bytes())
+    monkeypatch.setattr(cal_mod, "ROOT", tmp_path)
+    before = cal_mod._worker_digest()
+    (tmp_path / "workers" / "timing" / "cpu.py").write_text("# changed\n", encoding="utf-8")
+    assert cal_mod._worker_digest() != before
+
+
 # -- on ranks ---------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@
 Every number is measured on the ranks as the course runs them (one intra-op thread per rank, the ranks sharing the
 machine's cores), after a warm-up. What one rank costs is measured on rank 0 alone, the other ranks asleep in a
 barrier (a gloo barrier waits without spinning): the median of ``repeats`` repeats, each a loop of about
-``target_ms`` over the thing measured, counted as the loop's mean per call.
+``target_ms`` over the thing measured, counted as the loop's mean per call (``workers/timing/cpu.py`` holds that loop
+and what one rank times with it; this script runs them on the ranks and adds what only ranks can measure).
 
 * **matmul**: ``a @ b`` for each (m, n, k) of ``shapes`` (an (m x k) @ (k x n) product) in each dtype;
 * **ops**: the fixed cost of one eager op (``a + b`` on 8 floats), of one op recorded by autograd (forward) and of
@@ -15,10 +16,10 @@ barrier (a gloo barrier waits without spinning): the median of ``repeats`` repea
   ``nn.Linear``'s forward + backward;
 * **kernels**: the two kernels a small model's step spends most in beyond its matmuls, forward and forward +
   backward, per dtype: fused causal attention (``F.scaled_dot_product_attention``, q, k, v ``[1, batch x heads, seq,
-  head_dim]`` for each of ``ATTENTION_SHAPES``: chapter 15's heads of 4 at its sequence of 16, and a larger one) and
-  the MLP's activation function (``F.gelu``, exact erf form as the course's models call it, on each of
-  ``ACTIVATION_SIZES`` elements). On a CPU neither is what its FLOPs or bytes say: a tiny attention call is its
-  setup, and erf in float64 is compute-bound. Each is the least of its repeats (the rest: medians), so that the
+  head_dim]`` for each of ``timing.cpu.ATTENTION_SHAPES``: chapter 15's heads of 4 at its sequence of 16, and a
+  larger one) and the MLP's activation function (``F.gelu``, exact erf form as the course's models call it, on each
+  of ``timing.cpu.ACTIVATION_SIZES`` elements). On a CPU neither is what its FLOPs or bytes say: a tiny attention call
+  is its setup, and erf in float64 is compute-bound. Each is the least of its repeats (the rest: medians), so that the
   backward the planner takes as their difference is never inverted by another program's preemption;
 * **stream**: a large copy and a large add (``stream_mib`` MiB per operand): bytes read + written per second;
 * **contention**: one compute-bound matmul (``contention_shape``, float32), one tiny op and the copy, run by 1, 2,
@@ -59,19 +60,14 @@ import torch
 import torch.distributed as dist
 
 from workers.runtime import all_gather_single, at_least, entrypoint, one_of, reduce_scatter_single, refusal
+from workers.timing.cpu import DTYPES, matmul_fn, measure_kernels, measure_ops, measure_stream, op_fn, stats, timed
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
 SHAPES = ["4x16x16", "8x32x32", "32x32x96", "64x64x64", "128x32x128", "128x128x128", "256x256x256", "512x512x512"]
 SIZES = [8, 64, 512, 4096, 32768, 262144, 1048576, 4194304]
-CHAIN = (1, 2, 4, 8, 16)  # ops per autograd chain: the slope in K is one op's cost
 MAX_BYTES = 64 << 20
 CONTENDED = ("p2p", "all_reduce", "world_all_reduce")
 CONTENDED_SIZES = [8, 65536]
-ATTENTION_SHAPES = ((8, 16, 4), (64, 16, 4), (512, 16, 4), (16, 128, 32))  # (batch x heads, seq, head_dim)
-ACTIVATION_SIZES = (1024, 16384, 262144)  # elements: chapter 15's MLP is [micro-batch x 16 tokens, 128 / tp]
-# one layer of chapter 15's GPT at hidden 32, ffn 128 (two LayerNorms, QKV, output projection, the MLP's two)
-ADAMW_SHAPES = ((32,), (32,), (96, 32), (96,), (32, 32), (32,), (32,), (32,), (128, 32), (128,), (32, 128), (32,))
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -121,183 +117,6 @@ def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes
 
 
 # -- timing ---------------------------------------------------------------------------------------------------------
-
-def _stats(samples: list[float]) -> dict:
-    """Median, min, max, count, and the mean of the middle 80% (what a run of many such calls costs on average,
-    without the rare preemption by another program)."""
-    cut = len(samples) // 10
-    middle = sorted(samples)[cut:len(samples) - cut]
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": len(samples),
-            "mean": statistics.fmean(middle)}
-
-
-def timed(fn, repeats: int, target_s: float) -> dict:
-    """Seconds per call of ``fn``: warm-up calls, then ``repeats`` repeats of a loop of ``inner`` calls lasting
-    about ``target_s``; the median (and min, max) of the repeats' per-call means, and ``inner``."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    fn()
-    one = (time.perf_counter() - start) / 2
-    inner = max(1, min(20000, round(target_s / max(one, 1e-8))))
-    for _ in range(min(inner, 50)):  # warm the loop itself (allocator, caches, branch predictors)
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner)
-    return {**_stats(samples), "inner": inner}
-
-
-def _matmul_fn(dtype, m: int, n: int, k: int):
-    a = torch.randn(m, k, dtype=dtype)  # [m, k]
-    b = torch.randn(k, n, dtype=dtype)  # [k, n]
-    return lambda: a @ b  # [m, n], allocated as a model's product is
-
-
-def _op_fn():
-    a, b = torch.ones(8), torch.ones(8)
-    return lambda: a + b  # one eager op, allocating its output
-
-
-def _chain_fns(length: int):
-    """Forward-only (graph recorded) and forward + backward of ``length`` ops ``y = y * w_i`` (each w_i a leaf)."""
-    x = torch.ones(8)
-    ws = [torch.ones(8, requires_grad=True) for _ in range(length)]
-
-    def forward():
-        y = x
-        for w in ws:
-            y = y * w
-        return y
-
-    def forward_backward():
-        for w in ws:
-            w.grad = None
-        forward().sum().backward()
-
-    return forward, forward_backward
-
-
-def _linear_fn():
-    lin = torch.nn.Linear(32, 32)
-    x = torch.randn(8, 32)  # [batch, in]
-
-    def step():
-        lin.weight.grad = lin.bias.grad = None
-        lin(x).sum().backward()
-
-    return step
-
-
-def _leaf_fns(op, leaves, grad):
-    """Forward (graph recorded, as in training) and forward + backward of ``op(*leaves)``."""
-    def forward():
-        return op(*leaves)
-
-    def forward_backward():
-        for x in leaves:
-            x.grad = None
-        forward().backward(grad)
-
-    return forward, forward_backward
-
-
-def _attention_fns(dtype, batch_heads: int, seq: int, head_dim: int):
-    """Causal SDPA on leaves q, k, v of [1, batch x heads, seq, head_dim]."""
-    q, k, v = (torch.randn(1, batch_heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
-    return _leaf_fns(lambda *qkv: torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True), (q, k, v),
-                     torch.randn(1, batch_heads, seq, head_dim, dtype=dtype))
-
-
-def _activation_fns(dtype, elements: int):
-    """``F.gelu`` (exact erf form, as the course's MLPs call it) on ``elements`` values."""
-    x = torch.randn(elements, dtype=dtype, requires_grad=True)
-    return _leaf_fns(torch.nn.functional.gelu, (x,), torch.randn(elements, dtype=dtype))
-
-
-def measure_kernels(dtypes, repeats: int, target_s: float) -> dict:
-    """Seconds of fused causal attention and of the activation function, forward and forward + backward (each
-    includes its ``backward()`` call, as a training step's share of one).
-
-    Each is the least of the repeats, not their median: the planner prices backward as the difference of the two,
-    and on a busy machine (another program preempting these loops of a few milliseconds) two medians of a few
-    repeats can invert it (a CI run measured a forward longer than its forward + backward). Preemption only adds
-    time, so the least repeat is the kernel undisturbed; the planner applies the contention it measures separately."""
-    def least(fn) -> float:
-        return timed(fn, repeats, target_s)["min"]
-
-    attention, activation = [], []
-    for dtype in dtypes:
-        for bh, seq, hd in ATTENTION_SHAPES:
-            f, fb = _attention_fns(DTYPES[dtype], bh, seq, hd)
-            attention.append({"dtype": dtype, "batch_heads": bh, "seq": seq, "head_dim": hd,
-                              "forward_s": least(f), "forward_backward_s": least(fb)})
-        for n in ACTIVATION_SIZES:
-            f, fb = _activation_fns(DTYPES[dtype], n)
-            activation.append({"dtype": dtype, "elements": n, "forward_s": least(f), "forward_backward_s": least(fb)})
-    return {"attention": attention, "activation": activation}
-
-
-def _adamw_fn():
-    """One AdamW step over ``ADAMW_SHAPES`` (float64, chapter 15's betas, eps and weight decay), past the first (which
-    creates the state): on CPU torch steps one parameter at a time (``foreach`` is for CUDA tensors)."""
-    params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in ADAMW_SHAPES]
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    opt.step()
-    return opt.step
-
-
-def _backward_call_fn():
-    """``x.sum().backward()`` on a leaf: the fixed cost of a ``backward()`` call and the sum before it, timed. (The
-    intercept of the chain's line at no ops estimates the same cost, but on a loaded machine its noise exceeds the
-    cost and the intercept went below zero: -80 us on 2 busy cores.)"""
-    x = torch.ones(8, requires_grad=True)
-
-    def call():
-        x.grad = None
-        x.sum().backward()
-    return call
-
-
-def _fit_line(xs, ys) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ys over xs."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
-
-
-def measure_ops(repeats: int, target_s: float) -> dict:
-    op = timed(_op_fn(), repeats, target_s)
-    fwd, fwd_bwd = [], []
-    for length in CHAIN:
-        f, fb = _chain_fns(length)
-        fwd.append(timed(f, repeats, target_s)["median"])
-        fwd_bwd.append(timed(fb, repeats, target_s)["median"])
-    f0, f1 = _fit_line(CHAIN, fwd)
-    c0, c1 = _fit_line(CHAIN, fwd_bwd)
-    return {"op_s": op["median"], "op": op, "chain": list(CHAIN), "chain_forward_s": fwd,
-            "chain_forward_backward_s": fwd_bwd, "op_forward_s": f1, "op_forward_backward_s": c1,
-            "backward_call_s": timed(_backward_call_fn(), repeats, target_s)["median"],
-            "backward_intercept_s": c0, "forward_intercept_s": f0,
-            "linear_forward_backward_s": timed(_linear_fn(), repeats, target_s)["median"],
-            "adamw_step_s": timed(_adamw_fn(), repeats, target_s)["median"],
-            "adamw_shapes": [list(s) for s in ADAMW_SHAPES]}
-
-
-def measure_stream(mib: int, repeats: int) -> dict:
-    n = (mib << 20) // 4
-    a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
-    copy = timed(lambda: c.copy_(a), repeats, 0.0)  # read a, write c
-    add = timed(lambda: torch.add(a, b, out=c), repeats, 0.0)  # read a and b, write c
-    nbytes = n * 4
-    return {"bytes": nbytes, "copy_s": copy["median"], "add_s": add["median"],
-            "copy_bytes_per_s": 2 * nbytes / copy["median"], "add_bytes_per_s": 3 * nbytes / add["median"]}
-
 
 def _alone(ctx, fn):
     """``fn()`` on rank 0 while the other ranks sleep in a barrier (a gloo barrier waits without spinning)."""
@@ -398,7 +217,7 @@ def measure_collective(ctx, name: str, sizes, calls: int, max_calls: int, point_
             samples.append(time.perf_counter() - start)
         if name == "p2p":
             samples = [s / 2 for s in samples]
-        rows.append({"bytes": total * 4, **_stats(samples)})
+        rows.append({"bytes": total * 4, **stats(samples)})
     return rows
 
 
@@ -548,7 +367,7 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
     for dtype in dtypes:
         for shape in shapes:
             m, n, k = parse_shape(shape)
-            fn = _matmul_fn(DTYPES[dtype], m, n, k)
+            fn = matmul_fn(DTYPES[dtype], m, n, k)
             got = _alone(ctx, lambda: timed(fn, repeats, target_s))
             matmul.append({"dtype": dtype, "m": m, "n": n, "k": k, **(got or {})})
     phase("matmul", t0)
@@ -570,7 +389,7 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
     n_stream = (stream_mib << 20) // 4
     src, dst = torch.ones(n_stream), torch.empty(n_stream)
     shared = {}
-    for kind, fn in {"matmul": _matmul_fn(torch.float32, cm, cn, ck), "op": _op_fn(),
+    for kind, fn in {"matmul": matmul_fn(torch.float32, cm, cn, ck), "op": op_fn(),
                      "stream": lambda: dst.copy_(src)}.items():
         alone_s = timed(fn, repeats, target_s)["median"] if ctx.rank == 0 else 1.0  # the others wait in _agree
         shared[kind] = contention(ctx, fn, alone_s, window_ms, windows)
