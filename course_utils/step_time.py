@@ -48,7 +48,7 @@ from functools import lru_cache
 
 from workers.layout.rules import Layout
 from workers.pipeline.schedules import Plan, all_stages
-from workers.pipeline.validity import check_schedule
+from workers.pipeline.validity import split_plan
 from workers.pipeline.zero_bubble import SPLIT_SCHEDULES, placed_stage, placement_of, split_stages
 
 from .device_rates import GemmRow, GemmTable, gemm_table
@@ -378,13 +378,11 @@ def exposed(traffic: float, window: float, tail: float) -> float:
 @lru_cache(maxsize=64)
 def schedule_plan(schedule: str, p: int, m: int, chunks: int) -> Plan:
     """Chapter 13's tables for ``schedule`` compiled once (``schedules.Plan``; a table that splits the backward
-    checked first, as ``validity.simulate_split`` does): the planner prices the same table at every GEMM share and
+    checked first: ``validity.split_plan``, what ``simulate_split`` runs): the planner prices the same table at every GEMM share and
     layout it tries, and a compiled table prices in a twentieth of a simulation's time. A plan of a published run's
     step is a few MB (flat arrays of its hundreds of thousands of actions)."""
     if schedule in SPLIT_SCHEDULES:
-        rows = split_stages(schedule, p, m)
-        check_schedule(rows, m, placement_of(schedule))
-        return Plan(rows, placement_of(schedule))
+        return split_plan(split_stages(schedule, p, m), placement_of(schedule))
     return Plan(all_stages(schedule, p, m, chunks))
 
 

@@ -179,8 +179,9 @@ def test_chapter_15_parameters_match_the_chapters_own():
 
 def test_one_ranks_timings_run_in_the_test_process_without_ranks():
     # workers/timing/cpu.py holds what one rank times alone (the calibration's ops and kernels): importable and
-    # runnable here, with no process group. Bounds every timing satisfies, and one that the least of the repeats
-    # keeps on any machine: a forward is less work than that forward and its backward.
+    # runnable here, with no process group. Bounds every timing satisfies. (Not forward < forward + backward: with a
+    # whole make test running beside it, even the least of three repeats of a 0.2 ms loop was a 4 ms scheduler slice,
+    # and the order failed 4 times in 7 under ATEN_CPU_CAPABILITY=default.)
     from workers.timing import cpu
 
     got = cpu.timed(lambda: None, repeats=3, target_s=1e-4)
@@ -192,7 +193,7 @@ def test_one_ranks_timings_run_in_the_test_process_without_ranks():
     kernels = cpu.measure_kernels(["float32"], repeats=3, target_s=2e-4)
     rows = kernels["attention"] + kernels["activation"]
     assert len(rows) == len(cpu.ATTENTION_SHAPES) + len(cpu.ACTIVATION_SIZES)
-    assert all(0 < r["forward_s"] < r["forward_backward_s"] for r in rows)
+    assert all(math.isfinite(r[t]) and r[t] > 0 for r in rows for t in ("forward_s", "forward_backward_s"))
 
 
 def test_a_stored_calibration_is_tied_to_the_timing_code_as_well_as_the_rank_script(tmp_path, monkeypatch):

@@ -116,7 +116,7 @@ def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes
                    None if 1 <= stream_mib <= 256 else f"stream_mib={stream_mib} must be between 1 and 256")
 
 
-# -- timing ---------------------------------------------------------------------------------------------------------
+# -- one rank alone, or all of them at once ----------------------------------------------------------------------------
 
 def _alone(ctx, fn):
     """``fn()`` on rank 0 while the other ranks sleep in a barrier (a gloo barrier waits without spinning)."""

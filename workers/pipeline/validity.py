@@ -16,7 +16,7 @@ receive for a message that another of them sends only later in its own list.
 """
 from __future__ import annotations
 
-from workers.pipeline.schedules import simulate, split_action
+from workers.pipeline.schedules import Plan, split_action
 from workers.pipeline.zero_bubble import placed_stage, rank_of, virtual_count
 
 KINDS = ("F", "B", "W")
@@ -174,9 +174,15 @@ def simulate_split(schedules, forward_time: float = 1.0, backward_time: float = 
     with a W as its own action; the times default to the zero-bubble paper's F = B = W. ``span_idle[r]``, rank r's
     idle time between its own first start and its own last end, is the bubble that paper counts (with no all-reduce
     before the optimizer step, a rank starts the next step's forwards as soon as it is free)."""
+    return split_plan(schedules, placement, calls).run(forward_time, backward_time, message_time,
+                                                      weight_time=weight_time, overlap_time=overlap_time)
+
+
+def split_plan(schedules, placement: str = "loop", calls=None) -> Plan:
+    """A valid table (``check_schedule``: raises on one that is not) compiled for ``simulate`` (``schedules.Plan``),
+    for a caller that prices it many times (the planner)."""
     check_schedule(schedules, 1 + max(a[1] for row in schedules for a in row), placement)
-    return simulate(schedules, forward_time, backward_time, message_time, weight_time=weight_time,
-                    placement=placement, calls=calls, overlap_time=overlap_time)
+    return Plan(schedules, placement, calls)
 
 
 def peak_stashes(actions) -> dict:
