@@ -16,6 +16,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 CHAIN = (1, 2, 4, 8, 16)  # ops per autograd chain: the slope in K is one op's cost
 ATTENTION_SHAPES = ((8, 16, 4), (64, 16, 4), (512, 16, 4), (16, 128, 32))  # (batch x heads, seq, head_dim)
 ACTIVATION_SIZES = (1024, 16384, 262144)  # elements: chapter 15's MLP is [micro-batch x 16 tokens, 128 / tp]
+SHORTER = 10  # the kernels' repeats: SHORTER times as many, each SHORTER times shorter (measure_kernels)
 # one layer of chapter 15's GPT at hidden 32, ffn 128 (two LayerNorms, QKV, output projection, the MLP's two)
 ADAMW_SHAPES = ((32,), (32,), (96, 32), (96,), (32, 32), (32,), (32,), (32,), (128, 32), (128,), (32, 128), (32,))
 
@@ -123,9 +124,14 @@ def measure_kernels(dtypes, repeats: int, target_s: float) -> dict:
     Each is the least of the repeats, not their median: the planner prices backward as the difference of the two,
     and on a busy machine (another program preempting these loops of a few milliseconds) two medians of a few
     repeats can invert it (a CI run measured a forward longer than its forward + backward). Preemption only adds
-    time, so the least repeat is the kernel undisturbed; the planner applies the contention it measures separately."""
+    time, so the least repeat is the kernel undisturbed; the planner applies the contention it measures separately.
+    And the least of many short loops: ``SHORTER`` times as many repeats, each that much shorter (the same seconds in
+    all), since a preemption lands in a loop with a chance that grows with its length. Measured on 2 cores with two
+    busy loops and six processes waking every 0.3 ms beside it (ATEN_CPU_CAPABILITY=default, 3 repeats of 0.2 ms as
+    tests/test_calibration.py asks): a forward came out longer than its forward + backward in 11 of 60 calibrations
+    with the repeats as given, 2 of 60 five times shorter, 0 of 60 ten times shorter."""
     def least(fn) -> float:
-        return timed(fn, repeats, target_s)["min"]
+        return timed(fn, SHORTER * repeats, target_s / SHORTER)["min"]
 
     attention, activation = [], []
     for dtype in dtypes:
