@@ -192,18 +192,13 @@ def _counter():
 @functools.lru_cache(maxsize=None)
 def linear_step_ops() -> int:
     """Aten ops of the calibration's ``nn.Linear(32, 32)`` step on ``[8, 32]`` float32: forward, ``sum``,
-    ``backward()`` after clearing the two gradients (the step ``workers/calibrate.py: _linear_fn`` times, rebuilt
-    here: nothing imports a worker script)."""
+    ``backward()`` after clearing the two gradients (``workers/timing/cpu.py: linear_fn``, the step it times)."""
     import torch
 
+    from workers.timing.cpu import linear_fn
+
     with _one_thread(torch), torch.random.fork_rng(devices=[]):
-        lin = torch.nn.Linear(32, 32)
-        x = torch.randn(8, 32)  # [batch, in]
-
-        def step():
-            lin.weight.grad = lin.bias.grad = None
-            lin(x).sum().backward()
-
+        step = linear_fn()
         step()  # the first call's one-time work is not what the calibration times (it warms up first)
         with _counter() as c:
             step()
@@ -376,18 +371,16 @@ def count_mlp_chunk_ops(layers: int = 8, hidden: int = 16, micro_batch_size: int
 
 @functools.lru_cache(maxsize=None)
 def adamw_ops(shapes: tuple) -> int:
-    """Aten ops of the AdamW step the calibration times (``workers/calibrate.py: _adamw_fn``, rebuilt here):
-    float64 parameters of ``shapes``, chapter 15's betas, eps and weight decay, the step after the first."""
+    """Aten ops of the AdamW step the calibration times (``workers/timing/cpu.py: adamw_fn``) over float64 parameters
+    of ``shapes``: the step after the first."""
     import torch
 
+    from workers.timing.cpu import adamw_fn
+
     with _one_thread(torch):
-        params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in shapes]
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-        opt.step()
+        step = adamw_fn(shapes)  # it has taken the first step
         with _counter() as c:
-            opt.step()
+            step()
     return c.total
 
 

@@ -40,8 +40,6 @@ SHARED_LIBRARY = {
     "workers/provenance.py": "the spine: the record every measurement carries",
     "workers/calibrate.py": "this machine measured as a device of chapter 00's planner (course_utils/calibration.py, "
                             "`make bench`'s planner section): matmul rates, op overheads, gloo collectives",
-    "workers/timing/cpu.py": "what one CPU rank times alone for that calibration (its loop of repeats, the ops and "
-                             "kernels), importable without a process group",
     "workers/hello.py": "the smallest worker: the warm-up before every rank-side grade (course_utils/exercises.py) "
                         "and the spine's smoke test",
     "workers/attention/compile_report.py": "a command run by hand (`python -m workers.attention.compile_report`) that "

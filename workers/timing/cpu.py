@@ -145,10 +145,10 @@ def measure_kernels(dtypes, repeats: int, target_s: float) -> dict:
     return {"attention": attention, "activation": activation}
 
 
-def adamw_fn():
-    """One AdamW step over ``ADAMW_SHAPES`` (float64, chapter 15's betas, eps and weight decay), past the first (which
-    creates the state): on CPU torch steps one parameter at a time (``foreach`` is for CUDA tensors)."""
-    params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in ADAMW_SHAPES]
+def adamw_fn(shapes=ADAMW_SHAPES):
+    """One AdamW step over float64 parameters of ``shapes`` (chapter 15's betas, eps and weight decay), past the first
+    (which creates the state): on CPU torch steps one parameter at a time (``foreach`` is for CUDA tensors)."""
+    params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in shapes]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
