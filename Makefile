@@ -40,9 +40,13 @@ doctor: $(STAMP)
 # notebook headless once (papermill, as `make notebooks` runs them) and that execution held to the committed outputs
 # by nbval's rules (tests/nbval_executed.py). One execution serves both (before, nbval executed every chapter a
 # second time beside papermill: the two side by side took about 750 s of make test's 1630 on 2 cores).
+# The tests run in two worker processes (pytest-xdist, TEST_JOBS; 0: in this one): a rank test's processes keep about
+# 1.14 of 2 cores busy (the rest is waiting on rank starts and messages), so two at once took the 3109 tests from
+# 1220 s to 814 s on 2 cores. Nothing a test asserts depends on being alone: the timing tests bound, not time.
+TEST_JOBS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PYTEST) -q
+	$(PYTEST) -q -n $(TEST_JOBS)
 	$(PY) -m course_utils.notebooks check
 	$(MAKE) --no-print-directory test-notebooks
 	$(MAKE) --no-print-directory nbval-executed
@@ -73,7 +77,7 @@ nbval: $(STAMP)
 # Its chapters run two at a time as in make test (CI runs this pass beside test-browser, which mostly waits).
 test-other-cpu: $(STAMP)
 	@echo "other CPU kernels: $$($(PY) -m course_utils.cpu_spread --second-variant-env)"
-	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) $(PYTEST) -q -p no:cacheprovider -m "not browser and not load and not once"
+	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) $(PYTEST) -q -n $(TEST_JOBS) -p no:cacheprovider -m "not browser and not load and not once"
 	env $$($(PY) -m course_utils.cpu_spread --second-variant-env) \
 		$(PY) -m course_utils.notebooks execute --out $(NB_OUT)/other-cpu --timeout 600 --jobs $(NB_JOBS)
 	$(NBVAL) --nbval-executed $(NB_OUT)/other-cpu notebooks/*.ipynb
@@ -93,7 +97,7 @@ mutants: $(STAMP)
 	$(PYTEST) -q -p no:cacheprovider tests/test_exercises.py -k wrong_answer_is_caught
 
 test-unit: $(STAMP)
-	$(PYTEST) -q
+	$(PYTEST) -q -n $(TEST_JOBS)
 
 notebooks: $(STAMP)
 	$(PY) -m course_utils.notebooks execute

@@ -29,6 +29,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def pytest_runtest_logreport(report):
+    """A wrong answer's row of the mutation report, from its test's report: in the process that prints the summary,
+    which with pytest-xdist (make test's -n) is not the one that ran the test."""
+    if report.when == "call":
+        from tests.exercise_sources import MUTANT, MUTANTS
+
+        MUTANTS.extend(value for name, value in report.user_properties if name == MUTANT)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The mutation report (tests/exercise_sources.py: mutation_report) after any run of the wrong-answer tests."""
     from tests.exercise_sources import MUTANTS, mutation_report

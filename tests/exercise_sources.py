@@ -8,8 +8,10 @@ import jupytext
 
 from course_utils.paths import ROOT
 
-# What each wrong answer got from its check, filled by tests/test_exercises.py and printed at the end of the
-# run by tests/conftest.py (`make mutants` runs only those tests): the per-exercise mutation report.
+# What each wrong answer got from its check: tests/test_exercises.py records it as a property of its test's report
+# (named MUTANT), tests/conftest.py collects those reports from every pytest worker into MUTANTS and prints them at
+# the end of the run (`make mutants` runs only those tests): the per-exercise mutation report.
+MUTANT = "mutant"
 MUTANTS: list[dict] = []
 
 

@@ -16,7 +16,7 @@ file then runs all three without a line added (``docs/CHAPTERS.md`` lists each c
 import pytest
 
 from course_utils.exercises import FAIL, PASS, TODO, check, exercises
-from tests.exercise_sources import MUTANTS, notebook_cells, solutions, stubs, wrong_answers
+from tests.exercise_sources import MUTANT, notebook_cells, solutions, stubs, wrong_answers
 
 pytestmark = pytest.mark.ranks
 ALL = exercises()
@@ -53,10 +53,12 @@ def test_every_exercise_has_a_wrong_answer(chapter):
 
 @pytest.mark.once  # the reference solutions (above) run under every CPU's kernels; the wrong answers miss by far more
 @pytest.mark.parametrize("chapter, name, fn, fragment", WRONG, ids=[f"{w[0]}-{w[2].__name__}" for w in WRONG])
-def test_wrong_answer_is_caught_with_its_reason(chapter, name, fn, fragment):
+def test_wrong_answer_is_caught_with_its_reason(chapter, name, fn, fragment, record_property):
     verdict = check(name, fn)
-    MUTANTS.append({"chapter": chapter, "exercise": name, "answer": fn.__name__, "seconds": verdict.seconds,
-                    "caught": verdict.status == FAIL and verdict.points == 0, "reason": fragment in verdict.message})
+    # a row of the mutation report, carried by the test's report (tests run in several worker processes)
+    record_property(MUTANT, {"chapter": chapter, "exercise": name, "answer": fn.__name__, "seconds": verdict.seconds,
+                             "caught": verdict.status == FAIL and verdict.points == 0,
+                             "reason": fragment in verdict.message})
     assert verdict.status == FAIL and verdict.points == 0, (name, fn.__name__, verdict)
     assert fragment in verdict.message, (name, fn.__name__, verdict.message)
 
