@@ -42,7 +42,7 @@ doctor: $(STAMP)
 # second time beside papermill: the two side by side took about 750 s of make test's 1630 on 2 cores).
 # The tests run in two worker processes (pytest-xdist, TEST_JOBS; 0: in this one): a rank test's processes keep about
 # 1.14 of 2 cores busy (the rest is waiting on rank starts and messages), so two at once took the 3109 tests from
-# 1220 s to 814 s on 2 cores. Nothing a test asserts depends on being alone: the timing tests bound, not time.
+# 1220 s to 814 s on 2 cores. A test must not depend on being alone (docs/CONTRIBUTING.md says how).
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check .
