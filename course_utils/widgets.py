@@ -157,25 +157,27 @@ class LiveRun:
             self.progress.value = min(self.progress.value + 1, self.progress.max)
 
     def _finish(self, job, settings: dict) -> None:
+        # The status line is set last, after the Cancel button is greyed out and the progress bar hidden: a learner
+        # (or a browser test) who reads "cancelled" or "ran in" must find the button already disabled.
+        status, outcome = None, None
         try:
             result = job.wait()
             shown = self.draw(result, {**self.fixed, **settings, **(self.derive(settings) if self.derive else {})})
             self.show(shown)
-            self.status.value = f"{result.describe()}"
-            self.history.append((settings, result))
+            status, outcome = f"{result.describe()}", result
         except JobCancelled:
-            self.status.value = "cancelled: the ranks were stopped"
-            self.history.append((settings, "cancelled"))
+            status, outcome = "cancelled: the ranks were stopped", "cancelled"
         except CourseError as exc:
             first = str(exc).splitlines()[0]
-            self.status.value = f"<span style='color:#cf222e'>{first}</span>"
-            self.history.append((settings, exc))
+            status, outcome = f"<span style='color:#cf222e'>{first}</span>", exc
         except Exception as exc:  # noqa: BLE001 - a drawing bug must not wedge the widget
-            self.status.value = f"<span style='color:#cf222e'>drawing failed: {type(exc).__name__}: {exc}</span>"
-            self.history.append((settings, exc))
+            status, outcome = f"<span style='color:#cf222e'>drawing failed: {type(exc).__name__}: {exc}</span>", exc
         finally:
             self.cancel_button.disabled = True
             self.progress.layout.visibility = "hidden"
+            if status is not None:
+                self.status.value = status
+                self.history.append((settings, outcome))
             with self._lock:
                 self._job = None
                 pending, self._pending = self._pending, None

@@ -59,13 +59,21 @@ def test_cancel_button_stops_the_run():
     seconds = slider("seconds", 30, 0, 60)
     live = LiveRun("workers.rank_faults", {"seconds": seconds}, lambda r, p: "done",
                    params={"world_size": 2, "mode": "sleep"}, timeout=120)
+    # what the button and progress bar are at each change of the status line, as a learner reading it would find them
+    seen = []
+    live.status.observe(lambda change: seen.append((change["new"], live.cancel_button.disabled,
+                                                    live.progress.layout.visibility)), names="value")
     time.sleep(1.0)
     start = time.time()
     live.cancel_button.click()
     assert live.wait(30)
     assert time.time() - start < 20
     assert live.history[-1][1] == "cancelled"
-    assert "cancelled" in live.status.value
+    assert seen[-1] == ("cancelled: the ranks were stopped", True, "hidden"), seen  # greyed out before it says so
+    seconds.value = 0  # a run that ends by itself: the same order for "ran in"
+    assert live.wait(60)
+    assert "done" in live.out.outputs[0]["text"]
+    assert seen[-1][1:] == (True, "hidden") and "ran in" in seen[-1][0], seen
 
 
 def test_the_status_announces_a_cold_start_with_its_time_and_then_says_warm():
