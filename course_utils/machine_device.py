@@ -61,6 +61,7 @@ import contextlib
 import functools
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -792,6 +793,25 @@ def with_repeats(compared: list[dict], repeats: list[list[dict]]) -> list[dict]:
     return out
 
 
+def median_of_launches(launches: list[list[dict]]) -> list[dict]:
+    """One row per run from several launches of the same runs (``measure_runs`` on fresh ranks each time, rows in
+    the same order): the first launch's row with ``measured_median_s`` the median of the launches' medians and
+    ``measured_spread`` their smallest and largest. On a shared CPU a run's median moves between launches by more
+    than the band (unpadded pipelines on 2 cores: up to 1.77 times, 6 launches, 2026-12-07), so a prediction is held
+    to the median of several, and ``with_repeats(compare_runs(cal, rows), launches)`` shows each launch's."""
+    if not launches:
+        raise ValueError("no launches: measure the runs at least once")
+    out = []
+    for i, row in enumerate(launches[0]):
+        names = {rows[i]["name"] for rows in launches}
+        if names != {row["name"]}:
+            raise ValueError(f"run {i}: {row['name']!r} measured again as {sorted(names)}: repeat the same runs in order")
+        medians = [rows[i]["measured_median_s"] for rows in launches]
+        out.append({**row, "measured_median_s": statistics.median(medians),
+                    "measured_spread": (min(medians), max(medians)), "launches": len(launches)})
+    return out
+
+
 def comparison_table(compared: list[dict]) -> Table:
     """Predicted, measured, ratio and the largest term per run; the caption counts those within the band."""
     ok = sum(r["within"] for r in compared)
@@ -808,5 +828,5 @@ def comparison_table(compared: list[dict]) -> Table:
 
 
 __all__ = ["OpCount", "StepOps", "adamw_ops", "compare_runs", "comparison_table", "contended", "count_gpt_ops",
-           "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "device_from", "link_fits", "op_seconds",
-           "optimizer_op_seconds", "outside_schedule", "predict", "with_repeats"]
+           "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "device_from", "link_fits",
+           "median_of_launches", "op_seconds", "optimizer_op_seconds", "outside_schedule", "predict", "with_repeats"]

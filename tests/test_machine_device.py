@@ -228,3 +228,20 @@ def test_a_calibration_and_one_measured_run_compare(tmp_path, monkeypatch):
     (compared,) = md.compare_runs(cal, rows)
     assert compared["name"] == "1f1b pp 2 m 4" and compared["measured_s"] > 0
     assert compared["predicted_s"] > 0 and math.isfinite(compared["ratio"])
+
+
+def test_several_launches_give_each_run_the_median_of_their_medians_and_each_launch_beside_it(cal):
+    names = ["1x1x4x1 zero 0", "1f1b pp 4 m 8 unpadded"]
+    launches = [[_row(n, median=m) for n, m in zip(names, medians)]
+                for medians in ((0.010, 0.030), (0.014, 0.020), (0.012, 0.050))]
+    rows = md.median_of_launches(launches)
+    assert [r["measured_median_s"] for r in rows] == [0.012, 0.030]  # the median launch, per run
+    assert [r["measured_spread"] for r in rows] == [(0.010, 0.014), (0.020, 0.050)]
+    out = md.with_repeats(md.compare_runs(cal, rows), launches)
+    assert [r["medians_s"][1:] for r in out] == [[0.010, 0.014, 0.012], [0.030, 0.020, 0.050]]
+    assert [r["measured_s"] for r in out] == [0.012, 0.030]
+    assert out[1]["repeat_spread"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="repeat the same runs in order"):
+        md.median_of_launches([launches[0], list(reversed(launches[1]))])
+    with pytest.raises(ValueError, match="at least once"):
+        md.median_of_launches([])
