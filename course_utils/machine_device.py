@@ -781,35 +781,35 @@ def with_repeats(compared: list[dict], repeats: list[list[dict]]) -> list[dict]:
     ``measure_runs`` results, rows in the same order), ``repeat_spread`` = the largest of all its medians over the
     smallest, less 1, and ``within_repeats``: whether the prediction is within ``TOLERANCE`` of any of them. A run
     whose medians move by more than the band between one measurement and the next holds no model to it."""
+    _same_runs(compared, repeats)
     out = []
     for i, r in enumerate(compared):
         medians = [r["measured_s"], *(rows[i]["measured_median_s"] for rows in repeats)]
-        names = {rows[i]["name"] for rows in repeats}
-        if names - {r["name"]}:
-            raise ValueError(f"run {i}: {r['name']!r} measured again as {sorted(names)}: repeat the same runs in order")
         spread = max(medians) / min(medians) - 1 if min(medians) > 0 else float("nan")  # no step: no spread
         out.append({**r, "medians_s": medians, "repeat_spread": spread,
                     "within_repeats": any(m > 0 and abs(r["predicted_s"] / m - 1) <= TOLERANCE for m in medians)})
     return out
 
 
+def _same_runs(first: list[dict], again: list[list[dict]]) -> None:
+    """Refuse measurements of other runs, or of the same runs in another order, than ``first``'s."""
+    for i, r in enumerate(first):
+        names = {rows[i]["name"] for rows in again}
+        if names - {r["name"]}:
+            raise ValueError(f"run {i}: {r['name']!r} measured again as {sorted(names)}: repeat the same runs in order")
+
+
 def median_of_launches(launches: list[list[dict]]) -> list[dict]:
     """One row per run from several launches of the same runs (``measure_runs`` on fresh ranks each time, rows in
-    the same order): the first launch's row with ``measured_median_s`` the median of the launches' medians and
-    ``measured_spread`` their smallest and largest. On a shared CPU a run's median moves between launches by more
-    than the band (unpadded pipelines on 2 cores: up to 1.77 times, 6 launches, 2026-12-07), so a prediction is held
-    to the median of several, and ``with_repeats(compare_runs(cal, rows), launches)`` shows each launch's."""
+    the same order): the first launch's row with ``measured_median_s`` the median of the launches' medians. On a
+    shared CPU a run's median moves between launches by more than the band (unpadded pipelines on 2 cores: up to
+    1.77 times, 6 launches, 2026-12-07), so a prediction is held to the median of several;
+    ``with_repeats(compare_runs(cal, rows), launches)`` shows each launch's and their spread."""
     if not launches:
         raise ValueError("no launches: measure the runs at least once")
-    out = []
-    for i, row in enumerate(launches[0]):
-        names = {rows[i]["name"] for rows in launches}
-        if names != {row["name"]}:
-            raise ValueError(f"run {i}: {row['name']!r} measured again as {sorted(names)}: repeat the same runs in order")
-        medians = [rows[i]["measured_median_s"] for rows in launches]
-        out.append({**row, "measured_median_s": statistics.median(medians),
-                    "measured_spread": (min(medians), max(medians)), "launches": len(launches)})
-    return out
+    _same_runs(launches[0], launches[1:])
+    return [{**row, "measured_median_s": statistics.median(rows[i]["measured_median_s"] for rows in launches)}
+            for i, row in enumerate(launches[0])]
 
 
 def comparison_table(compared: list[dict]) -> Table:

@@ -164,7 +164,7 @@ class LiveRun:
             result = job.wait()
             shown = self.draw(result, {**self.fixed, **settings, **(self.derive(settings) if self.derive else {})})
             self.show(shown)
-            status, outcome = f"{result.describe()}", result
+            status, outcome = result.describe(), result
         except JobCancelled:
             status, outcome = "cancelled: the ranks were stopped", "cancelled"
         except CourseError as exc:
