@@ -13,6 +13,10 @@ per rank, the ranks sharing the cores) and turns what the ranks measured into a 
   a few sizes (``attention``, ``activation``): on a CPU a tiny attention call costs its setup per head and float64
   erf is compute-bound, so neither is priced by FLOPs or bytes;
 * the streaming bandwidth (bytes read + written per second by a large copy);
+* what a pipeline's messages and waits cost in CPU, every rank of a world of 4 in pairs passing small tensors as the
+  pipeline executor does (``cold_start_s``: the extra CPU of work that resumes after a wait, against the same work
+  back to back; ``message_main_s`` and ``message_transport_s``: a message end's CPU on the rank's own thread and on
+  gloo's transport threads);
 * per collective and world size an alpha (seconds) and a beta (seconds per byte of nccl-tests' S: the whole buffer;
   for all_gather the gathered output, for reduce_scatter the unreduced input, for all_to_all each rank's buffer),
   fitted to the medians by least squares on the relative error (sizes span six decades: a plain least squares
@@ -142,6 +146,11 @@ class MachineCalibration:
     all_reduce_quiet: tuple[float, float] = (0.0, 0.0)  # the same, the other ranks idle
     world_all_reduce_busy: tuple[float, float] = (0.0, 0.0)  # every rank of contended_world computing, all-reducing
     barrier: tuple[tuple[int, float], ...] = ()  # (world, mean seconds of one barrier of the whole world)
+    # a pipeline's messages and waits, every rank of messaging_world in pairs (workers/calibrate.py: measure_messaging)
+    messaging_world: int = 0  # 0: not measured
+    cold_start_s: float = 0.0  # extra CPU of a burst of work that starts after a wait, over the same back to back
+    message_main_s: float = 0.0  # a rank's own CPU per message end (isend, posted receive, its wait)
+    message_transport_s: float = 0.0  # its other threads' CPU per message end (gloo's transport threads)
     # (dtype, batch x heads, seq, head_dim, forward_s, forward_backward_s): causal SDPA on [1, b x h, s, d]
     attention: tuple[tuple[str, int, int, int, float, float], ...] = ()
     activation: tuple[tuple[str, int, float, float], ...] = ()  # (dtype, elements, forward_s, forward_backward_s): GELU
@@ -246,6 +255,11 @@ class MachineCalibration:
                               ("all_reduce, others idle", self.all_reduce_quiet)):
                 rows.append([f"{what}: 2 of {self.contended_world} ranks", f"alpha {fit[0] * us:.0f} us, "
                                                                            f"{fit[1] * 1e12:.0f} ps/byte"])
+        if self.messaging_world:
+            rows.append([f"pipeline messages, {self.messaging_world} ranks in pairs: a burst that starts after a wait",
+                         f"{self.cold_start_s * us:.0f} us more CPU than back to back"])
+            rows.append(["CPU per message end: the rank's own thread / its transport threads",
+                         f"{self.message_main_s * us:.0f} / {self.message_transport_s * us:.0f} us"])
         for world, t in self.barrier:
             rows.append([f"barrier, {world} ranks", f"{t * us:.0f} us"])
         if self.adamw_step_s:
@@ -305,6 +319,15 @@ def contended_rows(ranks: list[dict]) -> dict:
     return out
 
 
+def messaging_medians(ranks: list[dict]) -> dict:
+    """The messaging pattern's CPU (``workers/calibrate.py: measure_messaging``) as the median over the ranks (every
+    rank took part), the burst alone as rank 0 timed it; {} where it was not measured."""
+    if not ranks[0].get("messaging"):
+        return {}
+    out = {k: _median(r["messaging"][k] for r in ranks) for k in ("burst_s", "main_per_end_s", "transport_per_end_s")}
+    return {"alone_s": ranks[0]["messaging"]["alone_s"], **out}
+
+
 def aggregate(ranks: list[dict]) -> dict:
     """One calibration run's rank results as one world's medians: one rank's costs from rank 0 (measured alone),
     contention as the median over the busy ranks, a collective's time as its slowest rank's median; the contended
@@ -324,7 +347,7 @@ def aggregate(ranks: list[dict]) -> dict:
                         for i, row in enumerate(rows)] for name, rows in r0["collectives"].items()}
     barrier = [max(r["barrier"][i] for r in ranks) for i in range(len(r0.get("barrier") or []))]
     return {"world": world, "matmul": matmul, "ops": ops, "kernels": kernels, "stream": stream,
-            "contention": contention,
+            "contention": contention, "messaging": messaging_medians(ranks),
             "contended": contended_rows(ranks), "barrier": _distribution(barrier) if barrier else [],
             "contention_shape": r0["contention_shape"], "stream_bytes": r0["stream_bytes"], "collectives": coll,
             "collectives_mean": coll_mean,
@@ -359,6 +382,7 @@ def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dic
     p2p_worlds = [w for w in worlds if ("p2p", w) in collectives]
     one = {k: _median(raw[w]["ops"][k] for w in worlds) for k in OPS}
     contended = _contended_fits(raw, collectives)
+    messaging = _messaging(raw)
     return MachineCalibration(
         cpu=r0["cpu"], capability=r0["capability"], cores=r0["cores"], threads_per_rank=r0["threads"],
         world_sizes=worlds, torch_version=r0["torch"], **one, matmul=tuple(matmul), attention=attention,
@@ -366,7 +390,7 @@ def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dic
         stream_bandwidth=_median(raw[w]["stream"]["copy_bytes_per_s"] for w in worlds),
         contention=contention, collectives=collectives, fit_error=errors,
         p2p=collectives[("p2p", max(p2p_worlds))] if p2p_worlds else (0.0, 0.0),
-        adamw_shapes=tuple(tuple(s) for s in r0["ops"]["adamw_shapes"]), **contended,
+        adamw_shapes=tuple(tuple(s) for s in r0["ops"]["adamw_shapes"]), **contended, **messaging,
         barrier=tuple((w, raw[w]["barrier"][DISTRIBUTION.index(CONTENDED_STAT)]) for w in worlds if raw[w]["barrier"]),
         measured_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), seconds=seconds,
         params=dict(params or {}), raw=raw)
@@ -404,6 +428,17 @@ def _contended_fits(raw: dict, collectives: dict) -> dict:
             if got:
                 out[f"{kind}_{state}"] = (alpha_at(beta, [b for b, _ in got], [t for _, t in got]), beta)
     return out
+
+
+def _messaging(raw: dict) -> dict:
+    """The messaging fields of the largest world that measured them: the cold start is a burst in the pattern less
+    the same burst back to back (never below 0), the message ends' CPU as measured."""
+    worlds = [w for w in sorted(raw) if raw[w].get("messaging")]
+    if not worlds:
+        return {}
+    got = raw[worlds[-1]]["messaging"]
+    return {"messaging_world": worlds[-1], "cold_start_s": max(0.0, got["burst_s"] - got["alone_s"]),
+            "message_main_s": got["main_per_end_s"], "message_transport_s": got["transport_per_end_s"]}
 
 
 _CACHE: dict[tuple, MachineCalibration] = {}

@@ -33,7 +33,12 @@ tiers (every rank is on this one machine, so every group is "inside the node"). 
 * chapter 13 (a stack of Linear + tanh, float32, which a ``ModelShape`` cannot express): each virtual stage's
   forward and backward from the same pieces (its GEMMs through the device's ``GemmTable``, its tanh's bytes over the
   memory bandwidth, its counted ops times the op cost, all times the cores' contention), the message from the
-  fitted ``p2p`` link, and ``pipeline_makespan`` of those times.
+  fitted ``p2p`` link, and ``pipeline_makespan`` of those times. An unpadded pipeline whose ranks outnumber the
+  cores (``shares_cores``) is replayed on the cores instead (``shared_cores_makespan``): each action its own CPU,
+  ranks and messages queueing for a core, each message the CPU of its threads (measured in the executor's pattern:
+  ``message_main_s``, ``message_transport_s``), each action after a wait starting cold (``cold_start_s``). One
+  price for every message cannot hold there: in one pipeline of four ranks few compute at once and a message finds
+  a core free, in two pipelines of two every message queues behind the other pair's work.
 
 Terms that are not the time model's own, one sentence each:
 
@@ -71,7 +76,7 @@ from .calibration import MachineCalibration
 from .device_rates import GemmRow, GemmTable
 from .hardware import GPU, Cluster, Link
 from .model_shapes import ModelShape
-from .step_time import Practice, gemm_seconds, group_time, pipeline_makespan, step_time
+from .step_time import Practice, gemm_seconds, group_time, pipeline_makespan, schedule_plan, step_time
 from .tables import Table
 
 TOLERANCE = 0.25  # the acceptance band: |predicted / measured - 1| <= 25%
@@ -664,6 +669,124 @@ def _pad_gpt(row, model, layout, cluster, practice, st, terms) -> dict:
 
 # -- chapter 13: pipeline_makespan ----------------------------------------------------------------------------------
 
+def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores: int, *, transport: float = 0.0,
+                          wire: float = 0.0, cold: float = 0.0) -> float:
+    """Seconds from the start of a step to its last action for ``replicas`` identical pipelines side by side (the
+    run's dp) whose ranks share ``cores`` cores, each rank running its list of ``plan`` (``schedules.Plan``), unit u
+    taking ``unit_seconds[u]`` of a core (its compute and the CPU of its message ends on the rank's own thread).
+
+    How the cores are shared, as measured on CPU ranks: a rank holds a core from the moment it gets one until it must
+    wait for a message (its actions are shorter than a scheduler's slice), and a rank or a message that wants a core
+    queues for one, first come first served. A message leaves when the threads that carry it (gloo's transport
+    threads at both ends) have had ``transport`` of a core, after the action that produced it; it lands ``wire``
+    later. A rank that has waited (for a message, or the step's barrier) starts its next action ``cold``: that
+    action costs ``cold`` more (``MachineCalibration.cold_start_s``). With cores for every rank and ``transport`` =
+    ``cold`` = 0 this is ``Plan.run``'s replay with each message taking ``wire``."""
+    if plan.calls:
+        raise ValueError("a table with calls (DualPipeV's overlapped pairs) has no shared-cores replay")
+    p, n = plan.p, len(plan.rank)
+    units = [[u for u in range(n) if plan.rank[u] == r] for r in range(p)]
+    consumers = collections.defaultdict(list)  # a unit -> the units on other ranks that wait for its message
+    for u in range(n):
+        if plan.dep[u] >= 0 and plan.dep[u] & 1:
+            consumers[plan.dep[u] >> 1].append(u)
+    ranks = replicas * p  # rank g is stage g % p of pipeline g // p
+    pos = [0] * ranks
+    done = [[None] * n for _ in range(replicas)]  # when unit u finished on its rank
+    landed = [[None] * n for _ in range(replicas)]  # when unit u's message landed on its consumer
+    queue = collections.deque()  # tasks waiting for a core: ("rank", g) or ("send", pipeline, unit)
+    running = {}  # task -> seconds of a core it still needs
+    waiting, cold_next = set(range(ranks)), set()
+    wires = []  # (time a message lands, pipeline, unit)
+    now, left = 0.0, replicas * n
+    eps = 1e-12
+
+    def ready(g: int) -> bool:
+        q, r = divmod(g, p)
+        d = plan.dep[units[r][pos[g]]]
+        return d < 0 or (landed if d & 1 else done)[q][d >> 1] is not None
+
+    while left or running or wires:
+        for g in sorted(waiting):  # ranks whose next action may start: queue for a core, cold after their wait
+            if pos[g] < len(units[g % p]) and ready(g):
+                waiting.discard(g)
+                cold_next.add(g)
+                queue.append(("rank", g))
+        while queue and len(running) < cores:
+            task = queue.popleft()
+            if task[0] == "rank":
+                g = task[1]
+                running[task] = unit_seconds[units[g % p][pos[g]]] + (cold if g in cold_next else 0.0)
+                cold_next.discard(g)
+            else:
+                running[task] = transport
+        if not running and not wires:
+            raise RuntimeError("the pipelines wait on each other forever: the table deadlocks")
+        step = min([*running.values(), *(w[0] - now for w in wires)])
+        now += max(step, 0.0)
+        for task in running:
+            running[task] -= step
+        for w in [w for w in wires if w[0] <= now + eps]:
+            wires.remove(w)
+            landed[w[1]][w[2]] = now
+        for task in [t for t, need in running.items() if need <= eps]:
+            del running[task]
+            if task[0] == "send":
+                wires.append((now + wire, task[1], task[2]))
+                continue
+            g = task[1]
+            q, r = divmod(g, p)
+            u = units[r][pos[g]]
+            done[q][u] = now
+            left -= 1
+            pos[g] += 1
+            for _ in consumers[u]:  # its message: its threads' CPU first, if any, then the wire
+                if transport > 0:
+                    queue.append(("send", q, u))
+                else:
+                    wires.append((now + wire, q, u))
+            if pos[g] < len(units[r]) and ready(g):
+                running[task] = unit_seconds[units[r][pos[g]]]  # it goes on without giving its core up
+            else:
+                waiting.add(g)
+    return now
+
+
+def shares_cores(row: dict, cal: MachineCalibration) -> bool:
+    """Whether chapter 13's run is priced by ``shared_cores_makespan``: a pipeline whose ranks compute at once
+    (unpadded) outnumber the cores, on a calibration that measured the messaging pattern's CPU."""
+    return (row["layout"]["pp"] > 1 and contended(cal, busy_world(row)) and cal.messaging_world > 0
+            and row["layout"]["schedule"] in ("gpipe", "1f1b", "interleaved"))
+
+
+def _shared_schedule(row: dict, cal: MachineCalibration, schedule: str, fwd: list[float], bwd: list[float],
+                     nbytes: float) -> tuple[float, float, float]:
+    """(the schedule on shared cores with free messages, with its messages, one message on idle cores) for a
+    chapter 13 run that ``shares_cores``: each action's CPU its compute plus ``message_main_s`` per message end on it
+    (its receive, its sends), each message the two ends' transport CPU (``message_transport_s`` each) and the rest of
+    the calibration's quiet one-way time (``p2p_quiet``, the other ranks idle) as its wire, each action after a wait
+    ``cold_start_s`` more."""
+    lay = row["layout"]
+    p, v, m = lay["pp"], lay.get("virtual_stages", 1), row["micro_batches"]
+    plan = schedule_plan(schedule, p, m, v if schedule == "interleaved" else 1)
+    seconds = plan.seconds(fwd, bwd, 0.0)
+    base = [seconds[plan.key[u]] for u in range(len(plan.rank))]
+    ends = [0] * len(base)
+    for u in range(len(base)):
+        if plan.dep[u] >= 0 and plan.dep[u] & 1:
+            ends[u] += 1  # its receive
+            ends[plan.dep[u] >> 1] += 1  # the producer's send
+    with_messages = [b + k * cal.message_main_s for b, k in zip(base, ends)]
+    transport = 2 * cal.message_transport_s
+    quiet = cal.p2p_quiet[0] + cal.p2p_quiet[1] * nbytes
+    wire = max(0.0, quiet - transport - 2 * cal.message_main_s)
+    replicas = row["world"] // p
+    flat = shared_cores_makespan(plan, base, replicas, cal.cores)
+    total = shared_cores_makespan(plan, with_messages, replicas, cal.cores, transport=transport, wire=wire,
+                                  cold=cal.cold_start_s)
+    return flat, total, transport + wire + 2 * cal.message_main_s
+
+
 def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
     """Chapter 13: each virtual stage's forward and backward of one micro-batch from the time model's pieces, each
     action padded to max(compute, pad), and ``pipeline_makespan`` of the run's schedule over them (``schedule_s``),
@@ -697,10 +820,16 @@ def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
         parts.append((f, b))
     fwd = [max(t, pad_f) for t in compute_f]
     bwd = [max(t, pad_b) for t in compute_b]
-    message = group_time("send_recv", mbs * h * e, 2, 1, cluster) if p > 1 else 0.0
     schedule = lay["schedule"] if p > 1 else "1f1b"
-    flat = pipeline_makespan(schedule, p, m, v, fwd, bwd, 0.0)
-    total = pipeline_makespan(schedule, p, m, v, fwd, bwd, message) if message else flat
+    if shares_cores(row, cal):
+        # each action's own CPU (no contention factor: the replay shares the cores itself)
+        fwd, bwd = [t / slow for t in fwd], [t / slow for t in bwd]
+        parts = [tuple({k: x / slow for k, x in part.items()} for part in pair) for pair in parts]
+        flat, total, message = _shared_schedule(row, cal, schedule, fwd, bwd, mbs * h * e)
+    else:
+        message = group_time("send_recv", mbs * h * e, 2, 1, cluster) if p > 1 else 0.0
+        flat = pipeline_makespan(schedule, p, m, v, fwd, bwd, 0.0)
+        total = pipeline_makespan(schedule, p, m, v, fwd, bwd, message) if message else flat
     busy = [m * sum(fwd[vs] + bwd[vs] for vs in range(r, chunks, p)) for r in range(p)]
     critical = max(range(p), key=lambda r: busy[r])
     terms = {"matmul": 0.0, "memory-bound": 0.0, "kernel overhead": 0.0}

@@ -114,6 +114,22 @@ def test_contended_rows_and_fits_from_synthetic_ranks():
     assert cal_mod._contended_fits({2: {"contended": {}}}, {}) == {}  # two ranks: nothing measured
 
 
+def test_the_messaging_pattern_gives_the_cold_start_and_the_cpu_per_message_end():
+    # every rank took part: the median over the ranks; the burst alone is rank 0's (the others slept meanwhile)
+    ranks = [{"messaging": {"alone_s": 4e-4 if r == 0 else None, "burst_s": 5e-4 + r * 1e-5,
+                            "main_per_end_s": 6e-5 + r * 1e-6, "transport_per_end_s": 1.2e-4 + r * 1e-6,
+                            "bursts": 160, "burst_steps": 4}} for r in range(4)]
+    got = cal_mod.messaging_medians(ranks)
+    assert got == pytest.approx({"alone_s": 4e-4, "burst_s": 5.15e-4, "main_per_end_s": 6.15e-5,
+                                 "transport_per_end_s": 1.215e-4})
+    fields = cal_mod._messaging({2: {"messaging": {}}, 4: {"messaging": got}})
+    assert fields == pytest.approx({"messaging_world": 4, "cold_start_s": 1.15e-4, "message_main_s": 6.15e-5,
+                                    "message_transport_s": 1.215e-4})
+    # a burst no slower after a wait than back to back starts no colder than that (noise cannot make it negative)
+    assert cal_mod._messaging({4: {"messaging": {**got, "burst_s": 3e-4}}})["cold_start_s"] == 0.0
+    assert cal_mod.messaging_medians([{"messaging": None}] * 2) == {} and cal_mod._messaging({2: {}}) == {}
+
+
 def test_the_new_fields_round_trip_and_an_older_file_still_loads():
     old = {"format": cal_mod.FORMAT, "cpu": "x", "capability": "DEFAULT", "cores": 2, "threads_per_rank": 1,
            "world_sizes": [2], "torch_version": "0", "op_s": 1e-6, "op_forward_s": 2e-6,
@@ -125,29 +141,35 @@ def test_the_new_fields_round_trip_and_an_older_file_still_loads():
 
     cal = MachineCalibration.from_json(json.dumps(old))  # written before the contended fields existed
     assert cal.contended_world == 0 and cal.p2p_busy == (0.0, 0.0) and cal.barrier == () and cal.adamw_step_s == 0
+    assert cal.messaging_world == 0 and cal.cold_start_s == 0.0
     assert cal.attention == () and cal.activation == ()
     assert cal.barrier_seconds(4) == 0.0
     new = {**old, "contended_world": 4, "p2p_busy": [1.5e-3, 1e-9], "p2p_quiet": [1e-4, 1e-9],
            "all_reduce_busy": [2e-3, 2e-9], "all_reduce_quiet": [3e-4, 2e-9], "world_all_reduce_busy": [5e-3, 3e-9],
            "barrier": [[2, 2e-4], [4, 1e-3]], "adamw_step_s": 3e-4, "adamw_shapes": [[32], [32, 32]],
-           "attention": [["float64", 8, 16, 4, 3e-5, 1e-4]], "activation": [["float64", 1024, 2e-5, 6e-5]]}
+           "attention": [["float64", 8, 16, 4, 3e-5, 1e-4]], "activation": [["float64", 1024, 2e-5, 6e-5]],
+           "messaging_world": 4, "cold_start_s": 1.5e-4, "message_main_s": 6e-5, "message_transport_s": 1.2e-4}
     cal = MachineCalibration.from_json(json.dumps(new))
+    assert cal.messaging_world == 4 and cal.cold_start_s == 1.5e-4 and cal.message_transport_s == 1.2e-4
     assert cal.p2p_busy == (1.5e-3, 1e-9) and cal.adamw_shapes == ((32,), (32, 32))
     assert cal.attention == (("float64", 8, 16, 4, 3e-5, 1e-4),) and cal.activation == (("float64", 1024, 2e-5, 6e-5),)
     assert cal.barrier_seconds(4) == 1e-3 and cal.barrier_seconds(3) == 1e-3 and cal.barrier_seconds(1) == 0.0
     assert MachineCalibration.from_json(cal.to_json()) == cal
     assert "others busy" in str(cal.summary()) and "barrier, 4 ranks" in str(cal.summary())
     assert "causal SDPA float64" in str(cal.summary()) and "GELU float64" in str(cal.summary())
+    assert "starts after a wait" in str(cal.summary()) and "CPU per message end" in str(cal.summary())
 
 
 def test_the_worker_refuses_contended_settings_it_cannot_run():
     from course_utils.validate import InvalidParameter
 
     for bad in ({"contended_sizes": [2]}, {"contended_rounds": 0}, {"contended_work_ms": -1.0},
-                {"contended_ms": 0.0}, {"contended_calls": 1}):
+                {"contended_ms": 0.0}, {"contended_calls": 1}, {"messaging_steps": -1}, {"messaging_messages": 0},
+                {"messaging_burst_steps": 0}):
         with pytest.raises(InvalidParameter):
             check_params(cal_mod.WORKER, 4, {**QUICK, **bad})
     check_params(cal_mod.WORKER, 4, {**QUICK, "contended_sizes": []})  # none: the phase is skipped
+    check_params(cal_mod.WORKER, 4, {**QUICK, "messaging_steps": 0})  # none: the messaging phase is skipped
 
 
 def test_the_default_runs_are_the_chapters_runs_and_every_one_passes_its_workers_check():
@@ -252,6 +274,7 @@ def test_contended_messages_are_measured_with_the_other_ranks_busy_and_idle():
              "contended_work_ms": 0.2}
     ranks = cal_mod.run_worker(cal_mod.WORKER, world_size=3, **short).ranks
     raw = cal_mod.aggregate(ranks)
+    assert all(r["messaging"] is None for r in ranks) and raw["messaging"] == {}  # an odd world has no pairs
     rows = raw["contended"]
     assert {(r[0], r[1]) for r in rows["p2p"]} == {(b, busy) for b in (8, 65536) for busy in (0, 1)}
     assert {(r[0], r[1]) for r in rows["world_all_reduce"]} == {(8, 1)}
@@ -263,6 +286,22 @@ def test_contended_messages_are_measured_with_the_other_ranks_busy_and_idle():
     assert fits["contended_world"] == 3
     assert all(fits[k][0] > 0 for k in cal_mod.CONTENDED_FITS)
     assert len(raw["barrier"]) == 7 and raw["barrier"][0] > 0
+
+
+@pytest.mark.ranks
+def test_the_messaging_pattern_is_measured_on_every_rank_of_an_even_world():
+    short = {**QUICK, "collectives": ["broadcast"], "contended_sizes": [], "messaging_steps": 3,
+             "messaging_messages": 4, "messaging_burst_steps": 1}
+    ranks = cal_mod.run_worker(cal_mod.WORKER, world_size=4, **short).ranks
+    for r in ranks:
+        got = r["messaging"]
+        assert got["bursts"] == 12 and got["burst_steps"] == 1
+        # CPU clocks: a burst takes some, a message end some on this thread; the other threads' share is >= 0
+        assert got["burst_s"] > 0 and got["main_per_end_s"] > 0 and got["transport_per_end_s"] >= 0
+    assert ranks[0]["messaging"]["alone_s"] > 0 and all(r["messaging"]["alone_s"] is None for r in ranks[1:])
+    raw = cal_mod.aggregate(ranks)
+    assert set(raw["messaging"]) == {"alone_s", "burst_s", "main_per_end_s", "transport_per_end_s"}
+    assert cal_mod._messaging({4: raw})["messaging_world"] == 4
 
 
 @pytest.mark.ranks

@@ -15,7 +15,7 @@ import pytest
 from course_utils import calibration as cal_mod
 from course_utils import machine_device as md
 from course_utils.calibration import MachineCalibration, default_runs, run_row
-from course_utils.step_time import _table, pipeline_makespan
+from course_utils.step_time import _table, pipeline_makespan, schedule_plan
 
 MATMUL = [[d, m, n, k, f * (1.0 if d == "float32" else 0.5)] for d in ("float32", "float64")
           for m, n, k, f in ((4, 16, 16, 1.2e9), (8, 32, 32, 8e9), (64, 64, 64, 6e10), (256, 256, 256, 1e11))]
@@ -40,9 +40,18 @@ SYNTHETIC = {
 }
 
 
+# the same machine with the messaging pattern measured (workers/calibrate.py: measure_messaging)
+MESSAGING = {"messaging_world": 4, "cold_start_s": 1.5e-4, "message_main_s": 5e-5, "message_transport_s": 1.2e-4}
+
+
 @pytest.fixture(scope="module")
 def cal() -> MachineCalibration:
     return MachineCalibration.from_json(json.dumps(SYNTHETIC))
+
+
+@pytest.fixture(scope="module")
+def shared() -> MachineCalibration:
+    return MachineCalibration.from_json(json.dumps({**SYNTHETIC, **MESSAGING}))
 
 
 def _spec(name: str):
@@ -135,6 +144,78 @@ def test_an_unpadded_pipeline_on_more_ranks_than_cores_waits_the_contended_messa
                                                    pred["message"])
     gpt = md.predict(_row("1x1x4x1 zero 0"), cal)  # the tied embedding: a 2-rank all-reduce, others computing
     assert gpt["terms"]["tied embedding"] == pytest.approx(cal.all_reduce_busy[0] + cal.all_reduce_busy[1] * 32 * 32 * 8)
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [(s, p, m, 2 if s == "interleaved" else 1) for s in
+                                             ("gpipe", "1f1b", "interleaved") for p in (2, 4) for m in (4, 8)])
+def test_shared_cores_with_a_core_per_rank_and_free_threads_is_the_schedules_replay(schedule, p, m, v):
+    # every rank on its own core, messages costing no CPU and no rank starting cold: nothing but the schedule and
+    # the wire is left, which is Plan.run's replay (unequal stages, so that a wrong dependency shows)
+    plan = schedule_plan(schedule, p, m, v)
+    fwd = [1e-4 * (1 + 0.3 * vs) for vs in range(p * v)]
+    bwd = [2.1e-4 * (1 + 0.2 * (p * v - vs)) for vs in range(p * v)]
+    seconds = plan.seconds(fwd, bwd, 0.0)
+    units = [seconds[plan.key[u]] for u in range(len(plan.rank))]
+    for wire in (0.0, 3e-5):
+        replay = plan.run(fwd, bwd, wire, boxes=False)["makespan"]
+        assert md.shared_cores_makespan(plan, units, 1, p, wire=wire) == pytest.approx(replay, rel=1e-12)
+        # two pipelines side by side on a core per rank: each runs as if alone
+        assert md.shared_cores_makespan(plan, units, 2, 2 * p, wire=wire) == pytest.approx(replay, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_one_core_runs_every_second_of_cpu_the_ranks_and_their_messages_need(schedule):
+    # with one core and messages that land as soon as their threads have run, the core never idles: the step is the
+    # sum of every rank's CPU and every message's, whatever the order the queue serves them in
+    p, m, v = 2, 4, 2 if schedule == "interleaved" else 1
+    plan = schedule_plan(schedule, p, m, v)
+    seconds = plan.seconds([1e-4, 1.3e-4, 0.9e-4, 1.1e-4][: p * v], [2e-4, 2.5e-4, 1.9e-4, 2.2e-4][: p * v], 0.0)
+    units = [seconds[plan.key[u]] for u in range(len(plan.rank))]
+    messages = sum(1 for d in plan.dep if d >= 0 and d & 1)
+    for replicas in (1, 2):
+        got = md.shared_cores_makespan(plan, units, replicas, 1, transport=3e-5)
+        assert got == pytest.approx(replicas * (sum(units) + messages * 3e-5), rel=1e-9)
+
+
+def test_a_message_waits_for_its_threads_and_the_wire_and_a_rank_that_waited_starts_cold():
+    # GPipe, 2 stages, 1 micro-batch, a core each: F on stage 0 (cold: it left the step's barrier), its message
+    # (transport, then wire), F on stage 1 (cold: it waited), B on stage 1 at once (its own F: no wait, not cold),
+    # the gradient's message, B on stage 0 (cold)
+    plan = schedule_plan("gpipe", 2, 1, 1)
+    f, b = [1.0, 1.5], [2.0, 3.0]
+    seconds = plan.seconds(f, b, 0.0)
+    units = [seconds[plan.key[u]] for u in range(len(plan.rank))]
+    got = md.shared_cores_makespan(plan, units, 1, 2, transport=0.1, wire=0.05, cold=0.01)
+    assert got == pytest.approx(sum(f) + sum(b) + 3 * 0.01 + 2 * (0.1 + 0.05), rel=1e-12)
+    # one core for both stages changes nothing here: only one of them can run at a time anyway
+    assert md.shared_cores_makespan(plan, units, 1, 1, transport=0.1, wire=0.05, cold=0.01) == pytest.approx(got)
+    # a second pipeline beside it: on two cores each still finds one free (one of its stages runs at a time); on
+    # one core the two queue for it, and the step takes at least both pipelines' CPU
+    assert md.shared_cores_makespan(plan, units, 2, 2, transport=0.1, wire=0.05, cold=0.01) == pytest.approx(got)
+    assert md.shared_cores_makespan(plan, units, 2, 1, transport=0.1, wire=0.05, cold=0.01) >= 2 * (got - 0.1)
+
+
+def test_an_unpadded_pipeline_on_more_ranks_than_cores_shares_the_cores_with_its_messages(cal, shared):
+    row = _row("1f1b pp 2 m 8 unpadded")
+    assert md.shares_cores(row, shared) and not md.shares_cores(row, cal)  # cal never measured the pattern
+    assert not md.shares_cores(_row("1f1b pp 2 m 8 timed"), shared)  # padded ranks sleep: they hold no core
+    roomy = MachineCalibration.from_json(json.dumps({**SYNTHETIC, **MESSAGING, "cores": 8}))
+    assert not md.shares_cores(row, roomy)  # a core for every rank
+    pred, old = md.predict(row, shared), md.predict(row, cal)
+    slow = md.contention(md.run_cluster(row, cal), row["world"])
+    # each action is its own CPU: the replay shares the cores, so no contention factor is left on it
+    assert pred["forward"] == pytest.approx([t / slow for t in old["forward"]], rel=1e-12)
+    assert pred["backward"] == pytest.approx([t / slow for t in old["backward"]], rel=1e-12)
+    assert sum(pred["terms"].values()) == pytest.approx(pred["predicted_s"], rel=1e-12)
+    # two pipelines of two ranks on two cores: the step needs at least every rank's CPU and every message's over
+    # the cores; the messages' CPU and the cold starts lengthen it over the same replay with free messages
+    plan = schedule_plan("1f1b", 2, 8, 1)
+    crossings = sum(1 for d in plan.dep if d >= 0 and d & 1)
+    cpu = 2 * (sum(pred["busy"]) + crossings * (2 * shared.message_main_s + 2 * shared.message_transport_s))
+    assert pred["schedule_s"] >= cpu / shared.cores
+    assert pred["terms"]["pp"] > 0 and pred["terms"]["bubble"] >= 0
+    quiet = shared.p2p_quiet[0] + shared.p2p_quiet[1] * 4 * 16 * 4
+    assert pred["message"] == pytest.approx(max(quiet, 2 * (shared.message_transport_s + shared.message_main_s)))
 
 
 def test_the_step_outside_the_schedule_is_counted_ops_at_measured_costs(cal):

@@ -40,6 +40,13 @@ and what one rank times with it; this script runs them on the ranks and adds wha
   that waits for the scheduler to take one from a busy rank, not for the wire. The scheduler tends to stay in one
   regime for a window, so each point is ``contended_rounds`` windows of about ``contended_ms`` taken in turn, each
   call timed on its own;
+* **messaging** (worlds of 3 ranks or more, an even number): every rank in a pair of pipeline stages passing a small
+  tensor back and forth in the executor's pattern (receives posted ahead, ``isend``, each receive waited for where
+  it is needed), each computing a burst of ``messaging_burst_steps`` tiny ``nn.Linear`` steps between: the CPU of
+  a burst that starts after a wait (against the same burst back to back: on a machine whose idle cores sleep, or
+  whose caches another rank has filled meanwhile, work that resumes after a wait runs cold), and the CPU each message
+  end costs this thread and the others (gloo's transport threads), read from the CPU clocks
+  (``time.thread_time``, ``time.process_time``);
 * **barrier**: barriers of the whole world back to back, each timed (every world of 2 ranks or more);
 * **adamw**: one ``torch.optim.AdamW`` step (as on CPU: a loop over the parameters, about ten eager ops each) over
   the parameters of one layer of chapter 15's GPT (``ADAMW_SHAPES``, float64), measured with the ops.
@@ -60,7 +67,8 @@ import torch
 import torch.distributed as dist
 
 from workers.runtime import all_gather_single, at_least, entrypoint, one_of, reduce_scatter_single, refusal
-from workers.timing.cpu import DTYPES, matmul_fn, measure_kernels, measure_ops, measure_stream, op_fn, stats, timed
+from workers.timing.cpu import (DTYPES, linear_fn, matmul_fn, measure_kernels, measure_ops, measure_stream, op_fn,
+                                stats, timed)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
 SHAPES = ["4x16x16", "8x32x32", "32x32x96", "64x64x64", "128x32x128", "128x128x128", "256x256x256", "512x512x512"]
@@ -92,7 +100,8 @@ def _shape_problem(shapes) -> str | None:
 def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes=SIZES, collectives=COLLECTIVES,
                  contention_shape="256x256x256", repeats=7, target_ms=2.0, window_ms=30.0, windows=3, calls=11,
                  max_calls=41, point_ms=50.0, stream_mib=32, contended_sizes=CONTENDED_SIZES, contended_ms=40.0,
-                 contended_calls=100, contended_work_ms=1.0, contended_rounds=6, **_):
+                 contended_calls=100, contended_work_ms=1.0, contended_rounds=6, messaging_steps=20,
+                 messaging_messages=8, messaging_burst_steps=4, **_):
     def bad(values):
         return any(not isinstance(s, int) or isinstance(s, bool) or s < 4 or s > MAX_BYTES for s in values)
 
@@ -107,6 +116,8 @@ def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes
                    else None,
                    at_least("repeats", repeats, 3), at_least("windows", windows), at_least("calls", calls, 3),
                    at_least("contended_calls", contended_calls, 2), at_least("contended_rounds", contended_rounds),
+                   at_least("messaging_steps", messaging_steps, 0), at_least("messaging_messages", messaging_messages),
+                   at_least("messaging_burst_steps", messaging_burst_steps),
                    None if 0 <= contended_work_ms <= 100 else
                    f"contended_work_ms={contended_work_ms} must be between 0 and 100 ms",
                    None if max_calls >= calls else f"max_calls={max_calls} must be at least calls={calls}",
@@ -329,6 +340,60 @@ def measure_barrier(calls: int) -> list[float]:
     return samples
 
 
+def measure_messaging(ctx, steps: int, messages: int, burst_steps: int) -> dict | None:
+    """The CPU a pipeline's messages and waits cost, every rank taking part: ranks 2i and 2i + 1 as two stages pass a
+    ``[4, 16]`` float32 tensor back and forth ``messages`` times a step, as the pipeline executor does (the step's
+    receives posted before a barrier, ``isend``, each receive waited for where it is needed), each rank computing a
+    burst of ``burst_steps`` calibration ``nn.Linear`` steps between a receive and its next send (about the size of one
+    of chapter 13's actions). Every burst follows a wait, so it starts cold.
+
+    Per rank, from the CPU clocks (``time.thread_time``: this thread; ``time.process_time``: every thread of the
+    process, gloo's transport threads included): ``burst_s`` the CPU of one burst in the pattern, ``main_per_end_s``
+    this thread's CPU outside the bursts per message end (a send or a receive: the isend, the posted receive, its
+    wait), ``transport_per_end_s`` the other threads' CPU per message end; and on rank 0 ``alone_s``, one burst back
+    to back with the other ranks asleep. None in a world of an odd number of ranks."""
+    if ctx.world_size % 2:
+        return None
+    step = linear_fn()
+
+    def burst():
+        for _ in range(burst_steps):
+            step()
+
+    for _ in range(20):
+        burst()  # warm-up
+
+    def alone() -> float:
+        start, n = time.thread_time(), 50
+        for _ in range(n):
+            burst()
+        return (time.thread_time() - start) / n
+
+    alone_s = _alone(ctx, alone)
+    peer, first = ctx.rank ^ 1, ctx.rank % 2 == 0
+    send = torch.ones(4, 16)
+    bursts_s, thread0, process0 = 0.0, time.thread_time(), time.process_time()
+    for _ in range(steps):
+        receives = [dist.irecv(torch.empty(4, 16), src=peer, tag=j) for j in range(messages)]
+        dist.barrier()  # every receive of the step is posted before any message of it
+        sends = []
+        for j in range(messages):
+            if not first:
+                receives[j].wait()
+            start = time.thread_time()
+            burst()
+            bursts_s += time.thread_time() - start
+            sends.append(dist.isend(send, dst=peer, tag=j))
+            if first:
+                receives[j].wait()
+        for work in sends:
+            work.wait()
+    thread_s, process_s = time.thread_time() - thread0, time.process_time() - process0
+    n = steps * messages  # bursts; each rank sent n messages and received n
+    return {"alone_s": alone_s, "burst_s": bursts_s / n, "main_per_end_s": (thread_s - bursts_s) / (2 * n),
+            "transport_per_end_s": (process_s - thread_s) / (2 * n), "bursts": n, "burst_steps": burst_steps}
+
+
 # -- the run --------------------------------------------------------------------------------------------------------
 
 def cpu_name() -> str:
@@ -347,7 +412,8 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
          repeats: int = 7, target_ms: float = 2.0, window_ms: float = 30.0, windows: int = 3, calls: int = 11,
          max_calls: int = 41, point_ms: float = 50.0, stream_mib: int = 32, contended_sizes: list = CONTENDED_SIZES,
          contended_ms: float = 40.0, contended_calls: int = 100, contended_work_ms: float = 1.0,
-         contended_rounds: int = 6):
+         contended_rounds: int = 6, messaging_steps: int = 20, messaging_messages: int = 8,
+         messaging_burst_steps: int = 4):
     """Measure matmul rates, per-op overheads, attention and activation kernels, memory bandwidth, contention,
     collectives and messages under contention on these ranks."""
     start = time.perf_counter()
@@ -411,6 +477,12 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
     barrier = measure_barrier(max(calls, max_calls)) if ctx.world_size > 1 else []
     phase("contended", t0)
 
+    t0 = time.perf_counter()
+    messaging = None
+    if ctx.world_size > 2 and messaging_steps:
+        messaging = measure_messaging(ctx, messaging_steps, messaging_messages, messaging_burst_steps)
+    phase("messaging", t0)
+
     return {"cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
@@ -418,13 +490,15 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
             "device": str(ctx.device), "matmul": matmul if ctx.rank == 0 else None, "ops": ops,
             "kernels": kernels, "stream": stream,
             "contention": shared, "contention_shape": [cm, cn, ck], "stream_bytes": n_stream * 4,
-            "collectives": coll, "contended": contended, "barrier": barrier, "phases": phases,
+            "collectives": coll, "contended": contended, "messaging": messaging, "barrier": barrier,
+            "phases": phases,
             "seconds": time.perf_counter() - start,
             "params": {"repeats": repeats, "target_ms": target_ms, "window_ms": window_ms, "windows": windows,
                        "calls": calls, "max_calls": max_calls, "point_ms": point_ms, "stream_mib": stream_mib,
                        "contended_sizes": list(contended_sizes), "contended_ms": contended_ms,
                        "contended_calls": contended_calls, "contended_work_ms": contended_work_ms,
-                       "contended_rounds": contended_rounds}}
+                       "contended_rounds": contended_rounds, "messaging_steps": messaging_steps,
+                       "messaging_messages": messaging_messages, "messaging_burst_steps": messaging_burst_steps}}
 
 
 if __name__ == "__main__":

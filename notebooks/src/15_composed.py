@@ -466,9 +466,15 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # between about half the measured step and one and a half times it, and the table's largest term says where it
 # looks: a few microseconds per eager op times the ops counted, the optimizer's hundreds of small ops, and each
 # message's wait for a core when four ranks share two (measured by the calibration with the other ranks busy: about
-# a millisecond, against a tenth of that when they are idle). One price for every message is what is still off: in
-# one pipeline of four ranks few of them compute at once, and its messages cost less; in two pipelines of two, both
-# pairs exchange at once, and theirs cost more. A message costs even that only if its receive was posted before it
+# a millisecond, against a tenth of that when they are idle). One such price cannot hold for chapter 13's unpadded
+# pipelines: in one pipeline of four ranks few of them compute at once and a message finds a core free; in two
+# pipelines of two, every message queues behind the other pair's work. So those runs are replayed on the cores
+# themselves (`machine_device.shared_cores_makespan`): every rank and every message queues for one of the two cores,
+# each action costs its own CPU, each message the CPU of the threads that carry it, and an action that follows a
+# wait starts cold. The calibration measures both in the pipeline executor's own pattern (`machine.summary()` lists
+# them): on a virtual machine whose idle cores sleep, work that resumes after a wait can cost twice its CPU back to
+# back. What is still off there is 1F1B and interleaving on two pipelines of two, priced below their step: the
+# replay's one queue is a simpler scheduler than the kernel's. A message costs even that only if its receive was posted before it
 # arrived: otherwise it cannot land until the receive is posted, and gloo's transport threads poll without sleeping
 # meanwhile, taking the core the rank needs to post it (round trips of 4 ms instead of 0.15 on two cores), which is why the pipeline executor posts every receive
 # of a step before the step begins. Attention and GELU are priced from their timed calls, not from their
