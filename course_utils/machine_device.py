@@ -669,6 +669,11 @@ def _pad_gpt(row, model, layout, cluster, practice, st, terms) -> dict:
 
 # -- chapter 13: pipeline_makespan ----------------------------------------------------------------------------------
 
+def messages(plan) -> list[tuple[int, int]]:
+    """``(producer, consumer)`` units of every message of ``plan``: each dependency that crosses ranks."""
+    return [(plan.dep[u] >> 1, u) for u in range(len(plan.rank)) if plan.dep[u] >= 0 and plan.dep[u] & 1]
+
+
 def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores: int, *, transport: float = 0.0,
                           wire: float = 0.0, cold: float = 0.0) -> float:
     """Seconds from the start of a step to its last action for ``replicas`` identical pipelines side by side (the
@@ -687,13 +692,11 @@ def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores:
     p, n = plan.p, len(plan.rank)
     units = [[u for u in range(n) if plan.rank[u] == r] for r in range(p)]
     consumers = collections.defaultdict(list)  # a unit -> the units on other ranks that wait for its message
-    for u in range(n):
-        if plan.dep[u] >= 0 and plan.dep[u] & 1:
-            consumers[plan.dep[u] >> 1].append(u)
+    for producer, consumer in messages(plan):
+        consumers[producer].append(consumer)
     ranks = replicas * p  # rank g is stage g % p of pipeline g // p
     pos = [0] * ranks
-    done = [[None] * n for _ in range(replicas)]  # when unit u finished on its rank
-    landed = [[None] * n for _ in range(replicas)]  # when unit u's message landed on its consumer
+    done, landed = set(), set()  # (pipeline, unit) finished on its rank; whose message landed on its consumer
     queue = collections.deque()  # tasks waiting for a core: ("rank", g) or ("send", pipeline, unit)
     running = {}  # task -> seconds of a core it still needs
     waiting, cold_next = set(range(ranks)), set()
@@ -704,7 +707,7 @@ def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores:
     def ready(g: int) -> bool:
         q, r = divmod(g, p)
         d = plan.dep[units[r][pos[g]]]
-        return d < 0 or (landed if d & 1 else done)[q][d >> 1] is not None
+        return d < 0 or (q, d >> 1) in (landed if d & 1 else done)
 
     while left or running or wires:
         for g in sorted(waiting):  # ranks whose next action may start: queue for a core, cold after their wait
@@ -728,7 +731,7 @@ def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores:
             running[task] -= step
         for w in [w for w in wires if w[0] <= now + eps]:
             wires.remove(w)
-            landed[w[1]][w[2]] = now
+            landed.add((w[1], w[2]))
         for task in [t for t, need in running.items() if need <= eps]:
             del running[task]
             if task[0] == "send":
@@ -737,7 +740,7 @@ def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores:
             g = task[1]
             q, r = divmod(g, p)
             u = units[r][pos[g]]
-            done[q][u] = now
+            done.add((q, u))
             left -= 1
             pos[g] += 1
             for _ in consumers[u]:  # its message: its threads' CPU first, if any, then the wire
@@ -771,11 +774,10 @@ def _shared_schedule(row: dict, cal: MachineCalibration, schedule: str, fwd: lis
     plan = schedule_plan(schedule, p, m, v if schedule == "interleaved" else 1)
     seconds = plan.seconds(fwd, bwd, 0.0)
     base = [seconds[plan.key[u]] for u in range(len(plan.rank))]
-    ends = [0] * len(base)
-    for u in range(len(base)):
-        if plan.dep[u] >= 0 and plan.dep[u] & 1:
-            ends[u] += 1  # its receive
-            ends[plan.dep[u] >> 1] += 1  # the producer's send
+    ends = [0] * len(base)  # message ends per unit: its sends and its receive
+    for producer, consumer in messages(plan):
+        ends[producer] += 1
+        ends[consumer] += 1
     with_messages = [b + k * cal.message_main_s for b, k in zip(base, ends)]
     transport = 2 * cal.message_transport_s
     quiet = cal.p2p_quiet[0] + cal.p2p_quiet[1] * nbytes
@@ -799,7 +801,9 @@ def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     per_chunk = layers // chunks
     dtype = m_.get("dtype", "float32")
     table = gemm_table(cluster, dtype)
-    slow = contention(cluster, row["world"])
+    shared = shares_cores(row, cal)
+    # ranks replayed on the cores share them in the replay: each action is then its own CPU, no contention factor
+    slow = 1.0 if shared else contention(cluster, row["world"])
     gpu = cluster.gpu
     bw = gpu.memory_bandwidth * gpu.stream_efficiency
     e = DTYPE_BYTES[dtype]
@@ -821,10 +825,7 @@ def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     fwd = [max(t, pad_f) for t in compute_f]
     bwd = [max(t, pad_b) for t in compute_b]
     schedule = lay["schedule"] if p > 1 else "1f1b"
-    if shares_cores(row, cal):
-        # each action's own CPU (no contention factor: the replay shares the cores itself)
-        fwd, bwd = [t / slow for t in fwd], [t / slow for t in bwd]
-        parts = [tuple({k: x / slow for k, x in part.items()} for part in pair) for pair in parts]
+    if shared:
         flat, total, message = _shared_schedule(row, cal, schedule, fwd, bwd, mbs * h * e)
     else:
         message = group_time("send_recv", mbs * h * e, 2, 1, cluster) if p > 1 else 0.0
@@ -958,4 +959,5 @@ def comparison_table(compared: list[dict]) -> Table:
 
 __all__ = ["OpCount", "StepOps", "adamw_ops", "compare_runs", "comparison_table", "contended", "count_gpt_ops",
            "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "device_from", "link_fits",
-           "median_of_launches", "op_seconds", "optimizer_op_seconds", "outside_schedule", "predict", "with_repeats"]
+           "median_of_launches", "messages", "op_seconds", "optimizer_op_seconds", "outside_schedule", "predict",
+           "shared_cores_makespan", "shares_cores", "with_repeats"]
