@@ -95,6 +95,22 @@ def test_interleaved_memory_and_messages_measured():
     assert [d["peak_saved_bytes"] for d in plain] == [min(p - s, m) * per_stage for s in range(p)]
 
 
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])
+def test_on_gloo_each_direction_of_a_link_travels_on_a_group_of_its_own(schedule, v):
+    # gloo's transport thread only tries a pair's lock, and polls while its own rank holds it to send
+    # (workers/pipeline/p2p.py): the executor sends up the ranks on one group, down on another, none on the default
+    m = 8
+    res = cu.run(WORKER, world_size=WORLD, pp=2, schedule=schedule, virtual_stages=v, micro_batches=m, **LIMITS)
+    assert len(res.ranks) == WORLD
+    for r in res.ranks:  # two pipelines, [0, 1] and [2, 3]: stage 0 is the lower rank of its pipeline
+        sent = sum(r["messages"].values())
+        # 1F1B: stage 0 sends activations up, stage 1 gradients down; interleaved on p = 2 the other stage is both
+        # neighbours, so each rank sends everything one way (activations round the ring and gradients alike)
+        assert sent == (m if schedule == "1f1b" else 2 * v * m - m), r["messages"]
+        up, down = (sent, 0) if r["stage"] == 0 else (0, sent)
+        assert r["sent_on"] == {"up": up, "down": down, "default": 0}, (r["stage"], r["sent_on"])
+
+
 def test_interleaving_shrinks_the_measured_bubble():
     # calibrated waits per stage (a chunk is padded to 1/v of them); 16 layers so v = 2 splits evenly
     timed = {"micro_batches": 8, "layers": 16, "forward_ms": 20.0, "backward_ms": 40.0, **LIMITS}

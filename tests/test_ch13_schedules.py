@@ -154,7 +154,7 @@ def test_receives_are_posted_ahead_once_each_and_a_posted_receive_left_unused_is
         def wait(self):
             return True
 
-    def irecv(buf, src, tag):
+    def irecv(buf, src, tag, group=None):
         posted.append((src, tag))
         return Work()
 
@@ -177,6 +177,48 @@ def test_receives_are_posted_ahead_once_each_and_a_posted_receive_left_unused_is
     got = receives(steps, lambda c: 1, 3)
     assert sorted(got) == sorted([(0, "recv_forward", i) for i in range(3)] + [(0, "recv_backward", 3 + i)
                                                                             for i in range(3)])
+
+
+def test_with_links_a_message_up_the_ranks_and_one_down_travel_on_different_groups(monkeypatch):
+    # gloo polls while a rank holds a pair's lock to send (workers/pipeline/p2p.py): with links = (up, down), rank 1
+    # of a ring of 3 sends forward to 2 on "up", backward to 0 on "down", receives from 0 on "up" and from 2 on
+    # "down"; rank 2's forward round the ring to 0 goes down. Without links everything is the default group (None).
+    import torch
+
+    from workers.pipeline import p2p as p2p_mod
+
+    calls = []
+
+    class Work:
+        def wait(self):
+            return True
+
+    def isend(buf, dst, tag, group=None):
+        calls.append(("send", dst, group))
+        return Work()
+
+    def irecv(buf, src, tag, group=None):
+        calls.append(("recv", src, group))
+        return Work()
+
+    monkeypatch.setattr(p2p_mod.dist, "isend", isend)
+    monkeypatch.setattr(p2p_mod.dist, "irecv", irecv)
+    cpu = torch.device("cpu")
+    link = p2p_mod.P2P(0, 2, (4, 16), cpu, cpu, links=("UP", "DOWN"))
+    link.rank = 1  # as on rank 1 of the world (no process group here)
+    link.post_receives([("recv_forward", 0), ("recv_backward", 0)])
+    link.send_forward(torch.ones(4, 16), 1)
+    link.send_backward(torch.ones(4, 16), 0)
+    assert calls == [("recv", 0, "UP"), ("recv", 2, "DOWN"), ("send", 2, "UP"), ("send", 0, "DOWN")]
+    assert link.sent_on == {"up": 1, "down": 1, "default": 0}
+    last = p2p_mod.P2P(1, 0, (4, 16), cpu, cpu, links=("UP", "DOWN"))  # rank 2: its next stage is rank 0, round
+    last.rank = 2
+    last.send_forward(torch.ones(4, 16), 2)
+    assert calls[-1] == ("send", 0, "DOWN") and last.sent_on["down"] == 1
+    plain = p2p_mod.P2P(0, 2, (4, 16), cpu, cpu)
+    plain.rank = 1
+    plain.send_forward(torch.ones(4, 16), 3)
+    assert calls[-1] == ("send", 2, None) and plain.sent_on == {"up": 0, "down": 0, "default": 1}
 
 
 def _relaxed_ends(rows, f, b, w, message, placement="loop"):

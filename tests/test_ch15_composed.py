@@ -64,6 +64,10 @@ def test_every_layout_equals_one_process(name, zero):
     for rank, out in enumerate(res.ranks):
         assert out["mesh_groups"] == {d: layout.grid.group(d, rank) for d in DIMS}, f"rank {rank}"
         assert out["layout_name"] == name
+        if layout.pp > 1:  # on gloo, activations go up the ranks on one group, gradients down on another (p2p.py)
+            for sent in out["p2p"]:
+                assert sent["sent_on"] == {"up": sent["messages"]["forward"], "down": sent["messages"]["backward"],
+                                           "default": 0}, f"rank {rank}"
     check_truth_table(res.ranks)
 
 

@@ -42,7 +42,7 @@ and what one rank times with it; this script runs them on the ranks and adds wha
   call timed on its own;
 * **messaging** (worlds of 3 ranks or more, an even number): every rank in a pair of pipeline stages passing a small
   tensor back and forth in the executor's pattern (receives posted ahead, ``isend``, each receive waited for where
-  it is needed), each computing a burst of ``messaging_burst_steps`` tiny ``nn.Linear`` steps between: the CPU of
+  it is needed, each direction on a process group of its own), each computing a burst of ``messaging_burst_steps`` tiny ``nn.Linear`` steps between: the CPU of
   a burst that starts after a wait (against the same burst back to back: on a machine whose idle cores sleep, or
   whose caches another rank has filled meanwhile, work that resumes after a wait runs cold), and the CPU each message
   end costs this thread and the others (gloo's transport threads), read from the CPU clocks
@@ -66,6 +66,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from workers.layout.grid import make_groups
 from workers.runtime import all_gather_single, at_least, entrypoint, one_of, reduce_scatter_single, refusal
 from workers.timing.cpu import (DTYPES, linear_fn, matmul_fn, measure_kernels, measure_ops, measure_stream, op_fn,
                                 stats, timed)
@@ -343,9 +344,10 @@ def measure_barrier(calls: int) -> list[float]:
 def measure_messaging(ctx, steps: int, messages: int, burst_steps: int) -> dict | None:
     """The CPU a pipeline's messages and waits cost, every rank taking part: ranks 2i and 2i + 1 as two stages pass a
     ``[4, 16]`` float32 tensor back and forth ``messages`` times a step, as the pipeline executor does (the step's
-    receives posted before a barrier, ``isend``, each receive waited for where it is needed), each rank computing a
-    burst of ``burst_steps`` calibration ``nn.Linear`` steps between a receive and its next send (about the size of one
-    of chapter 13's actions). Every burst follows a wait, so it starts cold.
+    receives posted before a barrier, ``isend``, each receive waited for where it is needed, each direction of a pair
+    on a group of its own as on gloo), each rank computing a burst of ``burst_steps`` calibration ``nn.Linear`` steps
+    between a receive and its next send (about the size of one of chapter 13's actions). Every burst follows a wait,
+    so it starts cold.
 
     Per rank, from the CPU clocks (``time.thread_time``: this thread; ``time.process_time``: every thread of the
     process, gloo's transport threads included): ``burst_s`` the CPU of one burst in the pattern, ``main_per_end_s``
@@ -371,10 +373,15 @@ def measure_messaging(ctx, steps: int, messages: int, burst_steps: int) -> dict 
 
     alone_s = _alone(ctx, alone)
     peer, first = ctx.rank ^ 1, ctx.rank % 2 == 0
+    # as the executor does on gloo, each direction of a pair on a group of its own (pipeline/p2p.py says why)
+    pairs = [[r, r + 1] for r in range(0, ctx.world_size, 2)]
+    up, made = make_groups(pairs, ctx.rank)
+    down, more = make_groups(pairs, ctx.rank)
+    to_peer, from_peer = (up, down) if ctx.rank < peer else (down, up)
     send = torch.ones(4, 16)
     bursts_s, thread0, process0 = 0.0, time.thread_time(), time.process_time()
     for _ in range(steps):
-        receives = [dist.irecv(torch.empty(4, 16), src=peer, tag=j) for j in range(messages)]
+        receives = [dist.irecv(torch.empty(4, 16), src=peer, tag=j, group=from_peer) for j in range(messages)]
         dist.barrier()  # every receive of the step is posted before any message of it
         sends = []
         for j in range(messages):
@@ -383,12 +390,14 @@ def measure_messaging(ctx, steps: int, messages: int, burst_steps: int) -> dict 
             start = time.thread_time()
             burst()
             bursts_s += time.thread_time() - start
-            sends.append(dist.isend(send, dst=peer, tag=j))
+            sends.append(dist.isend(send, dst=peer, tag=j, group=to_peer))
             if first:
                 receives[j].wait()
         for work in sends:
             work.wait()
     thread_s, process_s = time.thread_time() - thread0, time.process_time() - process0
+    for pg in made + more:
+        dist.destroy_process_group(pg)
     n = steps * messages  # bursts; each rank sent n messages and received n
     return {"alone_s": alone_s, "burst_s": bursts_s / n, "main_per_end_s": (thread_s - bursts_s) / (2 * n),
             "transport_per_end_s": (process_s - thread_s) / (2 * n), "bursts": n, "burst_steps": burst_steps}

@@ -27,6 +27,7 @@ import time
 import torch
 
 from workers.layout.grid import RankGrid
+from workers.layout.mesh import LINKS, Mesh
 from workers.layout.rules import Layout, equal_stages_problem, problem
 from workers.pipeline.executor import run_schedule, run_split_schedule
 from workers.pipeline.model import PipelineConfig, global_names, make_batch, micro_batches as split, stage_module
@@ -90,7 +91,8 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
     layout = layout_of(ctx.world_size, pp, virtual_stages, micro_batches, schedule)
     p, v = layout.pp, layout.virtual_stages
     zero_bubble, placement = schedule in SPLIT_SCHEDULES, placement_of(schedule)
-    pipeline = RankGrid.for_world(ctx.world_size, pp=p).group("pp", ctx.rank)  # this rank's pipeline, stage order
+    grid = RankGrid.for_world(ctx.world_size, pp=p)
+    pipeline = grid.group("pp", ctx.rank)  # this rank's pipeline, stage order
     stage = pipeline.index(ctx.rank)
     cfg = PipelineConfig(layers=layers, hidden=hidden, micro_batch_size=micro_batch_size,
                          micro_batches=micro_batches, seed=seed)
@@ -110,30 +112,37 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
         links = [(pipeline[(stage - 1) % p] if stage > 0 or wrap else None,
                   pipeline[(stage + 1) % p] if stage < p - 1 or wrap else None)]
     loss_stage = rank_of((2 * p if placement == "v" else p * v) - 1, p, placement)[0]  # where the last virtual stage is
-    out = {"losses": [], "timelines": [], "step_s": []}  # step_s: wall time from the last step's end to this one's
-    last = time.perf_counter()
-    for step in range(steps):
-        x, y = (t.to(ctx.device, torch_dtype) for t in make_batch(cfg, step))  # [B, h]: every rank derives the same batch
-        p2p = [P2P(prev_rank=prev, next_rank=nxt, shape=(micro_batch_size, hidden), device=ctx.device,
-                   comm_device=ctx.comm_device("send"), dtype=torch_dtype) for prev, nxt in links]
-        opt.zero_grad(set_to_none=True)
-        if zero_bubble:  # B padded to (1 - w_share) of backward_ms, W to w_share of it
-            ran = run_split_schedule(table, modules, p2p, stage=stage, num_stages=p, placement=placement,
-                                     inputs=split(cfg, x), targets=split(cfg, y), forward_s=forward_ms / 1e3,
-                                     backward_s=backward_ms * (1 - w_share) / 1e3,
-                                     weight_s=backward_ms * w_share / 1e3)
-        else:
-            ran = run_schedule(actions, modules, p2p[0], stage=stage, num_stages=p, inputs=split(cfg, x),
-                               targets=split(cfg, y), forward_s=forward_ms / 1e3, backward_s=backward_ms / 1e3)
-        if stage == loss_stage:
-            loss = sum(ran["losses"]) / micro_batches  # mean over the global batch
-            out["losses"].append(loss)
-            ctx.metric(step=step, loss=loss)
-        out["timelines"].append(ran["timeline"])
-        grads = {n: q.grad.detach().cpu().clone() for n, q in params.items()}
-        opt.step()
-        out["step_s"].append(time.perf_counter() - last)
+    # on gloo a link's two directions travel on two groups (pipeline/p2p.py says why); NCCL keeps the default group
+    mesh = Mesh(grid, ctx.rank, LINKS if ctx.backend == "gloo" and p > 1 else ())
+    directions = (mesh.group("pp_up"), mesh.group("pp_down")) if ctx.backend == "gloo" and p > 1 else None
+    try:
+        out = {"losses": [], "timelines": [], "step_s": []}  # step_s: wall time from the last step's end to this one's
         last = time.perf_counter()
+        for step in range(steps):
+            # [B, h]: every rank derives the same batch
+            x, y = (t.to(ctx.device, torch_dtype) for t in make_batch(cfg, step))
+            p2p = [P2P(prev_rank=prev, next_rank=nxt, shape=(micro_batch_size, hidden), device=ctx.device,
+                       comm_device=ctx.comm_device("send"), dtype=torch_dtype, links=directions) for prev, nxt in links]
+            opt.zero_grad(set_to_none=True)
+            if zero_bubble:  # B padded to (1 - w_share) of backward_ms, W to w_share of it
+                ran = run_split_schedule(table, modules, p2p, stage=stage, num_stages=p, placement=placement,
+                                         inputs=split(cfg, x), targets=split(cfg, y), forward_s=forward_ms / 1e3,
+                                         backward_s=backward_ms * (1 - w_share) / 1e3,
+                                         weight_s=backward_ms * w_share / 1e3)
+            else:
+                ran = run_schedule(actions, modules, p2p[0], stage=stage, num_stages=p, inputs=split(cfg, x),
+                                   targets=split(cfg, y), forward_s=forward_ms / 1e3, backward_s=backward_ms / 1e3)
+            if stage == loss_stage:
+                loss = sum(ran["losses"]) / micro_batches  # mean over the global batch
+                out["losses"].append(loss)
+                ctx.metric(step=step, loss=loss)
+            out["timelines"].append(ran["timeline"])
+            grads = {n: q.grad.detach().cpu().clone() for n, q in params.items()}
+            opt.step()
+            out["step_s"].append(time.perf_counter() - last)
+            last = time.perf_counter()
+    finally:
+        mesh.destroy()
     planned = peak_stashes(actions)
     return {**out, "timeline": out["timelines"][-1], "grads": grads,
             "weights": {n: q.detach().cpu().clone() for n, q in params.items()},
@@ -141,7 +150,7 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
             else planned["activations"], "peak_saved_bytes": ran["peak_saved_bytes"], "virtual_stages": v,
             "peak_weight_stash": ran.get("peak_weight_stash", 0), "planned_peak_weight_stash": planned["weight"],
             "sent_bytes": ran["sent_bytes"], "messages": ran["messages"], "received": ran["received"],
-            "posted_ahead": ran["posted_ahead"], "actions": [list(a) for a in actions],
+            "posted_ahead": ran["posted_ahead"], "sent_on": ran["sent_on"], "actions": [list(a) for a in actions],
             "stage": stage, "pp": p, "pipeline": ctx.rank // p, "schedule": schedule, "placement": placement,
             "loss_stage": loss_stage, "dtype": dtype,
             "config": cfg.as_dict(), "forward_ms": forward_ms, "backward_ms": backward_ms, "w_share": w_share}

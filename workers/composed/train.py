@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from workers.layout import DIMS, Layout, Mesh, problem
+from workers.layout.mesh import LINKS
 from workers.layout.rules import equal_stages_problem
 from workers.composed.model import make_dense
 from workers.model.batch import make_batch, token_losses
@@ -106,7 +107,10 @@ class ComposedTrainer:
         # normalise(summed_ce, micro_tokens, global_tokens, micro_batches, dp, cp): a micro-batch's loss (exercise 2)
         self.normalise = normalise
         t0 = time.perf_counter()
-        self.mesh = Mesh(layout.grid, rank, DIMS + ("dp_cp", "embedding"), fresh=True)
+        # on gloo a pipeline link's two directions travel on two groups (pipeline/p2p.py says why)
+        links = LINKS if layout.pp > 1 and dist.get_backend() == "gloo" else ()
+        self.mesh = Mesh(layout.grid, rank, DIMS + ("dp_cp", "embedding") + links, fresh=True)
+        self.directions = tuple(self.mesh.group(name) for name in links) or None
         self.device_mesh = self.mesh.device_mesh(DIMS, torch.device(device).type)  # torch's view of the same groups
         self.build_s = time.perf_counter() - t0
         c = self.coords = self.mesh.coords
@@ -183,7 +187,8 @@ class ComposedTrainer:
         wheres = [Where(step, self.positions, mb[3], self.global_batch, self.cfg.seq) for mb in micro]
         rows = self.cfg.seq // L.cp // (L.tp if L.sequence_parallel else 1)
         b = micro[0][0].shape[0]
-        p2p = P2P(self.prev_rank, self.next_rank, (rows, b, self.cfg.hidden), self.device, self.comm_device, self.dtype)
+        p2p = P2P(self.prev_rank, self.next_rank, (rows, b, self.cfg.hidden), self.device, self.comm_device, self.dtype,
+                  links=self.directions)
 
         def forward(chunk, i, x):
             return self.modules[chunk](x.to(self.device), wheres[i])
@@ -233,7 +238,8 @@ class ComposedTrainer:
         return {"loss": loss_value, "grads": grads, "timeline": ran["timeline"], "comm": self._comm(ledger, p2p),
                 "memory": {**self._state_bytes(), "activations": ran["peak_saved_bytes"]},
                 "score_entries": self.par.ring.score_entries if self.par.ring is not None else None,
-                "p2p": {k: ran[k] for k in ("sent_bytes", "messages")}, "peak_saved_bytes": ran["peak_saved_bytes"],
+                "p2p": {k: ran[k] for k in ("sent_bytes", "messages", "sent_on")},
+                "peak_saved_bytes": ran["peak_saved_bytes"],
                 "schedule_s": t_schedule, "sync_s": t_sync,
                 # seconds in communication, per dimension: TP collectives (timed runs only), waiting for the ring's
                 # transfers beyond the compute they overlapped, blocked in pipeline receives (bubble included),

@@ -8,8 +8,10 @@
 
 Every group is a slice of the course's rank grid (``grid.py``): along one dimension (``"tp"``, ``"dp"``, ...), along
 several (``("dp", "cp")``, named ``"dp_cp"``: the ranks that hold the same parameters with different tokens), the
-expert groups carved out of dp x cp (``"ep"``, ``"edp"``), or ``"embedding"``: the first and last stage of each
-pipeline, which both hold the tied embedding (Megatron's ``get_embedding_group``; made only when pp > 1).
+expert groups carved out of dp x cp (``"ep"``, ``"edp"``), ``"embedding"``: the first and last stage of each
+pipeline, which both hold the tied embedding (Megatron's ``get_embedding_group``; made only when pp > 1), or
+``"pp_up"`` and ``"pp_down"``: each pipeline's ranks again, twice, so that a pipeline's messages to a higher rank and
+to a lower one travel on different groups (``pipeline/p2p.py`` says why gloo needs that).
 
 Three rules of ``dist.new_group`` shape this class:
 
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 from workers.layout.grid import DIMS, RankGrid, make_groups
 
-NAMED = {"dp_cp": ("dp", "cp")}
+NAMED = {"dp_cp": ("dp", "cp"), "pp_up": "pp", "pp_down": "pp"}
+LINKS = ("pp_up", "pp_down")  # a pipeline's messages up the ranks, and down: one group each (pipeline/p2p.py)
 
 
 class Mesh:
@@ -62,6 +65,11 @@ class Mesh:
             return
         if name == "embedding":
             self._groups[name] = self._make_embedding()
+            return
+        if name in LINKS:  # groups of their own even where pp spans the world: the default group is not one of them
+            mine, created = make_groups(self.grid.groups("pp"), self.rank, timeout_s=self.timeout_s)
+            self._groups[name] = mine
+            self._created += created
             return
         dims = NAMED.get(name, name)
         mine, created = self.grid.new_groups(dims, self.rank, timeout_s=self.timeout_s, fresh=self.fresh)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from workers.pipeline import split_backward
 from workers.pipeline.model import loss_fn
-from workers.pipeline.p2p import P2P
+from workers.pipeline.p2p import DIRECTIONS, GROUPS, P2P
 from workers.pipeline.schedules import split_action, virtual_stage, with_p2p
 from workers.pipeline.validity import check_schedule, with_messages
 from workers.pipeline.zero_bubble import placed_stage, rank_of
@@ -246,5 +246,6 @@ def run_split_schedule(table, modules, links, *, stage: int, num_stages: int, pl
     stats = [link.stats() for link in links]
     return {"timeline": timeline, "losses": [losses[i] for i in sorted(losses)], "peak_stash": peak["stash"],
             "peak_weight_stash": peak["weight"], "peak_saved_bytes": peak["bytes"],
-            **{key: {d: sum(s[key][d] for s in stats) for d in ("forward", "backward")}
-               for key in ("sent_bytes", "messages", "received", "posted_ahead")}}
+            **{key: {d: sum(s[key][d] for s in stats) for d in parts}
+               for key, parts in (("sent_bytes", DIRECTIONS), ("messages", DIRECTIONS), ("received", DIRECTIONS),
+                                  ("posted_ahead", DIRECTIONS), ("sent_on", GROUPS))}}
