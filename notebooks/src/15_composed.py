@@ -473,16 +473,19 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # each action costs its own CPU, each message the CPU of the threads that carry it, and an action that follows a
 # wait starts cold. The calibration measures both in the pipeline executor's own pattern (`machine.summary()` lists
 # them): on a virtual machine whose idle cores sleep, work that resumes after a wait can cost twice its CPU back to
-# back. What is still off there is 1F1B and interleaving on two pipelines of two, priced below their step: the
-# replay's one queue is a simpler scheduler than the kernel's. A message costs even that only if its receive was posted before it
+# back. 1F1B and interleaving, whose messages cross a link both ways at once, were still priced well below their
+# step until the pipeline executor sent each direction on a process group of its own: on one group, gloo's
+# transport threads polled while their own rank held the link to send (chapter 13, section 7), CPU no calibration
+# of single messages sees. A message costs even the replay's price only if its receive was posted before it
 # arrived: otherwise it cannot land until the receive is posted, and gloo's transport threads poll without sleeping
-# meanwhile, taking the core the rank needs to post it (round trips of 4 ms instead of 0.15 on two cores), which is why the pipeline executor posts every receive
-# of a step before the step begins. Attention and GELU are priced from their timed calls, not from their
-# FLOPs or bytes: a CPU's attention call on heads of 4 costs its setup per head (hundreds of microseconds for this
-# model's layer in float64, where FlashAttention's share of the matmul rate would say a few), and float64 erf is
-# compute-bound. What it still misses is Python the op counter cannot see (modules,
-# hooks, the trainer's bookkeeping) and a context-parallel ring it prices as collectives. At the scale chapter 00
-# prices, those fixed costs vanish next to the matmuls; at this scale they are the step.
+# meanwhile, taking the core the rank needs to post it (round trips of 4 ms instead of 0.15 on two cores), which is
+# why the pipeline executor posts every receive of a step before the step begins. Attention and GELU are priced
+# from their timed calls, not from their FLOPs or bytes: a CPU's attention call on heads of 4 costs its setup per
+# head (hundreds of microseconds for this model's layer in float64, where FlashAttention's share of the matmul rate
+# would say a few), and float64 erf is compute-bound. What it still misses is Python the op counter cannot see
+# (modules, hooks, the trainer's bookkeeping, the executor's between steps) and a context-parallel ring it prices
+# as collectives. At the scale chapter 00 prices, those fixed costs vanish next to the matmuls; at this scale they
+# are the step.
 
 # %% [markdown]
 # ## Exercises
