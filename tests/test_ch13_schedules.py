@@ -139,6 +139,30 @@ def test_message_latency_costs_interleaving_more():
     assert ideal_bubble(all_stages("1f1b", 1, 4), message_time=5.0) == 0.0
 
 
+def _fake_p2p(monkeypatch) -> list:
+    """Replace ``dist.isend`` / ``dist.irecv`` as ``pipeline/p2p.py`` calls them with recorders: the list they fill,
+    ``(kind "send" | "recv", peer rank, tag, group)`` per call; each returns work that is already done."""
+    from workers.pipeline import p2p as p2p_mod
+
+    calls = []
+
+    class Work:
+        def wait(self):
+            return True
+
+    def isend(buf, dst, tag, group=None):
+        calls.append(("send", dst, tag, group))
+        return Work()
+
+    def irecv(buf, src, tag, group=None):
+        calls.append(("recv", src, tag, group))
+        return Work()
+
+    monkeypatch.setattr(p2p_mod.dist, "isend", isend)
+    monkeypatch.setattr(p2p_mod.dist, "irecv", irecv)
+    return calls
+
+
 def test_receives_are_posted_ahead_once_each_and_a_posted_receive_left_unused_is_an_error(monkeypatch):
     # P2P.post_receives posts irecvs before the step; recv_* then waits on the posted one (no second irecv), a key
     # posted twice is refused, and finish() refuses a receive posted for a message the schedule never waited for
@@ -148,27 +172,21 @@ def test_receives_are_posted_ahead_once_each_and_a_posted_receive_left_unused_is
     from workers.pipeline.executor import receives
     from workers.pipeline.schedules import with_p2p
 
-    posted = []
+    calls = _fake_p2p(monkeypatch)
 
-    class Work:
-        def wait(self):
-            return True
+    def posted():
+        return [(peer, tag) for kind, peer, tag, _ in calls if kind == "recv"]
 
-    def irecv(buf, src, tag, group=None):
-        posted.append((src, tag))
-        return Work()
-
-    monkeypatch.setattr(p2p_mod.dist, "irecv", irecv)
     link = p2p_mod.P2P(0, 2, (4, 16), torch.device("cpu"), torch.device("cpu"))
     link.post_receives([("recv_forward", 3), ("recv_backward", 3)])
-    assert posted == [(0, p2p_mod.tag(p2p_mod.FORWARD_TAG, 3)), (2, p2p_mod.tag(p2p_mod.BACKWARD_TAG, 3))]
+    assert posted() == [(0, p2p_mod.tag(p2p_mod.FORWARD_TAG, 3)), (2, p2p_mod.tag(p2p_mod.BACKWARD_TAG, 3))]
     with pytest.raises(ValueError, match="posted twice"):
         link.post_receives([("recv_forward", 3)])
     link.recv_forward(3)
     link.recv_backward(3)
-    assert len(posted) == 2 and link.posted_ahead == link.received == {"forward": 1, "backward": 1}
+    assert len(posted()) == 2 and link.posted_ahead == link.received == {"forward": 1, "backward": 1}
     link.recv_forward(4)  # not posted ahead: posted now, and counted as such
-    assert len(posted) == 3 and link.posted_ahead["forward"] == 1 and link.received["forward"] == 2
+    assert len(posted()) == 3 and link.posted_ahead["forward"] == 1 and link.received["forward"] == 2
     link.post_receives([("recv_backward", 5)])
     with pytest.raises(RuntimeError, match="never waited for"):
         link.finish()
@@ -187,38 +205,25 @@ def test_with_links_a_message_up_the_ranks_and_one_down_travel_on_different_grou
 
     from workers.pipeline import p2p as p2p_mod
 
-    calls = []
-
-    class Work:
-        def wait(self):
-            return True
-
-    def isend(buf, dst, tag, group=None):
-        calls.append(("send", dst, group))
-        return Work()
-
-    def irecv(buf, src, tag, group=None):
-        calls.append(("recv", src, group))
-        return Work()
-
-    monkeypatch.setattr(p2p_mod.dist, "isend", isend)
-    monkeypatch.setattr(p2p_mod.dist, "irecv", irecv)
+    calls = _fake_p2p(monkeypatch)
     cpu = torch.device("cpu")
     link = p2p_mod.P2P(0, 2, (4, 16), cpu, cpu, links=("UP", "DOWN"))
     link.rank = 1  # as on rank 1 of the world (no process group here)
     link.post_receives([("recv_forward", 0), ("recv_backward", 0)])
     link.send_forward(torch.ones(4, 16), 1)
     link.send_backward(torch.ones(4, 16), 0)
-    assert calls == [("recv", 0, "UP"), ("recv", 2, "DOWN"), ("send", 2, "UP"), ("send", 0, "DOWN")]
+    assert [(kind, peer, group) for kind, peer, _, group in calls] == [
+        ("recv", 0, "UP"), ("recv", 2, "DOWN"), ("send", 2, "UP"), ("send", 0, "DOWN")]
     assert link.sent_on == {"up": 1, "down": 1, "default": 0}
     last = p2p_mod.P2P(1, 0, (4, 16), cpu, cpu, links=("UP", "DOWN"))  # rank 2: its next stage is rank 0, round
     last.rank = 2
     last.send_forward(torch.ones(4, 16), 2)
-    assert calls[-1] == ("send", 0, "DOWN") and last.sent_on["down"] == 1
+    assert calls[-1] == ("send", 0, p2p_mod.tag(p2p_mod.FORWARD_TAG, 2), "DOWN") and last.sent_on["down"] == 1
     plain = p2p_mod.P2P(0, 2, (4, 16), cpu, cpu)
     plain.rank = 1
     plain.send_forward(torch.ones(4, 16), 3)
-    assert calls[-1] == ("send", 2, None) and plain.sent_on == {"up": 0, "down": 0, "default": 1}
+    assert calls[-1] == ("send", 2, p2p_mod.tag(p2p_mod.FORWARD_TAG, 3), None)
+    assert plain.sent_on == {"up": 0, "down": 0, "default": 1}
 
 
 def _relaxed_ends(rows, f, b, w, message, placement="loop"):

@@ -42,11 +42,11 @@ and what one rank times with it; this script runs them on the ranks and adds wha
   call timed on its own;
 * **messaging** (worlds of 3 ranks or more, an even number): every rank in a pair of pipeline stages passing a small
   tensor back and forth in the executor's pattern (receives posted ahead, ``isend``, each receive waited for where
-  it is needed, each direction on a process group of its own), each computing a burst of ``messaging_burst_steps`` tiny ``nn.Linear`` steps between: the CPU of
-  a burst that starts after a wait (against the same burst back to back: on a machine whose idle cores sleep, or
-  whose caches another rank has filled meanwhile, work that resumes after a wait runs cold), and the CPU each message
-  end costs this thread and the others (gloo's transport threads), read from the CPU clocks
-  (``time.thread_time``, ``time.process_time``);
+  it is needed, each direction on a process group of its own), each computing a burst of ``messaging_burst_steps``
+  tiny ``nn.Linear`` steps between: the CPU of a burst that starts after a wait (against the same burst back to
+  back: on a machine whose idle cores sleep, or whose caches another rank has filled meanwhile, work that resumes
+  after a wait runs cold), and the CPU each message end costs this thread and the others (gloo's transport
+  threads), read from the CPU clocks (``time.thread_time``, ``time.process_time``);
 * **barrier**: barriers of the whole world back to back, each timed (every world of 2 ranks or more);
 * **adamw**: one ``torch.optim.AdamW`` step (as on CPU: a loop over the parameters, about ten eager ops each) over
   the parameters of one layer of chapter 15's GPT (``ADAMW_SHAPES``, float64), measured with the ops.
@@ -66,7 +66,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.layout.grid import make_groups
+from workers.layout.grid import RankGrid
+from workers.layout.mesh import Mesh, link_names
+from workers.pipeline.p2p import link_group
 from workers.runtime import all_gather_single, at_least, entrypoint, one_of, reduce_scatter_single, refusal
 from workers.timing.cpu import (DTYPES, linear_fn, matmul_fn, measure_kernels, measure_ops, measure_stream, op_fn,
                                 stats, timed)
@@ -372,12 +374,11 @@ def measure_messaging(ctx, steps: int, messages: int, burst_steps: int) -> dict 
         return (time.thread_time() - start) / n
 
     alone_s = _alone(ctx, alone)
-    peer, first = ctx.rank ^ 1, ctx.rank % 2 == 0
-    # as the executor does on gloo, each direction of a pair on a group of its own (pipeline/p2p.py says why)
-    pairs = [[r, r + 1] for r in range(0, ctx.world_size, 2)]
-    up, made = make_groups(pairs, ctx.rank)
-    down, more = make_groups(pairs, ctx.rank)
-    to_peer, from_peer = (up, down) if ctx.rank < peer else (down, up)
+    # pipelines of two stages, each direction of a pair on a group of its own as the executor sends them on gloo
+    mesh = Mesh(RankGrid.for_world(ctx.world_size, pp=2), ctx.rank, link_names(ctx.backend, 2))
+    pair = mesh.ranks("pp")
+    peer, first = pair[1 - pair.index(ctx.rank)], pair[0] == ctx.rank
+    to_peer, from_peer = link_group(mesh.links(), ctx.rank, peer), link_group(mesh.links(), peer, ctx.rank)
     send = torch.ones(4, 16)
     bursts_s, thread0, process0 = 0.0, time.thread_time(), time.process_time()
     for _ in range(steps):
@@ -396,8 +397,7 @@ def measure_messaging(ctx, steps: int, messages: int, burst_steps: int) -> dict 
         for work in sends:
             work.wait()
     thread_s, process_s = time.thread_time() - thread0, time.process_time() - process0
-    for pg in made + more:
-        dist.destroy_process_group(pg)
+    mesh.destroy()
     n = steps * messages  # bursts; each rank sent n messages and received n
     return {"alone_s": alone_s, "burst_s": bursts_s / n, "main_per_end_s": (thread_s - bursts_s) / (2 * n),
             "transport_per_end_s": (process_s - thread_s) / (2 * n), "bursts": n, "burst_steps": burst_steps}

@@ -27,7 +27,7 @@ import time
 import torch
 
 from workers.layout.grid import RankGrid
-from workers.layout.mesh import LINKS, Mesh
+from workers.layout.mesh import Mesh, link_names
 from workers.layout.rules import Layout, equal_stages_problem, problem
 from workers.pipeline.executor import run_schedule, run_split_schedule
 from workers.pipeline.model import PipelineConfig, global_names, make_batch, micro_batches as split, stage_module
@@ -113,8 +113,7 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
                   pipeline[(stage + 1) % p] if stage < p - 1 or wrap else None)]
     loss_stage = rank_of((2 * p if placement == "v" else p * v) - 1, p, placement)[0]  # where the last virtual stage is
     # on gloo a link's two directions travel on two groups (pipeline/p2p.py says why); NCCL keeps the default group
-    mesh = Mesh(grid, ctx.rank, LINKS if ctx.backend == "gloo" and p > 1 else ())
-    directions = (mesh.group("pp_up"), mesh.group("pp_down")) if ctx.backend == "gloo" and p > 1 else None
+    mesh = Mesh(grid, ctx.rank, link_names(ctx.backend, p))
     try:
         out = {"losses": [], "timelines": [], "step_s": []}  # step_s: wall time from the last step's end to this one's
         last = time.perf_counter()
@@ -122,7 +121,8 @@ def main(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virtu
             # [B, h]: every rank derives the same batch
             x, y = (t.to(ctx.device, torch_dtype) for t in make_batch(cfg, step))
             p2p = [P2P(prev_rank=prev, next_rank=nxt, shape=(micro_batch_size, hidden), device=ctx.device,
-                       comm_device=ctx.comm_device("send"), dtype=torch_dtype, links=directions) for prev, nxt in links]
+                       comm_device=ctx.comm_device("send"), dtype=torch_dtype, links=mesh.links())
+                   for prev, nxt in links]
             opt.zero_grad(set_to_none=True)
             if zero_bubble:  # B padded to (1 - w_share) of backward_ms, W to w_share of it
                 ran = run_split_schedule(table, modules, p2p, stage=stage, num_stages=p, placement=placement,

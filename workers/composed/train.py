@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from workers.layout import DIMS, Layout, Mesh, problem
-from workers.layout.mesh import LINKS
+from workers.layout.mesh import link_names
 from workers.layout.rules import equal_stages_problem
 from workers.composed.model import make_dense
 from workers.model.batch import make_batch, token_losses
@@ -108,9 +108,8 @@ class ComposedTrainer:
         self.normalise = normalise
         t0 = time.perf_counter()
         # on gloo a pipeline link's two directions travel on two groups (pipeline/p2p.py says why)
-        links = LINKS if layout.pp > 1 and dist.get_backend() == "gloo" else ()
+        links = link_names(dist.get_backend(), layout.pp)
         self.mesh = Mesh(layout.grid, rank, DIMS + ("dp_cp", "embedding") + links, fresh=True)
-        self.directions = tuple(self.mesh.group(name) for name in links) or None
         self.device_mesh = self.mesh.device_mesh(DIMS, torch.device(device).type)  # torch's view of the same groups
         self.build_s = time.perf_counter() - t0
         c = self.coords = self.mesh.coords
@@ -188,7 +187,7 @@ class ComposedTrainer:
         rows = self.cfg.seq // L.cp // (L.tp if L.sequence_parallel else 1)
         b = micro[0][0].shape[0]
         p2p = P2P(self.prev_rank, self.next_rank, (rows, b, self.cfg.hidden), self.device, self.comm_device, self.dtype,
-                  links=self.directions)
+                  links=self.mesh.links())
 
         def forward(chunk, i, x):
             return self.modules[chunk](x.to(self.device), wheres[i])

@@ -35,6 +35,12 @@ NAMED = {"dp_cp": ("dp", "cp"), "pp_up": "pp", "pp_down": "pp"}
 LINKS = ("pp_up", "pp_down")  # a pipeline's messages up the ranks, and down: one group each (pipeline/p2p.py)
 
 
+def link_names(backend: str, pp: int) -> tuple[str, ...]:
+    """The groups a pipeline's messages travel on beyond the grid's: ``LINKS`` on gloo when there is a pipeline
+    (``pipeline/p2p.py`` says why), none on NCCL, where the default group carries both directions."""
+    return LINKS if backend == "gloo" and pp > 1 else ()
+
+
 class Mesh:
     def __init__(self, grid: RankGrid, rank: int, groups=("tp",), *, fresh: bool = False,
                  timeout_s: float | None = None):
@@ -66,13 +72,10 @@ class Mesh:
         if name == "embedding":
             self._groups[name] = self._make_embedding()
             return
-        if name in LINKS:  # groups of their own even where pp spans the world: the default group is not one of them
-            mine, created = make_groups(self.grid.groups("pp"), self.rank, timeout_s=self.timeout_s)
-            self._groups[name] = mine
-            self._created += created
-            return
         dims = NAMED.get(name, name)
-        mine, created = self.grid.new_groups(dims, self.rank, timeout_s=self.timeout_s, fresh=self.fresh)
+        # a link's groups are their own even where pp spans the world: the default group is not one of them
+        mine, created = self.grid.new_groups(dims, self.rank, timeout_s=self.timeout_s,
+                                             fresh=self.fresh or name in LINKS)
         self._groups[name] = mine
         self._created += created
 
@@ -107,6 +110,10 @@ class Mesh:
         if name not in self._groups:
             raise KeyError(f"no {name!r} groups were made for this run: made {', '.join(self._groups)}")
         return self._groups[name]
+
+    def links(self) -> tuple | None:
+        """``(pp_up, pp_down)``, what ``pipeline.p2p.P2P`` takes as ``links``, or None where they were not made."""
+        return tuple(self._groups[name] for name in LINKS) if LINKS[0] in self._groups else None
 
     def ranks(self, name: str) -> list[int]:
         """The members of this rank's group ``name``, in order ([] for the embedding group of a middle stage)."""

@@ -41,6 +41,18 @@ DIRECTIONS = ("forward", "backward")  # what a message carries: an activation, o
 GROUPS = ("up", "down", "default")  # what it travels on: the group of messages to a higher rank, to a lower, or one
 
 
+def route(links, src: int, dst: int) -> str:
+    """Which group a message from rank ``src`` to rank ``dst`` travels on: with ``links`` = (up, down), "up" to a
+    higher rank and "down" to a lower one, so that a rank never receives on a pair it sends on; "default" without."""
+    return "default" if links is None else "up" if src < dst else "down"
+
+
+def link_group(links, src: int, dst: int):
+    """The process group of ``route(links, src, dst)`` (None: torch's default group)."""
+    name = route(links, src, dst)
+    return None if name == "default" else links[GROUPS.index(name)]
+
+
 def tag(direction_tag: int, key: int) -> int:
     """One tag per (direction, message): with model chunks a link carries several micro-batches' messages
     in flight (rank p-1 also sends to rank 0, round the ring), and the tag says which is which."""
@@ -68,12 +80,6 @@ class P2P:
         self.wait_s = 0.0  # seconds blocked in receives
         self.posted: dict[tuple[int, int], tuple] = {}  # (src, tag) -> (work, buffer): receives posted ahead
 
-    def group(self, src: int, dst: int):
-        """The process group a message from rank ``src`` to rank ``dst`` travels on (None: the default group)."""
-        if self.links is None:
-            return None
-        return self.links[0] if src < dst else self.links[1]
-
     def _where(self, kind: str, key: int) -> tuple[int, int]:
         """(source rank, tag) of a receive: ``recv_forward`` from the previous stage, ``recv_backward`` the next."""
         if kind == "recv_forward":
@@ -91,13 +97,13 @@ class P2P:
             if (src, t) in self.posted:
                 raise ValueError(f"{kind} key {key} posted twice: each message on a link needs its own key")
             buf = torch.empty(self.shape, device=self.comm_device, dtype=self.dtype)  # [micro_batch, hidden]
-            self.posted[(src, t)] = (dist.irecv(buf, src=src, tag=t, group=self.group(src, self.rank)), buf)
+            self.posted[(src, t)] = (dist.irecv(buf, src=src, tag=t, group=link_group(self.links, src, self.rank)), buf)
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, direction: str) -> None:
         buf = tensor.detach().to(self.comm_device, self.dtype).contiguous()  # data only: autograd stops here
-        self.pending.append((dist.isend(buf, dst=dst, tag=tag, group=self.group(self.rank, dst)), buf))
+        self.pending.append((dist.isend(buf, dst=dst, tag=tag, group=link_group(self.links, self.rank, dst)), buf))
         self.sent_bytes[direction] += buf.numel() * buf.element_size()
-        self.sent_on["default" if self.links is None else "up" if self.rank < dst else "down"] += 1
+        self.sent_on[route(self.links, self.rank, dst)] += 1
         self.messages[direction] += 1
 
     def _recv(self, src: int, tag: int, direction: str) -> torch.Tensor:
@@ -105,7 +111,7 @@ class P2P:
         self.received[direction] += 1
         if work is None:  # not posted ahead: post it now
             buf = torch.empty(self.shape, device=self.comm_device, dtype=self.dtype)  # [micro_batch, hidden]
-            work = dist.irecv(buf, src=src, tag=tag, group=self.group(src, self.rank))
+            work = dist.irecv(buf, src=src, tag=tag, group=link_group(self.links, src, self.rank))
         else:
             self.posted_ahead[direction] += 1
         start = time.perf_counter()
