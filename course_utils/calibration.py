@@ -17,6 +17,9 @@ per rank, the ranks sharing the cores) and turns what the ranks measured into a 
   pipeline executor does (``cold_start_s``: the extra CPU of work that resumes after a wait, against the same work
   back to back; ``message_main_s`` and ``message_transport_s``: a message end's CPU on the rank's own thread and on
   gloo's transport threads);
+* what chapter 13's trainer spends on a step besides its actions, every rank training at once (``trainer_step_s``:
+  its CPU per step at no micro-batch, from its one-stage runs at 1 and 3; the batch, the step's message objects,
+  the reported gradients and timeline, the optimizer step: Python between tiny actions that no op count sees);
 * per collective and world size an alpha (seconds) and a beta (seconds per byte of nccl-tests' S: the whole buffer;
   for all_gather the gathered output, for reduce_scatter the unreduced input, for all_to_all each rank's buffer),
   fitted to the medians by least squares on the relative error (sizes span six decades: a plain least squares
@@ -60,7 +63,7 @@ WORKER = "workers.calibrate"
 CH13_WORKER = "workers.ch13_pipeline"
 CH15_WORKER = "workers.ch15_composed"
 WORLD_SIZES = (2, 4)
-TIMEOUT_S = 120.0  # one calibration run: 3 s on 2 ranks, 10-11 s on 4 (4 s of contended messages; warm ranks)
+TIMEOUT_S = 120.0  # one calibration run: 3 s on 2 ranks, 12-14 s on 4 (4 s of contended messages, 1.5 s of a trainer; warm ranks)
 RUN_TIMEOUT_S = 120.0  # one measured run of a chapter
 CH13_TIMED = {"forward_ms": 20.0, "backward_ms": 40.0}  # chapter 13's TIMED padding (t_B = 2 t_F)
 FORMAT = 1  # of the JSON file; a file of another format is measured again (fields added since have defaults)
@@ -151,6 +154,9 @@ class MachineCalibration:
     cold_start_s: float = 0.0  # extra CPU of a burst of work that starts after a wait, over the same back to back
     message_main_s: float = 0.0  # a rank's own CPU per message end (isend, posted receive, its wait)
     message_transport_s: float = 0.0  # its other threads' CPU per message end (gloo's transport threads)
+    # chapter 13's trainer, one stage on every rank of trainer_world (workers/calibrate.py: measure_trainer)
+    trainer_world: int = 0  # 0: not measured
+    trainer_step_s: float = 0.0  # its CPU per step besides its actions (the fit's intercept at no micro-batch)
     # (dtype, batch x heads, seq, head_dim, forward_s, forward_backward_s): causal SDPA on [1, b x h, s, d]
     attention: tuple[tuple[str, int, int, int, float, float], ...] = ()
     activation: tuple[tuple[str, int, float, float], ...] = ()  # (dtype, elements, forward_s, forward_backward_s): GELU
@@ -260,6 +266,9 @@ class MachineCalibration:
                          f"{self.cold_start_s * us:.0f} us more CPU than back to back"])
             rows.append(["CPU per message end: the rank's own thread / its transport threads",
                          f"{self.message_main_s * us:.0f} / {self.message_transport_s * us:.0f} us"])
+        if self.trainer_world:
+            rows.append([f"chapter 13's trainer, {self.trainer_world} ranks at once: a step besides its actions",
+                         f"{self.trainer_step_s * us:.0f} us of CPU"])
         for world, t in self.barrier:
             rows.append([f"barrier, {world} ranks", f"{t * us:.0f} us"])
         if self.adamw_step_s:
@@ -348,6 +357,7 @@ def aggregate(ranks: list[dict]) -> dict:
     barrier = [max(r["barrier"][i] for r in ranks) for i in range(len(r0.get("barrier") or []))]
     return {"world": world, "matmul": matmul, "ops": ops, "kernels": kernels, "stream": stream,
             "contention": contention, "messaging": messaging_medians(ranks),
+            "trainer": _median(r["trainer"]["step_s"] for r in ranks) if r0.get("trainer") else None,
             "contended": contended_rows(ranks), "barrier": _distribution(barrier) if barrier else [],
             "contention_shape": r0["contention_shape"], "stream_bytes": r0["stream_bytes"], "collectives": coll,
             "collectives_mean": coll_mean,
@@ -383,6 +393,8 @@ def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dic
     one = {k: _median(raw[w]["ops"][k] for w in worlds) for k in OPS}
     contended = _contended_fits(raw, collectives)
     messaging = _messaging(raw)
+    trained = [w for w in worlds if raw[w].get("trainer") is not None]
+    trainer = {"trainer_world": trained[-1], "trainer_step_s": max(0.0, raw[trained[-1]]["trainer"])} if trained else {}
     return MachineCalibration(
         cpu=r0["cpu"], capability=r0["capability"], cores=r0["cores"], threads_per_rank=r0["threads"],
         world_sizes=worlds, torch_version=r0["torch"], **one, matmul=tuple(matmul), attention=attention,
@@ -391,6 +403,7 @@ def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dic
         contention=contention, collectives=collectives, fit_error=errors,
         p2p=collectives[("p2p", max(p2p_worlds))] if p2p_worlds else (0.0, 0.0),
         adamw_shapes=tuple(tuple(s) for s in r0["ops"]["adamw_shapes"]), **contended, **messaging,
+        **trainer,
         barrier=tuple((w, raw[w]["barrier"][DISTRIBUTION.index(CONTENDED_STAT)]) for w in worlds if raw[w]["barrier"]),
         measured_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), seconds=seconds,
         params=dict(params or {}), raw=raw)
@@ -442,11 +455,13 @@ def _messaging(raw: dict) -> dict:
 
 
 _CACHE: dict[tuple, MachineCalibration] = {}
+TRAINER_CODE = ("pipeline/trainer.py", "pipeline/executor.py", "pipeline/p2p.py", "pipeline/model.py")
 
 
 def _worker_digest() -> str:
-    """The code that measured a stored calibration: the rank script and the timing it runs."""
-    code = b"".join((ROOT / "workers" / name).read_bytes() for name in ("calibrate.py", "timing/cpu.py"))
+    """The code that measured a stored calibration: the rank script, the timing it runs and chapter 13's trainer."""
+    code = b"".join((ROOT / "workers" / name).read_bytes()
+                    for name in ("calibrate.py", "timing/cpu.py", *TRAINER_CODE))
     return hashlib.sha1(code).hexdigest()[:12]
 
 
@@ -610,12 +625,15 @@ def padded(spec: RunSpec) -> bool:
     return spec.params.get("forward_ms", 0.0) > 0 or spec.params.get("backward_ms", 0.0) > 0
 
 
-def measure_runs(runs: list[RunSpec] | None = None, *, steps: int = 8, padded_steps: int = 4,
+def measure_runs(runs: list[RunSpec] | None = None, *, steps: int = 24, padded_steps: int = 4,
                  timeout: float = RUN_TIMEOUT_S) -> list[dict]:
     """Run each of ``runs`` (``default_runs()`` when None) on warm ranks for ``steps`` optimizer steps
     (``padded_steps`` for a run padded to calibrated waits, whose steps vary by about 1%) and return one row per run
     (``run_row``): the median step time over the steps after the first (warm-up), their min and max, the model, the
     layout or schedule, the batch and the padding. CPU timings: they vary by machine and by load."""
+    # steps: an unpadded step of 5-30 ms on shared cores varies by about +-25% from step to step (quartiles of 30
+    # steps of chapter 13's runs on a 2-core EPYC VM, 2026-12-07); the median of 7 steps after the warm-up moved by
+    # up to 74% between five launches of the same run there, the median of 29 by up to 30%
     runs = default_runs() if runs is None else list(runs)
     if min(steps, padded_steps) < 2:
         raise ValueError(f"steps={steps}, padded_steps={padded_steps}: measure at least 2 steps (the first is "

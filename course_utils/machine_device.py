@@ -36,9 +36,13 @@ tiers (every rank is on this one machine, so every group is "inside the node"). 
   fitted ``p2p`` link, and ``pipeline_makespan`` of those times. An unpadded pipeline whose ranks outnumber the
   cores (``shares_cores``) is replayed on the cores instead (``shared_cores_makespan``): each action its own CPU,
   ranks and messages queueing for a core, each message the CPU of its threads (measured in the executor's pattern:
-  ``message_main_s``, ``message_transport_s``), each action after a wait starting cold (``cold_start_s``). One
+  ``message_main_s``, ``message_transport_s``), each action after a wait starting cold (``cold_start_s``), and each
+  rank after its last action running the trainer's step besides its actions (``trainer_step_s``: the calibration
+  measures chapter 13's trainer itself, with one stage on every rank, because that step is Python between tiny
+  actions that no op count sees: 0.4-0.6 ms of CPU on a 2-core EPYC VM where its counted ops price 0.05 ms). One
   price for every message cannot hold there: in one pipeline of four ranks few compute at once and a message finds
-  a core free, in two pipelines of two every message queues behind the other pair's work.
+  a core free, in two pipelines of two every message queues behind the other pair's work; and the last stages'
+  step after their schedule holds the cores while the first stages wait for their last gradients.
 
 Terms that are not the time model's own, one sentence each:
 
@@ -616,6 +620,16 @@ def outside_schedule(row: dict, cal: MachineCalibration, cluster: Cluster) -> di
             "barrier": cal.barrier_seconds(row["world"])}
 
 
+def trainer_tail(row: dict, cal: MachineCalibration) -> float:
+    """The CPU one rank of chapter 13's trainer spends on a step besides its actions: the calibration's
+    ``trainer_step_s`` (the trainer measured with one stage on every rank at once), or, on a calibration without
+    it, the step's counted optimizer and reporting ops alone (``outside_schedule`` without the cores' contention)."""
+    if cal.trainer_world:
+        return cal.trainer_step_s
+    ops = step_ops(row)
+    return ops.optimizer * optimizer_op_seconds(cal) + ops.reporting * cal.op_s
+
+
 def predict_gpt(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
     """Chapter 15: ``step_time`` of the run's model, layout and practice on this machine, plus the documented
     terms outside it (padding, the tied embedding's and the loss's all-reduces, the step outside its schedule)."""
@@ -675,7 +689,7 @@ def messages(plan) -> list[tuple[int, int]]:
 
 
 def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores: int, *, transport: float = 0.0,
-                          wire: float = 0.0, cold: float = 0.0) -> float:
+                          wire: float = 0.0, cold: float = 0.0, tail: float = 0.0) -> float:
     """Seconds from the start of a step to its last action for ``replicas`` identical pipelines side by side (the
     run's dp) whose ranks share ``cores`` cores, each rank running its list of ``plan`` (``schedules.Plan``), unit u
     taking ``unit_seconds[u]`` of a core (its compute and the CPU of its message ends on the rank's own thread).
@@ -685,8 +699,11 @@ def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores:
     queues for one, first come first served. A message leaves when the threads that carry it (gloo's transport
     threads at both ends) have had ``transport`` of a core, after the action that produced it; it lands ``wire``
     later. A rank that has waited (for a message, or the step's barrier) starts its next action ``cold``: that
-    action costs ``cold`` more (``MachineCalibration.cold_start_s``). With cores for every rank and ``transport`` =
-    ``cold`` = 0 this is ``Plan.run``'s replay with each message taking ``wire``."""
+    action costs ``cold`` more (``MachineCalibration.cold_start_s``). With ``tail``, each rank goes on after its
+    last action with ``tail`` of CPU on the core it holds (the trainer's step besides its schedule), and the result is
+    when the last rank's tail ends: a rank that finished early keeps a core from the ranks still waiting for a
+    message. With cores for every rank and ``transport`` = ``cold`` = ``tail`` = 0 this is ``Plan.run``'s replay
+    with each message taking ``wire``."""
     if plan.calls:
         raise ValueError("a table with calls (DualPipeV's overlapped pairs) has no shared-cores replay")
     p, n = plan.p, len(plan.rank)
@@ -737,6 +754,8 @@ def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores:
             if task[0] == "send":
                 wires.append((now + wire, task[1], task[2]))
                 continue
+            if task[0] == "tail":
+                continue
             g = task[1]
             q, r = divmod(g, p)
             u = units[r][pos[g]]
@@ -750,6 +769,8 @@ def shared_cores_makespan(plan, unit_seconds: list[float], replicas: int, cores:
                     wires.append((now + wire, q, u))
             if pos[g] < len(units[r]) and ready(g):
                 running[task] = unit_seconds[units[r][pos[g]]]  # it goes on without giving its core up
+            elif pos[g] == len(units[r]) and tail > 0:
+                running[("tail", g)] = tail  # the step after its schedule, on the core it holds
             else:
                 waiting.add(g)
     return now
@@ -763,7 +784,7 @@ def shares_cores(row: dict, cal: MachineCalibration) -> bool:
 
 
 def _shared_schedule(row: dict, cal: MachineCalibration, schedule: str, fwd: list[float], bwd: list[float],
-                     nbytes: float) -> tuple[float, float, float]:
+                     nbytes: float, tail: float = 0.0) -> tuple[float, float, float, float]:
     """(the schedule on shared cores with free messages, with its messages, one message on idle cores) for a
     chapter 13 run that ``shares_cores``: each action's CPU its compute plus ``message_main_s`` per message end on it
     (its receive, its sends), each message the two ends' transport CPU (``message_transport_s`` each) and the rest of
@@ -784,9 +805,10 @@ def _shared_schedule(row: dict, cal: MachineCalibration, schedule: str, fwd: lis
     wire = max(0.0, quiet - transport - 2 * cal.message_main_s)
     replicas = row["world"] // p
     flat = shared_cores_makespan(plan, base, replicas, cal.cores)
-    total = shared_cores_makespan(plan, with_messages, replicas, cal.cores, transport=transport, wire=wire,
-                                  cold=cal.cold_start_s)
-    return flat, total, transport + wire + 2 * cal.message_main_s
+    replay = functools.partial(shared_cores_makespan, plan, with_messages, replicas, cal.cores, transport=transport,
+                               wire=wire, cold=cal.cold_start_s)
+    total = replay()
+    return flat, total, replay(tail=tail) if tail > 0 else total, transport + wire + 2 * cal.message_main_s
 
 
 def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
@@ -825,8 +847,13 @@ def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     fwd = [max(t, pad_f) for t in compute_f]
     bwd = [max(t, pad_b) for t in compute_b]
     schedule = lay["schedule"] if p > 1 else "1f1b"
+    outside = outside_schedule(row, cal, cluster)
     if shared:
-        flat, total, message = _shared_schedule(row, cal, schedule, fwd, bwd, mbs * h * e)
+        flat, total, with_tail, message = _shared_schedule(row, cal, schedule, fwd, bwd, mbs * h * e,
+                                                           trainer_tail(row, cal))
+        # the trainer's step besides its actions holds a core after each rank's schedule: what it adds to the
+        # step, the ranks still sending waiting for it included (its optimizer and reporting are part of it)
+        outside = {"trainer": with_tail - total, "barrier": outside["barrier"]}
     else:
         message = group_time("send_recv", mbs * h * e, 2, 1, cluster) if p > 1 else 0.0
         flat = pipeline_makespan(schedule, p, m, v, fwd, bwd, 0.0)
@@ -842,7 +869,7 @@ def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     terms["padding"] = busy[critical] - compute
     terms["bubble"] = flat - busy[critical]
     terms["pp"] = total - flat
-    terms.update(outside_schedule(row, cal, cluster))
+    terms.update(outside)
     return {"predicted_s": sum(terms.values()), "schedule_s": total, "terms": terms, "forward": fwd,
             "backward": bwd, "message": message, "busy": busy, "ops": ops}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 
 import pytest
 import torch
@@ -141,15 +142,18 @@ def test_the_new_fields_round_trip_and_an_older_file_still_loads():
 
     cal = MachineCalibration.from_json(json.dumps(old))  # written before the contended fields existed
     assert cal.contended_world == 0 and cal.p2p_busy == (0.0, 0.0) and cal.barrier == () and cal.adamw_step_s == 0
-    assert cal.messaging_world == 0 and cal.cold_start_s == 0.0
+    assert cal.messaging_world == 0 and cal.cold_start_s == 0.0 and cal.trainer_world == 0
     assert cal.attention == () and cal.activation == ()
     assert cal.barrier_seconds(4) == 0.0
     new = {**old, "contended_world": 4, "p2p_busy": [1.5e-3, 1e-9], "p2p_quiet": [1e-4, 1e-9],
            "all_reduce_busy": [2e-3, 2e-9], "all_reduce_quiet": [3e-4, 2e-9], "world_all_reduce_busy": [5e-3, 3e-9],
            "barrier": [[2, 2e-4], [4, 1e-3]], "adamw_step_s": 3e-4, "adamw_shapes": [[32], [32, 32]],
            "attention": [["float64", 8, 16, 4, 3e-5, 1e-4]], "activation": [["float64", 1024, 2e-5, 6e-5]],
-           "messaging_world": 4, "cold_start_s": 1.5e-4, "message_main_s": 6e-5, "message_transport_s": 1.2e-4}
+           "messaging_world": 4, "cold_start_s": 1.5e-4, "message_main_s": 6e-5, "message_transport_s": 1.2e-4,
+           "trainer_world": 4, "trainer_step_s": 4.5e-4}
     cal = MachineCalibration.from_json(json.dumps(new))
+    assert cal.trainer_world == 4 and cal.trainer_step_s == 4.5e-4
+    assert "chapter 13's trainer, 4 ranks" in str(cal.summary())
     assert cal.messaging_world == 4 and cal.cold_start_s == 1.5e-4 and cal.message_transport_s == 1.2e-4
     assert cal.p2p_busy == (1.5e-3, 1e-9) and cal.adamw_shapes == ((32,), (32, 32))
     assert cal.attention == (("float64", 8, 16, 4, 3e-5, 1e-4),) and cal.activation == (("float64", 1024, 2e-5, 6e-5),)
@@ -165,11 +169,12 @@ def test_the_worker_refuses_contended_settings_it_cannot_run():
 
     for bad in ({"contended_sizes": [2]}, {"contended_rounds": 0}, {"contended_work_ms": -1.0},
                 {"contended_ms": 0.0}, {"contended_calls": 1}, {"messaging_steps": -1}, {"messaging_messages": 0},
-                {"messaging_burst_steps": 0}):
+                {"messaging_burst_steps": 0}, {"trainer_steps": 10}, {"trainer_steps": -1}):
         with pytest.raises(InvalidParameter):
             check_params(cal_mod.WORKER, 4, {**QUICK, **bad})
     check_params(cal_mod.WORKER, 4, {**QUICK, "contended_sizes": []})  # none: the phase is skipped
     check_params(cal_mod.WORKER, 4, {**QUICK, "messaging_steps": 0})  # none: the messaging phase is skipped
+    check_params(cal_mod.WORKER, 4, {**QUICK, "trainer_steps": 0})  # none: the trainer phase is skipped
 
 
 def test_the_default_runs_are_the_chapters_runs_and_every_one_passes_its_workers_check():
@@ -219,14 +224,17 @@ def test_one_ranks_timings_run_in_the_test_process_without_ranks():
 
 
 def test_a_stored_calibration_is_tied_to_the_timing_code_as_well_as_the_rank_script(tmp_path, monkeypatch):
-    # The cache key hashes workers/calibrate.py and workers/timing/cpu.py: a change to either measures anew.
-    for name in ("calibrate.py", "timing/cpu.py"):
+    # The cache key hashes workers/calibrate.py, workers/timing/cpu.py and chapter 13's trainer, which the
+    # calibration runs: a change to any of them measures anew.
+    names = ("calibrate.py", "timing/cpu.py", *cal_mod.TRAINER_CODE)
+    for name in names:
         (tmp_path / "workers" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "workers" / name).write_bytes((cal_mod.ROOT / "workers" / name).read_bytes())
     monkeypatch.setattr(cal_mod, "ROOT", tmp_path)
-    before = cal_mod._worker_digest()
-    (tmp_path / "workers" / "timing" / "cpu.py").write_text("# changed\n", encoding="utf-8")
-    assert cal_mod._worker_digest() != before
+    for name in names[1:]:
+        before = cal_mod._worker_digest()
+        (tmp_path / "workers" / name).write_text(f"# changed {name}\n", encoding="utf-8")
+        assert cal_mod._worker_digest() != before, name
 
 
 # -- on ranks ---------------------------------------------------------------------------------------------------------
@@ -271,7 +279,7 @@ def test_the_calibration_describes_this_machine(calibration):
 @pytest.mark.ranks
 def test_contended_messages_are_measured_with_the_other_ranks_busy_and_idle():
     short = {**QUICK, "collectives": ["broadcast"], "contended_ms": 3.0, "contended_rounds": 1,
-             "contended_work_ms": 0.2}
+             "contended_work_ms": 0.2, "trainer_steps": 0}
     ranks = cal_mod.run_worker(cal_mod.WORKER, world_size=3, **short).ranks
     raw = cal_mod.aggregate(ranks)
     assert all(r["messaging"] is None for r in ranks) and raw["messaging"] == {}  # an odd world has no pairs
@@ -291,7 +299,7 @@ def test_contended_messages_are_measured_with_the_other_ranks_busy_and_idle():
 @pytest.mark.ranks
 def test_the_messaging_pattern_is_measured_on_every_rank_of_an_even_world():
     short = {**QUICK, "collectives": ["broadcast"], "contended_sizes": [], "messaging_steps": 3,
-             "messaging_messages": 4, "messaging_burst_steps": 1}
+             "messaging_messages": 4, "messaging_burst_steps": 1, "trainer_steps": 0}
     ranks = cal_mod.run_worker(cal_mod.WORKER, world_size=4, **short).ranks
     for r in ranks:
         got = r["messaging"]
@@ -302,6 +310,25 @@ def test_the_messaging_pattern_is_measured_on_every_rank_of_an_even_world():
     raw = cal_mod.aggregate(ranks)
     assert set(raw["messaging"]) == {"alone_s", "burst_s", "main_per_end_s", "transport_per_end_s"}
     assert cal_mod._messaging({4: raw})["messaging_world"] == 4
+
+
+@pytest.mark.ranks
+def test_chapter_13s_trainer_is_measured_on_every_rank_at_once_without_sending_its_losses():
+    short = {**QUICK, "collectives": ["broadcast"], "contended_sizes": [], "messaging_steps": 0, "trainer_steps": 20}
+    res = cal_mod.run_worker(cal_mod.WORKER, world_size=3, **short)
+    for r in res.ranks:
+        got = r["trainer"]
+        # CPU clocks: two more micro-batches' forward and backward take some (about 1 ms a step here); the step
+        # besides them is the intercept of a fit over 10-step differences, 0.15-0.95 ms over 15 ranks' fits here
+        # at world 3 (AVX2 kernels), so only its being a number is asserted
+        assert got["steps"] == 20 and got["micro_batch_s"] > 0 and got["barrier_cpu_s"] >= 0
+        assert math.isfinite(got["step_s"])
+    # the trainer's losses are not the calibration's progress: one metric per phase, none from the trainer runs
+    assert all(len(m) == len(res.ranks[0]["phases"]) for m in res.metrics), res.metrics
+    raw = cal_mod.aggregate(res.ranks)
+    assert raw["trainer"] == pytest.approx(statistics.median(r["trainer"]["step_s"] for r in res.ranks))
+    cal = cal_mod.build({3: res.ranks})
+    assert cal.trainer_world == 3 and cal.trainer_step_s == pytest.approx(max(0.0, raw["trainer"]))
 
 
 @pytest.mark.ranks

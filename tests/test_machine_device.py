@@ -44,6 +44,10 @@ SYNTHETIC = {
 MESSAGING = {"messaging_world": 4, "cold_start_s": 1.5e-4, "message_main_s": 5e-5, "message_transport_s": 1.2e-4}
 
 
+# and chapter 13's trainer measured (workers/calibrate.py: measure_trainer)
+TRAINER = {"trainer_world": 4, "trainer_step_s": 4.5e-4}
+
+
 @pytest.fixture(scope="module")
 def cal() -> MachineCalibration:
     return MachineCalibration.from_json(json.dumps(SYNTHETIC))
@@ -193,6 +197,39 @@ def test_a_message_waits_for_its_threads_and_the_wire_and_a_rank_that_waited_sta
     # one core the two queue for it, and the step takes at least both pipelines' CPU
     assert md.shared_cores_makespan(plan, units, 2, 2, transport=0.1, wire=0.05, cold=0.01) == pytest.approx(got)
     assert md.shared_cores_makespan(plan, units, 2, 1, transport=0.1, wire=0.05, cold=0.01) >= 2 * (got - 0.1)
+
+
+def test_a_rank_that_finished_its_schedule_keeps_its_core_for_the_trainers_step_after_it():
+    # GPipe, 2 stages, 1 micro-batch, two pipelines side by side, every action 1 s. Without a tail: the first stages'
+    # F (0-1), the last stages' F and B (1-3), the first stages' B (3-4). With a tail of 0.5 s on two cores, the last
+    # stages keep both cores for theirs (3-3.5), the first stages' B waits for them (3.5-4.5), then their own tails
+    # (4.5-5); with a core per rank only each rank's own tail is added after its B (4-4.5)
+    plan = schedule_plan("gpipe", 2, 1, 1)
+    units = [1.0] * len(plan.rank)
+    assert md.shared_cores_makespan(plan, units, 2, 2) == 4.0
+    assert md.shared_cores_makespan(plan, units, 2, 2, tail=0.5) == 5.0
+    assert md.shared_cores_makespan(plan, units, 2, 4, tail=0.5) == 4.5
+
+
+def test_the_trainers_measured_step_runs_on_the_cores_after_each_schedule(shared):
+    row = _row("gpipe pp 2 m 4 unpadded")
+    measured = MachineCalibration.from_json(json.dumps({**SYNTHETIC, **MESSAGING, **TRAINER}))
+    pred, counted = md.predict(row, measured), md.predict(row, shared)
+    assert md.trainer_tail(row, measured) == TRAINER["trainer_step_s"]
+    # without the trainer measured, its step is the counted optimizer and reporting ops alone, at their CPU
+    ops = md.step_ops(row)
+    assert md.trainer_tail(row, shared) == pytest.approx(
+        ops.optimizer * md.optimizer_op_seconds(shared) + ops.reporting * shared.op_s, rel=1e-12)
+    for p in (pred, counted):
+        assert set(p["terms"]) >= {"trainer", "barrier"} and not {"optimizer", "reporting"} & set(p["terms"])
+        assert sum(p["terms"].values()) == pytest.approx(p["predicted_s"], rel=1e-12)
+        assert p["terms"]["barrier"] == shared.barrier_seconds(4)
+    # the rank that ends the schedule last runs its step after it: the step grows by at least the tail
+    assert pred["terms"]["trainer"] >= TRAINER["trainer_step_s"] - 1e-12
+    assert pred["schedule_s"] == pytest.approx(counted["schedule_s"], rel=1e-12)  # the schedule itself is the same
+    assert pred["predicted_s"] > counted["predicted_s"]
+    # a padded run's ranks sleep through their pads: its step outside the schedule stays the counted ops
+    assert "optimizer" in md.predict(_row("gpipe pp 2 m 4 timed"), measured)["terms"]
 
 
 def test_an_unpadded_pipeline_on_more_ranks_than_cores_shares_the_cores_with_its_messages(cal, shared):

@@ -47,6 +47,12 @@ and what one rank times with it; this script runs them on the ranks and adds wha
   back: on a machine whose idle cores sleep, or whose caches another rank has filled meanwhile, work that resumes
   after a wait runs cold), and the CPU each message end costs this thread and the others (gloo's transport
   threads), read from the CPU clocks (``time.thread_time``, ``time.process_time``);
+* **trainer** (worlds of 3 ranks or more): the CPU chapter 13's trainer (``workers/pipeline/trainer.py``) spends on a
+  step besides its actions, every rank training at once: the trainer with one stage each (no messages) at 1 and 3
+  micro-batches, for 10 and ``trainer_steps`` steps, this thread's CPU (``time.thread_time``) less its barriers'
+  (the barrier is priced on its own). The CPU per step at m micro-batches is a + b m; a is the step's bookkeeping
+  (the batch, the step's message objects, ``zero_grad``, the timeline and gradients it reports, the SGD step), the
+  Python a schedule of tiny actions leaves between them that no op count sees;
 * **barrier**: barriers of the whole world back to back, each timed (every world of 2 ranks or more);
 * **adamw**: one ``torch.optim.AdamW`` step (as on CPU: a loop over the parameters, about ten eager ops each) over
   the parameters of one layer of chapter 15's GPT (``ADAMW_SHAPES``, float64), measured with the ops.
@@ -69,6 +75,7 @@ import torch.distributed as dist
 from workers.layout.grid import RankGrid
 from workers.layout.mesh import Mesh, link_names
 from workers.pipeline.p2p import link_group
+from workers.pipeline.trainer import train
 from workers.runtime import all_gather_single, at_least, entrypoint, one_of, reduce_scatter_single, refusal
 from workers.timing.cpu import (DTYPES, linear_fn, matmul_fn, measure_kernels, measure_ops, measure_stream, op_fn,
                                 stats, timed)
@@ -104,7 +111,7 @@ def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes
                  contention_shape="256x256x256", repeats=7, target_ms=2.0, window_ms=30.0, windows=3, calls=11,
                  max_calls=41, point_ms=50.0, stream_mib=32, contended_sizes=CONTENDED_SIZES, contended_ms=40.0,
                  contended_calls=100, contended_work_ms=1.0, contended_rounds=6, messaging_steps=20,
-                 messaging_messages=8, messaging_burst_steps=4, **_):
+                 messaging_messages=8, messaging_burst_steps=4, trainer_steps=40, **_):
     def bad(values):
         return any(not isinstance(s, int) or isinstance(s, bool) or s < 4 or s > MAX_BYTES for s in values)
 
@@ -121,6 +128,8 @@ def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes
                    at_least("contended_calls", contended_calls, 2), at_least("contended_rounds", contended_rounds),
                    at_least("messaging_steps", messaging_steps, 0), at_least("messaging_messages", messaging_messages),
                    at_least("messaging_burst_steps", messaging_burst_steps),
+                   None if trainer_steps == 0 or (isinstance(trainer_steps, int) and trainer_steps >= 20) else
+                   f"trainer_steps={trainer_steps} must be 0 (not measured) or at least 20",
                    None if 0 <= contended_work_ms <= 100 else
                    f"contended_work_ms={contended_work_ms} must be between 0 and 100 ms",
                    None if max_calls >= calls else f"max_calls={max_calls} must be at least calls={calls}",
@@ -343,6 +352,38 @@ def measure_barrier(calls: int) -> list[float]:
     return samples
 
 
+def _no_metric(**_) -> None:
+    """Where the trainer's losses go inside the calibration: nowhere (the notebook reads the calibration's metrics as
+    its progress)."""
+
+
+def measure_trainer(ctx, steps: int, repeats: int = 5) -> dict:
+    """Chapter 13's trainer (``workers/pipeline/trainer.py``) with one stage on every rank at once (``pp`` = 1,
+    GPipe: no message, the same step otherwise, its losses not sent), at 1 and 3 micro-batches for 10 and ``steps``
+    steps: this thread's CPU per step (the difference of the two runs over ``steps`` - 10, so the run's start and its
+    groups drop out) less one barrier's CPU (measured here over 20 barriers), fitted as a + b m per repeat.
+    ``step_s`` is the median of a over the repeats after the first (warm-up), ``micro_batch_s`` of b."""
+    dist.barrier()
+    start = time.thread_time()
+    for _ in range(20):
+        dist.barrier()
+    barrier_s = (time.thread_time() - start) / 20
+
+    def cpu(m: int, n: int) -> float:
+        dist.barrier()
+        start = time.thread_time()
+        train(ctx, schedule="gpipe", micro_batches=m, pp=1, steps=n, metric=_no_metric)
+        return time.thread_time() - start
+
+    a, b = [], []
+    for _ in range(repeats):
+        per = {m: (cpu(m, steps) - cpu(m, 10)) / (steps - 10) - barrier_s for m in (1, 3)}
+        a.append((3 * per[1] - per[3]) / 2)
+        b.append((per[3] - per[1]) / 2)
+    return {"step_s": statistics.median(a[1:]), "micro_batch_s": statistics.median(b[1:]), "barrier_cpu_s": barrier_s,
+            "steps": steps}
+
+
 def measure_messaging(ctx, steps: int, messages: int, burst_steps: int) -> dict | None:
     """The CPU a pipeline's messages and waits cost, every rank taking part: ranks 2i and 2i + 1 as two stages pass a
     ``[4, 16]`` float32 tensor back and forth ``messages`` times a step, as the pipeline executor does (the step's
@@ -422,7 +463,7 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
          max_calls: int = 41, point_ms: float = 50.0, stream_mib: int = 32, contended_sizes: list = CONTENDED_SIZES,
          contended_ms: float = 40.0, contended_calls: int = 100, contended_work_ms: float = 1.0,
          contended_rounds: int = 6, messaging_steps: int = 20, messaging_messages: int = 8,
-         messaging_burst_steps: int = 4):
+         messaging_burst_steps: int = 4, trainer_steps: int = 40):
     """Measure matmul rates, per-op overheads, attention and activation kernels, memory bandwidth, contention,
     collectives and messages under contention on these ranks."""
     start = time.perf_counter()
@@ -492,6 +533,10 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
         messaging = measure_messaging(ctx, messaging_steps, messaging_messages, messaging_burst_steps)
     phase("messaging", t0)
 
+    t0 = time.perf_counter()
+    trainer = measure_trainer(ctx, trainer_steps) if ctx.world_size > 2 and trainer_steps else None
+    phase("trainer", t0)
+
     return {"cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
@@ -499,7 +544,8 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
             "device": str(ctx.device), "matmul": matmul if ctx.rank == 0 else None, "ops": ops,
             "kernels": kernels, "stream": stream,
             "contention": shared, "contention_shape": [cm, cn, ck], "stream_bytes": n_stream * 4,
-            "collectives": coll, "contended": contended, "messaging": messaging, "barrier": barrier,
+            "collectives": coll, "contended": contended, "messaging": messaging, "trainer": trainer,
+            "barrier": barrier,
             "phases": phases,
             "seconds": time.perf_counter() - start,
             "params": {"repeats": repeats, "target_ms": target_ms, "window_ms": window_ms, "windows": windows,
@@ -507,7 +553,8 @@ def main(ctx, shapes: list = SHAPES, dtypes: list = ["float32", "float64"],  # n
                        "contended_sizes": list(contended_sizes), "contended_ms": contended_ms,
                        "contended_calls": contended_calls, "contended_work_ms": contended_work_ms,
                        "contended_rounds": contended_rounds, "messaging_steps": messaging_steps,
-                       "messaging_messages": messaging_messages, "messaging_burst_steps": messaging_burst_steps}}
+                       "messaging_messages": messaging_messages, "messaging_burst_steps": messaging_burst_steps,
+                       "trainer_steps": trainer_steps}}
 
 
 if __name__ == "__main__":

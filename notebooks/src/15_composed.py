@@ -463,8 +463,9 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # Where a step is padded to calibrated waits (chapter 13's schedules, and the timed run above) the planner's step is the
 # simulated schedule plus the messages, and it lands within a few percent of the measurement: the bubble the planner
 # charges Llama 3 is the one this machine shows. Where the steps are the tiny model's own work, the planner lands
-# between about half the measured step and one and a half times it, and the table's largest term says where it
-# looks: a few microseconds per eager op times the ops counted, the optimizer's hundreds of small ops, and each
+# within about a quarter of the measured step on the 2-core virtual machine this chapter was written on, further off
+# on a busy machine (a step of a few milliseconds there moves by up to a third between launches), and the table's
+# largest term says where it looks: a few microseconds per eager op times the ops counted, the optimizer's hundreds of small ops, and each
 # message's wait for a core when four ranks share two (measured by the calibration with the other ranks busy: about
 # a millisecond, against a tenth of that when they are idle). One such price cannot hold for chapter 13's unpadded
 # pipelines: in one pipeline of four ranks few of them compute at once and a message finds a core free; in two
@@ -473,7 +474,12 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # each action costs its own CPU, each message the CPU of the threads that carry it, and an action that follows a
 # wait starts cold. The calibration measures both in the pipeline executor's own pattern (`machine.summary()` lists
 # them): on a virtual machine whose idle cores sleep, work that resumes after a wait can cost twice its CPU back to
-# back. 1F1B and interleaving, whose messages cross a link both ways at once, were still priced well below their
+# back. After its last action each rank runs the rest of its trainer's step (the next batch, the step's message
+# objects, the gradients and timeline it reports, the optimizer): Python between tiny actions that no op count sees,
+# so the calibration times chapter 13's trainer itself, with one stage on every rank (about 0.4 ms of CPU a step on
+# a 2-core virtual machine, where its counted ops come to 0.05 ms). In the replay it holds a core, and that matters
+# more than its size: the last stages finish first, and while they run it the first stages wait for a core to take
+# their last gradients. 1F1B and interleaving, whose messages cross a link both ways at once, were still priced well below their
 # step until the pipeline executor sent each direction on a process group of its own: on one group, gloo's
 # transport threads polled while their own rank held the link to send (chapter 13, section 7), CPU no calibration
 # of single messages sees. A message costs even the replay's price only if its receive was posted before it
@@ -482,9 +488,9 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # why the pipeline executor posts every receive of a step before the step begins. Attention and GELU are priced
 # from their timed calls, not from their FLOPs or bytes: a CPU's attention call on heads of 4 costs its setup per
 # head (hundreds of microseconds for this model's layer in float64, where FlashAttention's share of the matmul rate
-# would say a few), and float64 erf is compute-bound. What it still misses is Python the op counter cannot see
-# (modules, hooks, the trainer's bookkeeping, the executor's between steps) and a context-parallel ring it prices
-# as collectives. At the scale chapter 00 prices, those fixed costs vanish next to the matmuls; at this scale they
+# would say a few), and float64 erf is compute-bound. What it still misses is Python the op counter cannot see in
+# this chapter's trainer (modules, hooks, its bookkeeping between steps) and a context-parallel ring it prices as
+# collectives. At the scale chapter 00 prices, those fixed costs vanish next to the matmuls; at this scale they
 # are the step.
 
 # %% [markdown]
