@@ -169,7 +169,7 @@ def test_the_worker_refuses_contended_settings_it_cannot_run():
 
     for bad in ({"contended_sizes": [2]}, {"contended_rounds": 0}, {"contended_work_ms": -1.0},
                 {"contended_ms": 0.0}, {"contended_calls": 1}, {"messaging_steps": -1}, {"messaging_messages": 0},
-                {"messaging_burst_steps": 0}, {"trainer_steps": 10}, {"trainer_steps": -1}):
+                {"messaging_burst_steps": 0}, {"trainer_steps": 3}, {"trainer_steps": -1}):
         with pytest.raises(InvalidParameter):
             check_params(cal_mod.WORKER, 4, {**QUICK, **bad})
     check_params(cal_mod.WORKER, 4, {**QUICK, "contended_sizes": []})  # none: the phase is skipped
@@ -319,8 +319,8 @@ def test_chapter_13s_trainer_is_measured_on_every_rank_at_once_without_sending_i
     for r in res.ranks:
         got = r["trainer"]
         # CPU clocks: two more micro-batches' forward and backward take some (about 1 ms a step here); the step
-        # besides them is the intercept of a fit over 10-step differences, 0.15-0.95 ms over 15 ranks' fits here
-        # at world 3 (AVX2 kernels), so only its being a number is asserted
+        # besides them is a fit's intercept on a machine whose speed can swing by 1.7x for seconds (a shared
+        # host: 0.15-0.95 ms over 15 ranks' fits here at world 3), so only its being a number is asserted
         assert got["steps"] == 20 and got["micro_batch_s"] > 0 and got["barrier_cpu_s"] >= 0
         assert math.isfinite(got["step_s"])
     # the trainer's losses are not the calibration's progress: one metric per phase, none from the trainer runs

@@ -49,8 +49,8 @@ and what one rank times with it; this script runs them on the ranks and adds wha
   threads), read from the CPU clocks (``time.thread_time``, ``time.process_time``);
 * **trainer** (worlds of 3 ranks or more): the CPU chapter 13's trainer (``workers/pipeline/trainer.py``) spends on a
   step besides its actions, every rank training at once: the trainer with one stage each (no messages) at 1 and 3
-  micro-batches, for 10 and ``trainer_steps`` steps, this thread's CPU (``time.thread_time``) less its barriers'
-  (the barrier is priced on its own). The CPU per step at m micro-batches is a + b m; a is the step's bookkeeping
+  micro-batches for ``trainer_steps`` steps, the median step's CPU on this thread (``time.thread_time``) less a
+  barrier's (the barrier is priced on its own). The CPU per step at m micro-batches is a + b m; a is the step's bookkeeping
   (the batch, the step's message objects, ``zero_grad``, the timeline and gradients it reports, the SGD step), the
   Python a schedule of tiny actions leaves between them that no op count sees;
 * **barrier**: barriers of the whole world back to back, each timed (every world of 2 ranks or more);
@@ -128,8 +128,8 @@ def check_params(world_size, shapes=SHAPES, dtypes=("float32", "float64"), sizes
                    at_least("contended_calls", contended_calls, 2), at_least("contended_rounds", contended_rounds),
                    at_least("messaging_steps", messaging_steps, 0), at_least("messaging_messages", messaging_messages),
                    at_least("messaging_burst_steps", messaging_burst_steps),
-                   None if trainer_steps == 0 or (isinstance(trainer_steps, int) and trainer_steps >= 20) else
-                   f"trainer_steps={trainer_steps} must be 0 (not measured) or at least 20",
+                   None if trainer_steps == 0 or (isinstance(trainer_steps, int) and trainer_steps >= 5) else
+                   f"trainer_steps={trainer_steps} must be 0 (not measured) or at least 5",
                    None if 0 <= contended_work_ms <= 100 else
                    f"contended_work_ms={contended_work_ms} must be between 0 and 100 ms",
                    None if max_calls >= calls else f"max_calls={max_calls} must be at least calls={calls}",
@@ -359,25 +359,25 @@ def _no_metric(**_) -> None:
 
 def measure_trainer(ctx, steps: int, repeats: int = 5) -> dict:
     """Chapter 13's trainer (``workers/pipeline/trainer.py``) with one stage on every rank at once (``pp`` = 1,
-    GPipe: no message, the same step otherwise, its losses not sent), at 1 and 3 micro-batches for 10 and ``steps``
-    steps: this thread's CPU per step (the difference of the two runs over ``steps`` - 10, so the run's start and its
-    groups drop out) less one barrier's CPU (measured here over 20 barriers), fitted as a + b m per repeat.
-    ``step_s`` is the median of a over the repeats after the first (warm-up), ``micro_batch_s`` of b."""
+    GPipe: no message, the same step otherwise, its losses not sent), at 1 and 3 micro-batches for ``steps`` steps:
+    the median over the steps after the first of this thread's CPU per step (``step_cpu_s``: a median, because the
+    machine's speed can swing for seconds on a shared host) less one barrier's CPU (measured here over 20
+    barriers), fitted as a + b m per repeat. ``step_s`` is the median of a over the repeats after the first
+    (warm-up), ``micro_batch_s`` of b."""
     dist.barrier()
     start = time.thread_time()
     for _ in range(20):
         dist.barrier()
     barrier_s = (time.thread_time() - start) / 20
 
-    def cpu(m: int, n: int) -> float:
+    def cpu(m: int) -> float:
         dist.barrier()
-        start = time.thread_time()
-        train(ctx, schedule="gpipe", micro_batches=m, pp=1, steps=n, metric=_no_metric)
-        return time.thread_time() - start
+        got = train(ctx, schedule="gpipe", micro_batches=m, pp=1, steps=steps, metric=_no_metric)
+        return statistics.median(got["step_cpu_s"][1:]) - barrier_s
 
     a, b = [], []
     for _ in range(repeats):
-        per = {m: (cpu(m, steps) - cpu(m, 10)) / (steps - 10) - barrier_s for m in (1, 3)}
+        per = {m: cpu(m) for m in (1, 3)}
         a.append((3 * per[1] - per[3]) / 2)
         b.append((per[3] - per[1]) / 2)
     return {"step_s": statistics.median(a[1:]), "micro_batch_s": statistics.median(b[1:]), "barrier_cpu_s": barrier_s,

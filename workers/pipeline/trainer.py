@@ -69,8 +69,9 @@ def train(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virt
     # on gloo a link's two directions travel on two groups (pipeline/p2p.py says why); NCCL keeps the default group
     mesh = Mesh(grid, ctx.rank, link_names(ctx.backend, p))
     try:
-        out = {"losses": [], "timelines": [], "step_s": []}  # step_s: wall time from the last step's end to this one's
-        last = time.perf_counter()
+        # step_s: wall time from the last step's end to this one's; step_cpu_s: this thread's CPU over the same span
+        out = {"losses": [], "timelines": [], "step_s": [], "step_cpu_s": []}
+        last, last_cpu = time.perf_counter(), time.thread_time()
         for step in range(steps):
             # [B, h]: every rank derives the same batch
             x, y = (t.to(ctx.device, torch_dtype) for t in make_batch(cfg, step))
@@ -94,7 +95,8 @@ def train(ctx, schedule: str = "1f1b", micro_batches: int = 8, pp: int = 0, virt
             grads = {n: q.grad.detach().cpu().clone() for n, q in params.items()}
             opt.step()
             out["step_s"].append(time.perf_counter() - last)
-            last = time.perf_counter()
+            out["step_cpu_s"].append(time.thread_time() - last_cpu)
+            last, last_cpu = time.perf_counter(), time.thread_time()
     finally:
         mesh.destroy()
     planned = peak_stashes(actions)
