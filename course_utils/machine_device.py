@@ -613,21 +613,25 @@ def outside_schedule(row: dict, cal: MachineCalibration, cluster: Cluster) -> di
     (the calibration's mean barrier at the run's world)."""
     ops = step_ops(row)
     slow = contention(cluster, row["world"])
+    optimizer, reporting = counted_step_cpu(row, cal)
     group = row["layout"]["dp"] * row["layout"]["cp"] if row["chapter"] == 15 else 1
     gathers = sum(group_time("all_gather", b, group, 1, cluster) for b in ops.report_gather_bytes) if group > 1 else 0.0
-    return {"optimizer": ops.optimizer * optimizer_op_seconds(cal) * slow,
-            "reporting": ops.reporting * cal.op_s * slow + gathers,
+    return {"optimizer": optimizer * slow, "reporting": reporting * slow + gathers,
             "barrier": cal.barrier_seconds(row["world"])}
+
+
+def counted_step_cpu(row: dict, cal: MachineCalibration) -> tuple[float, float]:
+    """(optimizer, reporting): one rank's CPU for the counted ops of its step outside the schedule, the optimizer's
+    at the calibration's optimizer op (``optimizer_op_seconds``), the batch's and the report's at one eager op."""
+    ops = step_ops(row)
+    return ops.optimizer * optimizer_op_seconds(cal), ops.reporting * cal.op_s
 
 
 def trainer_tail(row: dict, cal: MachineCalibration) -> float:
     """The CPU one rank of chapter 13's trainer spends on a step besides its actions: the calibration's
     ``trainer_step_s`` (the trainer measured with one stage on every rank at once), or, on a calibration without
-    it, the step's counted optimizer and reporting ops alone (``outside_schedule`` without the cores' contention)."""
-    if cal.trainer_world:
-        return cal.trainer_step_s
-    ops = step_ops(row)
-    return ops.optimizer * optimizer_op_seconds(cal) + ops.reporting * cal.op_s
+    it, the step's counted optimizer and reporting ops alone (``counted_step_cpu``)."""
+    return cal.trainer_step_s if cal.trainer_world else sum(counted_step_cpu(row, cal))
 
 
 def predict_gpt(row: dict, cal: MachineCalibration, cluster: Cluster | None = None) -> dict:
@@ -847,17 +851,17 @@ def predict_mlp(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     fwd = [max(t, pad_f) for t in compute_f]
     bwd = [max(t, pad_b) for t in compute_b]
     schedule = lay["schedule"] if p > 1 else "1f1b"
-    outside = outside_schedule(row, cal, cluster)
     if shared:
         flat, total, with_tail, message = _shared_schedule(row, cal, schedule, fwd, bwd, mbs * h * e,
                                                            trainer_tail(row, cal))
         # the trainer's step besides its actions holds a core after each rank's schedule: what it adds to the
         # step, the ranks still sending waiting for it included (its optimizer and reporting are part of it)
-        outside = {"trainer": with_tail - total, "barrier": outside["barrier"]}
+        outside = {"trainer": with_tail - total, "barrier": cal.barrier_seconds(row["world"])}
     else:
         message = group_time("send_recv", mbs * h * e, 2, 1, cluster) if p > 1 else 0.0
         flat = pipeline_makespan(schedule, p, m, v, fwd, bwd, 0.0)
         total = pipeline_makespan(schedule, p, m, v, fwd, bwd, message) if message else flat
+        outside = outside_schedule(row, cal, cluster)
     busy = [m * sum(fwd[vs] + bwd[vs] for vs in range(r, chunks, p)) for r in range(p)]
     critical = max(range(p), key=lambda r: busy[r])
     terms = {"matmul": 0.0, "memory-bound": 0.0, "kernel overhead": 0.0}
@@ -985,6 +989,6 @@ def comparison_table(compared: list[dict]) -> Table:
 
 
 __all__ = ["OpCount", "StepOps", "adamw_ops", "compare_runs", "comparison_table", "contended", "count_gpt_ops",
-           "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "device_from", "link_fits",
-           "median_of_launches", "messages", "op_seconds", "optimizer_op_seconds", "outside_schedule", "predict",
-           "shared_cores_makespan", "shares_cores", "with_repeats"]
+           "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "counted_step_cpu", "device_from",
+           "link_fits", "median_of_launches", "messages", "op_seconds", "optimizer_op_seconds", "outside_schedule",
+           "predict", "shared_cores_makespan", "shares_cores", "trainer_tail", "with_repeats"]

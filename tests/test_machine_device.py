@@ -220,6 +220,7 @@ def test_the_trainers_measured_step_runs_on_the_cores_after_each_schedule(shared
     ops = md.step_ops(row)
     assert md.trainer_tail(row, shared) == pytest.approx(
         ops.optimizer * md.optimizer_op_seconds(shared) + ops.reporting * shared.op_s, rel=1e-12)
+    assert md.trainer_tail(row, shared) == pytest.approx(sum(md.counted_step_cpu(row, shared)), rel=1e-12)
     for p in (pred, counted):
         assert set(p["terms"]) >= {"trainer", "barrier"} and not {"optimizer", "reporting"} & set(p["terms"])
         assert sum(p["terms"].values()) == pytest.approx(p["predicted_s"], rel=1e-12)

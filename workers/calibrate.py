@@ -50,9 +50,9 @@ and what one rank times with it; this script runs them on the ranks and adds wha
 * **trainer** (worlds of 3 ranks or more): the CPU chapter 13's trainer (``workers/pipeline/trainer.py``) spends on a
   step besides its actions, every rank training at once: the trainer with one stage each (no messages) at 1 and 3
   micro-batches for ``trainer_steps`` steps, the median step's CPU on this thread (``time.thread_time``) less a
-  barrier's (the barrier is priced on its own). The CPU per step at m micro-batches is a + b m; a is the step's bookkeeping
-  (the batch, the step's message objects, ``zero_grad``, the timeline and gradients it reports, the SGD step), the
-  Python a schedule of tiny actions leaves between them that no op count sees;
+  barrier's (the barrier is priced on its own). The CPU per step at m micro-batches is a + b m; a is the step's
+  bookkeeping (the batch, the step's message objects, ``zero_grad``, the timeline and gradients it reports, the SGD
+  step), the Python a schedule of tiny actions leaves between them that no op count sees;
 * **barrier**: barriers of the whole world back to back, each timed (every world of 2 ranks or more);
 * **adamw**: one ``torch.optim.AdamW`` step (as on CPU: a loop over the parameters, about ten eager ops each) over
   the parameters of one layer of chapter 15's GPT (``ADAMW_SHAPES``, float64), measured with the ops.
