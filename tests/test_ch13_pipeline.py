@@ -113,12 +113,15 @@ def test_on_gloo_each_direction_of_a_link_travels_on_a_group_of_its_own(schedule
 
 def test_interleaving_shrinks_the_measured_bubble():
     # calibrated waits per stage (a chunk is padded to 1/v of them); 16 layers so v = 2 splits evenly
+    # A stall of one rank only adds idle to every stage (test_zb_h1_measured_bubble_is_below_1f1bs met one in CI):
+    # each schedule's bubble is the least of two launches. Here: 1F1B 0.29-0.31, interleaved 0.18-0.20, quiet or
+    # beside busy loops or another pipeline's ranks (six launches each).
     timed = {"micro_batches": 8, "layers": 16, "forward_ms": 20.0, "backward_ms": 40.0, **LIMITS}
-    plain = ch13.measured_bubble(cu.run(WORKER, world_size=WORLD, schedule="1f1b", **timed))
-    inter = cu.run(WORKER, world_size=WORLD, schedule="interleaved", virtual_stages=2, **timed)
+    plain, inter = (min(ch13.measured_bubble(cu.run(WORKER, world_size=WORLD, schedule=s, virtual_stages=v, **timed))
+                        for _ in range(2)) for s, v in (("1f1b", 1), ("interleaved", 2)))
     want = pipeline_bubble_fraction(4, 8, 2, denominator="total")  # 3/19 against 1F1B's 3/11
-    assert ch13.measured_bubble(inter) > want - 0.02
-    assert ch13.measured_bubble(inter) < plain - 0.04  # at the latency gloo has here: see chunks_crossover
+    assert inter > want - 0.02
+    assert inter < plain - 0.04  # at the latency gloo has here: see chunks_crossover
 
 
 # Refusals come from the course's one rule set (workers/layout/rules.py: problem), with the chapter's own additions

@@ -293,12 +293,16 @@ def test_v_messages_and_memory_measured():
 def test_zb_h1_measured_bubble_is_below_1f1bs():
     # Calibrated waits: F = 10 ms, B + W = 20 ms (each 10 ms: the paper's T_F = T_B = T_W). Idle / total with the
     # step's end shared, as the chapter measures it: 1F1B (p-1)/(m+p-1) = 3/11, ZB-H1 (p-1)/(3m+p-1) = 3/27.
+    # A stall only adds idle: in CI's other-CPU pass beside the browser pass, ZB-H1 once measured 0.25 in a run of
+    # 478 ms whose waits sum to 270 (every stage waited for the one that stalled), where this machine measures
+    # 0.13-0.16 quiet, beside two or eight busy loops and beside another pipeline's ranks (1F1B 0.29-0.31, six
+    # launches each). So each schedule's bubble is the least of two launches, taken in turn.
     timed = {"micro_batches": 8, "forward_ms": 10.0, "backward_ms": 20.0, **LIMITS}
-    plain = ch13.measured_bubble(cu.run(WORKER, world_size=WORLD, schedule="1f1b", **timed))
-    zb = cu.run(WORKER, world_size=WORLD, schedule="zb-h1", **timed)
-    assert {e["kind"] for d in zb.ranks for e in d["timeline"]} == {"F", "B", "W"}
-    assert ch13.measured_bubble(zb) > 3 / 27 - 0.02  # messages only add to the ideal
-    assert ch13.measured_bubble(zb) < plain - 0.08  # 0.27 against 0.11 in ideal time
+    runs = [cu.run(WORKER, world_size=WORLD, schedule=s, **timed) for _ in range(2) for s in ("1f1b", "zb-h1")]
+    plain, zb = (min(ch13.measured_bubble(r) for r in runs[i::2]) for i in (0, 1))
+    assert {e["kind"] for d in runs[1].ranks for e in d["timeline"]} == {"F", "B", "W"}
+    assert zb > 3 / 27 - 0.02  # messages only add to the ideal
+    assert zb < plain - 0.08  # 0.27 against 0.11 in ideal time
 
 
 @pytest.mark.ranks
