@@ -197,7 +197,8 @@ def bench_planner() -> dict:
     t0 = time.perf_counter()
     cal = calibration.calibrate()
     t1 = time.perf_counter()
-    print(f"calibration: {cal.cpu}, {cal.cores} cores, measured {cal.measured_at} ({t1 - t0:.1f} s here)", flush=True)
+    print(f"calibration: {cal.cpu}, {cal.cores} cores, measured {cal.measured_at} ({t1 - t0:.1f} s here; the host "
+          f"{cal.host_slowdown:.2f}x slower around it than at its quickest then)", flush=True)
     # Each launch on fresh ranks: a run's median moves between launches by more than the band on a shared CPU (up to
     # 1.77 times for chapter 13's unpadded pipelines on 2 cores, 6 launches, 2026-12-07), so the prediction is held to
     # the median of PLANNER_LAUNCHES launches' medians and each launch's is shown beside it.
@@ -222,7 +223,8 @@ def bench_planner() -> dict:
     cu.shutdown_pools()
     return {"calibration_s": t1 - t0, "measure_s": t2 - t1, "predict_s": t3 - t2, "within": within,
             "runs": [{k: r[k] for k in ("chapter", "name", "world", "predicted_s", "measured_s", "ratio", "within",
-                                        "dominant", "terms", "medians_s", "repeat_spread", "within_repeats")}
+                                        "dominant", "terms", "medians_s", "repeat_spread", "within_repeats",
+                                        "host_slowdown")}
                      for r in compared]}
 
 

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 from workers.layout.rules import Layout
 
-from .calibration import MachineCalibration
+from .calibration import HOST_TRIES, SLOW_HOST, MachineCalibration
 from .device_rates import GemmRow, GemmTable
 from .hardware import GPU, Cluster, Link
 from .model_shapes import ModelShape
@@ -933,7 +933,8 @@ def compare_runs(cal: MachineCalibration, rows: list[dict]) -> list[dict]:
         out.append({"chapter": row["chapter"], "name": row["name"], "world": row["world"],
                     "predicted_s": pred["predicted_s"], "measured_s": measured, "ratio": ratio,
                     "within": abs(ratio - 1) <= TOLERANCE, "dominant": max(terms, key=terms.get), "terms": terms,
-                    "message_bytes": nbytes, "message_fit_s": fit, "message_measured_s": median})
+                    "message_bytes": nbytes, "message_fit_s": fit, "message_measured_s": median,
+                    "host_slowdown": row.get("host_slowdown", math.nan)})
     return out
 
 
@@ -962,30 +963,45 @@ def _same_runs(first: list[dict], again: list[list[dict]]) -> None:
 
 def median_of_launches(launches: list[list[dict]]) -> list[dict]:
     """One row per run from several launches of the same runs (``measure_runs`` on fresh ranks each time, rows in
-    the same order): the first launch's row with ``measured_median_s`` the median of the launches' medians. On a
+    the same order): the first launch's row with ``measured_median_s`` the median of the launches' medians (of those
+    measured while the host ran within ``SLOW_HOST`` of its quickest, when any was; ``launches_used`` says how many). On a
     shared CPU a run's median moves between launches by more than the band (unpadded pipelines on 2 cores: up to
     1.77 times, 6 launches, 2026-12-07), so a prediction is held to the median of several;
     ``with_repeats(compare_runs(cal, rows), launches)`` shows each launch's and their spread."""
     if not launches:
         raise ValueError("no launches: measure the runs at least once")
     _same_runs(launches[0], launches[1:])
-    return [{**row, "measured_median_s": statistics.median(rows[i]["measured_median_s"] for rows in launches)}
-            for i, row in enumerate(launches[0])]
+    out = []
+    for i, row in enumerate(launches[0]):
+        # the launches measured on a quiet host (within SLOW_HOST of its quickest; a row without probes counts as
+        # quiet), or all of them when none was: the planner prices the machine as its calibration found it
+        runs = [rows[i] for rows in launches]
+        quiet = [r for r in runs if not r.get("host_slowdown", 1.0) > SLOW_HOST] or runs
+        out.append({**row, "measured_median_s": statistics.median(r["measured_median_s"] for r in quiet),
+                    "host_slowdown": max(r.get("host_slowdown", math.nan) for r in quiet), "launches_used": len(quiet)})
+    return out
 
 
 def comparison_table(compared: list[dict]) -> Table:
     """Predicted, measured, ratio and the largest term per run; the caption counts those within the band."""
     ok = sum(r["within"] for r in compared)
+    quiet = [r for r in compared if r.get("host_slowdown", math.nan) <= SLOW_HOST]
+    on_quiet = (f" ({sum(r['within'] for r in quiet)} of the {len(quiet)} measured with the host within {SLOW_HOST}x "
+                "of its quickest)" if any(math.isfinite(r.get("host_slowdown", math.nan)) for r in compared) else "")
     again = all("medians_s" in r for r in compared) and compared
     rows = [[r["chapter"], r["name"], r["world"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
              *([" / ".join(f"{m * 1e3:.1f}" for m in r["medians_s"][1:]), f"{r['repeat_spread']:.0%}"] if again else []),
              f"{r['ratio']:.2f}", "yes" if r["within"] else "no",
-             f"{r['dominant']} {r['terms'][r['dominant']] / r['predicted_s']:.0%}"] for r in compared]
+             f"{r['dominant']} {r['terms'][r['dominant']] / r['predicted_s']:.0%}",
+             f"{r.get('host_slowdown', math.nan):.2f}x"] for r in compared]
     return Table(["chapter", "run", "ranks", "predicted ms", "measured ms",
                   *(["measured again ms", "medians moved"] if again else []), "ratio", f"within {TOLERANCE:.0%}",
-                  "largest term"], rows,
+                  "largest term", "host slowdown"], rows,
                  caption=f"the planner's step_time on this machine's calibration against the measured median step: "
-                         f"{ok} of {len(compared)} within {TOLERANCE:.0%}")
+                         f"{ok} of {len(compared)} within {TOLERANCE:.0%}{on_quiet}; host slowdown: a tiny op's "
+                         "time in this process around the run over the session's quietest (a shared machine's speed "
+                         f"swings; a run around which it was over {SLOW_HOST}x was measured again, {HOST_TRIES} times "
+                         "in all at most, the quietest kept)")
 
 
 __all__ = ["OpCount", "StepOps", "adamw_ops", "compare_runs", "comparison_table", "contended", "count_gpt_ops",

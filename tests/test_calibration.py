@@ -382,3 +382,48 @@ def test_measure_runs_gives_one_row_per_run_with_its_shapes():
     assert gpt["global_batch"] == 8 and gpt["micro_batch_size"] == 4 and gpt["train_median_s"] > 0
     assert mlp["model"] == {"kind": "mlp", "layers": 8, "hidden": 16, "dtype": "float32", "optimizer": "sgd"}
     assert mlp["global_batch"] == 16 and mlp["micro_batch_size"] == 4 and mlp["schedule_median_s"] > 0
+
+
+# -- the host's speed around a measurement --------------------------------------------------------------------------
+
+def test_a_probe_times_a_tiny_op_and_the_slowdown_is_against_the_quietest_probe(monkeypatch):
+    monkeypatch.setattr(cal_mod, "_QUIETEST", [math.inf])
+    probe = cal_mod.probe_host(ops=200, bursts=3)
+    assert 1e-9 < probe < 1e-3 and cal_mod._QUIETEST == [probe]
+    assert cal_mod.host_slowdown([probe]) == 1.0
+    assert cal_mod.host_slowdown([probe, 2 * probe]) == 2.0  # the slowest of the probes counts
+    assert cal_mod.host_slowdown([probe / 2]) == 1.0  # a probe quicker than any taken is the new quietest
+    assert math.isnan(cal_mod.host_slowdown([]))
+
+
+def _scripted_probes(monkeypatch, probes):
+    """``probe_host`` reads ``probes`` in turn (seconds per op), through the same bookkeeping of the quietest."""
+    left = iter(probes)
+    monkeypatch.setattr(cal_mod, "_QUIETEST", [math.inf])
+    monkeypatch.setattr(cal_mod, "_tiny_op_seconds", lambda ops, bursts: next(left))
+    return left
+
+
+@pytest.mark.ranks
+def test_a_run_measured_while_the_host_slowed_down_is_measured_again_and_the_quietest_kept(monkeypatch):
+    spec = RunSpec(13, "1f1b pp 2 m 4", cal_mod.CH13_WORKER, 2, {"schedule": "1f1b", "pp": 2, "micro_batches": 4})
+    # around the first try the host ran twice as slow after the run; the second try's probes are both quiet
+    left = _scripted_probes(monkeypatch, [1e-6, 2e-6, 1e-6, 1.1e-6])
+    row, = cal_mod.measure_runs([spec], steps=3)
+    assert row["tries"] == 2 and row["host_probe_s"] == (1e-6, 1.1e-6)
+    assert row["host_slowdown"] == pytest.approx(1.1) and next(left, None) is None
+    # slow around every try: HOST_TRIES tries, the least slowed of them kept and said
+    left = _scripted_probes(monkeypatch, [1e-6, 3e-6, 2.5e-6, 2.5e-6])
+    row, = cal_mod.measure_runs([spec], steps=3)
+    assert cal_mod.HOST_TRIES == 2 and row["tries"] == 2 and row["host_probe_s"] == (2.5e-6, 2.5e-6)
+    assert row["host_slowdown"] == pytest.approx(2.5) and next(left, None) is None
+    assert "2.50x" in str(cal_mod.runs_table([row]))
+
+
+@pytest.mark.ranks
+def test_a_calibration_taken_while_the_host_slowed_down_is_taken_again(monkeypatch):
+    _scripted_probes(monkeypatch, [1e-6, 1.5e-6, 1e-6, 1e-6])
+    cal = cal_mod.calibrate((2,), refresh=True, store=False, **QUICK)
+    assert cal.host_probe_s == (1e-6, 1e-6) and cal.host_slowdown == 1.0
+    assert "1.00 / 1.00 us (1.00x)" in str(cal.summary())
+    assert MachineCalibration.from_json(cal.to_json()) == cal

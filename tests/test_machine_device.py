@@ -364,3 +364,17 @@ def test_several_launches_give_each_run_the_median_of_their_medians_and_each_lau
         md.median_of_launches([launches[0], list(reversed(launches[1]))])
     with pytest.raises(ValueError, match="at least once"):
         md.median_of_launches([])
+
+
+def test_the_launches_measured_on_a_slowed_host_are_left_out_of_the_median_when_quiet_ones_exist(cal):
+    names = ["1x1x4x1 zero 0", "1f1b pp 4 m 8 unpadded"]
+    slowdowns = ((1.0, 1.9), (1.8, 2.0), (1.1, 1.6))  # per launch, per run
+    launches = [[{**_row(n, median=m), "host_slowdown": h} for n, m, h in zip(names, medians, hosts)]
+                for medians, hosts in zip(((0.010, 0.030), (0.020, 0.020), (0.012, 0.050)), slowdowns)]
+    rows = md.median_of_launches(launches)
+    # the first run: launches 1 and 3 were quiet; the second: none was, so all three count
+    assert [r["measured_median_s"] for r in rows] == [0.011, 0.030]
+    assert [r["launches_used"] for r in rows] == [2, 3] and [r["host_slowdown"] for r in rows] == [1.1, 2.0]
+    caption = md.comparison_table(md.compare_runs(cal, rows)).caption
+    assert f"of the 1 measured with the host within {cal_mod.SLOW_HOST}x of its quickest" in caption
+    assert "of the" not in md.comparison_table(md.compare_runs(cal, [_row(n) for n in names])).caption

@@ -450,7 +450,11 @@ print(f"measured idle / total {bubble['measured']:.3f} (per stage {[round(x, 3) 
 # collective and world size; about 20 s the first time, stored
 # under build/scratch after that), `machine_device.device_from` turns that into a planner `Cluster` (the ops of one
 # layer counted on this model, not guessed), and `step_time` prices each run; `measure_runs` times the runs themselves
-# (the median step on warm ranks, the first dropped). CPU wall times: they vary by machine and by load.
+# (the median step on warm ranks, the first dropped). CPU wall times: they vary by machine and by load, and a shared
+# virtual machine's speed also swings on its own, for seconds at a time. So a tiny op is timed in this notebook's
+# process before and after the calibration and each run: the table's last column says how much slower it ran around
+# the run than at its quickest this session, and a run (or the calibration) around which it ran more than 1.3 times
+# slower is measured once more, the quieter of the two kept.
 
 # %% tags=["nbval-ignore-output"]
 from course_utils import calibration, machine_device
@@ -464,7 +468,10 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # simulated schedule plus the messages, and it lands within a few percent of the measurement: the bubble the planner
 # charges Llama 3 is the one this machine shows. Where the steps are the tiny model's own work, the planner lands
 # within about a quarter of the measured step on the 2-core virtual machine this chapter was written on, further off
-# on a busy machine (a step of a few milliseconds there moves by up to a third between launches), and the table's
+# on a busy machine (a step of a few milliseconds there moves by up to a third between launches) or around a slow
+# stretch of the host: in one execution there all four runs that missed the band had a host slowdown of 1.5-1.9x (the
+# caption counts the runs measured within 1.3x of the host's quickest apart; a slow stretch shorter than a run can
+# still pass between its probes unseen), and the table's
 # largest term says where it looks: a few microseconds per eager op times the ops counted, the optimizer's hundreds of small ops, and each
 # message's wait for a core when four ranks share two (measured by the calibration with the other ranks busy: about
 # a millisecond, against a tenth of that when they are idle). One such price cannot hold for chapter 13's unpadded
