@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import matplotlib
 import pytest
 
-from course_utils import ch13
+from course_utils import ch13, timelines
 from course_utils.ledger import pipeline_bubble_fraction
 from workers.pipeline.model import PipelineConfig
 from workers.pipeline.schedules import all_stages, simulate
@@ -136,3 +136,28 @@ def test_side_by_side_prints_pytorchs_table_its_tuples_and_the_courses_per_rank(
             "course_table": [[("F", 0), ("B", 0), ("W", 0)]]}
     assert ch13.side_by_side(rank).splitlines() == ["rank 0 PyTorch: 0F0 - 0I0 0W0", "rank 0 as ours: F0.0 B0.0 W0.0",
                                                     "rank 0 course : F0 B0 W0"]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 1), (4, 4), (4, 8)])
+def test_the_least_idle_of_an_ideal_timeline_is_its_own_idle_and_the_formula(name, p, m):
+    lines = [d["timeline"] for d in fake_result(name, p, m).ranks]
+    assert timelines.least_idle_fractions(lines) == pytest.approx(timelines.idle_fractions(lines))
+    assert timelines.least_idle_fractions(lines) == pytest.approx([pipeline_bubble_fraction(p, m, denominator="total")] * p)
+
+
+def test_the_least_idle_keeps_each_boxs_length_and_starts_it_as_soon_as_its_neighbour_allows():
+    # 1F1B, p = 2, m = 2, every box 1 long but stage 0's F1, stretched to 3 (its rank lost its core); as measured,
+    # every message 0.5 late
+    def box(kind, micro, start, end):
+        return {"kind": kind, "micro": micro, "start": start, "end": end}
+
+    line0 = [box("F", 0, 0.0, 1.0), box("F", 1, 1.0, 4.0), box("B", 0, 4.0, 5.0), box("B", 1, 7.0, 8.0)]
+    line1 = [box("F", 0, 1.5, 2.5), box("B", 0, 2.5, 3.5), box("F", 1, 4.5, 5.5), box("B", 1, 5.5, 6.5)]
+    # as soon as possible: stage 0 F0 [0, 1] F1 [1, 4]; stage 1 F0 [1, 2] B0 [2, 3] F1 [4, 5] B1 [5, 6]; stage 0
+    # B0 [4, 5] (after its own F1) and B1 [6, 7]: span 7, busy 6 and 4
+    least = timelines.least_idle_fractions([line0, line1])
+    assert least == pytest.approx([1 - 6 / 7, 1 - 4 / 7])
+    assert timelines.idle_fractions([line0, line1]) == pytest.approx([1 - 6 / 8, 1 - 4 / 8])  # above it
+    with pytest.raises(ValueError, match="cycle"):  # stage 0 lists its B0 first: it waits for a B0 after an F0
+        timelines.least_idle_fractions([[line0[2], *line0[:2], line0[3]], line1])  # that waits for stage 0's F0
