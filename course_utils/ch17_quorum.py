@@ -160,11 +160,17 @@ def quorum_run(replicas: int = 3, steps: int = 12, fault_replica: int = 2, fault
             t_replacement = time.time()
             progress.say(f"replica {fault_replica} was killed in step {fault_step}; launching its replacement, which "
                          f"heals from a live peer and rejoins in step {rejoin_step}")
-            jobs.append(launch(WORKER, 1, warm=False, timeout=timeout, env=QUIET, replica=fault_replica, incarnation=1,
-                               **common))
+            replacement = launch(WORKER, 1, warm=False, timeout=timeout, env=QUIET, replica=fault_replica,
+                                 incarnation=1, **common)
+            jobs.append(replacement)
             for i, job in enumerate(jobs):
                 if i != fault_replica:
-                    res = job.wait()
+                    try:
+                        res = job.wait()
+                    except WorkerFailed as exc:
+                        if job is not replacement:  # a survivor that gave up on the replacement: say what it did
+                            exc.add_note(_replacement_state(replacement, fault_replica))
+                        raise
                     results[f"{res[0]['replica']}.{res[0]['incarnation']}"] = res[0]
             address_port = port_of(address)
     except BaseException:
@@ -176,6 +182,14 @@ def quorum_run(replicas: int = 3, steps: int = 12, fault_replica: int = 2, fault
         shutil.rmtree(run_dir, ignore_errors=True)
     return _summarise(cfg, events, results, fault_replica, fault_step, rejoin_step, min_replicas, t_replacement,
                       address_port)
+
+
+def _replacement_state(job, replica: int) -> str:
+    """What the replacement's job had come to when a survivor failed: its own failure (the likelier cause), or its
+    state (a replacement still starting after the survivors' wait: a machine too loaded to start it in time)."""
+    if job.error is not None:
+        return f"replica {replica}'s replacement (incarnation 1) had failed: {str(job.error).splitlines()[0]}"
+    return f"replica {replica}'s replacement (incarnation 1) was {job.status} when the survivor gave up on it"
 
 
 def _summarise(cfg, events, results, fault_replica, fault_step, rejoin_step, min_replicas, t_replacement,

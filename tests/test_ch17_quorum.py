@@ -207,3 +207,15 @@ def test_the_reference_averages_over_the_replicas_present():
     optimizer.step()
     weights, losses = rp.reference(cfg, {1: [1, 0]})
     assert torch.equal(weights, rp.flat_weights(model)) and losses.shape == (1,)
+
+
+def test_a_survivor_that_gave_up_on_the_replacement_says_what_the_replacement_had_come_to():
+    from types import SimpleNamespace
+
+    failed = SimpleNamespace(error=RuntimeError("workers.ch17_quorum: rank 0 raised OSError: no port\n(traceback)"),
+                             status="failed")
+    assert ch17_quorum._replacement_state(failed, 2) == (
+        "replica 2's replacement (incarnation 1) had failed: workers.ch17_quorum: rank 0 raised OSError: no port")
+    starting = SimpleNamespace(error=None, status="running")
+    assert ch17_quorum._replacement_state(starting, 2) == (
+        "replica 2's replacement (incarnation 1) was running when the survivor gave up on it")
