@@ -39,11 +39,12 @@ calibrated waits and not. These are CPU timings on a shared machine: medians of 
 repeat), and they vary by machine.
 
 A shared virtual machine's speed swings with nothing else running on it (a tiny op took 1.06-1.16 us in the quiet
-moments of the 2-core EPYC VM this was written on, 1.8-2.1 us in its slow stretches, which last seconds). So
+moments of the 2-core EPYC VM this was written on, 1.8-2.1 us in its slow stretches, which last from a third of a
+second to seconds). So
 ``probe_host()`` times a tiny op in this process before and after the calibration and each measured run, and
 ``host_slowdown`` says how much slower the slowest of those probes ran than the quietest this session has seen: a
-run measured while the host slowed down by more than ``SLOW_HOST`` is measured again (up to ``HOST_TRIES`` times
-in all, the least slowed kept), and every row says how slowed down its host was.
+run measured while the host slowed down by more than ``SLOW_HOST`` is measured again (``measured_quietly``: up to
+``HOST_TRIES`` times in all, the least slowed kept), and every row says how slowed down its host was.
 """
 from __future__ import annotations
 
@@ -148,6 +149,25 @@ def host_slowdown(probes) -> float:
     it has this session, 1.8 when a tiny op took 1.8 times as long."""
     probes = [p for p in probes if p > 0]
     return max(probes) / min(_QUIETEST[0], *probes) if probes else float("nan")
+
+
+def measured_quietly(measure, again: str):
+    """``measure()`` between two ``probe_host`` calls, once more (``HOST_TRIES`` in all) while the host ran more than
+    ``SLOW_HOST`` times slower around it, saying so with ``again``: (the least slowed result, its probes, its
+    slowdown, the tries made). The one rule for the calibration and for every measured run."""
+    best = None
+    for tries in range(1, HOST_TRIES + 1):
+        before = probe_host()
+        result = measure()
+        probes = (before, probe_host())
+        slowdown = host_slowdown(probes)
+        if best is None or slowdown < best[2]:
+            best = (result, probes, slowdown)
+        if best[2] <= SLOW_HOST:
+            break
+        if tries < HOST_TRIES:
+            progress.say(f"the host ran {slowdown:.1f}x slower around {again}: measuring it again")
+    return (*best, tries)
 
 
 def _median(values) -> float:
@@ -554,22 +574,16 @@ def calibrate(world_sizes=WORLD_SIZES, *, refresh: bool = False, timeout: float 
                 return cal
         except (ValueError, KeyError, TypeError):
             pass  # an older or damaged file: measure again
-    best = None
-    for tries in range(1, HOST_TRIES + 1):
-        start, before = time.perf_counter(), probe_host()
-        per_world = {}
+    def measure():
+        start, per_world = time.perf_counter(), {}
         for w in world_sizes:
-            progress.say(f"calibrating this machine on {w} ranks" + (f" (try {tries})" if tries > 1 else ""))
+            progress.say(f"calibrating this machine on {w} ranks")
             per_world[w] = run_worker(WORKER, world_size=w, timeout=timeout, **params).ranks
-        probes = (before, probe_host())
-        cal = build(per_world, seconds=time.perf_counter() - start, params={**params, "_worker": _worker_digest()},
-                    host_probe_s=probes)
-        best = cal if best is None or cal.host_slowdown < best.host_slowdown else best
-        if best.host_slowdown <= SLOW_HOST:
-            break
-        if tries < HOST_TRIES:  # every constant would read high, and every prediction with them
-            progress.say(f"the host ran {cal.host_slowdown:.1f}x slower around the calibration: measuring again")
-    cal = best
+        return per_world, time.perf_counter() - start
+
+    # on a slowed host every constant would read high, and every prediction with them
+    (per_world, seconds), probes, _, _ = measured_quietly(measure, "the calibration")
+    cal = build(per_world, seconds=seconds, params={**params, "_worker": _worker_digest()}, host_probe_s=probes)
     _CACHE[key] = cal
     if store:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -704,20 +718,11 @@ def measure_runs(runs: list[RunSpec] | None = None, *, steps: int = 24, padded_s
     rows = []
     for spec in progress.each(runs, "measured run", lambda s: f"chapter {s.chapter}, {s.name}"):
         n = padded_steps if padded(spec) else steps
-        best = None
-        for tries in range(1, HOST_TRIES + 1):
-            before = probe_host()
-            res = run_worker(spec.worker, world_size=spec.world, timeout=timeout, steps=n, **spec.params)
-            probes = (before, probe_host())
-            row = {**run_row(spec, res.ranks, steps=n, seconds=res.seconds, launch=res.launch),
-                   "host_probe_s": probes, "host_slowdown": host_slowdown(probes)}
-            best = row if best is None or row["host_slowdown"] < best["host_slowdown"] else best
-            if best["host_slowdown"] <= SLOW_HOST:
-                break
-            if tries < HOST_TRIES:
-                progress.say(f"the host ran {row['host_slowdown']:.1f}x slower around chapter {spec.chapter}'s "
-                             f"{spec.name}: measuring it again")
-        rows.append({**best, "tries": tries})  # how many times it was measured; the least slowed kept
+        res, probes, slowdown, tries = measured_quietly(
+            lambda: run_worker(spec.worker, world_size=spec.world, timeout=timeout, steps=n, **spec.params),
+            f"chapter {spec.chapter}'s {spec.name}")
+        rows.append({**run_row(spec, res.ranks, steps=n, seconds=res.seconds, launch=res.launch),
+                     "host_probe_s": probes, "host_slowdown": slowdown, "tries": tries})
     return rows
 
 
@@ -732,5 +737,5 @@ def runs_table(rows: list[dict]) -> Table:
 
 
 __all__ = ["HOST_TRIES", "MachineCalibration", "RunSpec", "SLOW_HOST", "aggregate", "build", "cache_file", "calibrate",
-           "ch15_params", "cores", "default_runs", "fit_alpha_beta", "host_slowdown", "measure_runs", "padded",
-           "probe_host", "run_row", "runs_table"]
+           "ch15_params", "cores", "default_runs", "fit_alpha_beta", "host_slowdown", "measure_runs",
+           "measured_quietly", "padded", "probe_host", "run_row", "runs_table"]
