@@ -333,11 +333,12 @@ def _start_note(world_size: int, key: tuple | None, worker: str = "") -> tuple[s
     return note, expected
 
 
-def _workers_version() -> float:
-    """Newest modification time under workers/: warm ranks must not run code older than the files."""
+def _workers_version(root=None) -> float:
+    """Newest modification time under ``root``/workers/ (the course's by default): warm ranks must not run code older
+    than the files."""
     from course_utils.paths import ROOT
 
-    return max((p.stat().st_mtime for p in (ROOT / "workers").rglob("*.py")), default=0.0)
+    return max((p.stat().st_mtime for p in ((root or ROOT) / "workers").rglob("*.py")), default=0.0)
 
 
 def _acquire_job(world_size, nnodes, env, collective_timeout_s, warm, worker: str = "",

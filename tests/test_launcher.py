@@ -409,17 +409,33 @@ def test_watch_shows_live_metrics_then_the_outcome():
     assert "done" in status.value and res.metrics[0][-1]["step"] == 9
 
 
-def test_warm_ranks_restart_when_a_worker_dependency_changes():
-    # Editing any file under workers/ (not just the worker itself) must not leave warm ranks on stale code.
-    from pathlib import Path
+def test_any_file_under_workers_moves_the_code_version(tmp_path):
+    # Editing any file under workers/ (a module the worker imports, not just the worker itself) must count. Done on a
+    # copy: touching the course's own workers/ would restart the warm ranks of a test running beside this one.
+    from course_utils import launcher
+    from course_utils.paths import ROOT
 
+    for rel in ("hello.py", "protocol.py"):
+        (tmp_path / "workers" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "workers" / rel).write_bytes((ROOT / "workers" / rel).read_bytes())
+    dep = tmp_path / "workers" / "protocol.py"
+    os.utime(tmp_path / "workers" / "hello.py", (1_000_000, 1_000_000))
+    os.utime(dep, (1_000_000, 1_000_000))
+    before = launcher._workers_version(tmp_path)
+    os.utime(dep)  # "edit" a module the worker imports
+    assert launcher._workers_version(tmp_path) > before
+
+
+def test_warm_ranks_restart_when_a_worker_dependency_changes(monkeypatch):
+    # The ranks' side of the rule above: warm ranks whose code version is older than the files are replaced.
     first = cu.run("workers.hello", world_size=1)
     again = cu.run("workers.hello", world_size=1)
     assert again.launch == "warm"
-    dep = Path(cu.launcher.__file__).resolve().parent.parent / "workers" / "protocol.py"
-    os.utime(dep)  # "edit" a module the worker imports
+    edited = cu.launcher._workers_version() + 1.0
+    monkeypatch.setattr(cu.launcher, "_workers_version", lambda root=None: edited)
     after = cu.run("workers.hello", world_size=1)
     assert after.launch == "cold" and after.gather("pid") != first.gather("pid")
+    assert cu.run("workers.hello", world_size=1).launch == "warm"  # the new ranks carry the new version
 
 
 def test_a_frame_of_unknown_kind_is_refused_at_the_sender():
