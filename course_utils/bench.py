@@ -11,8 +11,9 @@
   the time a learner waits for a verdict after the first (``--checks-only`` runs just this);
 - with a GPU: the chapters' GPU benchmarks (attention backends and kernels), written under data/;
 - this machine calibrated as a planner device, the chapters' runs measured in several launches on fresh ranks, and per
-  run the planner's predicted step against the median of the launches' medians, each launch's shown beside it
-  (``course_utils/machine_device.py``; ``--planner`` runs just this).
+  run the planner's predicted step against the median of the launches' medians, each launch's shown beside it, and
+  chapter 15's runs part by part (schedule, gradient sync, the rest; the ring's and the pipeline's waits), measured
+  against predicted (``course_utils/machine_device.py``; ``--planner`` runs just this).
 All numbers are CPU wall times of this machine; results also go to build/bench/results.json.
 """
 from __future__ import annotations
@@ -212,6 +213,7 @@ def bench_planner() -> dict:
     compared = machine_device.with_repeats(machine_device.compare_runs(cal, rows), launches)
     t3 = time.perf_counter()
     print(machine_device.comparison_table(compared), flush=True)
+    print(machine_device.parts_table(compared), flush=True)
     within = sum(r["within"] for r in compared)
     moved = [r for r in compared if not r["repeat_spread"] <= machine_device.TOLERANCE]  # NaN counts as moved
     print(f"planner: {within} of {len(compared)} runs within {machine_device.TOLERANCE:.0%} of the median of "
@@ -225,6 +227,7 @@ def bench_planner() -> dict:
             "runs": [{k: r[k] for k in ("chapter", "name", "world", "predicted_s", "measured_s", "ratio", "within",
                                         "dominant", "terms", "medians_s", "repeat_spread", "within_repeats",
                                         "host_slowdown")}
+                     | {k: r[k] for k in ("measured_parts_s", "predicted_parts_s") if k in r}
                      for r in compared]}
 
 

@@ -681,6 +681,7 @@ def run_row(spec: RunSpec, ranks: list[dict], *, steps: int, seconds: float = 0.
         # the training part alone (schedule + gradient sync + optimizer), the slowest rank per step: bench.py's measure
         train = [max(r["schedule_s"][i] + r["sync_s"][i] for r in ranks) for i in range(drop, len(ranks[0]["step_s"]))]
         row["train_median_s"] = statistics.median(train)
+        row["measured_parts_s"] = step_parts_measured(ranks, drop)
     else:
         cfg = ranks[0]["config"]
         pp, m = ranks[0]["pp"], p["micro_batches"]
@@ -695,6 +696,26 @@ def run_row(spec: RunSpec, ranks: list[dict], *, steps: int, seconds: float = 0.
         spans = [max(r["timelines"][i][-1]["end"] for r in ranks) for i in range(drop, len(ranks[0]["timelines"]))]
         row["schedule_median_s"] = statistics.median(spans)
     return row
+
+
+def step_parts_measured(ranks: list[dict], drop: int = 1) -> dict[str, float]:
+    """Where chapter 15's step went, as its trainer times it (``workers/composed/train.py: ComposedTrainer.step``),
+    each the median over the steps after the first ``drop`` of the median over the ranks: ``schedule`` (the
+    pipeline's actions from the barrier that starts them), ``sync`` (the gradient all-reduce or ZeRO-1's
+    reduce-scatter and all-gather, and the optimizer step), ``outside`` (the rest of the step: the tied embedding's
+    and the loss's all-reduces, the report, the next step's batch); inside the schedule, the time blocked on the CP
+    ring's transfers (``ring waits``) and in pipeline receives (``pipeline waits``, the bubble among it).
+    ``machine_device.step_parts`` groups a prediction's terms the same way."""
+    def part(value) -> float:
+        steps = range(drop, len(ranks[0]["step_s"]))
+        return statistics.median(statistics.median(value(r, i) for r in ranks) for i in steps)
+
+    out = {"schedule": part(lambda r, i: r["schedule_s"][i]), "sync": part(lambda r, i: r["sync_s"][i]),
+           "outside": part(lambda r, i: r["step_s"][i] - r["schedule_s"][i] - r["sync_s"][i])}
+    if all("comm_s" in r for r in ranks):
+        out["ring waits"] = part(lambda r, i: r["comm_s"][i]["cp"] or 0.0)
+        out["pipeline waits"] = part(lambda r, i: r["comm_s"][i]["pp"] or 0.0)
+    return out
 
 
 def padded(spec: RunSpec) -> bool:
@@ -738,4 +759,4 @@ def runs_table(rows: list[dict]) -> Table:
 
 __all__ = ["HOST_TRIES", "MachineCalibration", "RunSpec", "SLOW_HOST", "aggregate", "build", "cache_file", "calibrate",
            "ch15_params", "cores", "default_runs", "fit_alpha_beta", "host_slowdown", "measure_runs",
-           "measured_quietly", "padded", "probe_host", "run_row", "runs_table"]
+           "measured_quietly", "padded", "probe_host", "run_row", "runs_table", "step_parts_measured"]

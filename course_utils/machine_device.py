@@ -914,6 +914,27 @@ def p2p_check(cal: MachineCalibration, nbytes: float, world: int) -> tuple[float
     return alpha + beta * nbytes, median
 
 
+# Chapter 15's step in the parts its trainer times (calibration.step_parts_measured), and the terms that price each:
+# the schedule runs from the executor's barrier to the last action (the bubble and the messages' waits among it);
+# sync is the gradient collectives and the optimizer step; outside, what the trainer does between (the tied
+# embedding's and the loss's all-reduces) and after (the report: ZeRO-0's gradient record sits in sync, priced here).
+STEP_PARTS = {"schedule": ("matmul", "attention", "memory-bound", "kernel overhead", "recompute", "tp", "cp", "ep",
+                           "padding", "bubble", "pp", "barrier"),
+              "sync": ("dp", "optimizer"),
+              "outside": ("tied embedding", "loss all-reduce", "reporting")}
+
+
+def step_parts(terms: dict[str, float]) -> dict[str, float]:
+    """A chapter 15 prediction's terms summed per part of the step (``STEP_PARTS``); a term of no part is refused."""
+    out = dict.fromkeys(STEP_PARTS, 0.0)
+    for term, seconds in terms.items():
+        part = next((name for name, members in STEP_PARTS.items() if term in members), None)
+        if part is None:
+            raise ValueError(f"the term {term!r} belongs to no part of chapter 15's step: add it to STEP_PARTS")
+        out[part] += seconds
+    return out
+
+
 def compare_runs(cal: MachineCalibration, rows: list[dict]) -> list[dict]:
     """Per row: predicted and measured median step, ratio = predicted / measured, whether it is within
     ``TOLERANCE``, the largest term and all terms; for a run that sends messages (a pipeline, the CP ring), one
@@ -935,6 +956,8 @@ def compare_runs(cal: MachineCalibration, rows: list[dict]) -> list[dict]:
                     "within": abs(ratio - 1) <= TOLERANCE, "dominant": max(terms, key=terms.get), "terms": terms,
                     "message_bytes": nbytes, "message_fit_s": fit, "message_measured_s": median,
                     "host_slowdown": row.get("host_slowdown", math.nan)})
+        if "measured_parts_s" in row:
+            out[-1].update(measured_parts_s=row["measured_parts_s"], predicted_parts_s=step_parts(terms))
     return out
 
 
@@ -979,6 +1002,9 @@ def median_of_launches(launches: list[list[dict]]) -> list[dict]:
         quiet = [r for r in runs if not r.get("host_slowdown", 1.0) > SLOW_HOST] or runs
         out.append({**row, "measured_median_s": statistics.median(r["measured_median_s"] for r in quiet),
                     "host_slowdown": max(r.get("host_slowdown", math.nan) for r in quiet), "launches_used": len(quiet)})
+        if all("measured_parts_s" in r for r in quiet):  # the same launches' median, part by part
+            out[-1]["measured_parts_s"] = {part: statistics.median(r["measured_parts_s"][part] for r in quiet)
+                                           for part in row["measured_parts_s"]}
     return out
 
 
@@ -1004,7 +1030,31 @@ def comparison_table(compared: list[dict]) -> Table:
                          "in all at most, the quietest kept)")
 
 
-__all__ = ["OpCount", "StepOps", "adamw_ops", "compare_runs", "comparison_table", "contended", "count_gpt_ops",
-           "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "counted_step_cpu", "device_from",
-           "link_fits", "median_of_launches", "messages", "op_seconds", "optimizer_op_seconds", "outside_schedule",
-           "predict", "shared_cores_makespan", "shares_cores", "trainer_tail", "with_repeats"]
+def parts_table(compared: list[dict]) -> Table:
+    """Chapter 15's runs part by part (``STEP_PARTS``): measured and predicted milliseconds of the schedule, the
+    gradient sync and optimizer, and the rest of the step, and the measured waits on the CP ring and in pipeline
+    receives beside the terms that price them (``cp``; ``bubble`` + ``pp``). Where a run's step is off, this says
+    in which part."""
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.1f}"
+
+    rows = []
+    for r in compared:
+        if "measured_parts_s" not in r:
+            continue
+        got, want, t = r["measured_parts_s"], r["predicted_parts_s"], r["terms"]
+        rows.append([r["name"], r["world"], *(f"{ms(got[p])} / {ms(want[p])}" for p in STEP_PARTS),
+                     f"{ms(got['ring waits'])} / {ms(t.get('cp', 0.0))}" if "ring waits" in got else "",
+                     f"{ms(got['pipeline waits'])} / {ms(t.get('bubble', 0.0) + t.get('pp', 0.0))}"
+                     if "pipeline waits" in got else ""])
+    return Table(["run", "ranks", *(f"{p} ms" for p in STEP_PARTS), "ring waits ms", "pipeline waits ms"], rows,
+                 caption="chapter 15's step by part, measured / predicted (per step the median over ranks, then over "
+                         "steps: the parts' medians need not add up to the step's); waits against the terms that "
+                         "price them, cp and bubble + pp (CPU timings on this machine)")
+
+
+__all__ = ["OpCount", "STEP_PARTS", "StepOps", "adamw_ops", "compare_runs", "comparison_table", "contended",
+           "count_gpt_ops", "count_gpt_step_ops", "count_mlp_chunk_ops", "count_mlp_step_ops", "counted_step_cpu",
+           "device_from", "link_fits", "median_of_launches", "messages", "op_seconds", "optimizer_op_seconds",
+           "outside_schedule", "parts_table", "predict", "shared_cores_makespan", "shares_cores", "step_parts",
+           "trainer_tail", "with_repeats"]

@@ -378,3 +378,55 @@ def test_the_launches_measured_on_a_slowed_host_are_left_out_of_the_median_when_
     caption = md.comparison_table(md.compare_runs(cal, rows)).caption
     assert f"of the 1 measured with the host within {cal_mod.SLOW_HOST}x of its quickest" in caption
     assert "of the" not in md.comparison_table(md.compare_runs(cal, [_row(n) for n in names])).caption
+
+
+def test_every_term_of_a_chapter_15_prediction_falls_in_one_part_of_the_step(cal):
+    names = [s.name for s in default_runs(chapters=(15,))]  # the 4-rank layouts, the padded run, the 2-rank layouts
+    compared = md.compare_runs(cal, [_row(n) for n in names])
+    for c in compared:
+        parts = c["predicted_parts_s"]
+        assert list(parts) == list(md.STEP_PARTS) and all(v >= 0 for v in parts.values()), (c["name"], parts)
+        assert sum(parts.values()) == pytest.approx(c["predicted_s"], rel=1e-12), c["name"]  # no term lost or doubled
+        assert parts["sync"] == pytest.approx(c["terms"]["dp"] + c["terms"]["optimizer"], rel=1e-12)
+    assert len({t for members in md.STEP_PARTS.values() for t in members}) == \
+        sum(len(members) for members in md.STEP_PARTS.values())  # each term in one part only
+    with pytest.raises(ValueError, match="'fp8 casts' belongs to no part"):
+        md.step_parts({"matmul": 1.0, "fp8 casts": 0.1})
+    table = str(md.parts_table(compared))
+    assert all(n in table for n in names) and "schedule ms" in table
+
+
+def test_the_measured_parts_are_per_step_medians_over_ranks_of_what_the_trainer_timed():
+    # two ranks, three steps (the first is warm-up): step, schedule, sync and the waits inside the schedule
+    ranks = [{"step_s": [9.0, 10.0, 12.0], "schedule_s": [5.0, 6.0, 7.0], "sync_s": [1.0, 2.0, 2.0],
+              "comm_s": [{"cp": 0.0, "pp": 1.0}, {"cp": 3.0, "pp": 1.0}, {"cp": 4.0, "pp": 0.5}]},
+             {"step_s": [9.0, 12.0, 14.0], "schedule_s": [5.0, 8.0, 9.0], "sync_s": [1.0, 1.0, 1.0],
+              "comm_s": [{"cp": 0.0, "pp": 1.0}, {"cp": 1.0, "pp": 2.0}, {"cp": 2.0, "pp": 1.5}]}]
+    parts = cal_mod.step_parts_measured(ranks, drop=1)
+    # per step the median (here the mean) of the two ranks, then the median (mean) of steps 1 and 2
+    assert parts == {"schedule": 7.5, "sync": 1.5, "outside": 3.0, "ring waits": 2.5, "pipeline waits": 1.25}
+    no_waits = cal_mod.step_parts_measured([{k: r[k] for k in ("step_s", "schedule_s", "sync_s")} for r in ranks])
+    assert set(no_waits) == {"schedule", "sync", "outside"}
+
+
+def test_several_launches_give_each_part_the_median_of_the_same_launches(cal):
+    # every part scales with the step (run_row's parts of made-up ranks); the last launch ran on a slowed host
+    launches = [[{**_row("1x1x1x4 zero 0", median=0.01 * scale), "host_slowdown": host}]
+                for scale, host in ((1.0, 1.0), (3.0, 1.0), (2.0, 1.0), (9.0, 2.0))]
+    assert launches[0][0]["measured_parts_s"]["schedule"] == pytest.approx(0.01)
+    (row,) = md.median_of_launches(launches)
+    assert row["measured_median_s"] == pytest.approx(0.02)
+    assert row["measured_parts_s"] == pytest.approx({k: 2 * v for k, v in launches[0][0]["measured_parts_s"].items()})
+    (compared,) = md.compare_runs(cal, [row])
+    assert compared["measured_parts_s"] == row["measured_parts_s"]
+
+
+@pytest.mark.ranks
+def test_a_measured_chapter_15_run_reports_where_its_step_went():
+    spec = cal_mod.RunSpec(15, "1x1x1x2", cal_mod.CH15_WORKER, 2, cal_mod.ch15_params("1x1x1x2"))
+    (row,) = cal_mod.measure_runs([spec], steps=4)
+    parts = row["measured_parts_s"]
+    assert set(parts) == {"schedule", "sync", "outside", "ring waits", "pipeline waits"}
+    assert all(v >= 0 for v in parts.values()) and parts["schedule"] > 0 and parts["sync"] > 0
+    assert parts["ring waits"] <= parts["schedule"] and parts["pipeline waits"] == 0.0  # a ring, no pipeline
+    assert parts["schedule"] + parts["sync"] <= row["measured_spread"][1] * 1.001  # parts of the slowest step at most
