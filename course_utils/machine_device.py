@@ -917,7 +917,8 @@ def p2p_check(cal: MachineCalibration, nbytes: float, world: int) -> tuple[float
 # Chapter 15's step in the parts its trainer times (calibration.step_parts_measured), and the terms that price each:
 # the schedule runs from the executor's barrier to the last action (the bubble and the messages' waits among it);
 # sync is the gradient collectives and the optimizer step; outside, what the trainer does between (the tied
-# embedding's and the loss's all-reduces) and after (the report: ZeRO-0's gradient record sits in sync, priced here).
+# embedding's and the loss's all-reduces) and after (the report; ZeRO-0's gradient record, timed in sync, is priced
+# in outside with the rest of the report).
 STEP_PARTS = {"schedule": ("matmul", "attention", "memory-bound", "kernel overhead", "recompute", "tp", "cp", "ep",
                            "padding", "bubble", "pp", "barrier"),
               "sync": ("dp", "optimizer"),
@@ -1034,7 +1035,9 @@ def parts_table(compared: list[dict]) -> Table:
     """Chapter 15's runs part by part (``STEP_PARTS``): measured and predicted milliseconds of the schedule, the
     gradient sync and optimizer, and the rest of the step, and the measured waits on the CP ring and in pipeline
     receives beside the terms that price them (``cp``; ``bubble`` + ``pp``). Where a run's step is off, this says
-    in which part."""
+    in which part. A rank's waits in receives are the part of its idle that falls inside its schedule: a stage
+    that finishes first waits out the others after its schedule (in the tied embedding's all-reduce, under
+    ``outside``), so a padded pipeline's waits read below its bubble."""
     def ms(x: float) -> str:
         return f"{x * 1e3:.1f}"
 

@@ -461,7 +461,8 @@ from course_utils import calibration, machine_device
 
 machine = calibration.calibrate()
 measured = calibration.measure_runs(calibration.default_runs(two_rank_layouts=False))
-display(machine_device.comparison_table(machine_device.compare_runs(machine, measured)))
+compared = machine_device.compare_runs(machine, measured)
+display(machine_device.comparison_table(compared))
 
 # %% [markdown]
 # Where a step is padded to calibrated waits (chapter 13's schedules, and the timed run above) the planner's step is the
@@ -495,10 +496,30 @@ display(machine_device.comparison_table(machine_device.compare_runs(machine, mea
 # why the pipeline executor posts every receive of a step before the step begins. Attention and GELU are priced
 # from their timed calls, not from their FLOPs or bytes: a CPU's attention call on heads of 4 costs its setup per
 # head (hundreds of microseconds for this model's layer in float64, where FlashAttention's share of the matmul rate
-# would say a few), and float64 erf is compute-bound. What it still misses is Python the op counter cannot see in
-# this chapter's trainer (modules, hooks, its bookkeeping between steps) and a context-parallel ring it prices as
-# collectives. At the scale chapter 00 prices, those fixed costs vanish next to the matmuls; at this scale they
-# are the step.
+# would say a few), and float64 erf is compute-bound. What it still misses in this chapter's own runs, the next
+# table shows part by part. At the scale chapter 00 prices, fixed costs per op and per message vanish next to the
+# matmuls; at this scale they are the step.
+
+# %% [markdown]
+# **Where the step went.** A step's total can come out right for the wrong reasons, so the trainer also times its
+# parts: the schedule (from the barrier that starts it to its last action; inside it, the time each rank was blocked
+# on the CP ring's transfers and in pipeline receives), the gradient sync with the optimizer step, and the rest of
+# the step. The table sets each part beside the terms that price it (`machine_device.STEP_PARTS`).
+
+# %% tags=["nbval-ignore-output"]
+display(machine_device.parts_table(compared))
+
+# %% [markdown]
+# On the 2-core virtual machine this chapter was written on, the context-parallel layout 1x1x1x4 shows two errors of
+# opposite sign. Its ranks were blocked on the ring's transfers for 27-49 ms a step in the runs measured there,
+# where the `cp` term prices 20: four ranks share two cores, and a transfer waits for its peer to be given one. And
+# the op count prices the ring's many small ops (the views, slices and copies of its exchanges and merges: 4,529 ops
+# for one micro-batch at cp = 4, against 505 without the ring) at what an op of the calibration's `nn.Linear` step
+# costs, 4.7 microseconds: 21 ms for a micro-batch whose whole forward and backward take 16 ms in one process. The
+# two errors partly cancel, so the step lands nearer the measurement than either part. A better model prices an op
+# by its kind (a view costs a fraction of a matmul's dispatch) and the ring's waits on shared cores together:
+# correcting either alone moves the step further off. (CPU timings: on another machine the parts move, and the two
+# errors need not cancel.)
 
 # %% [markdown]
 # ## Exercises
