@@ -652,10 +652,11 @@ def _spread(per_step: list[float]) -> tuple[float, float, float]:
     return statistics.median(per_step), min(per_step), max(per_step)
 
 
-def _per_step(ranks: list[dict], key: str, drop: int) -> list[float]:
-    """Per step after the first ``drop``: the median over ranks of each rank's ``key``[step]."""
-    steps = len(ranks[0][key])
-    return [statistics.median(r[key][i] for r in ranks) for i in range(drop, steps)]
+def _per_step(ranks: list[dict], value, drop: int) -> list[float]:
+    """Per step after the first ``drop``: the median over ranks of each rank's ``value``[step] (``value`` a result's
+    key, or ``value(rank, step)``)."""
+    of = value if callable(value) else (lambda r, i: r[value][i])
+    return [statistics.median(of(r, i) for r in ranks) for i in range(drop, len(ranks[0]["step_s"]))]
 
 
 def run_row(spec: RunSpec, ranks: list[dict], *, steps: int, seconds: float = 0.0, launch: str = "") -> dict:
@@ -707,10 +708,9 @@ def step_parts_measured(ranks: list[dict], drop: int = 1) -> dict[str, float]:
     ring's transfers (``ring waits``) and in pipeline receives (``pipeline waits``, the bubble among it).
     ``machine_device.step_parts`` groups a prediction's terms the same way."""
     def part(value) -> float:
-        steps = range(drop, len(ranks[0]["step_s"]))
-        return statistics.median(statistics.median(value(r, i) for r in ranks) for i in steps)
+        return statistics.median(_per_step(ranks, value, drop))
 
-    out = {"schedule": part(lambda r, i: r["schedule_s"][i]), "sync": part(lambda r, i: r["sync_s"][i]),
+    out = {"schedule": part("schedule_s"), "sync": part("sync_s"),
            "outside": part(lambda r, i: r["step_s"][i] - r["schedule_s"][i] - r["sync_s"][i])}
     if all("comm_s" in r for r in ranks):
         out["ring waits"] = part(lambda r, i: r["comm_s"][i]["cp"] or 0.0)

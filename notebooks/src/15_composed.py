@@ -451,10 +451,10 @@ print(f"measured idle / total {bubble['measured']:.3f} (per stage {[round(x, 3) 
 # under build/scratch after that), `machine_device.device_from` turns that into a planner `Cluster` (the ops of one
 # layer counted on this model, not guessed), and `step_time` prices each run; `measure_runs` times the runs themselves
 # (the median step on warm ranks, the first dropped). CPU wall times: they vary by machine and by load, and a shared
-# virtual machine's speed also swings on its own, for a third of a second to seconds at a time. So a tiny op is timed in this notebook's
-# process before and after the calibration and each run: the table's last column says how much slower it ran around
-# the run than at its quickest this session, and a run (or the calibration) around which it ran more than 1.3 times
-# slower is measured once more, the quieter of the two kept.
+# virtual machine's speed also swings on its own, for a third of a second to seconds at a time. So a tiny op is
+# timed in this notebook's process before and after the calibration and each run: the table's last column says how
+# much slower it ran around the run than at its quickest this session, and a run (or the calibration) around which
+# it ran more than 1.3 times slower is measured once more, the quieter of the two kept.
 
 # %% tags=["nbval-ignore-output"]
 from course_utils import calibration, machine_device
