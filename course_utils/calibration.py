@@ -13,6 +13,11 @@ per rank, the ranks sharing the cores) and turns what the ranks measured into a 
   a few sizes (``attention``, ``activation``): on a CPU a tiny attention call costs its setup per head and float64
   erf is compute-bound, so neither is priced by FLOPs or bytes;
 * the streaming bandwidth (bytes read + written per second by a large copy);
+* one micro-batch's forward and backward through chapter 15's own GPT in this process, one thread, whole and with
+  its ring of 2 (a loopback ring: the ring's blocks and buffers without ranks; ``gpt``): the ops of the course's
+  model cost more than the ``nn.Linear`` step's (its modules, the ledger's regions and the trainer's loss are Python
+  the op counter does not see), those of the ring's blocks less (bare aten ops), and the planner prices each at
+  what it costs here (``machine_device.gpt_op_prices``);
 * what a pipeline's messages and waits cost in CPU, every rank of a world of 4 in pairs passing small tensors as the
   pipeline executor does (``cold_start_s``: the extra CPU of work that resumes after a wait, against the same work
   back to back; ``message_main_s`` and ``message_transport_s``: a message end's CPU on the rank's own thread and on
@@ -74,7 +79,7 @@ WORLD_SIZES = (2, 4)
 TIMEOUT_S = 120.0  # one calibration run: 3 s on 2 ranks, 13-16 s on 4 (4 s of contended messages, 2-4 s of a trainer; warm ranks)
 RUN_TIMEOUT_S = 120.0  # one measured run of a chapter
 CH13_TIMED = {"forward_ms": 20.0, "backward_ms": 40.0}  # chapter 13's TIMED padding (t_B = 2 t_F)
-FORMAT = 1  # of the JSON file; a file of another format is measured again (fields added since have defaults)
+FORMAT = 2  # of the JSON file; a file of another format is measured again (fields added since have defaults)
 # A probe this much slower than the session's quietest: the host was in a slow stretch. On the 2-core EPYC VM
 # (2026-12-07, 98 probes around 48 runs of chapters 13 and 15) quiet probes read 1.06-1.16 us per op, 10% apart, and
 # the slow stretches 1.8-2.1 us; 1.3 sits between with room for a noisier quiet
@@ -224,6 +229,9 @@ class MachineCalibration:
     # (dtype, batch x heads, seq, head_dim, forward_s, forward_backward_s): causal SDPA on [1, b x h, s, d]
     attention: tuple[tuple[str, int, int, int, float, float], ...] = ()
     activation: tuple[tuple[str, int, float, float], ...] = ()  # (dtype, elements, forward_s, forward_backward_s): GELU
+    # (cp, micro-batch, seconds): one micro-batch's forward and backward through chapter 15's whole default GPT in the
+    # calibrating process, one thread, the ring a loopback ring under cp > 1 (machine_device.time_gpt)
+    gpt: tuple[tuple[int, int, float], ...] = ()
     measured_at: str = ""  # ISO time
     seconds: float = 0.0  # wall time of the calibration
     host_probe_s: tuple[float, ...] = ()  # probe_host() before and after it, in the process that calibrated
@@ -288,6 +296,7 @@ class MachineCalibration:
         d["barrier"] = tuple((int(w), t) for w, t in d.get("barrier", ()))
         d["attention"] = tuple(tuple(r) for r in d.get("attention", ()))  # absent from older files
         d["activation"] = tuple(tuple(r) for r in d.get("activation", ()))
+        d["gpt"] = tuple(tuple(r) for r in d.get("gpt", ()))
         d["raw"] = {int(w): v for w, v in d["raw"].items()}
         d["host_probe_s"] = tuple(d.get("host_probe_s", ()))
         names = {f.name for f in fields(cls)}
@@ -315,6 +324,9 @@ class MachineCalibration:
         for dtype in sorted({r[0] for r in self.activation}):
             cells = ", ".join(f"{n} {f * us:.0f} / {fb * us:.0f}" for d, n, f, fb in self.activation if d == dtype)
             rows.append([f"GELU {dtype}, elements: forward / + backward (us)", cells])
+        if self.gpt:
+            cells = ", ".join(f"cp {cp}, micro-batch {mb}: {t * 1e3:.2f} ms" for cp, mb, t in self.gpt)
+            rows.append(["chapter 15's GPT, one micro-batch forward + backward, one process", cells])
         for kind in ("matmul", "op", "stream"):
             cells = ", ".join(f"{k}: {s:.2f}x" for what, k, s in self.contention if what == kind)
             if cells:
@@ -436,7 +448,7 @@ def aggregate(ranks: list[dict]) -> dict:
 
 
 def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dict | None = None,
-          host_probe_s: tuple[float, ...] = ()) -> MachineCalibration:
+          host_probe_s: tuple[float, ...] = (), gpt: tuple = ()) -> MachineCalibration:
     """A ``MachineCalibration`` from the ranks' results of each world (``{world: res.ranks}``): one rank's costs
     are the median over the worlds (the same quantity, measured in each), contention the largest world's."""
     worlds = tuple(sorted(per_world))
@@ -470,7 +482,7 @@ def build(per_world: dict[int, list[dict]], *, seconds: float = 0.0, params: dic
     return MachineCalibration(
         cpu=r0["cpu"], capability=r0["capability"], cores=r0["cores"], threads_per_rank=r0["threads"],
         world_sizes=worlds, torch_version=r0["torch"], **one, matmul=tuple(matmul), attention=attention,
-        activation=activation,
+        activation=activation, gpt=tuple(tuple(r) for r in gpt),
         stream_bandwidth=_median(raw[w]["stream"]["copy_bytes_per_s"] for w in worlds),
         contention=contention, collectives=collectives, fit_error=errors,
         p2p=collectives[("p2p", max(p2p_worlds))] if p2p_worlds else (0.0, 0.0),
@@ -529,12 +541,14 @@ def _messaging(raw: dict) -> dict:
 
 _CACHE: dict[tuple, MachineCalibration] = {}
 TRAINER_CODE = ("pipeline/trainer.py", "pipeline/executor.py", "pipeline/p2p.py", "pipeline/model.py")
+GPT_CODE = ("composed/model.py", "parallel/gpt.py", "context_parallel/attention.py", "context_parallel/ring.py")
 
 
 def _worker_digest() -> str:
-    """The code that measured a stored calibration: the rank script, the timing it runs and chapter 13's trainer."""
+    """The code that measured a stored calibration: the rank script, the timing it runs, chapter 13's trainer and
+    chapter 15's model."""
     code = b"".join((ROOT / "workers" / name).read_bytes()
-                    for name in ("calibrate.py", "timing/cpu.py", *TRAINER_CODE))
+                    for name in ("calibrate.py", "timing/cpu.py", *TRAINER_CODE, *GPT_CODE))
     return hashlib.sha1(code).hexdigest()[:12]
 
 
@@ -574,16 +588,21 @@ def calibrate(world_sizes=WORLD_SIZES, *, refresh: bool = False, timeout: float 
                 return cal
         except (ValueError, KeyError, TypeError):
             pass  # an older or damaged file: measure again
+    from .machine_device import GPT_TIMED, time_gpt
+
     def measure():
         start, per_world = time.perf_counter(), {}
         for w in world_sizes:
             progress.say(f"calibrating this machine on {w} ranks")
             per_world[w] = run_worker(WORKER, world_size=w, timeout=timeout, **params).ranks
-        return per_world, time.perf_counter() - start
+        progress.say("timing chapter 15's model in this process")
+        gpt = tuple((cp, mb, time_gpt(cp, mb)) for cp, mb in GPT_TIMED)
+        return per_world, gpt, time.perf_counter() - start
 
     # on a slowed host every constant would read high, and every prediction with them
-    (per_world, seconds), probes, _, _ = measured_quietly(measure, "the calibration")
-    cal = build(per_world, seconds=seconds, params={**params, "_worker": _worker_digest()}, host_probe_s=probes)
+    (per_world, gpt, seconds), probes, _, _ = measured_quietly(measure, "the calibration")
+    cal = build(per_world, seconds=seconds, params={**params, "_worker": _worker_digest()}, host_probe_s=probes,
+                gpt=gpt)
     _CACHE[key] = cal
     if store:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,10 +9,14 @@ tiers (every rank is on this one machine, so every group is "inside the node"). 
 
 * an "op" is an aten op as ``TorchDispatchMode`` sees it, and one costs what the calibration's small ``nn.Linear``
   step costs per op the same counter sees in it (``op_seconds``: module call, autograd and ``backward()``
-  included). Measured against one process running the chapters' own modules alone, this prices a GPT layer about
-  25% low (its modules, TP mappings and regions are Python the dispatcher does not see) and the CP ring's blocks and
-  chapter 13's Linear + tanh chunks about 40% high (bare aten ops); the calibration's autograd chain
-  (``op_forward_backward_s`` over its 4 counted ops, 2 us here) would price all three 25-55% low;
+  included), except in chapter 15's model: the calibration times one micro-batch of it in one process, whole and
+  with its ring of 2, and its ops are priced at what they cost there after the priced matmuls, attention and
+  memory-bound work (``gpt_op_prices``): a GPT layer's ops cost more than the Linear step's (its modules, TP
+  mappings and the ledger's regions are Python the dispatcher does not see), the ring's blocks' ops less (bare aten
+  ops, views and slices among them); one price for both priced chapter 15's ring 1.5 times its cost on the 2-core
+  EPYC VM this was written on, and its layers at three quarters. Chapter 13's Linear + tanh chunks keep the
+  Linear step's price, about 40% above what they cost alone (bare aten ops): its trainer's step around them is
+  measured instead (``trainer_step_s``);
 * the calibration's ``p2p`` fits are also given under ``send_recv``, the name ``step_time`` prices a pipeline's
   message by: without it ``link_time`` would take the nearest fit of any collective (a 2-rank all_gather);
 * with more ranks computing than cores (``device_from(cal, world)``, ``contended``), a rank woken by a message
@@ -27,9 +31,10 @@ tiers (every rank is on this one machine, so every group is "inside the node"). 
 * chapter 15 (the course's GPT, float64): a ``ModelShape`` of the run's model, a ``Layout`` of its degrees and
   micro-batches, and ``step_time(model, layout, world, cluster, Practice(...))``; the ``Practice`` says how the
   course's trainer runs (float64 activations and gradients, no overlap of the gradient reduction or the ZeRO-1
-  all-gather with compute, SDPA's fused kernel for attention, the ring's unfused blocks under context parallelism)
-  and carries the ops per layer and per micro-batch *counted* on the model as the worker builds it
-  (``count_gpt_ops``);
+  all-gather with compute, SDPA's fused kernel for attention, the ring's unfused blocks under context parallelism,
+  the ring's exchanges one by one, each waiting for its peer's core as a one-way message does, every message end
+  costing its rank the CPU the calibration measured one to cost) and carries the ops per layer and per
+  micro-batch *counted* on the model as the worker builds it (``count_gpt_ops``);
 * chapter 13 (a stack of Linear + tanh, float32, which a ``ModelShape`` cannot express): each virtual stage's
   forward and backward from the same pieces (its GEMMs through the device's ``GemmTable``, its tanh's bytes over the
   memory bandwidth, its counted ops times the op cost, all times the cores' contention), the message from the
@@ -67,6 +72,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -145,14 +151,16 @@ def _memory_bytes() -> float:
         return 0.0
 
 
-def device_from(cal: MachineCalibration, world: int | None = None) -> Cluster:
+def device_from(cal: MachineCalibration, world: int | None = None, op_s: float | None = None) -> Cluster:
     """This machine as a planner ``Cluster``: one "GPU" per rank, all ranks on one node sharing ``cal.cores``;
-    ``world``: the ranks that compute at once (its links are then ``link_fits(cal, world)``'s)."""
+    ``world``: the ranks that compute at once (its links are then ``link_fits(cal, world)``'s); ``op_s``: one op's
+    cost (``op_seconds(cal)`` unless given)."""
     best = max(f for *_, f in cal.matmul)
     gpu = GPU(name=f"{cal.cpu} ({cal.cores} cores, {cal.threads_per_rank} thread per rank)",
               memory_bytes=_memory_bytes(), peak_flops=best,
               source=f"course_utils.calibration, measured {cal.measured_at}",
-              memory_bandwidth=cal.stream_bandwidth, stream_efficiency=1.0, kernel_overhead_s=op_seconds(cal),
+              memory_bandwidth=cal.stream_bandwidth, stream_efficiency=1.0,
+              kernel_overhead_s=op_seconds(cal) if op_s is None else op_s,
               overhead_serial=True, cores=cal.cores, gemm_rows=tuple(cal.matmul), attention_rows=cal.attention,
               activation_rows=cal.activation)
     alpha, beta = cal.p2p
@@ -278,23 +286,20 @@ def _loopback_ring(cp: int):
             recv_buf = torch.empty_like(send_buf)
             with _disable_current_modes():  # what gloo writes into it, outside the dispatcher on a rank
                 recv_buf.copy_(send_buf)
+            self.messages[phase] += 1
             return Exchange([], send_buf, recv_buf, self.device, self)
 
     cpu = torch.device("cpu")
     return Loopback(0, list(range(cp)), cpu, cpu)
 
 
-@functools.lru_cache(maxsize=None)
-def count_gpt_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: int = 8, layers: int = 4,
-                  micro_batch: int = 4, cp: int = 1, dtype: str = "float64") -> OpCount:
-    """The aten ops of one micro-batch's forward and backward of chapter 15's GPT, built as the worker builds it
-    (``workers/composed``: ``make_dense``, then ``ParallelGPT`` per stage with the vocab-parallel ends the trainer
-    uses at every tp, tp = 1, the ring under cp > 1), counted with ``TorchDispatchMode`` at the run's shapes: per
-    layer from a stage holding one middle layer, and the rest (embedding, position table, final LayerNorm, tied
-    head, the loss-parallel cross-entropy as the trainer normalises it and its ``.item()``) as the whole model's
-    count less ``layers`` layers. A layout with tp > 1 is counted at tp = 1 (the
-    same ops on narrower tensors, less the mappings' clones); the executor's message buffers are not counted.
-    Cached: the count is a property of the code."""
+@contextlib.contextmanager
+def _gpt_rank(vocab: int, seq: int, hidden: int, heads: int, layers: int, micro_batch: int, cp: int, dtype: str):
+    """A rank of chapter 15's GPT built in this process as the worker builds it (``workers/composed``: ``make_dense``,
+    then ``ParallelGPT`` per stage with the vocab-parallel ends the trainer uses at every tp, tp = 1, the ring under
+    cp > 1 as a loopback ring, one thread, a world of one): yields ``stage(vs, stages) -> (forward, backward)``, the
+    two halves of one micro-batch through virtual stage ``vs`` of ``stages`` (the last with the trainer's loss,
+    summed CE over the batch's valid tokens, and its ``.item()``)."""
     import torch
 
     from workers.composed.model import make_dense, model_config
@@ -304,44 +309,101 @@ def count_gpt_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: int =
     from workers.model.batch import make_batch
     from workers.parallel.gpt import ParallelGPT, Parallelism
 
-    if layers < 3:
-        raise ValueError(f"layers={layers}: counting one middle layer needs at least 3")
     dt = {"float64": torch.float64, "float32": torch.float32}[dtype]
     cfg = model_config(vocab, seq, hidden, heads, layers)
-    global_batch = micro_batch
     with _one_thread(torch), _one_rank_group(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         dense = make_dense(cfg, 0, dt)
-        tokens, valid = make_batch(cfg, global_batch, 0)
+        tokens, valid = make_batch(cfg, micro_batch, 0)
         positions = local_positions(seq, cp, 0, "zigzag")
-        where = Where(0, positions, torch.arange(micro_batch), global_batch, seq)
+        where = Where(0, positions, torch.arange(micro_batch), micro_batch, seq)
         inputs, targets = tokens[:, :-1][:, positions], tokens[:, 1:][:, positions]
         mask = valid[:, positions]
 
-        def count(vs: int, stages: int) -> tuple[int, int]:
+        def stage(vs: int, stages: int):
             ring = _loopback_ring(cp) if cp > 1 else None
-            stage = ParallelGPT(dense, Parallelism(ring=ring, vocab_parallel=True), vs, stages)
-            if stage.first:
+            module = ParallelGPT(dense, Parallelism(ring=ring, vocab_parallel=True), vs, stages)
+            if module.first:
                 x = inputs
             else:
                 x = torch.randn(len(positions), micro_batch, hidden, dtype=dt, requires_grad=True)
-            grad = None if stage.last else torch.randn(len(positions), micro_batch, hidden, dtype=dt)
-            for counting in (False, True):  # once to warm (first-call work), once counted
-                with _counter() if counting else contextlib.nullcontext() as fwd:
-                    y = stage(x, where)
-                    if stage.last:  # the trainer's loss: summed CE / the batch's valid tokens, and its value read
-                        y = vocab_parallel_token_losses(y, targets, mask, None) / max(int(mask.sum()), 1)
-                        y.item()
-                with _counter() if counting else contextlib.nullcontext() as bwd:
-                    if stage.last:
-                        y.backward()
-                    else:
-                        torch.autograd.backward(y, grad_tensors=grad)
+            grad = None if module.last else torch.randn(len(positions), micro_batch, hidden, dtype=dt)
+            out = []
+
+            def forward():
+                y = module(x, where)
+                if module.last:
+                    y = vocab_parallel_token_losses(y, targets, mask, None) / max(int(mask.sum()), 1)
+                    y.item()
+                out.append(y)
+
+            def backward():
+                y = out.pop()
+                if module.last:
+                    y.backward()
+                else:
+                    torch.autograd.backward(y, grad_tensors=grad)
+
+            return forward, backward
+
+        yield stage
+
+
+@functools.lru_cache(maxsize=None)
+def count_gpt_ops(vocab: int = 32, seq: int = 16, hidden: int = 32, heads: int = 8, layers: int = 4,
+                  micro_batch: int = 4, cp: int = 1, dtype: str = "float64") -> OpCount:
+    """The aten ops of one micro-batch's forward and backward of chapter 15's GPT, built as the worker builds it
+    (``_gpt_rank``), counted with ``TorchDispatchMode`` at the run's shapes: per layer from a stage holding one
+    middle layer, and the rest (embedding, position table, final LayerNorm, tied head, the loss-parallel
+    cross-entropy as the trainer normalises it and its ``.item()``) as the whole model's count less ``layers``
+    layers. A layout with tp > 1 is counted at tp = 1 (the same ops on narrower tensors, less the mappings'
+    clones); the executor's message buffers are not counted. Cached: the count is a property of the code."""
+    if layers < 3:
+        raise ValueError(f"layers={layers}: counting one middle layer needs at least 3")
+    with _gpt_rank(vocab, seq, hidden, heads, layers, micro_batch, cp, dtype) as stage:
+        def count(vs: int, stages: int) -> tuple[int, int]:
+            forward, backward = stage(vs, stages)
+            forward()  # once to warm (first-call work), once counted
+            backward()
+            with _counter() as fwd:
+                forward()
+            with _counter() as bwd:
+                backward()
             return fwd.total, bwd.total
 
         layer_f, layer_b = count(1, layers)  # a middle stage of one layer: neither embedding nor head
         whole_f, whole_b = count(0, 1)
     return OpCount(layer_f, layer_b, whole_f - layers * layer_f, whole_b - layers * layer_b)
+
+
+def total_ops(ops: OpCount, layers: int) -> int:
+    """The ops of one micro-batch through the whole model."""
+    return layers * sum(ops.per_layer) + ops.extra
+
+
+# the micro-batches the calibration times chapter 15's GPT at, in this process (``time_gpt``): (cp, micro-batch),
+# the whole model at the default shape; cp = 2 runs the ring's blocks on the same tokens per rank as cp = 1's
+GPT_TIMED = ((1, 4), (2, 8))
+
+
+def time_gpt(cp: int, micro_batch: int, bursts: int = 12, passes: int = 4, warm: int = 2) -> float:
+    """Seconds of one micro-batch's forward and backward through chapter 15's whole default GPT in this process
+    (``_gpt_rank``: one thread, the ring a loopback ring under cp > 1): the quickest of ``bursts`` bursts of
+    ``passes`` passes, per pass, after ``warm`` bursts to warm up (as the calibration times its kernels: the least
+    repeat, the one a shared host slowed least; a first call in a fresh process ran 30-50% slow for a whole burst
+    of six on the 2-core EPYC VM this was written on)."""
+    import time
+
+    with _gpt_rank(32, 16, 32, 8, 4, micro_batch, cp, "float64") as stage:
+        forward, backward = stage(0, 1)
+        times = []
+        for _ in range(warm + bursts):
+            start = time.perf_counter()
+            for _ in range(passes):
+                forward()
+                backward()
+            times.append((time.perf_counter() - start) / passes)
+    return min(times[warm:])
 
 
 @functools.lru_cache(maxsize=None)
@@ -535,6 +597,64 @@ def count_mlp_step_ops(layers: int = 8, hidden: int = 16, micro_batch_size: int 
 
 # -- chapter 15: step_time ------------------------------------------------------------------------------------------
 
+def gpt_timed_row(cp: int, micro_batch: int) -> dict:
+    """A ``measure_runs`` row of chapter 15's default GPT as ``time_gpt`` runs it: one rank's share of a ring of
+    ``cp``, one micro-batch."""
+    return {"chapter": 15, "name": f"timed cp {cp}", "world": cp, "global_batch": micro_batch, "micro_batches": 1,
+            "micro_batch_size": micro_batch,
+            "model": {"vocab": 32, "seq": 16, "hidden": 32, "heads": 8, "layers": 4, "dtype": "float64", "tied": True},
+            "layout": {"dp": 1, "tp": 1, "pp": 1, "cp": cp, "zero": 0, "schedule": "1f1b", "virtual_stages": 1,
+                       "split": "zigzag"}}
+
+
+def work_alone(cal: MachineCalibration, row: dict) -> float:
+    """The matmuls, attention and memory-bound work ``step_time`` prices for ``row``'s micro-batch on one rank with
+    a core of its own: what of a one-process timing is not its ops."""
+    cluster = device_from(cal, op_s=0.0)
+    cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, cores=0))  # no contention
+    ops = gpt_ops(row)
+    st = step_time(gpt_shape(row), gpt_layout(row), row["world"], cluster, gpt_practice(row, ops))
+    return sum(st.terms.get(t, 0.0) for t in ("matmul", "attention", "memory-bound"))
+
+
+def gpt_op_prices(cal: MachineCalibration) -> tuple[float, float]:
+    """(an op of chapter 15's model, an op of the CP ring's blocks), in seconds, from the calibration's timings of
+    the model in one process (``cal.gpt``): the whole model's micro-batch at cp = 1 less its priced work, over its
+    counted ops; then the ring's micro-batch at cp = 2 less its priced work and the model's ops at that price, over
+    the ops the ring adds. The course's model spends Python the op counter does not see (its modules, the ledger's
+    regions, the loss), the ring's blocks are bare aten ops: one price for both cannot hold. Without those timings
+    (or with a timing its priced work exceeds) both are ``op_seconds(cal)``, the ``nn.Linear`` step's."""
+    fallback = op_seconds(cal)
+    timed = sorted(cal.gpt)
+    alone = [(mb, t) for cp, mb, t in timed if cp == 1]
+    if not alone:
+        return fallback, fallback
+    mb, t = alone[0]
+    row = gpt_timed_row(1, mb)
+    model_op = (t - work_alone(cal, row)) / total_ops(gpt_ops(row), row["model"]["layers"])
+    if model_op <= 0:
+        return fallback, fallback
+    ring = [(cp, mb, t) for cp, mb, t in timed if cp > 1]
+    if not ring:
+        return model_op, model_op
+    cp, mb, t = ring[0]
+    row, plain = gpt_timed_row(cp, mb), gpt_timed_row(1, mb)
+    layers = row["model"]["layers"]
+    model_ops, all_ops = total_ops(gpt_ops(plain), layers), total_ops(gpt_ops(row), layers)
+    ring_op = (t - work_alone(cal, row) - model_ops * model_op) / max(all_ops - model_ops, 1)
+    return model_op, ring_op if ring_op > 0 else model_op
+
+
+def gpt_op_seconds(row: dict, cal: MachineCalibration) -> float:
+    """One counted op of ``row``'s micro-batch at ``gpt_op_prices``: the model's ops at the model's price, the ops
+    the ring adds under cp > 1 at the ring's, averaged over its ops (``step_time`` has one price per device)."""
+    model_op, ring_op = gpt_op_prices(cal)
+    layers = row["model"]["layers"]
+    plain = {**row, "layout": {**row["layout"], "cp": 1}}
+    every, model_ops = total_ops(gpt_ops(row), layers), total_ops(gpt_ops(plain), layers)
+    return (model_ops * model_op + max(every - model_ops, 0) * ring_op) / every
+
+
 def gpt_shape(row: dict) -> ModelShape:
     """Chapter 15's GPT as the planner spells a model (GeLU MLP, tied embedding)."""
     m = row["model"]
@@ -558,17 +678,26 @@ def gpt_ops(row: dict) -> OpCount:
                          lay["cp"], m.get("dtype", "float64"))
 
 
-def gpt_practice(row: dict, ops: OpCount) -> Practice:
+def gpt_practice(row: dict, ops: OpCount, cal: MachineCalibration | None = None) -> Practice:
     """How the course's composed trainer runs a step, in the planner's words: float64 matmuls (the calibration's
     float64 rows), 8-byte activations and gradients, the gradient reduction and ZeRO-1's all-gather after the
     schedule (no overlap), SDPA's fused attention kernel (``flash_attention``) except under CP, where the ring's
-    blocks are unfused batched matmuls, no dropout, no recomputation, and the counted ops (``step_time`` adds the
-    per-micro-batch ones, embedding and head and loss alike, to the first stage)."""
+    blocks are unfused batched matmuls, no dropout, no recomputation, the counted ops (``step_time`` adds the
+    per-micro-batch ones, embedding and head and loss alike, to the first stage), the ring exchange by exchange
+    (``ring_exchanges``, hidden behind the ops the ring adds to a layer as counted), and every end of a message (the ring's, the pipeline's) at the CPU the calibration measured
+    a message end to cost its rank in the pipeline executor's pattern (``message_main_s`` on its own thread +
+    ``message_transport_s`` on gloo's)."""
     nbytes = DTYPE_BYTES[row["model"].get("dtype", "float64")]
+    end = cal.message_main_s + cal.message_transport_s if cal is not None and cal.messaging_world else 0.0
+    ring = (0, 0)
+    if row["layout"]["cp"] > 1:  # the ops the ring adds to a layer: its blocks, merges and buffers
+        plain = gpt_ops({**row, "layout": {**row["layout"], "cp": 1}})
+        ring = tuple(max(0, a - b) for a, b in zip(ops.per_layer, plain.per_layer))
     return Practice(flash_attention=row["layout"]["cp"] == 1,  # SDPA's fused kernel; the ring's blocks are unfused
                     dtype=row["model"].get("dtype", "float64"), grad_overlap=False, param_gather_overlap=False,
                     ops_per_layer=ops.per_layer, activation_bytes=float(nbytes), grad_bytes=float(nbytes),
-                    dropout=False, extra_ops_per_microbatch=ops.extra)
+                    dropout=False, extra_ops_per_microbatch=ops.extra, ring_exchanges=True, ring_ops_per_layer=ring,
+                    message_end_cpu_s=end)
 
 
 def _pipeline_message(model: ModelShape, layout: Layout, cluster: Cluster, practice: Practice) -> float:
@@ -638,8 +767,9 @@ def predict_gpt(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     """Chapter 15: ``step_time`` of the run's model, layout and practice on this machine, plus the documented
     terms outside it (padding, the tied embedding's and the loss's all-reduces, the step outside its schedule)."""
     cluster = cluster or run_cluster(row, cal)
+    cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, kernel_overhead_s=gpt_op_seconds(row, cal)))
     model, layout, ops = gpt_shape(row), gpt_layout(row), gpt_ops(row)
-    practice = gpt_practice(row, ops)
+    practice = gpt_practice(row, ops, cal)
     world, lay = row["world"], row["layout"]
     st = step_time(model, layout, world, cluster, practice)
     terms = dict(st.terms)

@@ -110,6 +110,16 @@ class Practice:
     # context parallelism's attention: "ring" (chapter 14's ring, its K/V exchange hidden behind the blocks it feeds)
     # or "ulysses" (DeepSpeed-Ulysses, Jacobs et al. 2023: all-to-alls of q, k, v and out that nothing hides)
     cp_attention: str = "ring"
+    # a device whose transfers wait for a core (a CPU): the ring priced exchange by exchange as chapter 14's ring
+    # makes them (each rank's K/V chunk one way: cp - 1 forward and cp - 1 backward, posted before the blocks they
+    # overlap, and cp of the dK/dV accumulator that backward waits for at once), each one the device's one-way
+    # message, hidden behind the attention math and the dispatch of the ring's own ops (``ring_ops_per_layer``,
+    # forward and backward: on a CPU a block of tiny ops takes as long as their dispatch)
+    ring_exchanges: bool = False
+    ring_ops_per_layer: tuple[int, int] = (0, 0)
+    # a CPU rank runs its messages' ends itself: each end (a send or a receive of the ring's exchanges, of a
+    # pipeline stage's activation or gradient) costs it this much, serial with its compute
+    message_end_cpu_s: float = 0.0
     # the loss computed from each TP rank's block of the vocabulary (Megatron's vocab_parallel_cross_entropy, three
     # [s, b] all-reduces); False: the logits all-gathered over TP first, then a replicated softmax
     loss_parallel: bool = True
@@ -512,6 +522,13 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
         rows = b * layout.seq / cp * model.head_dim * practice.activation_bytes
         cp_f = cp_b = group_time("all_to_all", (heads + 2 * kv_sent) * rows, cp, tp, cluster) \
             + group_time("all_to_all", heads * rows, cp, tp, cluster)
+    elif cp > 1 and practice.ring_exchanges:
+        one = group_time("send_recv", 2.0 * tokens * model.held_by_tp(tp).kv_dim / tp * practice.activation_bytes,
+                         2, tp, cluster)  # this rank's K/V chunk, one way to the next rank of the ring
+        ring_f, ring_b = (n * over if gpu.overhead_serial else 0.0 for n in practice.ring_ops_per_layer)
+        cp_f = exposed((cp - 1) * one, at_f + ring_f, one)
+        cp_b = exposed((cp - 1) * one, at_b + ring_b, one) + cp * one
+        cp_hidden = (3 * cp - 2) * one - cp_f - cp_b
     elif cp > 1:
         kv = 2.0 * b * layout.seq * model.held_by_tp(tp).kv_dim / tp * practice.activation_bytes
         gather = group_time("all_gather", kv, cp, tp, cluster)
@@ -539,6 +556,9 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
     _, forward["kernel overhead"] = with_overhead(work_f, ops_f)
     backward = {"matmul": mm_b, "attention": at_b, "memory-bound": mem_b, "tp": tp_b, "cp": cp_b, "ep": ep_b}
     _, backward["kernel overhead"] = with_overhead(mm_b + at_b + mem_b, ops_b)
+    if cp > 1:  # the exchanges' ends, a send and a receive each
+        forward["kernel overhead"] += 2 * (cp - 1) * practice.message_end_cpu_s * contention
+        backward["kernel overhead"] += 2 * (2 * cp - 1) * practice.message_end_cpu_s * contention
     recompute = 0.0
     if layout.recompute == "full":
         recompute = work_f + forward["kernel overhead"] + tp_one
@@ -648,6 +668,10 @@ def step_time(model: ModelShape, layout: Layout, n_gpus: int, cluster: Cluster,
             f, bk = _add(f, head.forward), _add(bk, head.backward)
         if vs == 0:
             f["kernel overhead"] = f.get("kernel overhead", 0.0) + extra
+        if pp > 1 and practice.message_end_cpu_s:  # a stage receives its input and sends its output, each way
+            ends = (vs > 0) + (vs < chunks - 1)
+            f["kernel overhead"] = f.get("kernel overhead", 0.0) + ends * practice.message_end_cpu_s * contention
+            bk["kernel overhead"] = bk.get("kernel overhead", 0.0) + ends * practice.message_end_cpu_s * contention
         fwd.append(sum(f.values()))
         bwd.append(sum(bk.values()))
         parts.append((f, bk))

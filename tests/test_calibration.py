@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from course_utils import calibration as cal_mod
+from course_utils import machine_device as md
 from course_utils.calibration import MachineCalibration, RunSpec, ch15_params, default_runs, fit_alpha_beta
 from course_utils.validate import check_params
 
@@ -224,9 +225,9 @@ def test_one_ranks_timings_run_in_the_test_process_without_ranks():
 
 
 def test_a_stored_calibration_is_tied_to_the_timing_code_as_well_as_the_rank_script(tmp_path, monkeypatch):
-    # The cache key hashes workers/calibrate.py, workers/timing/cpu.py and chapter 13's trainer, which the
-    # calibration runs: a change to any of them measures anew.
-    names = ("calibrate.py", "timing/cpu.py", *cal_mod.TRAINER_CODE)
+    # The cache key hashes workers/calibrate.py, workers/timing/cpu.py, chapter 13's trainer and chapter 15's model,
+    # which the calibration runs: a change to any of them measures anew.
+    names = ("calibrate.py", "timing/cpu.py", *cal_mod.TRAINER_CODE, *cal_mod.GPT_CODE)
     for name in names:
         (tmp_path / "workers" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "workers" / name).write_bytes((cal_mod.ROOT / "workers" / name).read_bytes())
@@ -274,6 +275,9 @@ def test_the_calibration_describes_this_machine(calibration):
     assert all(0 < r[-2] < r[-1] for r in c.attention + c.activation)
     assert [w for w, _ in c.barrier] == [2] and c.barrier[0][1] > 0
     assert c.contended_world == 0 and c.p2p_busy == (0.0, 0.0)  # two ranks: no other rank to be busy
+    # chapter 15's model timed in this process: whole, and with its ring (which runs more ops per token)
+    assert [(cp, mb) for cp, mb, _ in c.gpt] == list(md.GPT_TIMED)
+    assert all(math.isfinite(t) and t > 0 for *_, t in c.gpt)
 
 
 @pytest.mark.ranks
@@ -363,6 +367,7 @@ def test_the_calibration_round_trips_through_json_and_is_cached(calibration, mon
     monkeypatch.setattr(cal_mod, "run_worker", lambda *a, **k: pytest.fail("a stored calibration was measured again"))
     assert cal_mod.calibrate((2,), **QUICK) == c
     assert "one eager op" in str(c.summary()) and "all_reduce" in str(c.collective_table())
+    assert "chapter 15's GPT" in str(c.summary())
 
 
 @pytest.mark.ranks

@@ -430,3 +430,72 @@ def test_a_measured_chapter_15_run_reports_where_its_step_went():
     assert all(v >= 0 for v in parts.values()) and parts["schedule"] > 0 and parts["sync"] > 0
     assert parts["ring waits"] <= parts["schedule"] and parts["pipeline waits"] == 0.0  # a ring, no pipeline
     assert parts["schedule"] + parts["sync"] <= row["measured_spread"][1] * 1.001  # parts of the slowest step at most
+
+
+# chapter 15's model timed in one process (calibration.calibrate: machine_device.time_gpt), whole and with its ring
+TIMED_GPT = {"gpt": [[1, 4, 6e-3], [2, 8, 1.4e-2]]}
+
+
+def test_without_timings_of_the_model_every_op_costs_what_the_linear_steps_op_costs(cal):
+    assert md.gpt_op_prices(cal) == (md.op_seconds(cal), md.op_seconds(cal))
+
+
+def test_the_models_and_the_rings_ops_price_their_timed_micro_batches_at_what_was_measured():
+    timed = MachineCalibration.from_json(json.dumps({**SYNTHETIC, **TIMED_GPT}))
+    model_op, ring_op = md.gpt_op_prices(timed)
+    assert model_op > md.op_seconds(timed) and 0 < ring_op < model_op  # these timings: the ring's ops cost less
+    for cp, mb, seconds in timed.gpt:
+        row = md.gpt_timed_row(cp, mb)
+        ops = md.total_ops(md.gpt_ops(row), row["model"]["layers"])
+        assert md.work_alone(timed, row) + ops * md.gpt_op_seconds(row, timed) == pytest.approx(seconds, rel=1e-9)
+    # a run's kernel overhead is its counted ops at that price, times the cores' contention
+    row = _row("1x1x1x4 zero 0")
+    pred = md.predict_gpt(row, timed)
+    slow = md.contention(md.run_cluster(row, timed), row["world"])
+    ops = md.total_ops(md.gpt_ops(row), 4) * row["micro_batches"]
+    assert pred["terms"]["kernel overhead"] == pytest.approx(ops * md.gpt_op_seconds(row, timed) * slow, rel=1e-9)
+
+
+def test_the_ring_is_priced_exchange_by_exchange_each_with_the_cpu_of_its_two_message_ends(cal, shared):
+    row = _row("1x1x1x4 zero 0")
+    cp, layers, m = 4, 4, row["micro_batches"]
+    cluster = md.run_cluster(row, cal)
+    one = md.group_time("send_recv", 2 * 8 * 16 / cp * 32 * 8, 2, 1, cluster)  # the rank's K and V, float64
+    assert one == pytest.approx(cal.p2p_busy[0] + cal.p2p_busy[1] * 2 * 8 * 4 * 32 * 8)  # 4 ranks on 2 cores
+    ring = md.predict_gpt(row, cal)["terms"]["cp"]
+    # each layer's backward waits for its cp accumulator exchanges at once; the 2 (cp - 1) exchanges of K and V
+    # are posted before the blocks they overlap, and hide behind them at most up to one exchange each
+    assert layers * m * (cp + 2) * one <= ring <= layers * m * (3 * cp - 2) * one
+    measured = md.predict_gpt(row, shared)["terms"]["kernel overhead"]
+    end = shared.message_main_s + shared.message_transport_s
+    slow = md.contention(cluster, row["world"])
+    assert measured - md.predict_gpt(row, cal)["terms"]["kernel overhead"] == pytest.approx(
+        layers * m * (3 * cp - 2) * 2 * end * slow, rel=1e-9)
+
+
+def test_a_pipeline_stage_pays_the_cpu_of_each_message_it_receives_and_sends(cal, shared):
+    row = _row("1x1x4x1 zero 0")
+    end = shared.message_main_s + shared.message_transport_s
+    slow = md.contention(md.run_cluster(row, cal), row["world"])
+    quiet, busy = (md.predict_gpt(row, c)["step_time"] for c in (cal, shared))
+    m = row["micro_batches"]
+    # the first and last stage receive (send) only on one side, the middle two on both, forward and backward
+    assert [b - a for a, b in zip(quiet.stage_busy, busy.stage_busy)] == pytest.approx(
+        [m * 2 * ends * end * slow for ends in (1, 2, 2, 1)], rel=1e-9)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_ring_makes_the_exchanges_the_planner_prices(cp, monkeypatch):
+    rings = []
+    loopback = md._loopback_ring
+    monkeypatch.setattr(md, "_loopback_ring", lambda n: rings.append(loopback(n)) or rings[-1])
+    with md._gpt_rank(32, 16, 32, 8, 4, 8, cp, "float64") as stage:
+        forward, backward = stage(0, 1)
+        forward()
+        backward()
+    assert rings[0].messages == {"forward": 4 * (cp - 1), "backward": 4 * (2 * cp - 1)}  # 4 layers
+
+
+def test_timing_the_model_in_this_process_gives_a_positive_time_per_micro_batch():
+    seconds = md.time_gpt(1, 4, bursts=2, passes=1, warm=1)
+    assert seconds > 0 and math.isfinite(seconds)
