@@ -684,9 +684,9 @@ def gpt_practice(row: dict, ops: OpCount, cal: MachineCalibration | None = None)
     schedule (no overlap), SDPA's fused attention kernel (``flash_attention``) except under CP, where the ring's
     blocks are unfused batched matmuls, no dropout, no recomputation, the counted ops (``step_time`` adds the
     per-micro-batch ones, embedding and head and loss alike, to the first stage), the ring exchange by exchange
-    (``ring_exchanges``, hidden behind the ops the ring adds to a layer as counted), and every end of a message (the ring's, the pipeline's) at the CPU the calibration measured
-    a message end to cost its rank in the pipeline executor's pattern (``message_main_s`` on its own thread +
-    ``message_transport_s`` on gloo's)."""
+    (``ring_exchanges``, hidden behind the ops the ring adds to a layer as counted), and every end of a message
+    (the ring's, the pipeline's) at the CPU the calibration measured a message end to cost its rank in the pipeline
+    executor's pattern (``message_main_s`` on its own thread + ``message_transport_s`` on gloo's)."""
     nbytes = DTYPE_BYTES[row["model"].get("dtype", "float64")]
     end = cal.message_main_s + cal.message_transport_s if cal is not None and cal.messaging_world else 0.0
     ring = (0, 0)
@@ -767,7 +767,8 @@ def predict_gpt(row: dict, cal: MachineCalibration, cluster: Cluster | None = No
     """Chapter 15: ``step_time`` of the run's model, layout and practice on this machine, plus the documented
     terms outside it (padding, the tied embedding's and the loss's all-reduces, the step outside its schedule)."""
     cluster = cluster or run_cluster(row, cal)
-    cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, kernel_overhead_s=gpt_op_seconds(row, cal)))
+    op_s = gpt_op_seconds(row, cal)  # the model's and the ring's ops at their own prices
+    cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, kernel_overhead_s=op_s))
     model, layout, ops = gpt_shape(row), gpt_layout(row), gpt_ops(row)
     practice = gpt_practice(row, ops, cal)
     world, lay = row["world"], row["layout"]

@@ -18,7 +18,8 @@ sets the pace and returns a ``StepTime`` whose ``terms`` add up to the step:
   nothing extra with FlashAttention, which recomputes inside its own backward), full recomputation a whole
   forward per layer, its TP collectives included;
 - **kernel overhead**: a kernel (an eager op) takes at least ``kernel_overhead_s``; on a GPU that only bounds a
-  layer's time from below, on a CPU rank it adds to it (``GPU.overhead_serial``);
+  layer's time from below, on a CPU rank it adds to it (``GPU.overhead_serial``), and so does the CPU of each
+  message end the rank runs itself (``Practice.message_end_cpu_s``: the CP ring's, a pipeline stage's);
 - **bubble** and **pp**: the pipeline's idle time, from simulating the very schedule tables chapter 13 executes
   (``workers/pipeline/schedules.py``; the zero-bubble ones, whose backward is split into an input gradient B and a
   weight gradient W that fills the gaps, from ``zero_bubble.py``, with W ``Practice.w_share`` of each backward)
@@ -26,9 +27,10 @@ sets the pace and returns a ``StepTime`` whose ``terms`` add up to the step:
   layers not dividing evenly go to the middle stages, as Llama 3 did), and the time its point-to-point messages
   add on the critical path;
 - **tp**, **cp**, **dp**: communication left exposed. TP collectives wait inside every layer (no overlap); the CP
-  exchange hides behind the attention it feeds, chapter 14's rule; data-parallel and ZeRO traffic hides behind
-  backward (gradients) and forward (weights) up to what those windows hold, a bucket at a time (chapters 02 and
-  11): what is left is ``max(last bucket, traffic - window)``;
+  exchange hides behind the attention it feeds, chapter 14's rule (on a CPU device, ``Practice.ring_exchanges``:
+  exchange by exchange as chapter 14's ring makes them, each a one-way message); data-parallel and ZeRO traffic
+  hides behind backward (gradients) and forward (weights) up to what those windows hold, a bucket at a time
+  (chapters 02 and 11): what is left is ``max(last bucket, traffic - window)``;
 - **optimizer**: AdamW's update, memory-bound over the parameters a GPU holds.
 
 Collectives use the alpha-beta model over the tier each group spans (groups laid out [TP, CP, PP, DP] from the
@@ -511,6 +513,7 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
     # CP: K and V of the whole sequence gathered forward, their gradients reduce-scattered backward; the exchange
     # hides behind the attention it feeds, one ring step's transfer always exposed (chapter 14)
     cp_f = cp_b = cp_hidden = 0.0
+    exchanges = (0, 0)  # the ring's exchanges per layer (forward, backward), when they are priced one by one
     if cp > 1 and practice.cp_attention == "ulysses":
         # each rank's [s/cp] rows of q, k, v sent as heads/cp heads of every row, out back (chapter 14's counts):
         # KV heads fewer than cp travel as cp copies; nothing overlaps an all-to-all that attention waits for
@@ -529,6 +532,7 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
         cp_f = exposed((cp - 1) * one, at_f + ring_f, one)
         cp_b = exposed((cp - 1) * one, at_b + ring_b, one) + cp * one
         cp_hidden = (3 * cp - 2) * one - cp_f - cp_b
+        exchanges = (cp - 1, 2 * cp - 1)
     elif cp > 1:
         kv = 2.0 * b * layout.seq * model.held_by_tp(tp).kv_dim / tp * practice.activation_bytes
         gather = group_time("all_gather", kv, cp, tp, cluster)
@@ -556,9 +560,9 @@ def _layer_piece(model: ModelShape, layout: Layout, cluster: Cluster, practice: 
     _, forward["kernel overhead"] = with_overhead(work_f, ops_f)
     backward = {"matmul": mm_b, "attention": at_b, "memory-bound": mem_b, "tp": tp_b, "cp": cp_b, "ep": ep_b}
     _, backward["kernel overhead"] = with_overhead(mm_b + at_b + mem_b, ops_b)
-    if cp > 1:  # the exchanges' ends, a send and a receive each
-        forward["kernel overhead"] += 2 * (cp - 1) * practice.message_end_cpu_s * contention
-        backward["kernel overhead"] += 2 * (2 * cp - 1) * practice.message_end_cpu_s * contention
+    # the exchanges' message ends, a send and a receive each
+    forward["kernel overhead"] += 2 * exchanges[0] * practice.message_end_cpu_s * contention
+    backward["kernel overhead"] += 2 * exchanges[1] * practice.message_end_cpu_s * contention
     recompute = 0.0
     if layout.recompute == "full":
         recompute = work_f + forward["kernel overhead"] + tp_one

@@ -510,16 +510,29 @@ display(machine_device.comparison_table(compared))
 display(machine_device.parts_table(compared))
 
 # %% [markdown]
-# On the 2-core virtual machine this chapter was written on, the context-parallel layout 1x1x1x4 shows two errors of
-# opposite sign. Its ranks were blocked on the ring's transfers for 27-49 ms a step in the runs measured there,
-# where the `cp` term prices 20: four ranks share two cores, and a transfer waits for its peer to be given one. And
-# the op count prices the ring's many small ops (the views, slices and copies of its exchanges and merges: 4,529 ops
-# for one micro-batch at cp = 4, against 505 without the ring) at what an op of the calibration's `nn.Linear` step
-# costs, 4.7 microseconds: 21 ms for a micro-batch whose whole forward and backward take 16 ms in one process. The
-# two errors partly cancel, so the step lands nearer the measurement than either part. A better model prices an op
-# by its kind (a view costs a fraction of a matmul's dispatch) and the ring's waits on shared cores together:
-# correcting either alone moves the step further off. (CPU timings: on another machine the parts move, and the two
-# errors need not cancel.)
+# The parts once showed a step that came out near its measurement for the wrong reasons. On the 2-core virtual
+# machine this chapter was written on, the context-parallel layout 1x1x1x4 carried two errors of opposite sign: its
+# ranks were blocked on the ring's transfers for 27-49 ms a step where a ring priced as one all-gather hidden behind
+# attention came to 20 (four ranks share two cores, and a transfer waits for its peer to be given one), while its
+# 4,529 counted ops per micro-batch (505 without the ring: the ring's blocks, merges and buffers are many small ops)
+# were priced at an `nn.Linear` step's op, 21 ms for a forward and backward that take 16 ms in one process. Each
+# error, corrected alone, moved the step further off. So the planner now prices what the ranks do:
+#
+# - the calibration times one micro-batch of this very model in one process, whole and with a ring of two
+#   (`machine.summary()` lists both), and prices the model's ops and the ring's each at what they cost there, after
+#   the matmuls, attention and memory-bound work it prices anyway (`machine_device.gpt_op_prices`);
+# - the ring is priced exchange by exchange, as chapter 14's ring makes them: per layer cp - 1 exchanges of K and V
+#   forward and as many backward, posted before the blocks they overlap (hidden behind those blocks' math and their
+#   ops' dispatch, one exchange always exposed), and cp exchanges of the dK/dV accumulator that backward waits for
+#   at once, each the one-way message the calibration measured between two ranks while the others compute;
+# - every message end, the ring's and a pipeline stage's, costs its rank the CPU the calibration measured a message
+#   end to cost in the pipeline executor's pattern, as chapter 13's replay on the cores already charged it.
+#
+# With those, on that machine all four 4-rank layouts came within 25% of the median of five launches (0.91-0.98),
+# the schedule part within 8%, and the ring's waits were priced at three quarters of what the ranks measured. A
+# pipeline's waits still read below the bubble priced for them: the table's waits are the median rank's, the bubble
+# is the busiest rank's, and a stage that finishes first waits out the others after its schedule. (CPU timings: on
+# another machine the parts move.)
 
 # %% [markdown]
 # ## Exercises
