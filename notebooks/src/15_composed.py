@@ -528,10 +528,11 @@ display(machine_device.parts_table(compared))
 # - every message end, the ring's and a pipeline stage's, costs its rank the CPU the calibration measured a message
 #   end to cost in the pipeline executor's pattern, as chapter 13's replay on the cores already charged it.
 #
-# With those, on that machine the four 4-rank layouts came within 25% of the median of five launches in one
-# benchmark (0.91-0.98, the schedule part within 8%), and at 0.74-0.78 in the execution stored above, where the host
-# ran up to 1.5 times slower around the context-parallel runs. The ring's waits are priced at a half to three
-# quarters of what its ranks measured: a transfer's wait for its peer's core grows with how busy the host is. A
+# With those, on that machine the four 4-rank layouts came within 25% of the median of five launches in two
+# benchmarks (0.85-0.98; the schedule part within 8% in one, 17% in the other), and at 0.74-0.78 in the execution
+# stored above, where the host ran up to 1.5 times slower around the context-parallel runs. The ring's waits are
+# priced at a half to three quarters of what its ranks measured: a transfer's wait for its peer's core grows with
+# how busy the host is. A
 # pipeline's waits read below the bubble priced for them: the table's waits are the median rank's, the bubble is
 # the busiest rank's, and a stage that finishes first waits out the others after its schedule. (CPU timings: on
 # another machine the parts move.)
