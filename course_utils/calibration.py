@@ -15,9 +15,9 @@ per rank, the ranks sharing the cores) and turns what the ranks measured into a 
 * the streaming bandwidth (bytes read + written per second by a large copy);
 * one micro-batch's forward and backward through chapter 15's own GPT in this process, one thread, whole and with
   its ring of 2 (a loopback ring: the ring's blocks and buffers without ranks; ``gpt``): the ops of the course's
-  model cost more than the ``nn.Linear`` step's (its modules, the ledger's regions and the trainer's loss are Python
-  the op counter does not see), those of the ring's blocks less (bare aten ops), and the planner prices each at
-  what it costs here (``machine_device.gpt_op_prices``);
+  model carry Python the op counter does not see (its modules, the ledger's regions, the trainer's loss), those of
+  the ring's blocks are bare aten ops, and the planner prices each kind at what it costs here
+  (``machine_device.gpt_op_prices``);
 * what a pipeline's messages and waits cost in CPU, every rank of a world of 4 in pairs passing small tensors as the
   pipeline executor does (``cold_start_s``: the extra CPU of work that resumes after a wait, against the same work
   back to back; ``message_main_s`` and ``message_transport_s``: a message end's CPU on the rank's own thread and on

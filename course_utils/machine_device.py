@@ -11,10 +11,10 @@ tiers (every rank is on this one machine, so every group is "inside the node"). 
   step costs per op the same counter sees in it (``op_seconds``: module call, autograd and ``backward()``
   included), except in chapter 15's model: the calibration times one micro-batch of it in one process, whole and
   with its ring of 2, and its ops are priced at what they cost there after the priced matmuls, attention and
-  memory-bound work (``gpt_op_prices``): a GPT layer's ops cost more than the Linear step's (its modules, TP
-  mappings and the ledger's regions are Python the dispatcher does not see), the ring's blocks' ops less (bare aten
-  ops, views and slices among them); one price for both priced chapter 15's ring 1.5 times its cost on the 2-core
-  EPYC VM this was written on, and its layers at three quarters. Chapter 13's Linear + tanh chunks keep the
+  memory-bound work (``gpt_op_prices``): a GPT layer's ops carry Python the dispatcher does not see (its modules,
+  TP mappings and the ledger's regions), the ring's blocks' ops are bare aten ops, views and slices among them. On
+  the 2-core EPYC VM this was written on, quiet calibrations priced a model op at 4.7-4.9 us (the Linear step's
+  4.7-4.8) and a ring op at 3.3-4.2 us. Chapter 13's Linear + tanh chunks keep the
   Linear step's price, about 40% above what they cost alone (bare aten ops): its trainer's step around them is
   measured instead (``trainer_step_s``);
 * the calibration's ``p2p`` fits are also given under ``send_recv``, the name ``step_time`` prices a pipeline's
@@ -622,7 +622,7 @@ def gpt_op_prices(cal: MachineCalibration) -> tuple[float, float]:
     the model in one process (``cal.gpt``): the whole model's micro-batch at cp = 1 less its priced work, over its
     counted ops; then the ring's micro-batch at cp = 2 less its priced work and the model's ops at that price, over
     the ops the ring adds. The course's model spends Python the op counter does not see (its modules, the ledger's
-    regions, the loss), the ring's blocks are bare aten ops: one price for both cannot hold. Without those timings
+    regions, the loss), the ring's blocks are bare aten ops: each is priced at what it costs. Without those timings
     (or with a timing its priced work exceeds) both are ``op_seconds(cal)``, the ``nn.Linear`` step's."""
     fallback = op_seconds(cal)
     timed = sorted(cal.gpt)
