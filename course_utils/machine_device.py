@@ -394,7 +394,8 @@ def time_gpt(cp: int, micro_batch: int, bursts: int = 12, passes: int = 4, warm:
     of six on the 2-core EPYC VM this was written on)."""
     import time
 
-    with _gpt_rank(32, 16, 32, 8, 4, micro_batch, cp, "float64") as stage:
+    m = gpt_timed_row(cp, micro_batch)["model"]
+    with _gpt_rank(m["vocab"], m["seq"], m["hidden"], m["heads"], m["layers"], micro_batch, cp, m["dtype"]) as stage:
         forward, backward = stage(0, 1)
         times = []
         for _ in range(warm + bursts):
@@ -638,9 +639,9 @@ def gpt_op_prices(cal: MachineCalibration) -> tuple[float, float]:
     if not ring:
         return model_op, model_op
     cp, mb, t = ring[0]
-    row, plain = gpt_timed_row(cp, mb), gpt_timed_row(1, mb)
+    row = gpt_timed_row(cp, mb)
     layers = row["model"]["layers"]
-    model_ops, all_ops = total_ops(gpt_ops(plain), layers), total_ops(gpt_ops(row), layers)
+    model_ops, all_ops = total_ops(plain_ops(row), layers), total_ops(gpt_ops(row), layers)
     ring_op = (t - work_alone(cal, row) - model_ops * model_op) / max(all_ops - model_ops, 1)
     return model_op, ring_op if ring_op > 0 else model_op
 
@@ -650,8 +651,7 @@ def gpt_op_seconds(row: dict, cal: MachineCalibration) -> float:
     the ring adds under cp > 1 at the ring's, averaged over its ops (``step_time`` has one price per device)."""
     model_op, ring_op = gpt_op_prices(cal)
     layers = row["model"]["layers"]
-    plain = {**row, "layout": {**row["layout"], "cp": 1}}
-    every, model_ops = total_ops(gpt_ops(row), layers), total_ops(gpt_ops(plain), layers)
+    every, model_ops = total_ops(gpt_ops(row), layers), total_ops(plain_ops(row), layers)
     return (model_ops * model_op + max(every - model_ops, 0) * ring_op) / every
 
 
@@ -678,6 +678,12 @@ def gpt_ops(row: dict) -> OpCount:
                          lay["cp"], m.get("dtype", "float64"))
 
 
+def plain_ops(row: dict) -> OpCount:
+    """``gpt_ops`` of ``row``'s model without the ring (cp = 1): what the ops of a run under CP less these are the
+    ring's."""
+    return gpt_ops({**row, "layout": {**row["layout"], "cp": 1}})
+
+
 def gpt_practice(row: dict, ops: OpCount, cal: MachineCalibration | None = None) -> Practice:
     """How the course's composed trainer runs a step, in the planner's words: float64 matmuls (the calibration's
     float64 rows), 8-byte activations and gradients, the gradient reduction and ZeRO-1's all-gather after the
@@ -691,8 +697,7 @@ def gpt_practice(row: dict, ops: OpCount, cal: MachineCalibration | None = None)
     end = cal.message_main_s + cal.message_transport_s if cal is not None and cal.messaging_world else 0.0
     ring = (0, 0)
     if row["layout"]["cp"] > 1:  # the ops the ring adds to a layer: its blocks, merges and buffers
-        plain = gpt_ops({**row, "layout": {**row["layout"], "cp": 1}})
-        ring = tuple(max(0, a - b) for a, b in zip(ops.per_layer, plain.per_layer))
+        ring = tuple(max(0, a - b) for a, b in zip(ops.per_layer, plain_ops(row).per_layer))
     return Practice(flash_attention=row["layout"]["cp"] == 1,  # SDPA's fused kernel; the ring's blocks are unfused
                     dtype=row["model"].get("dtype", "float64"), grad_overlap=False, param_gather_overlap=False,
                     ops_per_layer=ops.per_layer, activation_bytes=float(nbytes), grad_bytes=float(nbytes),
